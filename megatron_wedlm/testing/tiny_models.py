@@ -1,0 +1,95 @@
+"""Tiny tokenizers and random HF causal LMs for tests, built locally (nothing downloaded).
+
+This is the project's one way to build small test models. The tokenizer is a byte-level BPE so
+that *any* text (code, maths, few-shot prompts) encodes and decodes back exactly, which the
+decoding and evaluation tests rely on; its vocabulary is learnt from a few fixed strings so the
+build is deterministic and takes milliseconds. Models are real transformers classes (Qwen2,
+Qwen3) with random weights from a fixed seed and ``config.mask_token_id`` set, i.e. shaped like
+an exported WeDLM checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+MASK_TOKEN = "<|mask|>"
+SPECIAL_TOKENS = (EOS_TOKEN, PAD_TOKEN, MASK_TOKEN)
+
+# Text the BPE merges are learnt from: digits/counting, letters, arithmetic, a little Python and
+# English, so common test strings become multi-byte tokens rather than all single bytes.
+_BASE_TEXTS = (
+    " ".join(str(i) for i in range(0, 220)),
+    "Count from 3 to 12: 3 4 5 6 7 8 9 10 11 12",
+    "Repeat: a b c d e f g h i j k l m n o p q r s t u v w x y z",
+    "12 + 35 = 47. 7 x 8 = 56. Question: Answer: The answer is 42. #### 42",
+    "def add(a, b):\n    return a + b\n\nassert add(1, 2) == 3\n",
+    "for i in range(10):\n    if i % 2 == 0:\n        print(i)\n",
+    "The quick brown fox jumps over the lazy dog. A. B. C. D.",
+    "\\boxed{\\frac{1}{2}} Problem: Solution:",
+)
+
+
+def build_tiny_tokenizer(
+    extra_texts: Iterable[str] = (), vocab_size: int = 400
+) -> PreTrainedTokenizerFast:
+    """A deterministic byte-level BPE tokenizer with EOS, PAD and MASK special tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(_BASE_TEXTS) + list(extra_texts), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        mask_token=MASK_TOKEN,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def build_tiny_model(
+    tokenizer: PreTrainedTokenizerFast,
+    arch: str = "qwen2",
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    max_position_embeddings: int = 1024,
+    seed: int = 0,
+) -> PreTrainedModel:
+    """A random causal LM of the given family sized for CPU tests, in eval mode, float32."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    families = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+    if arch not in families:
+        raise ValueError(f"unknown tiny-model arch {arch!r}; choose one of {sorted(families)}")
+    config_cls, model_cls = families[arch]
+    config = config_cls(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    config.mask_token_id = tokenizer.mask_token_id
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    return model.eval()
