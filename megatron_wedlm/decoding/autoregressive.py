@@ -1,0 +1,132 @@
+"""Autoregressive decoding of the same model: the baseline a user would pick, HF ``generate`` with KV cache.
+
+Results use the same :class:`GenerationResult` and metric definitions as the parallel decoders:
+one token per forward (the prefill forward yields the first token), so ``num_forwards ==
+num_slots == N_gen`` and ``p_cache == 1``. The mask token, when the model has one, is suppressed
+so it is never emitted (as in the parallel decoders).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from transformers import GenerationConfig
+
+from .checks import as_prompt_batch, as_token_list, check_fits, check_full_attention, generation_budget
+from .result import MAX_NEW_TOKENS, MAX_POSITIONS, STOP_STRING, STOP_TOKEN, GenerationResult, decode_text, find_stop_string
+from .sampling import validate_sampling
+
+AUTOREGRESSIVE = "ar"
+
+
+def ar_generate(
+    model,
+    prompt_ids,
+    *,
+    mask_token_id: int | None = None,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop_token_ids: Sequence[int] | None = None,
+    stop_strings: Sequence[str] | None = None,
+    tokenizer=None,
+    generator: torch.Generator | None = None,
+) -> GenerationResult:
+    """Decode one prompt token by token with ``model.generate``. Arguments as ``streaming_generate``;
+    ``mask_token_id`` (default ``config.mask_token_id``, may be absent) is only suppressed here."""
+    return ar_generate_batch(model, [as_token_list(prompt_ids)], **{k: v for k, v in locals().items() if k not in ("model", "prompt_ids")})[0]
+
+
+@torch.inference_mode()
+def ar_generate_batch(
+    model,
+    prompts,
+    *,
+    mask_token_id: int | None = None,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop_token_ids: Sequence[int] | None = None,
+    stop_strings: Sequence[str] | None = None,
+    tokenizer=None,
+    generator: torch.Generator | None = None,
+) -> list[GenerationResult]:
+    """Several prompts in one left-padded ``generate`` call; per-row metrics count that row's tokens."""
+    validate_sampling(temperature, top_k, top_p)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if stop_strings and tokenizer is None:
+        raise ValueError("stop_strings need a tokenizer (pass tokenizer=...)")
+    check_full_attention(model)
+    prompts = as_prompt_batch(prompts)
+    for prompt in prompts:
+        check_fits(model, len(prompt), 1)
+    budget = min(generation_budget(model, len(p), max_new_tokens) for p in prompts)
+    if mask_token_id is None:
+        mask_token_id = getattr(model.config, "mask_token_id", None)
+    stops = [int(t) for t in (stop_token_ids or ())]
+    pad_id = stops[0] if stops else 0
+
+    device = model.device
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, prompt in enumerate(prompts):  # left padding: every row's last prompt token is aligned
+        input_ids[i, width - len(prompt) :] = torch.tensor(prompt, device=device)
+        attention_mask[i, width - len(prompt) :] = 1
+
+    sampling = temperature > 0
+    config = GenerationConfig(
+        max_new_tokens=budget,
+        do_sample=sampling,
+        temperature=temperature if sampling else None,
+        top_k=top_k if sampling and top_k > 0 else None,
+        top_p=top_p if sampling and top_p < 1.0 else None,
+        eos_token_id=stops or None,
+        pad_token_id=pad_id,
+        suppress_tokens=[int(mask_token_id)] if mask_token_id is not None else None,
+        stop_strings=list(stop_strings) if stop_strings else None,
+        use_cache=True,
+    )
+    start = time.perf_counter()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        if generator is not None:  # HF samples from the global RNG: seed it from the caller's generator
+            torch.manual_seed(int(torch.randint(2**62, (1,), generator=generator, device=generator.device)))
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config, tokenizer=tokenizer)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+
+    results = []
+    for row in out[:, width:].tolist():
+        tokens, reason = _cut_at_stop_token(row, stops)
+        found = find_stop_string(tokenizer, tokens, stop_strings) if stop_strings else None
+        if found is not None:
+            tokens, reason = tokens[: found[0]], STOP_STRING
+        elif reason is None:
+            reason = MAX_NEW_TOKENS if budget == max_new_tokens else MAX_POSITIONS
+        results.append(
+            GenerationResult(
+                token_ids=tokens,
+                num_forwards=len(tokens),  # generate stops a row right after its last kept token
+                num_slots=len(tokens),
+                seconds=seconds,
+                method=AUTOREGRESSIVE,
+                stop_reason=reason,
+                text=decode_text(tokenizer, tokens, found[1] if found else None) if tokenizer is not None else None,
+                stop_string=found[1] if found else None,
+            )
+        )
+    return results
+
+
+def _cut_at_stop_token(tokens: list[int], stops: list[int]) -> tuple[list[int], str | None]:
+    """Tokens up to and including the first stop token (HF pads a finished row after it)."""
+    for i, token in enumerate(tokens):
+        if token in stops:
+            return tokens[: i + 1], STOP_TOKEN
+    return tokens, None

@@ -1,0 +1,82 @@
+"""Input normalisation and the checks every decoding method runs before touching the model."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def as_token_list(prompt_ids) -> list[int]:
+    """Accept ``list[int]``, a 1-D tensor or a ``[1, n]`` tensor; return a non-empty ``list[int]``."""
+    if isinstance(prompt_ids, torch.Tensor):
+        if prompt_ids.dim() == 2 and prompt_ids.shape[0] == 1:
+            prompt_ids = prompt_ids[0]
+        if prompt_ids.dim() != 1:
+            raise ValueError(
+                f"prompt_ids must be 1-D (or [1, n]); got shape {tuple(prompt_ids.shape)}. "
+                "Use generate_batch for several prompts."
+            )
+        prompt_ids = prompt_ids.tolist()
+    tokens = [int(t) for t in prompt_ids]
+    if not tokens:
+        raise ValueError("prompt_ids is empty: give at least one token (e.g. the BOS token)")
+    return tokens
+
+
+def as_prompt_batch(prompts: Sequence) -> list[list[int]]:
+    """A batch of prompts (list of token lists / 1-D tensors, or a 2-D tensor) as ``list[list[int]]``."""
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() != 2:
+            raise ValueError(f"a prompt batch tensor must be 2-D, got shape {tuple(prompts.shape)}")
+        prompts = list(prompts)
+    batch = [as_token_list(p) for p in prompts]
+    if not batch:
+        raise ValueError("the prompt batch is empty")
+    return batch
+
+
+def resolve_mask_token_id(model, mask_token_id: int | None = None) -> int:
+    """The mask token: the explicit argument, else ``model.config.mask_token_id``; error if neither."""
+    if mask_token_id is None:
+        mask_token_id = getattr(model.config, "mask_token_id", None)
+    if mask_token_id is None:
+        raise ValueError(
+            "this model has no mask token: its config has no `mask_token_id`. A WeDLM checkpoint stores the id "
+            "of the token it was trained to fill in `config.mask_token_id`; set it there or pass mask_token_id=..."
+        )
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if not 0 <= int(mask_token_id) < vocab:
+        raise ValueError(f"mask_token_id={mask_token_id} is outside the model vocabulary (size {vocab})")
+    return int(mask_token_id)
+
+
+def max_positions(model) -> int | None:
+    """``max_position_embeddings`` of the model, or None if the config has none."""
+    return getattr(model.config, "max_position_embeddings", None)
+
+
+def check_fits(model, prompt_length: int, window: int) -> None:
+    """Fail clearly when the prompt plus the first ``window`` generated positions exceed the model's range."""
+    limit = max_positions(model)
+    if limit is not None and prompt_length + window > limit:
+        raise ValueError(
+            f"prompt of {prompt_length} tokens + window of {window} positions exceeds the model's "
+            f"max_position_embeddings={limit}; shorten the prompt (or the window / max_new_tokens)"
+        )
+
+
+def generation_budget(model, prompt_length: int, max_new_tokens: int) -> int:
+    """How many tokens may be generated after this prompt: ``max_new_tokens``, capped by the position range."""
+    limit = max_positions(model)
+    return max_new_tokens if limit is None else min(max_new_tokens, limit - prompt_length)
+
+
+def check_full_attention(model) -> None:
+    """The decoders assume every layer attends to the full prefix; sliding-window layers would be masked wrong."""
+    layer_types = getattr(model.config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        raise ValueError(
+            f"model has non-full-attention layers {sorted(set(layer_types))}; WeDLM decoding supports "
+            "full causal attention only (disable use_sliding_window in the config)"
+        )

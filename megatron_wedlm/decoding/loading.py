@@ -1,0 +1,96 @@
+"""Load a WeDLM checkpoint as a plain HF causal LM, never with remote code.
+
+Two kinds of directories are accepted:
+
+* this project's exports: an ordinary ``qwen2`` / ``qwen3`` / ``llama`` HF directory whose
+  ``config.json`` also holds ``mask_token_id``; loaded with ``AutoModelForCausalLM``.
+* the official WeDLM checkpoints (``model_type: "wedlm"``). Their architecture is the AR model
+  they were initialised from, with the same weight names, so the config is mapped onto the
+  matching transformers class:
+
+  ============  ===============  =====================================================
+  ``qk_norm``   ``attention_bias``  transformers class
+  ============  ===============  =====================================================
+  true          false (default)  ``Qwen3ForCausalLM`` (WeDLM-8B, from Qwen3-8B)
+  false         true (default)   ``Qwen2ForCausalLM`` (WeDLM-7B, from Qwen2.5-7B)
+  false         false            ``LlamaForCausalLM`` (no biases, no q/k norm)
+  true          true             rejected: Qwen3 would add an output-projection bias the
+                                 checkpoint does not have
+  ============  ===============  =====================================================
+
+  (``attention_bias`` defaults to true when absent, as in the WeDLM config class.)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+_NOT_CONFIG_FIELDS = ("model_type", "architectures", "auto_map", "transformers_version")
+
+
+def wedlm_config_to_hf(raw: dict):
+    """Map an official ``model_type: "wedlm"`` config dict to ``(model_class, config)``; see module docstring."""
+    fields = {k: v for k, v in raw.items() if k not in _NOT_CONFIG_FIELDS}
+    qk_norm = bool(fields.pop("qk_norm", False))
+    bias = bool(fields.pop("attention_bias", True))
+    if qk_norm and bias:
+        raise ValueError(
+            "wedlm config with qk_norm=true and attention_bias=true has no matching transformers class "
+            "(Qwen3 would expect an o_proj bias); set attention_bias=false if the checkpoint has no q/k/v biases"
+        )
+    if qk_norm:
+        return Qwen3ForCausalLM, Qwen3Config(**fields, attention_bias=False)
+    if bias:
+        return Qwen2ForCausalLM, Qwen2Config(**fields)
+    return LlamaForCausalLM, LlamaConfig(**fields, attention_bias=False, mlp_bias=False)
+
+
+def load_wedlm_model(
+    path: str | Path,
+    *,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    attn_implementation: str = "sdpa",
+    require_mask_token: bool = True,
+):
+    """Load ``path`` in eval mode. Defaults: CUDA if available (bf16) else CPU (fp32), SDPA attention.
+
+    ``require_mask_token=False`` allows plain AR checkpoints (for the AR baseline only).
+    """
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{path} is not a HF model directory (no config.json)")
+    raw = json.loads(config_file.read_text())
+    if require_mask_token and raw.get("mask_token_id") is None:
+        raise ValueError(
+            f"{config_file} has no `mask_token_id`: this is not a WeDLM checkpoint, or its config lacks the id "
+            "of the mask token it was trained with. Add \"mask_token_id\": <id> to config.json."
+        )
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    kwargs = {"dtype": dtype, "attn_implementation": attn_implementation}
+    if raw.get("model_type") == "wedlm":
+        model_class, config = wedlm_config_to_hf(raw)
+        model = model_class.from_pretrained(path, config=config, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer saved next to the model (no remote code)."""
+    return AutoTokenizer.from_pretrained(str(path))

@@ -1,0 +1,119 @@
+"""A KV cache in which every batch row has its own committed length.
+
+Streaming parallel decoding appends a whole window to the cache in each forward but keeps only
+the leftmost filled run of it; how much that is differs per sequence. HF's ``DynamicCache``
+grows by concatenation and crops all rows alike, so it cannot hold rows of different lengths.
+
+This cache pre-allocates ``[rows, kv_heads, capacity, head_dim]`` buffers per layer and keeps a
+per-row ``lengths`` vector (the committed prefix of each row). A forward writes the new keys and
+values of row ``b`` at physical slots ``lengths[b] ..``; :meth:`commit` then advances
+``lengths`` by what was accepted. Nothing is ever cropped or copied: the uncommitted part of a
+window is simply overwritten by the next forward, which is exactly "crop to prefix + n" of
+Algorithm 1. For a single row this is the same as ``DynamicCache.crop``; with a fixed capacity
+the buffers never move, which is also what a GPU wants (no reallocation per step).
+
+Attention must only see a row's own committed prefix plus the causal part of its new input:
+key ``j`` is visible to new query ``i`` of row ``b`` iff ``j <= lengths[b] + i``
+(see :meth:`attention_mask`). Anything further right in the buffer (an older, longer window, or
+padding of a shorter row) is thereby hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class _RowLayer(CacheLayerMixin):
+    """One layer's buffers; the shared row lengths live on the owning :class:`RowKVCache`."""
+
+    is_sliding = False
+
+    def __init__(self, owner: "RowKVCache"):
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        rows, heads, _, _ = key_states.shape
+        shape_k = (rows, heads, self.owner.capacity, key_states.shape[-1])
+        shape_v = (rows, heads, self.owner.capacity, value_states.shape[-1])
+        self.keys = torch.zeros(shape_k, dtype=key_states.dtype, device=key_states.device)
+        self.values = torch.zeros(shape_v, dtype=value_states.dtype, device=value_states.device)
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        new = key_states.shape[-2]
+        end = self.owner.max_length + new
+        if end > self.owner.capacity:
+            raise RuntimeError(f"RowKVCache capacity {self.owner.capacity} exceeded (needs {end})")
+        slots = self.owner.lengths[:, None] + torch.arange(new, device=key_states.device)
+        index_k = slots[:, None, :, None].expand_as(key_states)
+        index_v = slots[:, None, :, None].expand_as(value_states)
+        self.keys.scatter_(2, index_k, key_states)
+        self.values.scatter_(2, index_v, value_states)
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.max_length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.max_length
+
+    def get_max_length(self) -> int:
+        return self.owner.capacity
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.keys = self.keys.index_select(0, rows)
+            self.values = self.values.index_select(0, rows)
+
+
+class RowKVCache(Cache):
+    """HF ``Cache`` with per-row committed lengths; see the module docstring.
+
+    ``capacity`` must cover the longest row's committed prefix plus the widest input fed in one
+    forward (the prompt plus a window in the first step).
+    """
+
+    def __init__(self, num_layers: int, num_rows: int, capacity: int, device: torch.device | str):
+        self.capacity = capacity
+        self.lengths = torch.zeros(num_rows, dtype=torch.long, device=device)
+        self.max_length = 0  # host copy of lengths.max(), to slice buffers without a device sync
+        super().__init__(layers=[_RowLayer(self) for _ in range(num_layers)])
+
+    def commit(self, lengths: torch.Tensor, max_length: int) -> None:
+        """Set each row's committed length (``max_length`` = its maximum, passed to avoid a device sync).
+
+        Everything a row wrote past its new length becomes invisible and is overwritten later.
+        """
+        self.lengths = lengths.clone()
+        self.max_length = max_length
+
+    def keep_rows(self, rows: torch.Tensor, max_length: int) -> None:
+        """Drop every row not listed in ``rows`` (finished sequences leave the batch)."""
+        self.lengths = self.lengths.index_select(0, rows)
+        self.max_length = max_length
+        for layer in self.layers:
+            layer.keep_rows(rows)
+
+    def attention_mask(self, query_length: int, dtype: torch.dtype) -> torch.Tensor:
+        """Additive 4-D mask ``[rows, 1, query_length, max_length + query_length]`` for the next forward.
+
+        Query ``i`` of row ``b`` sits at physical slot ``lengths[b] + i``; it sees every key at or
+        before that slot. A float mask (0 / dtype-min) works with both eager and SDPA attention.
+        """
+        device = self.lengths.device
+        keys = torch.arange(self.max_length + query_length, device=device)
+        queries = self.lengths[:, None] + torch.arange(query_length, device=device)
+        visible = keys[None, None, :] <= queries[:, :, None]
+        mask = torch.zeros(visible.shape, dtype=dtype, device=device)
+        mask.masked_fill_(~visible, torch.finfo(dtype).min)
+        return mask[:, None]
+
+    def committed_kv(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer ``(keys, values)`` of ``row``'s committed prefix, ``[kv_heads, length, head_dim]``."""
+        n = int(self.lengths[row])
+        return [(layer.keys[row, :, :n], layer.values[row, :, :n]) for layer in self.layers]
