@@ -1,0 +1,54 @@
+"""Dual-stream WeDLM training data and the WeDLM attention-mask rule (SPEC section 2).
+
+* :mod:`.dual_stream`    -- ``build_dual_stream_batch`` -> :class:`DualStreamBatch` (one packed
+  row), ``stack_dual_stream_batches`` (collate to ``[B, S]``), ``pad_dual_stream_batch``.
+* :mod:`.attention_rule` -- the rule :func:`may_attend`, written once, and its forms:
+  dense bool mask, FlexAttention ``mask_mod`` / ``BlockMask`` (no ``S x S`` memory),
+  :class:`AttentionMetadata` (what attention modules and pipeline stages carry).
+* :mod:`.packing`        -- ``pack_documents_into_rows``: split long documents into
+  block-aligned chunks and pack rows under a length cap.
+* :mod:`.seeding`        -- ``rank_generator(seed, dp_rank, step)``: per-rank mask streams.
+
+Mask convention everywhere: True = may attend. Megatron-Core's ``attention_mask`` is the
+opposite (True = masked out); invert before handing it over.
+"""
+
+from .attention_rule import (
+    AttentionMetadata,
+    TileClasses,
+    build_block_mask,
+    classify_tiles,
+    count_allowed_pairs,
+    dense_attention_mask,
+    flex_mask_mod,
+    may_attend,
+)
+from .dual_stream import (
+    IGNORE_INDEX,
+    DualStreamBatch,
+    build_dual_stream_batch,
+    pad_dual_stream_batch,
+    stack_dual_stream_batches,
+)
+from .packing import PackedRow, pack_documents_into_rows
+from .seeding import rank_generator, rank_seed
+
+__all__ = [
+    "AttentionMetadata",
+    "DualStreamBatch",
+    "IGNORE_INDEX",
+    "PackedRow",
+    "TileClasses",
+    "build_block_mask",
+    "build_dual_stream_batch",
+    "classify_tiles",
+    "count_allowed_pairs",
+    "dense_attention_mask",
+    "flex_mask_mod",
+    "may_attend",
+    "pack_documents_into_rows",
+    "pad_dual_stream_batch",
+    "rank_generator",
+    "rank_seed",
+    "stack_dual_stream_batches",
+]

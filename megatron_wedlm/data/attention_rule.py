@@ -1,0 +1,341 @@
+"""The WeDLM attention rule, written once, and the forms every backend derives from it.
+
+Why one rule: the CPU training path (dense bool mask), the GPU kernel (FlexAttention
+``mask_mod`` + ``BlockMask``) and the tests must agree bit for bit. They all call
+:func:`may_attend`, an elementwise function of per-slot metadata, so there is a single
+place where the method's table (SPEC section 2) lives.
+
+Per-slot metadata (:class:`AttentionMetadata`, tensors of shape ``[S]`` or ``[B, S]``):
+
+* ``doc_ids``   -- document of the slot inside the packed row, ``-1`` for padding;
+* ``is_memory`` -- True for the clean memory stream ``xo``, False for the prediction stream ``xt``;
+* ``block_ids`` -- logical position // block size.
+
+The physical slot index is implicit (``arange(S)``); it is the order the causal kernel sees.
+
+The rule, for a query q and key k of the same (non-padding) document:
+
+=============  ============  ==============================================
+query          key           allowed when
+=============  ============  ==============================================
+memory         memory        k at or before q (physically; same as by position)
+prediction b   memory        block(k) < b  (i.e. key position < b * block_size)
+prediction b   prediction b  k at or before q in the physical (reordered) order
+prediction     other block   never
+memory         prediction    never
+=============  ============  ==============================================
+
+Padding slots attend nothing and nobody attends them. Softmax kernels turn an all-False
+row into NaN, so every form takes ``padding_attends_self``: when True each padding slot
+attends exactly itself (its output is garbage but finite and carries no loss), which is the
+"kernel-safe" form to feed SDPA / eager softmax. Real slots are never affected by it, and
+no real row is ever empty (each real slot attends itself).
+
+Conventions: True = may attend (FlexAttention / SDPA bool convention). Megatron-Core's
+``attention_mask`` uses the opposite (True = masked out): pass ``~mask`` there.
+
+Forms provided:
+
+* :func:`dense_attention_mask` -- bool ``[S, S]`` / ``[B, S, S]``; reference and CPU path.
+* :func:`flex_mask_mod` -- FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` over ``[B, S]`` metadata.
+* :func:`build_block_mask` -- FlexAttention ``BlockMask`` built from per-tile summaries of the
+  metadata; never materialises an ``S x S`` tensor (only a tile grid of ``(S/T)^2``).
+* :func:`classify_tiles` -- the empty/partial/full tile classification behind the BlockMask.
+* :func:`count_allowed_pairs` -- exact number of allowed (q, k) pairs without ``S x S`` memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "AttentionMetadata",
+    "TileClasses",
+    "may_attend",
+    "dense_attention_mask",
+    "flex_mask_mod",
+    "classify_tiles",
+    "build_block_mask",
+    "count_allowed_pairs",
+]
+
+
+def may_attend(
+    q_doc: Tensor,
+    q_is_memory: Tensor,
+    q_block: Tensor,
+    q_idx: Tensor,
+    k_doc: Tensor,
+    k_is_memory: Tensor,
+    k_block: Tensor,
+    k_idx: Tensor,
+    padding_attends_self: bool = False,
+) -> Tensor:
+    """The WeDLM rule: may query slot q attend key slot k?  Elementwise, broadcasting.
+
+    Only elementwise tensor ops are used (no Python branching on values), so the same
+    function runs on broadcast index grids (dense mask), on the scalar tensors that
+    FlexAttention's ``vmap`` passes to a ``mask_mod``, and inside compiled kernels.
+    """
+    causal = k_idx <= q_idx
+    memory_to_memory = q_is_memory & k_is_memory & causal
+    prediction_to_memory = ~q_is_memory & k_is_memory & (k_block < q_block)
+    prediction_to_prediction = ~q_is_memory & ~k_is_memory & (k_block == q_block) & causal
+    same_document = (q_doc == k_doc) & (q_doc >= 0)
+    allowed = same_document & (memory_to_memory | prediction_to_memory | prediction_to_prediction)
+    if padding_attends_self:
+        allowed = allowed | ((q_doc < 0) & (q_idx == k_idx))
+    return allowed
+
+
+@dataclass
+class AttentionMetadata:
+    """What an attention module needs to apply the WeDLM mask for one or more rows.
+
+    Tensors are ``[S]`` or ``[B, S]`` (all the same shape). It is a plain container of
+    tensors so it can be moved with :meth:`to` and passed between pipeline stages as a dict
+    (:meth:`as_dict` / :meth:`from_dict`), which is cheaper than shipping an ``S x S`` mask.
+    """
+
+    doc_ids: Tensor
+    is_memory: Tensor
+    block_ids: Tensor
+
+    def __post_init__(self) -> None:
+        shapes = {f.name: tuple(getattr(self, f.name).shape) for f in fields(self)}
+        if len(set(shapes.values())) != 1:
+            raise ValueError(f"AttentionMetadata tensors must share one shape, got {shapes}")
+        if self.doc_ids.dim() not in (1, 2):
+            raise ValueError(f"AttentionMetadata tensors must be [S] or [B, S], got {shapes['doc_ids']}")
+        if self.is_memory.dtype != torch.bool:
+            raise ValueError(f"is_memory must be a bool tensor, got {self.is_memory.dtype}")
+
+    @property
+    def seq_len(self) -> int:
+        return self.doc_ids.shape[-1]
+
+    def batched(self) -> "AttentionMetadata":
+        """The same metadata with a leading batch dimension (``[1, S]`` if it was ``[S]``)."""
+        if self.doc_ids.dim() == 2:
+            return self
+        return AttentionMetadata(*(getattr(self, f.name).unsqueeze(0) for f in fields(self)))
+
+    def to(self, device: torch.device | str) -> "AttentionMetadata":
+        return AttentionMetadata(*(getattr(self, f.name).to(device) for f in fields(self)))
+
+    def as_dict(self) -> dict[str, Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, tensors: dict[str, Tensor]) -> "AttentionMetadata":
+        return cls(**{f.name: tensors[f.name] for f in fields(cls)})
+
+
+def dense_attention_mask(metadata: AttentionMetadata, padding_attends_self: bool = False) -> Tensor:
+    """Bool mask ``[S, S]`` (or ``[B, S, S]``), True = query (row) may attend key (column).
+
+    Memory is O(S^2): fine for CPU training and tests, not for 32k-token rows (use
+    :func:`build_block_mask` there).
+    """
+    idx = torch.arange(metadata.seq_len, device=metadata.doc_ids.device)
+    q = lambda t: t.unsqueeze(-1)  # noqa: E731  -- query along rows
+    k = lambda t: t.unsqueeze(-2)  # noqa: E731  -- key along columns
+    return may_attend(
+        q(metadata.doc_ids), q(metadata.is_memory), q(metadata.block_ids), q(idx),
+        k(metadata.doc_ids), k(metadata.is_memory), k(metadata.block_ids), k(idx),
+        padding_attends_self=padding_attends_self,
+    )
+
+
+def flex_mask_mod(
+    metadata: AttentionMetadata, padding_attends_self: bool = False
+) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+    """A FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` closing over ``[B, S]`` metadata.
+
+    The metadata tensors must live on the device the attention runs on.
+    """
+    meta = metadata.batched()
+    doc, mem, blk = meta.doc_ids, meta.is_memory, meta.block_ids
+
+    def wedlm_mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return may_attend(
+            doc[b, q_idx], mem[b, q_idx], blk[b, q_idx], q_idx,
+            doc[b, kv_idx], mem[b, kv_idx], blk[b, kv_idx], kv_idx,
+            padding_attends_self=padding_attends_self,
+        )
+
+    return wedlm_mask_mod
+
+
+@dataclass
+class TileClasses:
+    """Tile classification of the mask: ``[B, n, n]`` bool grids over ``T x T`` tiles.
+
+    ``full``: every pair in the tile is allowed (kernel skips the mask_mod).
+    ``partial``: may contain allowed pairs; the kernel evaluates the mask_mod there.
+    Tiles in neither grid contain no allowed pair and are skipped.
+    """
+
+    full: Tensor
+    partial: Tensor
+    tile_size: int
+
+
+_BIG = torch.iinfo(torch.int64).max // 4
+
+
+def _tile_summaries(meta: AttentionMetadata, tile: int) -> dict[str, Tensor]:
+    """Per-tile min/max/any summaries of the metadata: all the classifier needs."""
+    b, s = meta.doc_ids.shape
+    shape = (b, s // tile, tile)
+    doc = meta.doc_ids.reshape(shape).long()
+    blk = meta.block_ids.reshape(shape).long()
+    real = doc >= 0
+    mem = meta.is_memory.reshape(shape) & real
+    pred = ~meta.is_memory.reshape(shape) & real
+    big = torch.full_like(doc, _BIG)
+
+    def lo(values: Tensor, where: Tensor) -> Tensor:
+        return torch.where(where, values, big).amin(-1)
+
+    def hi(values: Tensor, where: Tensor) -> Tensor:
+        return torch.where(where, values, -big).amax(-1)
+
+    return {
+        "has_real": real.any(-1),
+        "all_real": real.all(-1),
+        "doc_lo": lo(doc, real),
+        "doc_hi": hi(doc, real),
+        "has_mem": mem.any(-1),
+        "has_pred": pred.any(-1),
+        "mem_blk_lo": lo(blk, mem),
+        "mem_blk_hi": hi(blk, mem),
+        "pred_blk_lo": lo(blk, pred),
+        "pred_blk_hi": hi(blk, pred),
+    }
+
+
+def classify_tiles(
+    metadata: AttentionMetadata, tile_size: int = 128, padding_attends_self: bool = False
+) -> TileClasses:
+    """Classify ``tile_size x tile_size`` tiles of the mask from per-tile summaries.
+
+    Why summaries: at S = 65536 the dense mask is 4 GiB, while the tile grid is 512 x 512.
+    Each condition below is the rule's condition lifted to intervals: ``full`` is claimed only
+    when every pair provably satisfies the rule; ``partial`` whenever some pair might. The
+    result is exact for the common layouts (single-stream tiles inside one document) and
+    conservative (more partial tiles, never a wrong full/empty one) at document/stream edges.
+    """
+    meta = metadata.batched()
+    s = meta.seq_len
+    if tile_size < 1 or s % tile_size != 0:
+        raise ValueError(
+            f"sequence length {s} is not a multiple of tile_size {tile_size}; pad the row "
+            f"(pad_to_multiple_of={tile_size}) before building a BlockMask"
+        )
+    t = _tile_summaries(meta, tile_size)
+    q = {name: v.unsqueeze(-1) for name, v in t.items()}  # query tiles along rows
+    k = {name: v.unsqueeze(-2) for name, v in t.items()}  # key tiles along columns
+    n = s // tile_size
+    qi = torch.arange(n, device=meta.doc_ids.device).view(n, 1)
+    kj = torch.arange(n, device=meta.doc_ids.device).view(1, n)
+    key_tile_all_before = kj * tile_size + tile_size - 1 <= qi * tile_size
+    key_tile_some_before = kj <= qi
+
+    one_doc = (
+        q["all_real"] & k["all_real"]
+        & (q["doc_lo"] == q["doc_hi"]) & (k["doc_lo"] == k["doc_hi"]) & (q["doc_lo"] == k["doc_lo"])
+    )
+    memory_queries_full = ~q["has_mem"] | (~k["has_pred"] & key_tile_all_before)
+    pred_queries_see_all_memory = ~k["has_mem"] | (k["mem_blk_hi"] < q["pred_blk_lo"])
+    pred_queries_see_all_pred = ~k["has_pred"] | (
+        (q["pred_blk_lo"] == q["pred_blk_hi"])
+        & (k["pred_blk_lo"] == k["pred_blk_hi"])
+        & (q["pred_blk_lo"] == k["pred_blk_lo"])
+        & key_tile_all_before
+    )
+    pred_queries_full = ~q["has_pred"] | (pred_queries_see_all_memory & pred_queries_see_all_pred)
+    full = one_doc & memory_queries_full & pred_queries_full
+
+    docs_overlap = (
+        q["has_real"] & k["has_real"] & (q["doc_lo"] <= k["doc_hi"]) & (k["doc_lo"] <= q["doc_hi"])
+    )
+    some_memory_pair = q["has_mem"] & k["has_mem"] & key_tile_some_before
+    some_pred_memory_pair = q["has_pred"] & k["has_mem"] & (k["mem_blk_lo"] < q["pred_blk_hi"])
+    some_pred_pred_pair = (
+        q["has_pred"] & k["has_pred"]
+        & (k["pred_blk_lo"] <= q["pred_blk_hi"]) & (q["pred_blk_lo"] <= k["pred_blk_hi"])
+        & key_tile_some_before
+    )
+    possible = docs_overlap & (some_memory_pair | some_pred_memory_pair | some_pred_pred_pair)
+    if padding_attends_self:
+        possible = possible | (~q["all_real"] & ~k["all_real"] & (qi == kj))
+    return TileClasses(full=full, partial=possible & ~full, tile_size=tile_size)
+
+
+def _ordered_indices(flags: Tensor) -> tuple[Tensor, Tensor]:
+    """``[B, n, n]`` tile flags -> (count ``[B, 1, n]``, indices ``[B, 1, n, n]``) as BlockMask wants."""
+    counts = flags.sum(-1, dtype=torch.int32)
+    indices = torch.argsort((~flags).to(torch.uint8), dim=-1, stable=True).to(torch.int32)
+    return counts.unsqueeze(1).contiguous(), indices.unsqueeze(1).contiguous()
+
+
+def build_block_mask(
+    metadata: AttentionMetadata, tile_size: int = 128, padding_attends_self: bool = False
+):
+    """FlexAttention ``BlockMask`` for ``[B, S]`` metadata (heads broadcast), without S x S memory.
+
+    Full tiles skip the mask_mod, partial tiles evaluate :func:`flex_mask_mod`, the rest are
+    skipped. ``S`` must be a multiple of ``tile_size`` (pad the batch), which also keeps the
+    kernel from indexing metadata out of bounds.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    meta = metadata.batched()
+    tiles = classify_tiles(meta, tile_size, padding_attends_self)
+    kv_num, kv_idx = _ordered_indices(tiles.partial)
+    full_num, full_idx = _ordered_indices(tiles.full)
+    s = meta.seq_len
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx,
+        BLOCK_SIZE=tile_size,
+        mask_mod=flex_mask_mod(meta, padding_attends_self),
+        seq_lengths=(s, s),
+    )
+
+
+def count_allowed_pairs(
+    metadata: AttentionMetadata, tile_size: int = 128, tiles_per_chunk: int = 256
+) -> Tensor:
+    """Exact number of allowed (q, k) pairs per row (``[B]``), in O(partial tiles x T^2) memory.
+
+    Full tiles count T^2; partial tiles are evaluated with :func:`may_attend` a chunk at a
+    time. Used to report how much work a block-sparse kernel does, and as a cross-check of
+    the tile classification.
+    """
+    meta = metadata.batched()
+    tiles = classify_tiles(meta, tile_size)
+    counts = tiles.full.sum(dim=(-1, -2)).long() * tile_size * tile_size
+    b, s = meta.doc_ids.shape
+    n = s // tile_size
+    doc = meta.doc_ids.reshape(b, n, tile_size)
+    mem = meta.is_memory.reshape(b, n, tile_size)
+    blk = meta.block_ids.reshape(b, n, tile_size)
+    offsets = torch.arange(tile_size, device=doc.device)
+    where = tiles.partial.nonzero()
+    for chunk in where.split(tiles_per_chunk):
+        rb, qi, kj = chunk.unbind(-1)
+        q_idx = (qi * tile_size).unsqueeze(-1) + offsets
+        k_idx = (kj * tile_size).unsqueeze(-1) + offsets
+        allowed = may_attend(
+            doc[rb, qi].unsqueeze(-1), mem[rb, qi].unsqueeze(-1), blk[rb, qi].unsqueeze(-1),
+            q_idx.unsqueeze(-1),
+            doc[rb, kj].unsqueeze(-2), mem[rb, kj].unsqueeze(-2), blk[rb, kj].unsqueeze(-2),
+            k_idx.unsqueeze(-2),
+        )
+        counts.index_add_(0, rb, allowed.sum(dim=(-1, -2)))
+    return counts

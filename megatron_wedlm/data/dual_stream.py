@@ -1,0 +1,385 @@
+"""Dual-stream WeDLM training rows (SPEC section 2), built without loops over blocks or tokens.
+
+A row packs several documents, each as ``[xo ; xt]``: the clean memory stream ``xo`` in order,
+then the prediction stream ``xt``, cut into blocks of ``block_size`` logical positions. In each
+block ``round(gamma * maskable)`` maskable tokens are replaced by the mask token, and the block
+is reordered: observed tokens first, then masked slots, each group by ascending position.
+Every slot keeps its logical position id (RoPE uses it); :mod:`.attention_rule` says who may
+attend whom.
+
+Choices (fixed here so every training path behaves the same):
+
+* ``gamma ~ U(0, 1]`` drawn as ``1 - U[0, 1)``, clamped to ``>= eps``; one per block
+  (``ratio_mode="block"``, default) or one per document (``"document"``).
+* Masked count per block: ``floor(gamma * maskable + 0.5)`` (round half up), computed in
+  float64. ``gamma <= 1`` so it never exceeds the maskable count; it may be 0 for tiny gamma.
+* Which tokens: uniform among the block's maskable tokens (random 31-bit keys, smallest
+  ``count`` keys masked; ties go to the earlier position, probability ~2^-31).
+* SFT: the first ``prompt_lengths[i]`` tokens of document i are never masked and never a
+  loss target (also not an AR label).
+* Random draws, in this order from ``generator``: the gammas (one float64 per block or per
+  document, in document/block order), then one int key per token. Same generator state and
+  inputs -> same batch. Use :func:`megatron_wedlm.data.seeding.rank_generator` to give each
+  data-parallel rank and step its own stream.
+* Per-slot fields on padding: ``doc_ids = -1``, ``position_ids = block_ids = 0``,
+  ``input_ids = target_ids = pad_token_id`` (default: the mask token), no loss.
+* ``mask_ratio`` holds gamma on prediction-stream slots and 0 on memory and padding slots.
+* ``mlm_weights`` is ``1 / gamma`` on masked slots and 0 elsewhere, *unnormalised*: the loss
+  normalises over the global batch (summing weights across micro-batches and ranks).
+
+The only Python-level iteration is over the document list (reading lengths, validation,
+``torch.cat``); all per-block and per-token work is tensor ops (cumsum/sort/scatter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal, Sequence
+
+import torch
+from torch import Tensor
+
+from .attention_rule import AttentionMetadata, build_block_mask, dense_attention_mask
+
+__all__ = [
+    "DualStreamBatch",
+    "build_dual_stream_batch",
+    "pad_dual_stream_batch",
+    "stack_dual_stream_batches",
+    "IGNORE_INDEX",
+]
+
+IGNORE_INDEX = -100
+_KEY_BITS = 31  # random selection keys live in [0, 2^31); prompt tokens get keys >= 2^31
+
+
+@dataclass
+class DualStreamBatch:
+    """One packed row (tensors ``[S]``) or a stack of rows (tensors ``[B, S]``).
+
+    Tensor fields (same shape): ``input_ids`` (masked slots hold the mask token),
+    ``position_ids`` (logical), ``is_memory``, ``is_masked``, ``target_ids`` (original token of
+    every slot), ``doc_ids`` (-1 = padding), ``block_ids`` (= position // block_size),
+    ``mask_ratio`` (gamma on prediction slots), ``mlm_weights`` (1/gamma on masked slots),
+    ``ar_labels`` (next token on memory slots, -100 where there is none or it is a prompt
+    token), ``is_padding``. Int fields: ``block_size``, ``mask_token_id``, ``pad_token_id``.
+    """
+
+    input_ids: Tensor
+    position_ids: Tensor
+    is_memory: Tensor
+    is_masked: Tensor
+    target_ids: Tensor
+    doc_ids: Tensor
+    block_ids: Tensor
+    mask_ratio: Tensor
+    mlm_weights: Tensor
+    ar_labels: Tensor
+    is_padding: Tensor
+    block_size: int
+    mask_token_id: int
+    pad_token_id: int
+
+    @classmethod
+    def tensor_field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls) if f.type in ("Tensor", Tensor))
+
+    @property
+    def seq_len(self) -> int:
+        return self.input_ids.shape[-1]
+
+    @property
+    def mlm_labels(self) -> Tensor:
+        """Target token on masked slots, -100 elsewhere (labels for the no-shift MLM loss)."""
+        return torch.where(self.is_masked, self.target_ids, torch.full_like(self.target_ids, IGNORE_INDEX))
+
+    def attention_metadata(self) -> AttentionMetadata:
+        """Per-slot metadata for the attention backends (see :mod:`.attention_rule`)."""
+        return AttentionMetadata(doc_ids=self.doc_ids, is_memory=self.is_memory, block_ids=self.block_ids)
+
+    def dense_attention_mask(self, padding_attends_self: bool = False) -> Tensor:
+        """Bool ``[S, S]`` (``[B, S, S]`` when stacked), True = may attend.
+
+        ``padding_attends_self=True`` is the kernel-safe form for softmax backends (SDPA,
+        eager): padding rows attend only themselves instead of nothing, avoiding NaN.
+        """
+        return dense_attention_mask(self.attention_metadata(), padding_attends_self)
+
+    def block_mask(self, tile_size: int = 128, padding_attends_self: bool = False):
+        """FlexAttention BlockMask for this batch (metadata must be on the kernel's device)."""
+        return build_block_mask(self.attention_metadata(), tile_size, padding_attends_self)
+
+    def to(self, device: torch.device | str) -> "DualStreamBatch":
+        moved = {name: getattr(self, name).to(device) for name in self.tensor_field_names()}
+        return DualStreamBatch(
+            **moved, block_size=self.block_size, mask_token_id=self.mask_token_id, pad_token_id=self.pad_token_id
+        )
+
+
+def _as_token_tensor(doc: object, index: int) -> Tensor:
+    if not isinstance(doc, Tensor):
+        raise ValueError(f"document {index} is a {type(doc).__name__}; expected a 1-D integer torch tensor")
+    if doc.dim() != 1:
+        raise ValueError(f"document {index} has shape {tuple(doc.shape)}; expected a 1-D tensor of token ids")
+    if doc.dtype.is_floating_point or doc.dtype.is_complex or doc.dtype == torch.bool:
+        raise ValueError(f"document {index} has dtype {doc.dtype}; expected integer token ids")
+    if doc.numel() == 0:
+        raise ValueError(f"document {index} is empty (length 0); remove empty documents before packing")
+    return doc
+
+
+def _validate_options(
+    block_size: int, eps: float, ratio_mode: str, pad_to: int | None, pad_to_multiple_of: int | None
+) -> None:
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+    if not 0.0 < eps <= 1.0:
+        raise ValueError(f"eps must be in (0, 1], got {eps!r}")
+    if ratio_mode not in ("block", "document"):
+        raise ValueError(f"ratio_mode must be 'block' or 'document', got {ratio_mode!r}")
+    if pad_to is not None and pad_to_multiple_of is not None:
+        raise ValueError("give either pad_to or pad_to_multiple_of, not both")
+    if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of!r}")
+
+
+def _prompt_tensor(prompt_lengths: Sequence[int] | Tensor | None, lengths: Tensor) -> Tensor:
+    num_docs = lengths.numel()
+    if prompt_lengths is None:
+        return torch.zeros(num_docs, dtype=torch.long)
+    prompts = torch.as_tensor(prompt_lengths, dtype=torch.long).reshape(-1)
+    if prompts.numel() != num_docs:
+        raise ValueError(f"prompt_lengths has {prompts.numel()} entries for {num_docs} documents")
+    bad = (prompts < 0).nonzero()
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(f"prompt_lengths[{i}] = {int(prompts[i])} is negative")
+    bad = (prompts >= lengths).nonzero()
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(
+            f"prompt_lengths[{i}] = {int(prompts[i])} >= length {int(lengths[i])} of document {i}: "
+            "no token left to learn; drop the document or shorten its prompt"
+        )
+    return prompts
+
+
+def _padded_length(length: int, pad_to: int | None, pad_to_multiple_of: int | None, max_length: int | None) -> int:
+    if max_length is not None and length > max_length:
+        raise ValueError(
+            f"row length {length} (2 x {length // 2} tokens: memory + prediction streams) exceeds "
+            f"max_length {max_length}; split documents with pack_documents_into_rows"
+        )
+    target = length
+    if pad_to is not None:
+        if pad_to < length:
+            raise ValueError(f"pad_to {pad_to} is shorter than the row length {length}")
+        target = pad_to
+    elif pad_to_multiple_of is not None:
+        target = -(-length // pad_to_multiple_of) * pad_to_multiple_of
+    if max_length is not None and target > max_length:
+        raise ValueError(f"padded row length {target} exceeds max_length {max_length}")
+    return target
+
+
+def build_dual_stream_batch(
+    documents: Sequence[Tensor],
+    block_size: int = 32,
+    mask_token_id: int | None = None,
+    generator: torch.Generator | None = None,
+    prompt_lengths: Sequence[int] | Tensor | None = None,
+    *,
+    ratio_mode: Literal["block", "document"] = "block",
+    eps: float = 1e-8,
+    pad_to: int | None = None,
+    pad_to_multiple_of: int | None = None,
+    max_length: int | None = None,
+    pad_token_id: int | None = None,
+) -> DualStreamBatch:
+    """Pack ``documents`` into one dual-stream row ``[xo_0 ; xt_0 ; xo_1 ; xt_1 ; ...]``.
+
+    ``mask_token_id`` is required (no default: 0 is a real token in most vocabularies).
+    ``generator`` drives every random choice (``None`` uses torch's global RNG). ``max_length``
+    caps the row (ValueError if exceeded; see :func:`.packing.pack_documents_into_rows` for
+    splitting). ``pad_to`` / ``pad_to_multiple_of`` append padding slots. All outputs are CPU.
+    """
+    if len(documents) == 0:
+        raise ValueError("documents is empty; need at least one document to build a row")
+    if mask_token_id is None or isinstance(mask_token_id, bool) or int(mask_token_id) != mask_token_id:
+        raise ValueError(f"mask_token_id must be the integer id of the mask token, got {mask_token_id!r}")
+    mask_token_id = int(mask_token_id)
+    _validate_options(block_size, eps, ratio_mode, pad_to, pad_to_multiple_of)
+    docs = [_as_token_tensor(d, i) for i, d in enumerate(documents)]
+    tokens = torch.cat([d.to(device="cpu", dtype=torch.long) for d in docs])
+    lengths = torch.tensor([d.numel() for d in docs], dtype=torch.long)
+    hits = (tokens == mask_token_id).nonzero()
+    if hits.numel():
+        doc = int(torch.searchsorted(lengths.cumsum(0), hits[0], right=True))
+        raise ValueError(
+            f"mask_token_id {mask_token_id} occurs inside document {doc}; the mask token must not "
+            "appear in training text (filter or remap it)"
+        )
+    prompts = _prompt_tensor(prompt_lengths, lengths)
+    num_tokens = tokens.numel()
+    total = _padded_length(2 * num_tokens, pad_to, pad_to_multiple_of, max_length)
+    pad_id = mask_token_id if pad_token_id is None else pad_token_id
+
+    # Token-level bookkeeping over the concatenated documents (global token index t).
+    num_docs = lengths.numel()
+    doc_of_token = torch.repeat_interleave(torch.arange(num_docs), lengths)
+    doc_start = lengths.cumsum(0) - lengths
+    position = torch.arange(num_tokens) - doc_start[doc_of_token]
+    is_prompt = position < prompts[doc_of_token]
+
+    # Blocks, numbered globally across documents (blocks never span documents).
+    blocks_per_doc = (lengths + block_size - 1) // block_size
+    first_block_of_doc = blocks_per_doc.cumsum(0) - blocks_per_doc
+    block_in_doc = position // block_size
+    global_block = first_block_of_doc[doc_of_token] + block_in_doc
+    num_blocks = int(blocks_per_doc.sum())
+    block_len = torch.bincount(global_block, minlength=num_blocks)
+    block_start = block_len.cumsum(0) - block_len
+    maskable = torch.bincount(global_block, weights=(~is_prompt).double(), minlength=num_blocks)
+
+    # Random draws: gammas first, then one selection key per token.
+    if ratio_mode == "block":
+        gamma = 1.0 - torch.rand(num_blocks, generator=generator, dtype=torch.float64)
+    else:
+        per_doc = 1.0 - torch.rand(num_docs, generator=generator, dtype=torch.float64)
+        gamma = torch.repeat_interleave(per_doc, blocks_per_doc)
+    gamma = gamma.clamp(min=eps)
+    num_masked = torch.floor(gamma * maskable + 0.5).long()
+    keys = torch.randint(0, 2**_KEY_BITS, (num_tokens,), generator=generator, dtype=torch.long)
+    keys = torch.where(is_prompt, torch.full_like(keys, 2**_KEY_BITS), keys)
+
+    # Within each block, mask the tokens with the `num_masked` smallest keys.
+    order = torch.argsort((global_block << (_KEY_BITS + 1)) | keys, stable=True)
+    rank_in_block = torch.arange(num_tokens) - block_start[global_block[order]]
+    is_masked = torch.empty(num_tokens, dtype=torch.bool)
+    is_masked[order] = rank_in_block < num_masked[global_block[order]]
+
+    # Reorder each block: observed (ascending) then masked (ascending). Exclusive cumsums
+    # give each token its rank inside its group without sorting.
+    observed = ~is_masked
+    obs_before = torch.cumsum(observed.long(), 0) - observed.long()
+    msk_before = torch.cumsum(is_masked.long(), 0) - is_masked.long()
+    first = block_start[global_block]
+    obs_rank = obs_before - obs_before[first]
+    msk_rank = msk_before - msk_before[first]
+    observed_in_block = block_len - (num_masked)
+    dest = first + torch.where(is_masked, observed_in_block[global_block] + msk_rank, obs_rank)
+
+    # Physical slots: document d occupies [2*start_d, 2*start_d + 2*L_d).
+    length_of_token = lengths[doc_of_token]
+    start_of_token = doc_start[doc_of_token]
+    memory_slot = start_of_token + torch.arange(num_tokens)
+    prediction_slot = start_of_token + length_of_token + dest
+
+    next_position = position + 1
+    has_next = (next_position < length_of_token) & (next_position >= prompts[doc_of_token])
+    next_token = torch.cat([tokens[1:], tokens.new_full((1,), IGNORE_INDEX)])
+    ar_for_token = torch.where(has_next, next_token, torch.full_like(tokens, IGNORE_INDEX))
+
+    def slots(fill, dtype) -> Tensor:
+        return torch.full((total,), fill, dtype=dtype)
+
+    input_ids = slots(pad_id, torch.long)
+    target_ids = slots(pad_id, torch.long)
+    position_ids = slots(0, torch.long)
+    is_memory = slots(False, torch.bool)
+    masked = slots(False, torch.bool)
+    doc_ids = slots(-1, torch.long)
+    mask_ratio = slots(0.0, torch.float32)
+    mlm_weights = slots(0.0, torch.float32)
+    ar_labels = slots(IGNORE_INDEX, torch.long)
+    is_padding = slots(True, torch.bool)
+
+    for slot in (memory_slot, prediction_slot):
+        target_ids[slot] = tokens
+        position_ids[slot] = position
+        doc_ids[slot] = doc_of_token
+        is_padding[slot] = False
+    input_ids[memory_slot] = tokens
+    input_ids[prediction_slot] = torch.where(is_masked, torch.full_like(tokens, mask_token_id), tokens)
+    is_memory[memory_slot] = True
+    masked[prediction_slot] = is_masked
+    token_gamma = gamma[global_block]
+    mask_ratio[prediction_slot] = token_gamma.float()
+    mlm_weights[prediction_slot] = torch.where(is_masked, 1.0 / token_gamma, torch.zeros_like(token_gamma)).float()
+    ar_labels[memory_slot] = ar_for_token
+
+    return DualStreamBatch(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        is_memory=is_memory,
+        is_masked=masked,
+        target_ids=target_ids,
+        doc_ids=doc_ids,
+        block_ids=position_ids // block_size,
+        mask_ratio=mask_ratio,
+        mlm_weights=mlm_weights,
+        ar_labels=ar_labels,
+        is_padding=is_padding,
+        block_size=block_size,
+        mask_token_id=int(mask_token_id),
+        pad_token_id=int(pad_id),
+    )
+
+
+_PAD_VALUES = {
+    "position_ids": 0,
+    "is_memory": False,
+    "is_masked": False,
+    "doc_ids": -1,
+    "block_ids": 0,
+    "mask_ratio": 0.0,
+    "mlm_weights": 0.0,
+    "ar_labels": IGNORE_INDEX,
+    "is_padding": True,
+}
+
+
+def pad_dual_stream_batch(batch: DualStreamBatch, length: int) -> DualStreamBatch:
+    """Append padding slots (attend nothing, no loss) up to ``length`` along the last dim."""
+    extra = length - batch.seq_len
+    if extra < 0:
+        raise ValueError(f"cannot pad a row of length {batch.seq_len} down to {length}")
+    if extra == 0:
+        return batch
+    padded = {}
+    for name in DualStreamBatch.tensor_field_names():
+        tensor = getattr(batch, name)
+        fill = _PAD_VALUES.get(name, batch.pad_token_id)
+        tail = torch.full((*tensor.shape[:-1], extra), fill, dtype=tensor.dtype, device=tensor.device)
+        padded[name] = torch.cat([tensor, tail], dim=-1)
+    return DualStreamBatch(
+        **padded, block_size=batch.block_size, mask_token_id=batch.mask_token_id, pad_token_id=batch.pad_token_id
+    )
+
+
+def stack_dual_stream_batches(batches: Sequence[DualStreamBatch], pad_to: int | None = None) -> DualStreamBatch:
+    """Collate single rows into one ``[B, S]`` batch, padding each to the longest (or ``pad_to``).
+
+    The result's ``dense_attention_mask()`` is ``[B, S, S]``; ``attention_metadata()`` is the
+    ``[B, S]`` metadata for FlexAttention / pipeline stages.
+    """
+    if len(batches) == 0:
+        raise ValueError("no batches to stack")
+    for i, b in enumerate(batches):
+        if b.input_ids.dim() != 1:
+            raise ValueError(f"batch {i} is already stacked (shape {tuple(b.input_ids.shape)}); stack single rows")
+        for attr in ("block_size", "mask_token_id", "pad_token_id"):
+            if getattr(b, attr) != getattr(batches[0], attr):
+                raise ValueError(f"batch {i} has {attr}={getattr(b, attr)} but batch 0 has {getattr(batches[0], attr)}")
+    longest = max(b.seq_len for b in batches)
+    length = longest if pad_to is None else pad_to
+    if length < longest:
+        raise ValueError(f"pad_to {pad_to} is shorter than the longest row ({longest})")
+    padded = [pad_dual_stream_batch(b, length) for b in batches]
+    first = batches[0]
+    return DualStreamBatch(
+        **{name: torch.stack([getattr(p, name) for p in padded]) for name in DualStreamBatch.tensor_field_names()},
+        block_size=first.block_size,
+        mask_token_id=first.mask_token_id,
+        pad_token_id=first.pad_token_id,
+    )
