@@ -212,8 +212,8 @@ def decode(
     mask_id = settings.mask_token_id
     W, C = settings.window_size, settings.capacity
     budgets = [generation_budget(model, len(p), settings.max_new_tokens) for p in prompts]
-    for prompt, budget in zip(prompts, budgets):
-        check_fits(model, len(prompt), min(W, budget))
+    for prompt in prompts:
+        check_fits(model, len(prompt), min(W, settings.max_new_tokens))
     n_rows = len(prompts)
 
     body, head = model.base_model, model.get_output_embeddings()

@@ -1,0 +1,301 @@
+"""Streaming / block-wise decoding against a no-cache reference, KV-cache exactness, batching, sampling.
+
+The reference below re-runs the *whole* sequence (prompt + committed tokens + reordered window)
+from scratch at every step with an explicit causal mask and logical position ids: no KV cache,
+no batching, no vectorisation. The cached decoder must reproduce it token for token and
+forward for forward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_wedlm.decoding import (
+    ar_generate,
+    blockwise_generate,
+    generate,
+    generate_batch,
+    parallel_generate_batch,
+    streaming_generate,
+)
+from megatron_wedlm.decoding.parallel import ParallelSettings, decode
+from megatron_wedlm.testing.tiny_models import build_tiny_model, build_tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tiny_tokenizer()
+
+
+def tiny_model(tokenizer, arch="qwen2", scale=1.0, seed=0):
+    """Random tiny model; ``scale`` multiplies the output layer so predictions get confident (low entropy)."""
+    model = build_tiny_model(tokenizer, arch=arch, seed=seed, max_position_embeddings=256)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    return model
+
+
+def full_forward_logits(model, ids, positions):
+    """Logits of one cache-free forward: causal in the given (physical) order, RoPE at ``positions``."""
+    n = len(ids)
+    mask = torch.full((n, n), torch.finfo(torch.float32).min).triu(1)[None, None]
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.tensor([ids]),
+            position_ids=torch.tensor([positions]),
+            attention_mask=mask,
+            use_cache=False,
+        )
+    return out.logits[0]
+
+
+def reference_decode(model, prompt, *, mask_id, window, tau, lam, max_new, stops=(), schedule="streaming"):
+    """Algorithm 1 (or the block-wise baseline) written plainly, recomputing everything every step."""
+    out, forwards, slots = [], 0, 0
+    win = [mask_id] * min(window, max_new)
+    block = len(win)
+
+    def emit(tokens):
+        for t in tokens:
+            out.append(t)
+            if t in stops or len(out) >= max_new:
+                return True
+        return False
+
+    def leading_run(w):
+        n = 0
+        while n < len(w) and w[n] != mask_id:
+            n += 1
+        if schedule == "blockwise":
+            return block if n >= block else 0
+        return n
+
+    while True:
+        order = [i for i, t in enumerate(win) if t != mask_id] + [i for i, t in enumerate(win) if t == mask_id]
+        base = len(prompt) + len(out)
+        ids = prompt + out + [win[i] for i in order]
+        positions = list(range(base)) + [base + i for i in order]
+        physical = full_forward_logits(model, ids, positions)[base:]
+        logits = {slot: physical[k] for k, slot in enumerate(order)}
+        forwards += 1
+        slots += len(win)
+
+        n = leading_run(win)
+        if emit(win[:n]):
+            break
+        masks = [i for i, t in enumerate(win) if t == mask_id]
+        if masks:
+            adjusted = {}
+            for i in masks:
+                scores = logits[i].clone()
+                scores[mask_id] = -math.inf
+                p = torch.softmax(scores, -1)
+                h = -(p[p > 0] * p[p > 0].log()).sum().item()
+                adjusted[i] = h + lam * (i - masks[0])
+            chosen = [i for i in masks if tau is not None and adjusted[i] < tau] or [min(masks, key=adjusted.get)]
+            for i in chosen:
+                scores = logits[i].clone()
+                scores[mask_id] = -math.inf
+                win[i] = int(scores.argmax())
+        win = win[n:]
+        if n and schedule == "blockwise":
+            block = len(win)
+        n_end = leading_run(win)
+        if any(t in stops for t in win[:n_end]) or len(out) + n_end >= max_new:
+            emit(win[:n_end])
+            break
+        room = max_new - len(out)
+        if schedule == "streaming":
+            win += [mask_id] * (min(window, room) - len(win))
+        elif mask_id not in win:
+            win += [mask_id] * min(window, room - len(win))
+    return out, forwards, slots
+
+
+CASES = [
+    # arch, output scale, window, tau, lambda, max_new
+    ("qwen2", 1.0, 6, 0.4, 0.02, 20),  # high entropy: one slot per step
+    ("qwen2", 200.0, 8, 0.4, 0.02, 37),  # low entropy, budget ends inside a window
+    ("qwen3", 200.0, 5, 0.6, 0.1, 23),
+    ("qwen3", 60.0, 4, None, 0.1, 11),  # entropy_threshold=None: one slot per step
+]
+
+
+@pytest.mark.parametrize("schedule", ["streaming", "blockwise"])
+@pytest.mark.parametrize("arch,scale,window,tau,lam,max_new", CASES)
+def test_cached_decoder_equals_no_cache_reference(tokenizer, schedule, arch, scale, window, tau, lam, max_new):
+    model = tiny_model(tokenizer, arch, scale)
+    mask_id = model.config.mask_token_id
+    prompt = tokenizer.encode("Count from 3 to 12: 3 4 5")
+    kw = dict(window_size=window, entropy_threshold=tau, distance_penalty=lam, max_new_tokens=max_new)
+    result = generate(model, prompt, method=schedule, **kw)
+    expected, forwards, slots = reference_decode(
+        model, prompt, mask_id=mask_id, window=window, tau=tau, lam=lam, max_new=max_new, schedule=schedule
+    )
+    assert result.token_ids == expected
+    assert (result.num_forwards, result.num_slots) == (forwards, slots)
+    assert result.stop_reason == "max_new_tokens" and len(expected) == max_new
+    if scale >= 200:
+        assert result.tokens_per_forward > 1.5  # several slots really were filled per forward
+    if tau is None:
+        assert result.tokens_per_forward <= 1.0
+
+
+@pytest.mark.parametrize("schedule", ["streaming", "blockwise"])
+def test_stop_token_inside_the_window_matches_reference(tokenizer, schedule):
+    model = tiny_model(tokenizer, "qwen2", 200.0, seed=1)
+    mask_id = model.config.mask_token_id
+    prompt = tokenizer.encode("Repeat: a b c")
+    kw = dict(window_size=8, entropy_threshold=0.4, distance_penalty=0.02, max_new_tokens=40)
+    free = generate(model, prompt, method=schedule, **kw).token_ids
+    stop = free[len(free) // 3]  # a token the model does produce, first seen early on
+    cut = free.index(stop) + 1
+    result = generate(model, prompt, method=schedule, stop_token_ids=[stop], **kw)
+    expected, forwards, slots = reference_decode(
+        model, prompt, mask_id=mask_id, window=8, tau=0.4, lam=0.02, max_new=40, stops=(stop,), schedule=schedule
+    )
+    assert result.token_ids == expected == free[:cut]
+    assert (result.num_forwards, result.num_slots) == (forwards, slots)
+    assert result.stop_reason == "stop_token"
+
+
+def test_committed_kv_equals_one_causal_forward(tokenizer):
+    model = tiny_model(tokenizer, "qwen3", 200.0)
+    prompt = tokenizer.encode("12 + 35 = 47. 7 x 8 =")
+    settings = ParallelSettings(
+        schedule="streaming", mask_token_id=model.config.mask_token_id, window_size=6, entropy_threshold=0.4,
+        distance_penalty=0.02, max_new_tokens=30, temperature=0.0, top_k=0, top_p=1.0, stop_token_ids=(),
+        stop_strings=(),
+    )
+    [result], cache = decode(model, [prompt], settings)
+    committed = cache.committed_kv(0)
+    length = committed[0][0].shape[1]
+    assert len(prompt) + 10 <= length <= len(prompt) + len(result.token_ids)
+    sequence = (prompt + result.token_ids)[:length]
+    with torch.no_grad():
+        reference = model(input_ids=torch.tensor([sequence]), use_cache=True).past_key_values
+    for layer, (keys, values) in enumerate(committed):
+        torch.testing.assert_close(keys, reference.layers[layer].keys[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(values, reference.layers[layer].values[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("schedule", ["streaming", "blockwise"])
+def test_batched_equals_one_at_a_time(tokenizer, schedule):
+    model = tiny_model(tokenizer, "qwen2", 80.0, seed=2)
+    texts = ["1 2 3", "def add(a, b):\n    return", "The quick brown fox jumps over the lazy dog.", "7"]
+    prompts = [tokenizer.encode(t) for t in texts]
+    stop = tokenizer.encode(" 9")[-1]
+    kw = dict(window_size=6, entropy_threshold=0.5, distance_penalty=0.02, max_new_tokens=25, stop_token_ids=[stop])
+    batched = parallel_generate_batch(model, prompts, schedule=schedule, **kw)
+    single = [generate(model, p, method=schedule, **kw) for p in prompts]
+    assert [r.token_ids for r in batched] == [r.token_ids for r in single]
+    assert [r.num_forwards for r in batched] == [r.num_forwards for r in single]
+    assert [r.num_slots for r in batched] == [r.num_slots for r in single]
+    assert len({r.num_forwards for r in single}) > 1  # rows really advanced at different rates
+
+
+@pytest.mark.parametrize("method", ["streaming", "blockwise", "ar"])
+def test_sampling_is_reproducible_with_a_seed(tokenizer, method):
+    model = tiny_model(tokenizer, "qwen2", 3.0)
+    prompt = tokenizer.encode("Count from 3 to 12:")
+    kw = dict(max_new_tokens=16, temperature=1.0, top_k=50, top_p=0.95)
+
+    def run(seed):
+        return generate(model, prompt, method=method, generator=torch.Generator().manual_seed(seed), **kw).token_ids
+
+    first = run(1)
+    assert run(1) == first
+    assert run(2) != first or run(3) != first
+    assert model.config.mask_token_id not in first
+
+
+def _mask_loving_model(tokenizer):
+    """A model whose most likely token is always the mask token (its logit is pushed up by 100)."""
+    model = tiny_model(tokenizer, "qwen2", 1.0)
+
+    def favour_mask(module, inputs, logits):
+        logits[..., model.config.mask_token_id] += 100.0
+        return logits
+
+    model.lm_head.register_forward_hook(favour_mask)
+    return model
+
+
+@pytest.mark.parametrize("method", ["streaming", "blockwise", "ar"])
+def test_mask_token_is_never_emitted(tokenizer, method):
+    model = _mask_loving_model(tokenizer)
+    prompt = tokenizer.encode("1 2 3")
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt])).logits[0]
+    assert (logits.argmax(-1) == model.config.mask_token_id).all()  # the premise holds
+    for temperature in (0.0, 1.0):
+        result = generate(model, prompt, method=method, max_new_tokens=12, temperature=temperature,
+                          generator=torch.Generator().manual_seed(0))
+        assert len(result.token_ids) == 12
+        assert model.config.mask_token_id not in result.token_ids
+
+
+def test_ar_greedy_equals_a_plain_argmax_loop(tokenizer):
+    model = tiny_model(tokenizer, "qwen3", 1.0)
+    prompt = tokenizer.encode("for i in range(10):")
+    mask_id = model.config.mask_token_id
+    result = ar_generate(model, prompt, max_new_tokens=15)
+    ids = list(prompt)
+    for _ in range(15):
+        with torch.no_grad():
+            scores = model(input_ids=torch.tensor([ids])).logits[0, -1]
+        scores[mask_id] = -math.inf
+        ids.append(int(scores.argmax()))
+    assert result.token_ids == ids[len(prompt):]
+    assert result.num_forwards == result.num_slots == 15
+    assert result.p_cache == result.tokens_per_forward == 1.0
+
+
+def test_metrics_are_consistent_across_methods(tokenizer):
+    model = tiny_model(tokenizer, "qwen2", 200.0)
+    prompts = [tokenizer.encode("1 2 3 4"), tokenizer.encode("a b c d e f")]
+    for method in ("streaming", "blockwise", "ar"):
+        for r in generate_batch(model, prompts, method=method, window_size=8, max_new_tokens=24):
+            n = len(r.token_ids)
+            assert n == 24 and r.method == method and r.seconds > 0
+            assert r.p_cache == pytest.approx(n / r.num_slots) and 0 < r.p_cache <= 1
+            assert r.tokens_per_forward == pytest.approx(n / r.num_forwards)
+            assert r.num_slots >= n and r.num_forwards <= n
+            if method == "ar":
+                assert r.num_forwards == n
+
+
+@pytest.mark.parametrize("method", ["streaming", "blockwise", "ar"])
+def test_stop_string_cuts_text_and_tokens(tokenizer, method):
+    model = tiny_model(tokenizer, "qwen2", 200.0, seed=3)
+    prompt = tokenizer.encode("Count from 3 to 12:")
+    free = generate(model, prompt, method=method, max_new_tokens=30, tokenizer=tokenizer)
+    text = free.text
+    assert len(text) > 10
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    result = generate(model, prompt, method=method, max_new_tokens=30, tokenizer=tokenizer, stop_strings=[stop])
+    assert result.stop_reason == "stop_string" and result.stop_string == stop
+    assert result.text == text[: text.index(stop)]
+    assert result.token_ids == free.token_ids[: len(result.token_ids)]
+    assert stop in tokenizer.decode(result.token_ids)
+    assert stop not in tokenizer.decode(result.token_ids[:-1])
+
+
+def test_clear_errors(tokenizer):
+    model = tiny_model(tokenizer)
+    prompt = tokenizer.encode("1 2 3")
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        streaming_generate(model, list(range(5)) * 60, window_size=16)
+    no_mask = tiny_model(tokenizer)
+    no_mask.config.mask_token_id = None
+    with pytest.raises(ValueError, match="mask_token_id"):
+        streaming_generate(no_mask, prompt)
+    with pytest.raises(ValueError, match="stop_strings need a tokenizer"):
+        blockwise_generate(model, prompt, stop_strings=["x"])
+    with pytest.raises(ValueError, match="unknown decoding method"):
+        generate(model, prompt, method="beam")
+    with pytest.raises(ValueError, match="prompt_ids is empty"):
+        streaming_generate(model, [])

@@ -1,0 +1,72 @@
+"""inference/generate.py on a tiny saved model and a tokenizer built locally."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_wedlm.decoding import generate, load_tokenizer, load_wedlm_model
+from megatron_wedlm.testing.tiny_models import build_tiny_model, build_tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "inference" / "generate.py"
+CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny_wedlm")
+    tokenizer = build_tiny_tokenizer(extra_texts=["<user><assistant>"])
+    tokenizer.chat_template = CHAT_TEMPLATE
+    model = build_tiny_model(tokenizer, arch="qwen3")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(100.0)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def _load_cli():
+    spec = importlib.util.spec_from_file_location("generate_cli", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cli_json_output_matches_the_library(checkpoint):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = ["--model", str(checkpoint), "--prompt", "Count from 3 to 12:", "--json", "--device", "cpu",
+            "--window-size", "8", "--max-new-tokens", "24"]
+    proc = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {"text", "token_ids", "forwards", "tokens_per_forward", "p_cache", "tokens_per_sec"} <= set(report)
+
+    model, tokenizer = load_wedlm_model(checkpoint, device="cpu"), load_tokenizer(checkpoint)
+    expected = generate(model, tokenizer.encode("Count from 3 to 12:"), window_size=8, max_new_tokens=24,
+                        stop_token_ids=[tokenizer.eos_token_id])
+    assert report["token_ids"] == expected.token_ids
+    assert report["forwards"] == expected.num_forwards
+    assert report["text"] == tokenizer.decode(expected.token_ids, skip_special_tokens=True)
+    assert report["tokens_per_forward"] == pytest.approx(len(expected.token_ids) / expected.num_forwards)
+    assert report["p_cache"] == pytest.approx(expected.p_cache)
+
+
+@pytest.mark.parametrize("method", ["blockwise", "ar"])
+def test_cli_chat_prompt_uses_the_template(checkpoint, method, capsys):
+    cli = _load_cli()
+    report = cli.main(["--model", str(checkpoint), "--prompt", "hi", "--chat", "--method", method,
+                       "--device", "cpu", "--max-new-tokens", "6", "--json"])
+    tokenizer = load_tokenizer(checkpoint)
+    model = load_wedlm_model(checkpoint, device="cpu")
+    prompt = tokenizer.encode("<user>hi\n<assistant>", add_special_tokens=False)
+    expected = generate(model, prompt, method=method, max_new_tokens=6, stop_token_ids=[tokenizer.eos_token_id])
+    assert report["token_ids"] == expected.token_ids
+    assert json.loads(capsys.readouterr().out)["method"] == method

@@ -1,0 +1,78 @@
+"""Loading exported and official-format (``model_type: "wedlm"``) checkpoints without remote code."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from megatron_wedlm.decoding import load_wedlm_model, streaming_generate
+from megatron_wedlm.testing.tiny_models import build_tiny_model, build_tiny_tokenizer
+
+SIZE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=10000.0,
+            tie_word_embeddings=False)
+
+
+def _source_model(kind):
+    """A random model of the family an official WeDLM checkpoint of this flavour was initialised from."""
+    tokenizer = build_tiny_tokenizer(vocab_size=300)
+    if kind == "llama":
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(**{**SIZE, "vocab_size": len(tokenizer)})).eval()
+    return build_tiny_model(tokenizer, arch=kind, max_position_embeddings=128)
+
+
+def _write_official_checkpoint(directory, model, qk_norm, attention_bias):
+    """What tencent/WeDLM-* directories look like: a wedlm config.json and safetensors weights."""
+    config = {
+        **SIZE,
+        "vocab_size": model.config.vocab_size,
+        "model_type": "wedlm",
+        "architectures": ["WeDLMForCausalLM"],
+        "auto_map": {"AutoModelForCausalLM": "modeling_wedlm.WeDLMForCausalLM"},
+        "qk_norm": qk_norm,
+        "attention_bias": attention_bias,
+        "mask_token_id": 2,
+        "torch_dtype": "float32",
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(directory / "model.safetensors"))
+
+
+@pytest.mark.parametrize(
+    "kind,qk_norm,bias,expected",
+    [("qwen3", True, False, "Qwen3ForCausalLM"), ("qwen2", False, True, "Qwen2ForCausalLM"),
+     ("llama", False, False, "LlamaForCausalLM")],
+)
+def test_official_wedlm_config_maps_onto_transformers_class(tmp_path, kind, qk_norm, bias, expected):
+    source = _source_model(kind)
+    _write_official_checkpoint(tmp_path, source, qk_norm, bias)
+    loaded = load_wedlm_model(tmp_path, device="cpu")
+    assert type(loaded).__name__ == expected
+    assert loaded.config.mask_token_id == 2
+    ids = torch.tensor([[5, 9, 3, 17, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, source(ids).logits)
+    assert len(streaming_generate(loaded, [5, 9, 3], max_new_tokens=4).token_ids) == 4
+
+
+def test_official_config_with_qk_norm_and_bias_is_rejected(tmp_path):
+    _write_official_checkpoint(tmp_path, _source_model("qwen3"), qk_norm=True, attention_bias=True)
+    with pytest.raises(ValueError, match="attention_bias"):
+        load_wedlm_model(tmp_path, device="cpu")
+
+
+def test_project_export_loads_and_missing_mask_token_is_named(tmp_path):
+    model = _source_model("qwen2")
+    model.save_pretrained(tmp_path / "export")
+    loaded = load_wedlm_model(tmp_path / "export", device="cpu")
+    assert loaded.config.mask_token_id == model.config.mask_token_id
+    model.config.mask_token_id = None
+    model.save_pretrained(tmp_path / "plain")
+    with pytest.raises(ValueError, match="mask_token_id"):
+        load_wedlm_model(tmp_path / "plain", device="cpu")
+    assert load_wedlm_model(tmp_path / "plain", device="cpu", require_mask_token=False) is not None
