@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 EOS_TOKEN = "<|endoftext|>"
@@ -35,12 +35,32 @@ _BASE_TEXTS = (
 )
 
 
+# Qwen2's pre-tokenization (digits one by one, byte-level). transformers 5 loads the tokenizer
+# of any qwen2/qwen3 checkpoint as ``Qwen2Tokenizer``, which rebuilds this pipeline around the
+# saved vocabulary; using the same pipeline here makes a saved tiny checkpoint tokenize exactly
+# as the in-memory tokenizer did after ``AutoTokenizer.from_pretrained``.
+_QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
 def build_tiny_tokenizer(
     extra_texts: Iterable[str] = (), vocab_size: int = 400
 ) -> PreTrainedTokenizerFast:
-    """A deterministic byte-level BPE tokenizer with EOS, PAD and MASK special tokens."""
+    """A deterministic byte-level BPE tokenizer with EOS, PAD and MASK special tokens.
+
+    Its normalizer, pre-tokenizer and decoder are Qwen2's, so it survives a save and reload
+    next to a qwen2/qwen3 model unchanged (see ``_QWEN2_SPLIT``).
+    """
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

@@ -1,0 +1,151 @@
+"""Built-in low-entropy tasks (counting, copying, arithmetic) generated from a seed, no files.
+
+Low-entropy output is where parallel decoding shines (the paper's "count 1..200" case), and these
+tasks need no download, so they serve both the quick evaluation and the end-to-end quickstart,
+which trains a tiny model on ``training_corpus`` and evaluates it on ``builtin_task``.
+
+Formats (prompt -> completion; every completion ends with a newline, the stop string):
+
+* counting:   ``"Count from 17 to 21:"`` -> ``" 17 18 19 20 21"``; start in [0, 200), 4-40 steps.
+* copying:    ``"Repeat q w e r:"`` -> ``" q w e r"``; 3-12 random lowercase letters.
+* arithmetic: ``"12 + 35 ="`` -> ``" 47"`` (a, b in [0, 100)), ``"7 x 8 ="`` -> ``" 56"``
+  (a, b in [1, 13)), ``"First 4 multiples of 7:"`` -> ``" 7 14 21 28"`` (n in [2, 100), 4-12
+  terms).
+
+Scoring: the completion is cut at the first newline, whitespace is collapsed, and the result must
+equal the reference exactly.
+
+Held-out split: every task instance has a canonical key (e.g. ``"counting:17:21"``). An instance
+is *held out* when a SHA-256 of its key falls in a fixed 10% bucket (``is_held_out``). Evaluation
+prompts are drawn only from held-out instances and training text only from the others, so the
+two never overlap for any pair of seeds, while both follow the same distribution.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import string
+from collections.abc import Callable, Sequence
+
+from megatron_wedlm.eval.tasks import EvalExample, Judgement, Task
+
+FAMILIES: tuple[str, ...] = ("counting", "copying", "arithmetic")
+HELD_OUT_PERCENT = 10
+
+_Instance = tuple[str, str, str]  # (key, prompt, answer without the leading space)
+
+
+def is_held_out(key: str) -> bool:
+    """Whether a task instance belongs to the evaluation split (stable across processes)."""
+    bucket = int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "big") % 100
+    return bucket < HELD_OUT_PERCENT
+
+
+def _counting(rng: random.Random) -> _Instance:
+    start = rng.randrange(0, 200)
+    end = start + rng.randint(4, 40)
+    answer = " ".join(str(i) for i in range(start, end + 1))
+    return f"counting:{start}:{end}", f"Count from {start} to {end}:", answer
+
+
+def _copying(rng: random.Random) -> _Instance:
+    letters = " ".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 12)))
+    return f"copying:{letters}", f"Repeat {letters}:", letters
+
+
+def _arithmetic(rng: random.Random) -> _Instance:
+    kind = rng.choice(("add", "mul", "multiples"))
+    if kind == "add":
+        a, b = rng.randrange(100), rng.randrange(100)
+        return f"arithmetic:add:{a}:{b}", f"{a} + {b} =", str(a + b)
+    if kind == "mul":
+        a, b = rng.randrange(1, 13), rng.randrange(1, 13)
+        return f"arithmetic:mul:{a}:{b}", f"{a} x {b} =", str(a * b)
+    n, terms = rng.randrange(2, 100), rng.randint(4, 12)
+    answer = " ".join(str(n * i) for i in range(1, terms + 1))
+    return f"arithmetic:multiples:{n}:{terms}", f"First {terms} multiples of {n}:", answer
+
+
+_GENERATORS: dict[str, Callable[[random.Random], _Instance]] = {
+    "counting": _counting,
+    "copying": _copying,
+    "arithmetic": _arithmetic,
+}
+
+
+def _check_families(families: Sequence[str]) -> None:
+    unknown = [f for f in families if f not in _GENERATORS]
+    if unknown or not families:
+        raise ValueError(f"unknown built-in task families {unknown or families}; choose from {FAMILIES}")
+
+
+def _draw(
+    family: str, rng: random.Random, held_out: bool, seen: set[str] | None = None
+) -> _Instance:
+    """Rejection-sample an instance of the wanted split (``seen``: keys to avoid repeating)."""
+    for _ in range(100_000):
+        inst = _GENERATORS[family](rng)
+        if is_held_out(inst[0]) == held_out and (seen is None or inst[0] not in seen):
+            if seen is not None:
+                seen.add(inst[0])
+            return inst
+    raise RuntimeError(f"could not draw a new {family!r} instance; ask for fewer examples")
+
+
+def normalize_answer(text: str) -> str:
+    """The documented extraction: text up to the first newline, whitespace collapsed."""
+    return " ".join(text.split("\n", 1)[0].split())
+
+
+class BuiltinTask(Task):
+    """Exact-match task over one built-in family; see the module docstring for formats."""
+
+    stop_strings = ("\n",)
+
+    def __init__(self, family: str, num_examples: int = 50, seed: int = 0):
+        _check_families([family])
+        if num_examples < 1:
+            raise ValueError(f"num_examples must be >= 1, got {num_examples}")
+        self.name = family
+        # Budgets fit digit-by-digit tokenizers (Qwen): 41 numbers x (space + 3 digits) < 200.
+        self.max_new_tokens = {"counting": 200, "copying": 40, "arithmetic": 80}[family]
+        rng = random.Random(f"eval:{family}:{seed}")
+        seen: set[str] = set()
+        examples = []
+        for _ in range(num_examples):
+            key, prompt, answer = _draw(family, rng, held_out=True, seen=seen)
+            examples.append(EvalExample(uid=key, prompt=prompt, reference=answer))
+        super().__init__(examples)
+
+    def judge(self, example: EvalExample, completion: str) -> Judgement:
+        extracted = normalize_answer(completion)
+        return Judgement(extracted=extracted, correct=extracted == example.reference)
+
+
+def builtin_task(name: str, num_examples: int = 50, seed: int = 0) -> BuiltinTask:
+    """Evaluation task ``name`` (one of ``FAMILIES``) with held-out prompts."""
+    return BuiltinTask(name, num_examples=num_examples, seed=seed)
+
+
+def training_pairs(
+    n: int, seed: int = 0, families: Sequence[str] = FAMILIES
+) -> list[tuple[str, str]]:
+    """``n`` (prompt, completion) pairs from the training split, families in rotation.
+
+    The completion starts with a space and ends with a newline, exactly as a correct model
+    answer to the evaluation prompt would (useful for SFT with unmaskable prompts). Instances
+    may repeat (the training split of a family is finite); held-out ones never appear.
+    """
+    _check_families(families)
+    rng = random.Random(f"train:{seed}")
+    pairs = []
+    for i in range(n):
+        _, prompt, answer = _draw(families[i % len(families)], rng, held_out=False)
+        pairs.append((prompt, f" {answer}\n"))
+    return pairs
+
+
+def training_corpus(n: int, seed: int = 0, families: Sequence[str] = FAMILIES) -> list[str]:
+    """``n`` training documents (``prompt + completion``), disjoint from every evaluation prompt."""
+    return [prompt + completion for prompt, completion in training_pairs(n, seed, families)]

@@ -1,0 +1,239 @@
+"""The ``wedlm`` model for lm-evaluation-harness.
+
+* ``generate_until`` decodes with WeDLM streaming parallel decoding (``method=blockwise`` or
+  ``ar`` in ``--model_args`` switch the decoder, for side-by-side runs);
+* ``loglikelihood`` / ``loglikelihood_rolling`` use the plain causal forward: a WeDLM checkpoint
+  keeps its next-token head (the AR loss trains it), so likelihood tasks score as for any
+  causal LM. The mask token is excluded from every distribution, as in decoding: it is never a
+  valid output.
+
+lm_eval discovers models only through its registry, and it has no plugin entry points, so the
+model is registered when this module is imported. Run the harness through this module::
+
+    python -m megatron_wedlm.eval.lm_eval_adapter --model wedlm \\
+        --model_args pretrained=/ckpt,entropy_threshold=0.4 --tasks arc_easy --device cpu
+
+or in Python: ``import megatron_wedlm.eval.lm_eval_adapter`` then ``lm_eval.simple_evaluate(
+model="wedlm", ...)``, or pass a ``WeDLMLM(model=..., tokenizer=...)`` instance directly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import register_model
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+except ImportError as e:  # pragma: no cover - exercised only without lm_eval installed
+    raise ImportError(
+        "the lm_eval adapter needs lm-evaluation-harness: pip install 'lm-eval>=0.4.5' "
+        "-c constraints.txt (or pip install -e '.[eval]')"
+    ) from e
+
+from megatron_wedlm.eval.runner import load_checkpoint
+from megatron_wedlm.eval.tasks import truncate_at_stop
+
+
+def _as_bool(value: Any) -> bool:
+    return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+
+
+@register_model("wedlm")
+class WeDLMLM(LM):
+    """lm_eval LM over an HF causal model with a mask token.
+
+    Give either ``pretrained`` (a local checkpoint directory, loaded with the project's loader)
+    or ready ``model`` and ``tokenizer`` objects.
+    """
+
+    def __init__(
+        self,
+        pretrained: str | None = None,
+        model: Any = None,
+        tokenizer: Any = None,
+        mask_token_id: int | None = None,
+        device: str | None = None,
+        dtype: str = "auto",
+        method: str = "streaming",
+        window_size: int = 16,
+        entropy_threshold: float | None = 0.4,
+        distance_penalty: float = 0.02,
+        max_gen_toks: int = 256,
+        max_length: int | None = None,
+        batch_size: int | str = 1,
+        chat: bool | str = False,
+        **unused: Any,
+    ):
+        super().__init__()
+        if (pretrained is None) == (model is None):
+            raise ValueError("give exactly one of pretrained=DIR or model=<HF model object>")
+        if pretrained is not None:
+            model, tokenizer = load_checkpoint(
+                pretrained, device=device, dtype=dtype,
+                require_mask_token=mask_token_id is None and method != "ar",
+            )
+        elif tokenizer is None:
+            raise ValueError("model= needs tokenizer= as well")
+        if mask_token_id is None:
+            mask_token_id = getattr(model.config, "mask_token_id", None)
+        if mask_token_id is None:
+            mask_token_id = getattr(tokenizer, "mask_token_id", None)
+        if mask_token_id is None and method != "ar":
+            raise ValueError("model has no mask token: set config.mask_token_id or pass mask_token_id")
+        if method not in ("streaming", "blockwise", "ar"):
+            raise ValueError(f"method must be streaming, blockwise or ar, got {method!r}")
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.mask_token_id = None if mask_token_id is None else int(mask_token_id)
+        self.method = method
+        self.window_size = int(window_size)
+        self.entropy_threshold = None if entropy_threshold in (None, "None", "none") else float(entropy_threshold)
+        self.distance_penalty = float(distance_penalty)
+        self.max_gen_toks = int(max_gen_toks)
+        self.chat = _as_bool(chat)
+        self.batch_size = 1 if str(batch_size).startswith("auto") else int(batch_size)
+        self._max_length = int(max_length) if max_length else int(
+            getattr(model.config, "max_position_embeddings", 2048)
+        )
+        self._device = next(model.parameters()).device
+
+    # ------------------------------------------------------------------ token helpers
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def prefix_token_id(self) -> int:
+        """Context for an empty prompt: BOS if the tokenizer has one, else EOS (as HF models do)."""
+        bos = self.tokenizer.bos_token_id
+        return bos if bos is not None else self.tokenizer.eos_token_id
+
+    @property
+    def tokenizer_name(self) -> str:
+        return getattr(self.tokenizer, "name_or_path", "wedlm").replace("/", "__")
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(
+            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _context_continuation_ids(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """Token ids with the boundary chosen by tokenizing the joined text (lm_eval's convention).
+
+        Trailing spaces of the context move to the continuation, so "Answer: " + "B" scores as
+        "Answer:" + " B", which is how the text would be tokenized in running prose.
+        """
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        if not context:
+            return [self.prefix_token_id], self._encode(continuation)
+        whole, ctx = self._encode(context + continuation), self._encode(context)
+        return whole[: len(ctx)], whole[len(ctx):]
+
+    # ------------------------------------------------------------------ likelihoods
+
+    @torch.no_grad()
+    def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """Sum log p(continuation | context) and greedy-match flag, batched with right padding."""
+        out: list[tuple[float, bool]] = []
+        for start in range(0, len(pairs), self.batch_size):
+            chunk = pairs[start : start + self.batch_size]
+            rows = [(ctx + cont)[-(self.max_length + 1):][:-1] for ctx, cont in chunk]
+            width = max(len(r) for r in rows)
+            pad = self.tokenizer.pad_token_id or 0
+            ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=self._device)
+            attn = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=self._device)
+            logits = self.model(input_ids=ids, attention_mask=attn).logits.float()
+            if self.mask_token_id is not None:
+                logits[..., self.mask_token_id] = float("-inf")
+            logprobs = F.log_softmax(logits, dim=-1)
+            for b, (row, (_, cont)) in enumerate(zip(rows, chunk)):
+                positions = torch.arange(len(row) - len(cont), len(row), device=self._device)
+                target = torch.tensor(cont, device=self._device)
+                lp = logprobs[b, positions]
+                out.append((lp.gather(-1, target[:, None]).sum().item(), bool((lp.argmax(-1) == target).all())))
+        return out
+
+    def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        pairs = []
+        for context, continuation in (r.args for r in requests):
+            ctx, cont = self._context_continuation_ids(context, continuation)
+            if not cont:
+                raise ValueError(f"empty continuation after tokenization for context {context[-40:]!r}")
+            pairs.append((ctx, cont))
+        results = self._score(pairs)
+        for req, res in zip(requests, results):
+            self.cache_hook.add_partial("loglikelihood", req.args, res)
+        return results
+
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        results = []
+        for req in requests:
+            (text,) = req.args
+            windows = [
+                make_disjoint_window(w)
+                for w in get_rolling_token_windows(
+                    token_list=self._encode(text), prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length, context_len=1,
+                )
+            ]
+            total = sum(lp for lp, _ in self._score(windows))
+            self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
+            results.append(total)
+        return results
+
+    # ------------------------------------------------------------------ generation
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        from megatron_wedlm.decoding import generate
+
+        eos = self.tokenizer.eos_token_id
+        outputs = []
+        for req in requests:
+            context, gen_kwargs = req.args
+            gen_kwargs = dict(gen_kwargs or {})
+            until = gen_kwargs.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(gen_kwargs.pop("max_gen_toks", self.max_gen_toks))
+            do_sample = _as_bool(gen_kwargs.pop("do_sample", False))
+            temperature = float(gen_kwargs.pop("temperature", 0.0)) if do_sample else 0.0
+            if max_new >= self.max_length:
+                raise ValueError(f"max_gen_toks {max_new} leaves no room for a prompt in {self.max_length}")
+            prompt = self._encode(context)[-(self.max_length - max_new):] or [self.prefix_token_id]
+            result = generate(
+                self.model, prompt, method=self.method, mask_token_id=self.mask_token_id,
+                window_size=self.window_size, entropy_threshold=self.entropy_threshold,
+                distance_penalty=self.distance_penalty, max_new_tokens=max_new,
+                temperature=temperature, top_k=int(gen_kwargs.pop("top_k", 0)),
+                top_p=float(gen_kwargs.pop("top_p", 1.0)),
+                stop_token_ids=[eos] if eos is not None else [],
+                stop_strings=[u for u in until if u], tokenizer=self.tokenizer,
+            )
+            ids = [int(t) for t in result.token_ids]
+            if ids and ids[-1] == eos:
+                ids = ids[:-1]
+            text = truncate_at_stop(self.tokenizer.decode(ids, skip_special_tokens=True), until)
+            self.cache_hook.add_partial("generate_until", req.args, text)
+            outputs.append(text)
+        return outputs
+
+
+
+
+def main() -> None:
+    """lm_eval's command line with the ``wedlm`` model registered."""
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()

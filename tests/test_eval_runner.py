@@ -1,0 +1,171 @@
+"""The evaluation runner, the report files and the inference/evaluate.py command line."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from megatron_wedlm.decoding import GenerationResult, generate, load_tokenizer
+from megatron_wedlm.eval import EvalReport, builtin_task, evaluate, write_report
+from megatron_wedlm.eval.tasks import truncate_at_stop
+from megatron_wedlm.testing.tiny_models import build_tiny_model, build_tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return build_tiny_model(tokenizer, arch="qwen3", seed=1)
+
+
+class OracleDecoder:
+    """Answers every prompt with a known text; 'parallel' methods claim 3 tokens per forward.
+
+    Lets the runner's bookkeeping (stop tokens, truncation, scoring, metric sums) be checked
+    against numbers computed here by hand.
+    """
+
+    def __init__(self, tokenizer, answers: dict[str, str]):
+        self.tokenizer, self.answers, self.calls = tokenizer, answers, []
+
+    def __call__(self, model, prompt_ids, *, method, max_new_tokens, stop_token_ids, **kwargs):
+        self.calls.append((method, kwargs["entropy_threshold"]))
+        prompt = self.tokenizer.decode(prompt_ids)
+        ids = self.tokenizer(self.answers[prompt])["input_ids"][:max_new_tokens - 1] + [stop_token_ids[0]]
+        per_forward = 1 if method == "ar" else 3
+        forwards = math.ceil(len(ids) / per_forward)
+        seconds = 0.01 * forwards
+        return GenerationResult(ids, forwards, forwards * (1 if method == "ar" else 4), seconds, method)
+
+
+def test_runner_accounting_with_an_oracle_decoder(model, tokenizer):
+    counting, copying = builtin_task("counting", 4, seed=5), builtin_task("copying", 3, seed=5)
+    answers = {e.prompt: f" {e.reference}\nCount from" for e in counting.examples}  # extra text after the stop
+    answers |= {e.prompt: " " + e.reference.replace("a", "b") for e in copying.examples}  # wrong when it has an "a"
+    oracle = OracleDecoder(tokenizer, answers)
+    report = evaluate(model, tokenizer, [counting, copying], taus=(0.3, 0.7), decode_fn=oracle, warmup=False)
+
+    assert report.tasks == ["counting", "copying"] and report.methods == ["streaming", "blockwise", "ar"]
+    assert len(report.results) == 2 * 5 and len(oracle.calls) == 7 * 5
+    assert [r.tau for r in report.results[:5]] == [0.3, 0.7, 0.3, 0.7, None]
+    expected_copying = sum("a" not in e.reference for e in copying.examples) / 3
+    for r in report.results:
+        assert r.accuracy == (1.0 if r.task == "counting" else pytest.approx(expected_copying))
+        samples = [s for s in report.samples if (s.task, s.method, s.tau) == (r.task, r.method, r.tau)]
+        assert r.generated_tokens == sum(s.new_tokens for s in samples)
+        assert r.forwards == sum(s.forwards for s in samples)
+        assert r.tokens_per_forward == pytest.approx(r.generated_tokens / r.forwards)
+        assert r.p_cache == pytest.approx(r.generated_tokens / r.slots)
+        ar = report.result(r.task, "ar")
+        assert r.speedup_vs_ar == pytest.approx(r.tokens_per_second / ar.tokens_per_second)
+    # the stop token is not part of the text, and what follows the stop string is cut off
+    sample = next(s for s in report.samples if s.task == "counting")
+    assert sample.completion == " " + sample.reference and sample.correct
+
+
+def test_runner_matches_direct_decoding(model, tokenizer):
+    task = builtin_task("arithmetic", 2, seed=0)
+    report = evaluate(model, tokenizer, [task], ["streaming", "ar"], taus=(0.5,), max_new_tokens=6)
+    for sample in report.samples:
+        ids = tokenizer(next(e.prompt for e in task.examples if e.uid == sample.uid))["input_ids"]
+        direct = generate(model, ids, method=sample.method, mask_token_id=tokenizer.mask_token_id,
+                          entropy_threshold=0.5, max_new_tokens=6, stop_token_ids=[tokenizer.eos_token_id],
+                          stop_strings=["\n"], tokenizer=tokenizer)
+        assert sample.new_tokens == len(direct.token_ids) and sample.forwards == direct.num_forwards
+        text = tokenizer.decode([t for t in direct.token_ids if t != tokenizer.eos_token_id], skip_special_tokens=True)
+        assert sample.completion == truncate_at_stop(text, ["\n"])
+    assert report.settings["mask_token_id"] == tokenizer.mask_token_id
+    assert report.settings["tasks"] == {"arithmetic": 2}
+
+
+def test_runner_rejects_bad_input(model, tokenizer):
+    task = builtin_task("counting", 1)
+    with pytest.raises(ValueError, match="unknown decoding methods"):
+        evaluate(model, tokenizer, [task], ["beam"])
+    with pytest.raises(ValueError, match="no tasks"):
+        evaluate(model, tokenizer, [])
+    with pytest.raises(ValueError, match="entropy threshold"):
+        evaluate(model, tokenizer, [task], taus=())
+
+
+def _table_rows(markdown: str) -> dict[tuple[str, str, str], dict[str, str]]:
+    rows, task, header = {}, None, None
+    for line in markdown.splitlines():
+        if line.startswith("## "):
+            task = line[3:].strip()
+        elif line.startswith("| method"):
+            header = [c.strip() for c in line.strip("|").split("|")]
+        elif line.startswith("| ") and header:
+            cells = dict(zip(header, (c.strip() for c in line.strip("|").split("|"))))
+            rows[(task, cells["method"], cells["tau"])] = cells
+    return rows
+
+
+def test_report_files_round_trip(model, tokenizer, tmp_path):
+    oracle = OracleDecoder(tokenizer, {})
+    tasks = [builtin_task("counting", 3, seed=1), builtin_task("arithmetic", 3, seed=1)]
+    oracle.answers = {e.prompt: " " + e.reference for t in tasks for e in t.examples}
+    oracle.answers[tasks[1].examples[0].prompt] = " -1"
+    report = evaluate(model, tokenizer, tasks, taus=(0.2, 0.4, 0.6), decode_fn=oracle, model_name="tiny")
+    paths = write_report(report, str(tmp_path / "out"))
+
+    loaded = EvalReport.load(paths["json"])
+    assert loaded.to_dict() == report.to_dict()
+    assert {(r.task, r.method, r.tau) for r in loaded.results} == {
+        (t, m, tau) for t in ("counting", "arithmetic") for m in ("streaming", "blockwise") for tau in (0.2, 0.4, 0.6)
+    } | {("counting", "ar", None), ("arithmetic", "ar", None)}
+
+    rows = _table_rows(Path(paths["markdown"]).read_text())
+    assert len(rows) == len(loaded.results)
+    for r in loaded.results:
+        cells = rows[(r.task, r.method, "-" if r.tau is None else f"{r.tau:g}")]
+        assert float(cells["accuracy (%)"]) == pytest.approx(100 * r.accuracy, abs=0.05)
+        assert float(cells["tokens/forward"]) == pytest.approx(r.tokens_per_forward, abs=0.005)
+        assert float(cells["p_cache"]) == pytest.approx(r.p_cache, abs=0.0005)
+        assert float(cells["speedup vs AR"]) == pytest.approx(r.speedup_vs_ar, abs=0.005)
+        assert int(cells["forwards"]) == r.forwards and int(cells["tokens"]) == r.generated_tokens
+    assert loaded.result("arithmetic", "ar").accuracy == pytest.approx(2 / 3)
+
+    png = Path(paths["plot"]).read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+    import matplotlib.image
+
+    image = matplotlib.image.imread(paths["plot"])
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+    assert image[..., :3].std() > 0  # not a blank canvas
+
+
+def test_evaluate_cli_end_to_end(model, tokenizer, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    model.save_pretrained(ckpt)
+    tokenizer.save_pretrained(ckpt)
+    reloaded = load_tokenizer(ckpt)  # the CLI must see the prompts tokenized as in training
+    for example in builtin_task("counting", 3).examples + builtin_task("copying", 3).examples:
+        assert reloaded(example.prompt)["input_ids"] == tokenizer(example.prompt)["input_ids"]
+    # Loaded by path: the name "evaluate" also belongs to a PyPI package that lm-eval installs.
+    spec = importlib.util.spec_from_file_location("wedlm_evaluate_cli", ROOT / "inference" / "evaluate.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    out = tmp_path / "report"
+    rc = cli.main([
+        "--model", str(ckpt), "--tasks", "counting,copying", "--methods", "streaming,blockwise,ar",
+        "--taus", "0.3,0.6", "--limit", "2", "--max-new-tokens", "5", "--out", str(out),
+        "--device", "cpu", "--quiet",
+    ])
+    assert rc == 0
+    report = EvalReport.load(str(out / "report.json"))
+    assert report.tasks == ["counting", "copying"] and len(report.results) == 2 * 5
+    assert all(r.num_examples == 2 and 0 < r.generated_tokens <= 10 for r in report.results)
+    assert report.settings["taus"] == [0.3, 0.6] and report.model == str(ckpt)
+    assert (out / "report.md").read_text().count("| streaming |") == 4
+    assert re.search(r"\| ar \| - \| 2 \|", (out / "report.md").read_text())
+    assert report.settings["mask_token_id"] == tokenizer.mask_token_id  # read from the checkpoint config
