@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_wedlm.decoding import GenerationResult, generate, load_tokenizer
 from megatron_wedlm.eval import EvalReport, builtin_task, evaluate, write_report
@@ -85,6 +86,30 @@ def test_runner_matches_direct_decoding(model, tokenizer):
         assert sample.completion == truncate_at_stop(text, ["\n"])
     assert report.settings["mask_token_id"] == tokenizer.mask_token_id
     assert report.settings["tasks"] == {"arithmetic": 2}
+
+
+def test_confident_model_fills_several_slots_per_forward(tokenizer):
+    """A sharpened (low-entropy) model: the parallel methods emit more than one token per forward
+    through the runner, AR exactly one."""
+    model = build_tiny_model(tokenizer, arch="qwen2", seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(60.0)
+    report = evaluate(model, tokenizer, ["copying"], taus=(0.5,), limit=3, max_new_tokens=24, warmup=False)
+    for method in ("streaming", "blockwise"):
+        assert report.result("copying", method, 0.5).tokens_per_forward > 1.5
+    ar = report.result("copying", "ar")
+    assert ar.tokens_per_forward == ar.p_cache == 1.0
+
+
+def test_sampled_runs_are_reproducible_from_the_seed(model, tokenizer):
+    def run(seed):
+        report = evaluate(model, tokenizer, ["counting"], ["streaming", "ar"], limit=2, max_new_tokens=5,
+                          temperature=1.0, seed=seed, warmup=False)
+        return [(s.method, s.completion) for s in report.samples]
+
+    first = run(seed=7)
+    assert len(first) == 4 and first == run(seed=7)
+    assert first != run(seed=8)
 
 
 def test_runner_rejects_bad_input(model, tokenizer):

@@ -81,6 +81,16 @@ def test_training_corpus_is_disjoint_from_eval_prompts_and_matches_the_format():
     assert {_family(p) for p, _ in training_pairs(9)} == set(FAMILIES)
 
 
+def test_prompt_and_completion_tokenize_separately_as_joined():
+    """So an SFT split at the prompt boundary matches the evaluation prompt token for token."""
+    from megatron_wedlm.testing.tiny_models import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer(extra_texts=training_corpus(200, seed=9))
+    for prompt, completion in training_pairs(60, seed=2):
+        joined = tokenizer(prompt + completion)["input_ids"]
+        assert joined == tokenizer(prompt)["input_ids"] + tokenizer(completion)["input_ids"]
+
+
 def _family(prompt: str) -> str:
     return "counting" if prompt.startswith("Count") else "copying" if prompt.startswith("Repeat") else "arithmetic"
 

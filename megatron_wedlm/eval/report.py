@@ -42,7 +42,8 @@ def markdown_table(report: EvalReport) -> str:
         "",
         f"window {s.get('window_size')}, distance penalty {s.get('distance_penalty')}, "
         f"temperature {s.get('temperature')}, device {s.get('device')}, torch {s.get('torch')}. "
-        "Speed is post-prefill, one prompt at a time; speedup = tokens/s over AR tokens/s.",
+        "Speed: one prompt at a time, wall clock of each decode call (prefill included, same for "
+        "every method); speedup = tokens/s over AR tokens/s.",
     ]
     for task in report.tasks:
         lines += ["", f"## {task}", ""]

@@ -1,9 +1,11 @@
 """The evaluation report: accuracy and speed per (task, decoding method, tau), JSON round-trip.
 
-Speed metrics follow the paper's definitions (post-prefill): ``tokens_per_forward`` = tokens
-emitted / decode forwards, ``p_cache`` = tokens emitted / token slots processed by decode
-forwards, ``tokens_per_second`` = tokens emitted / decoding wall time. Sums are taken over the
-task's examples *before* dividing, so long answers weigh by their length, as in a throughput
+Speed metrics follow the paper's definitions, with the decoders' counts
+(``megatron_wedlm.decoding.result``): ``tokens_per_forward`` = tokens emitted / forwards (the
+prompt is prefilled in the same forward as the first window or AR step), ``p_cache`` = tokens
+emitted / generated-token slots processed, ``tokens_per_second`` = tokens emitted / wall time
+of the decode calls (prefill included, alike for every method). Sums are taken over the task's
+examples *before* dividing, so long answers weigh by their length, as in a throughput
 measurement. ``speedup_vs_ar`` is tokens/s over the AR baseline's tokens/s on the same task.
 """
 

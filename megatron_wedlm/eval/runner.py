@@ -6,8 +6,9 @@ Entropy thresholds in ``taus`` are swept for both parallel methods (streaming an
 the same fill rule, different commit policy); AR has no threshold and runs once.
 
 Prompts are decoded one at a time: tokens/s is then the single-stream latency the paper
-reports, not a batched throughput. One untimed warm-up decode per method keeps one-off costs
-(allocator growth, kernel selection) out of the first example's timing.
+reports, not a batched throughput. Configurations are interleaved per example, so drifting
+machine load affects all of them alike, and one untimed warm-up decode per configuration keeps
+one-off costs (allocator growth, kernel selection) out of the first example's timing.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from megatron_wedlm.eval.registry import load_task
 from megatron_wedlm.eval.results import EvalReport, MethodResult, SampleRecord
 from megatron_wedlm.eval.tasks import Task, truncate_at_stop
 
@@ -91,10 +93,11 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool = False) -> list[int]:
 def evaluate(
     model: Any,
     tokenizer: Any,
-    tasks: Sequence[Task],
+    tasks: Sequence[Task | str],
     methods: Sequence[str] = METHODS,
     *,
     taus: Sequence[float] = (0.4,),
+    limit: int | None = None,
     mask_token_id: int | None = None,
     window_size: int = 16,
     distance_penalty: float = 0.02,
@@ -112,6 +115,8 @@ def evaluate(
 ) -> EvalReport:
     """Evaluate ``tasks`` with each decoding method; see the module docstring for the protocol.
 
+    ``tasks`` holds :class:`Task` objects or specs for :func:`load_task` (``"counting"``,
+    ``"gsm8k:/data/test.jsonl"``); ``limit`` keeps the first N examples of each task.
     ``max_new_tokens`` caps every task's own budget (``None``: the task's budget).
     """
     unknown = [m for m in methods if m not in METHODS]
@@ -119,6 +124,7 @@ def evaluate(
         raise ValueError(f"unknown decoding methods {unknown or methods}; choose from {METHODS}")
     if not tasks:
         raise ValueError("no tasks to evaluate")
+    tasks = [load_task(t, limit=limit) if isinstance(t, str) else t.limited(limit) for t in tasks]
     if any(m in PARALLEL_METHODS for m in methods) and not taus:
         raise ValueError("streaming/blockwise need at least one entropy threshold in taus")
     mask_token_id = _resolve_mask_token_id(model, tokenizer, mask_token_id)
@@ -128,6 +134,7 @@ def evaluate(
             "or pass mask_token_id; only method 'ar' works without one"
         )
     decode = decode_fn or _default_decode_fn()
+    device = next(iter(model.parameters())).device if hasattr(model, "parameters") else torch.device("cpu")
     stop_ids = _stop_token_ids(model, tokenizer)
     configs = [(m, float(t)) for m in methods if m in PARALLEL_METHODS for t in taus]
     configs += [("ar", None)] if "ar" in methods else []
@@ -140,8 +147,8 @@ def evaluate(
 
         def run(method: str, tau: float | None, index: int) -> Any:
             generator = None
-            if temperature > 0:
-                generator = torch.Generator(device="cpu").manual_seed(seed + index)
+            if temperature > 0:  # same seed per example for every method
+                generator = torch.Generator(device=device).manual_seed(seed + index)
             return decode(
                 model, prompts[index], method=method, mask_token_id=mask_token_id,
                 window_size=window_size, entropy_threshold=0.4 if tau is None else tau,
@@ -151,30 +158,33 @@ def evaluate(
                 generator=generator,
             )
 
-        task_results = []
-        for method, tau in configs:
-            if warmup:
+        if warmup:
+            for method, tau in configs:
                 run(method, tau, 0)
-            label = method if tau is None else f"{method} tau={tau:g}"
-            outputs = []
-            for i in tqdm(range(len(prompts)), desc=f"{task.name} | {label}", disable=not progress,
-                          file=sys.stderr, leave=False):
-                outputs.append(run(method, tau, i))
+        # Interleaved: every configuration decodes example i before any moves to i + 1, so a
+        # change in machine load hits all of them alike instead of skewing one method's speed.
+        outputs: dict[tuple[str, float | None], list[Any]] = {c: [] for c in configs}
+        for i in tqdm(range(len(prompts)), desc=task.name, disable=not progress, file=sys.stderr, leave=False):
+            for method, tau in configs:
+                outputs[(method, tau)].append(run(method, tau, i))
+
+        task_results = []
+        for (method, tau), config_outputs in outputs.items():
             completions = [
                 truncate_at_stop(
                     tokenizer.decode(_emitted(o.token_ids, stop_ids), skip_special_tokens=True),
                     task.stop_strings,
                 )
-                for o in outputs
+                for o in config_outputs
             ]
             judgements = task.judge_all(task.examples, completions)
             result = MethodResult(
-                task=task.name, method=method, tau=tau, num_examples=len(outputs),
+                task=task.name, method=method, tau=tau, num_examples=len(config_outputs),
                 num_correct=sum(j.correct for j in judgements),
-                generated_tokens=sum(len(o.token_ids) for o in outputs),
-                forwards=sum(int(o.num_forwards) for o in outputs),
-                slots=sum(int(o.num_slots) for o in outputs),
-                seconds=sum(float(o.seconds) for o in outputs),
+                generated_tokens=sum(len(o.token_ids) for o in config_outputs),
+                forwards=sum(int(o.num_forwards) for o in config_outputs),
+                slots=sum(int(o.num_slots) for o in config_outputs),
+                seconds=sum(float(o.seconds) for o in config_outputs),
             )
             task_results.append(result)
             if progress:
@@ -184,7 +194,7 @@ def evaluate(
                     SampleRecord(task.name, method, tau, ex.uid, c, j.extracted, ex.reference,
                                  j.correct, len(o.token_ids), int(o.num_forwards), float(o.seconds),
                                  j.detail)
-                    for ex, c, j, o in zip(task.examples, completions, judgements, outputs)
+                    for ex, c, j, o in zip(task.examples, completions, judgements, config_outputs)
                 ]
         _fill_speedups(task_results)
         results += task_results
@@ -194,7 +204,7 @@ def evaluate(
         distance_penalty=distance_penalty, max_new_tokens=max_new_tokens, temperature=temperature,
         top_k=top_k, top_p=top_p, seed=seed, chat=chat, mask_token_id=mask_token_id,
         stop_token_ids=stop_ids, tasks={t.name: len(t.examples) for t in tasks},
-        device=str(next(iter(model.parameters())).device) if hasattr(model, "parameters") else "n/a",
+        device=str(device),
         torch=torch.__version__, python=platform.python_version(),
         time=time.strftime("%Y-%m-%dT%H:%M:%S"),
     )
