@@ -107,11 +107,8 @@ def reference_decode(model, prompt, *, mask_id, window, tau, lam, max_new, stops
         if any(t in stops for t in win[:n_end]) or len(out) + n_end >= max_new:
             emit(win[:n_end])
             break
-        room = max_new - len(out)
-        if schedule == "streaming":
-            win += [mask_id] * (min(window, room) - len(win))
-        elif mask_id not in win:
-            win += [mask_id] * min(window, room - len(win))
+        if n_end:  # the run the next forward commits is replaced by masks in that same forward
+            win += [mask_id] * (min(window + n_end, max_new - len(out)) - len(win))
     return out, forwards, slots
 
 

@@ -79,14 +79,17 @@ def ar_generate_batch(
         input_ids[i, width - len(prompt) :] = torch.tensor(prompt, device=device)
         attention_mask[i, width - len(prompt) :] = 1
 
+    # generate() fills every unset (None) field from the model's own generation_config (e.g. Qwen's
+    # top_k=20, repetition_penalty, EOS): set all that change the output, so the settings here rule.
     sampling = temperature > 0
     config = GenerationConfig(
         max_new_tokens=budget,
         do_sample=sampling,
         temperature=temperature if sampling else None,
-        top_k=top_k if sampling and top_k > 0 else None,
-        top_p=top_p if sampling and top_p < 1.0 else None,
-        eos_token_id=stops or None,
+        top_k=top_k if sampling else None,
+        top_p=top_p if sampling else None,
+        repetition_penalty=1.0,
+        eos_token_id=stops,  # [] = no stop token
         pad_token_id=pad_id,
         suppress_tokens=[int(mask_token_id)] if mask_token_id is not None else None,
         stop_strings=list(stop_strings) if stop_strings else None,

@@ -1,13 +1,19 @@
 """Streaming parallel decoding (WeDLM Algorithm 1) and the block-wise baseline, for a batch of prompts.
 
-One engine runs both schedules; they differ only in when filled slots are committed and when
-new mask slots are appended:
+One engine runs both schedules; they differ only in what a forward may commit:
 
-* ``streaming``: commit the leftmost filled run of the window after every forward, then refill
-  the window with that many masks, so the parallel workload stays ``window_size`` slots.
-* ``blockwise``: the window is one block of ``window_size`` masks; nothing is committed until the
-  whole block is filled. The forward that commits a finished block also carries the next block's
-  masks (its keys/values are computed in the same pass), so no forward is spent on commit alone.
+* ``streaming``: the leftmost filled run of the window, whatever its length.
+* ``blockwise``: nothing until the whole block of ``window_size`` slots is filled, then the block.
+
+In both, the run a forward is going to commit (it was filled by the previous step) is replaced
+by new mask slots *in that same forward*, so after every commit exactly ``window_size``
+uncommitted slots remain and no forward is spent on committing alone. A forward therefore
+carries up to ``2 * window_size`` slots (run to commit + window). This is how the reference
+WeDLM engine schedules its window; SPEC step (e) appends the masks after the commit, which
+would predict them one forward later and, for confident output, spend every other forward
+committing only (half the tokens per forward of this schedule, and block-wise would get the
+fused commit and streaming not). For block-wise it means the forward that commits a finished
+block also predicts the next block.
 
 Per step and row, the window (filled slots first, then masks, each in ascending logical
 position) goes through one causal forward on top of the row's committed KV cache, with
@@ -82,8 +88,8 @@ class ParallelSettings:
 
     @property
     def capacity(self) -> int:
-        """Most window slots a row can hold: one block, or a finished block plus the next one."""
-        return self.window_size if self.schedule == STREAMING else 2 * self.window_size
+        """Most slots one forward can carry per row: a run to commit plus ``window_size`` more."""
+        return 2 * self.window_size
 
 
 def streaming_generate(
@@ -275,7 +281,7 @@ def decode(
         valid = slot < window_len[:, None]
         is_mask = (window == mask_id) & valid
         perm = (slot + C * is_mask + 2 * C * ~valid).argsort(dim=1)
-        window_len_host = window_len.tolist()
+        window_len_host, masks_host = torch.stack([window_len, is_mask.sum(dim=1)]).tolist()
         width = max(window_len_host)
         order = perm[:, :width]
         input_ids = window.gather(1, order)
@@ -297,11 +303,6 @@ def decode(
             past_key_values=cache,
             use_cache=True,
         ).last_hidden_state
-        logical = perm.argsort(dim=1)[:, :width].clamp(max=width - 1)  # physical column of each logical slot
-        if offsets is not None:
-            logical = logical + offsets[:, None]
-        hidden = hidden.gather(1, logical[..., None].expand(-1, -1, hidden.shape[-1]))
-        logits = head(hidden)  # [rows, width, vocab], logical window order
         for i, row in enumerate(rows):
             forwards[row] += 1
             slots[row] += window_len_host[i]
@@ -312,13 +313,24 @@ def decode(
         n = commit_count(filled.int().cumprod(dim=1).sum(dim=1))
         finished = accept(n)
 
-        # d. predict the remaining masks of this forward
-        live_mask = is_mask[:, :width] & ~finished[:, None]
-        if bool(live_mask.any()):
-            scores = exclude_token(logits, mask_id)
-            fill = select_slots(entropy(scores), live_mask, settings.entropy_threshold, settings.distance_penalty)
+        # d. predict the masks of this forward; only they need logits (filled slots were fed for their KV)
+        n_masks = max(masks_host)
+        if n_masks:
+            n_filled = filled.sum(dim=1, keepdim=True)
+            rank = slot[:n_masks]
+            column = (n_filled + rank).clamp(max=width - 1)  # physical column of each row's rank-th mask
+            candidate = (rank < (window_len[:, None] - n_filled)) & ~finished[:, None]
+            logical = order.gather(1, column)
+            if offsets is not None:
+                column = column + offsets[:, None]
+            mask_hidden = hidden.gather(1, column[..., None].expand(-1, -1, hidden.shape[-1]))
+            scores = exclude_token(head(mask_hidden), mask_id)
+            fill = select_slots(
+                entropy(scores), candidate, logical - logical[:, :1], settings.entropy_threshold, settings.distance_penalty
+            )
             tokens = sample_tokens(scores, settings.temperature, settings.top_k, settings.top_p, generator)
-            window[:, :width] = torch.where(fill, tokens, window[:, :width])
+            mask_rank = (perm.argsort(dim=1) - n_filled).clamp(0, n_masks - 1)  # rank of each logical mask slot
+            window = torch.where(is_mask & fill.gather(1, mask_rank), tokens.gather(1, mask_rank), window)
 
         # slide the window past the committed run; the cache keeps exactly that run
         source = slot + n[:, None]
@@ -333,13 +345,8 @@ def decode(
         ends = (torch.isin(window, stop_ids) & (slot < lead[:, None])).any(dim=1) | (emitted + lead >= budget)
         finished |= accept(torch.where(ends & ~finished, lead, 0))
 
-        # e. refill: streaming keeps W slots; block-wise opens the next block once this one is full
-        room = budget - emitted
-        if settings.schedule == STREAMING:
-            window_len = torch.minimum(room, torch.tensor(W, device=device))
-        else:
-            full = ~((window == mask_id) & valid).any(dim=1)
-            window_len = torch.where(full, window_len + torch.minimum(room - window_len, torch.tensor(W, device=device)), window_len)
+        # e. refill: the run the next forward commits is replaced by new masks in that same forward
+        window_len = torch.where(lead > 0, torch.minimum(lead + W, budget - emitted), window_len)
 
         cache.commit(base, max(base.tolist()))
         finished_host = finished.tolist()

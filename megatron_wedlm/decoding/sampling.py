@@ -13,8 +13,8 @@ Two distributions are involved, on purpose:
 * the *token* put into a filled slot comes from the sampling distribution: argmax when
   ``temperature == 0``, else softmax(logits / T) restricted by top-k then top-p.
 
-The mask token's logit is set to ``-inf`` before either is computed, so a mask can never be
-emitted as output.
+The mask token's logit is pushed to the lowest float before either is computed, so a mask can
+never be emitted as output.
 """
 
 from __future__ import annotations
@@ -23,43 +23,46 @@ import torch
 
 
 def exclude_token(logits: torch.Tensor, token_id: int) -> torch.Tensor:
-    """Return ``logits`` with ``token_id`` made impossible (logit ``-inf``), without modifying the input."""
+    """``logits`` with ``token_id`` made impossible, without modifying the input.
+
+    The lowest finite value is used rather than ``-inf``: its probability is exactly 0 all the
+    same, and entropy needs no NaN guard for ``0 * log 0``.
+    """
     out = logits.clone()
-    out[..., token_id] = float("-inf")
+    out[..., token_id] = torch.finfo(out.dtype).min
     return out
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Shannon entropy (nats) of ``softmax(logits)`` over the last dim; ``-inf`` logits count as probability 0."""
+    """Shannon entropy (nats) of ``softmax(logits)`` over the last dim (logits must be finite)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    return -torch.special.xlogy(logp.exp(), logp.exp()).sum(-1)
+    return -(logp.exp() * logp).sum(dim=-1)
 
 
 def select_slots(
     slot_entropy: torch.Tensor,
-    is_mask: torch.Tensor,
+    is_candidate: torch.Tensor,
+    distance: torch.Tensor,
     entropy_threshold: float | None,
     distance_penalty: float,
 ) -> torch.Tensor:
-    """Which mask slots to fill this step (bool ``[rows, slots]``), by the WeDLM entropy rule.
+    """Which candidate mask slots to fill this step (bool, same shape as ``slot_entropy``).
 
-    ``H~_i = H_i + distance_penalty * d_i`` with ``d_i`` the distance in window slots from the
-    leftmost remaining mask of the row. Every mask slot with ``H~ < entropy_threshold`` is filled;
-    a row where none qualifies (or ``entropy_threshold is None``: one slot per step) fills the
-    single mask slot with the smallest ``H~``. The penalty favours slots near the committed prefix,
-    which is what lets the leftmost filled run (and so the cacheable prefix) grow.
-    Rows without any mask slot fill nothing.
+    The WeDLM rule: ``H~ = H + distance_penalty * distance``, where ``distance`` counts window
+    slots from the row's leftmost remaining mask. Every candidate with ``H~ < entropy_threshold``
+    is filled; a row where none qualifies (or ``entropy_threshold is None``: one slot per step)
+    fills its single candidate with the smallest ``H~`` (the leftmost on ties). The penalty favours
+    slots near the committed prefix, which is what lets the leftmost filled run, and so the
+    cacheable prefix, grow. Rows without candidates fill nothing.
     """
-    slots = torch.arange(is_mask.shape[1], device=is_mask.device)
-    first_mask = torch.where(is_mask, slots, is_mask.shape[1]).min(dim=1, keepdim=True).values
-    adjusted = slot_entropy + distance_penalty * (slots - first_mask).to(slot_entropy.dtype)
-    adjusted = adjusted.masked_fill(~is_mask, float("inf"))
+    adjusted = slot_entropy + distance_penalty * distance.to(slot_entropy.dtype)
+    adjusted = adjusted.masked_fill(~is_candidate, float("inf"))
     if entropy_threshold is None:
-        fill = torch.zeros_like(is_mask)
+        fill = torch.zeros_like(is_candidate)
     else:
         fill = adjusted < entropy_threshold
-    needs_one = ~fill.any(dim=1) & is_mask.any(dim=1)
-    best = torch.nn.functional.one_hot(adjusted.argmin(dim=1), is_mask.shape[1]).bool()
+    needs_one = ~fill.any(dim=1) & is_candidate.any(dim=1)
+    best = torch.nn.functional.one_hot(adjusted.argmin(dim=1), is_candidate.shape[1]).bool()
     return fill | (best & needs_one[:, None])
 
 
