@@ -1,0 +1,336 @@
+"""CPU runtime for Megatron-Core: the one place where we bend Megatron to run without CUDA.
+
+Megatron-Core assumes a CUDA device in a handful of places (``torch.cuda.current_device()`` as a
+tensor device, the CUDA RNG tracker, literal ``device="cuda"`` factories, ``torch.cuda.synchronize``,
+and ``param.type() == 'torch.cuda.FloatTensor'`` checks). Our tests and the CPU quickstart run
+Megatron's real models, schedules and optimizers on CPU with the gloo backend, so those spots
+are redirected here, and nowhere else in the code base.
+
+Rules this module keeps:
+
+* It is activated explicitly (:func:`activate_cpu_runtime`, or ``MEGATRON_WEDLM_CPU=1`` through
+  :func:`activate_from_env`); importing it changes nothing.
+* It refuses to activate when CUDA is available, so it can never alter Megatron on a GPU.
+* It refuses Megatron-Core versions it was not checked against: each patch below names the
+  Megatron-Core lines it covers, and those lines move between releases.
+* Every patch replaces something that cannot work on a CPU-only torch build (it would raise or
+  silently do nothing), so no behaviour that works on CPU is changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import types
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+#: Megatron-Core releases whose source lines the patches below were checked against.
+TESTED_MEGATRON_CORE_VERSIONS: tuple[str, ...] = ("0.16.1",)
+
+ENV_VAR = "MEGATRON_WEDLM_CPU"
+UNTESTED_OVERRIDE_ENV_VAR = "MEGATRON_WEDLM_ALLOW_UNTESTED_MCORE"
+
+
+class CpuRuntimeError(RuntimeError):
+    """Raised when the CPU runtime cannot (or must not) be activated."""
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One redirection: ``owner.attribute`` is replaced by ``replacement`` while the runtime is on."""
+
+    owner: Any
+    attribute: str
+    replacement: Any
+    covers: str  # the Megatron-Core code (file:line in TESTED_MEGATRON_CORE_VERSIONS) it exists for
+
+
+_applied: list[tuple[Patch, Any]] = []
+
+
+def cpu_runtime_active() -> bool:
+    return bool(_applied)
+
+
+def megatron_core_version() -> str:
+    import megatron.core
+
+    return str(getattr(megatron.core, "__version__", "unknown"))
+
+
+def check_megatron_core_version(allow_untested: bool = False) -> str:
+    """Return the installed Megatron-Core version, or raise if the patches were not checked on it."""
+    version = megatron_core_version()
+    if version in TESTED_MEGATRON_CORE_VERSIONS or allow_untested:
+        return version
+    raise CpuRuntimeError(
+        f"megatron_wedlm's CPU runtime was checked against megatron-core "
+        f"{', '.join(TESTED_MEGATRON_CORE_VERSIONS)}, but {version} is installed. The CPU patches "
+        f"redirect specific Megatron-Core source lines, which may have moved. Install a tested "
+        f"version (pip install 'megatron-core=={TESTED_MEGATRON_CORE_VERSIONS[-1]}'), or set "
+        f"{UNTESTED_OVERRIDE_ENV_VAR}=1 to try anyway and re-run the parallel-equivalence tests."
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Replacements
+# --------------------------------------------------------------------------------------------
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    return isinstance(device, int)  # a bare index means a CUDA ordinal in torch's factories
+
+
+def _cpu_factory(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    @functools.wraps(factory)
+    def wrapper(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+            kwargs.pop("pin_memory", None)
+        return factory(*args, **kwargs)
+
+    return wrapper
+
+
+class _TorchWithCpuFactories(types.ModuleType):
+    """``torch`` as seen by one Megatron module, with ``device="cuda"`` factories mapped to CPU.
+
+    Patching ``torch.zeros`` globally would touch every library in the process; installing this
+    proxy as the ``torch`` global of the few Megatron modules that hard-code ``device="cuda"``
+    keeps the change local to them.
+    """
+
+    _FACTORIES = ("zeros", "ones", "empty", "tensor", "full", "arange")
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        for name in self._FACTORIES:
+            setattr(self, name, _cpu_factory(getattr(torch, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _cpu_current_device() -> str:
+    return "cpu"
+
+
+def _noop(*_args: Any, **_kwargs: Any) -> None:
+    return None
+
+
+def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
+    state = torch.get_rng_state()
+    return state.clone() if clone else state
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _make_cpu_rng_tracker_class(base: type) -> type:
+    """Megatron's RNG tracker with the CPU generator standing in for the CUDA one.
+
+    Megatron keeps named CUDA generator states (data-parallel, model-parallel, expert) and swaps
+    them in with ``fork()``. On CPU the device generator *is* the CPU default generator, so the
+    same states are kept for it. The stock ``fork`` also warns when the CPU state changes inside
+    a fork, which is the expected case here, so ``fork`` is rewritten without that check.
+    """
+
+    class CpuRNGStatesTracker(base):  # type: ignore[misc, valid-type]
+        def add(self, name: str, seed: int) -> None:
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self.seeds_.add(seed)
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            orig_state = torch.get_rng_state()
+            orig_name = self._current_state_name
+            if orig_name != "default-rng":
+                self.states_[orig_name] = orig_state
+            torch.set_rng_state(self.states_[name])
+            self._current_state_name = name
+            try:
+                yield
+            finally:
+                if self._current_state_name != name:
+                    raise Exception(
+                        f"current state name {self._current_state_name} is not the desired {name}"
+                    )
+                self.states_[name] = torch.get_rng_state()
+                if orig_name != "default-rng":
+                    orig_state = self.states_[orig_name]
+                torch.set_rng_state(orig_state)
+                self._current_state_name = orig_name
+
+    return CpuRNGStatesTracker
+
+
+@contextlib.contextmanager
+def _cpu_float_tensors_report_cuda_type() -> Iterator[None]:
+    """While active, ``t.type()`` of a CPU tensor answers with its ``torch.cuda.*`` name.
+
+    Megatron's optimizers classify parameters by ``param.type() == 'torch.cuda.FloatTensor'``;
+    on CPU the same parameters answer ``'torch.FloatTensor'`` and are rejected.
+    """
+    original = torch.Tensor.type
+
+    def cuda_named_type(self: torch.Tensor, *args: Any, **kwargs: Any):
+        result = original(self, *args, **kwargs)
+        if not args and not kwargs and isinstance(result, str) and self.device.type == "cpu":
+            return result.replace("torch.", "torch.cuda.", 1)
+        return result
+
+    torch.Tensor.type = cuda_named_type  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original  # type: ignore[method-assign]
+
+
+def _with_cuda_type_names(fn: Callable[..., Any]) -> Callable[..., Any]:
+    if isinstance(fn, classmethod):
+        inner = fn.__func__
+
+        @functools.wraps(inner)
+        def class_wrapper(cls: Any, *args: Any, **kwargs: Any) -> Any:
+            with _cpu_float_tensors_report_cuda_type():
+                return inner(cls, *args, **kwargs)
+
+        return classmethod(class_wrapper)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with _cpu_float_tensors_report_cuda_type():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _patches() -> list[Patch]:
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
+    import megatron.core.pipeline_parallel.schedules as schedules
+    import megatron.core.tensor_parallel.random as mcore_random
+    import megatron.core.transformer.utils as transformer_utils
+    import megatron.core.utils as mcore_utils
+
+    cpu_torch = _TorchWithCpuFactories()
+    return [
+        Patch(torch.cuda, "current_device", _cpu_current_device,
+              "tensor_parallel/layers.py:261,552,597,873,1197; mappings.py:91,141,181; "
+              "transformer/attention.py:430; rotary_pos_embedding.py:162; gpt_model.py:415; "
+              "param_and_grad_buffer.py:783-806; distrib_optimizer.py:791 (device=current_device())"),
+        Patch(torch.cuda, "synchronize", _noop,
+              "parallel_state.py:198,933; distributed_data_parallel.py:588,611 (CPU ops are synchronous)"),
+        Patch(torch.cuda, "manual_seed", torch.manual_seed,
+              "tensor_parallel/random.py model_parallel_cuda_manual_seed: default device RNG seed"),
+        Patch(torch.cuda, "get_rng_state", _cpu_get_rng_state,
+              "tensor_parallel/random.py:235 and CheckpointFunction (activation recompute)"),
+        Patch(torch.cuda, "set_rng_state", _cpu_set_rng_state,
+              "tensor_parallel/random.py CheckpointFunction backward"),
+        Patch(mcore_random, "_get_cuda_rng_state", _cpu_get_rng_state,
+              "tensor_parallel/random.py:41 (tracker fork, recompute, checkpointed RNG state)"),
+        Patch(mcore_random, "_set_cuda_rng_state", _cpu_set_rng_state,
+              "tensor_parallel/random.py:72 (a lazy CUDA call that is a silent no-op on CPU)"),
+        Patch(mcore_random, "CudaRNGStatesTracker",
+              _make_cpu_rng_tracker_class(mcore_random.CudaRNGStatesTracker),
+              "tensor_parallel/random.py:161 class used by initialize_rng_tracker:274"),
+        Patch(schedules, "torch", cpu_torch,
+              "pipeline_parallel/schedules.py:596,983,2138 total_num_tokens device='cuda'"),
+        Patch(mcore_utils, "torch", cpu_torch,
+              "utils.py:1207 local_multi_tensor_l2_norm device='cuda' (grad-norm without apex)"),
+        Patch(transformer_utils, "torch", cpu_torch,
+              "transformer/utils.py:35 get_default_causal_mask device='cuda' (local attention)"),
+        Patch(clip_grads, "torch", cpu_torch,
+              "optimizer/clip_grads.py:90,103,115,174,207 device='cuda' buffers"),
+        Patch(clip_grads, "clip_grad_by_total_norm_fp32",
+              _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32),
+              "optimizer/clip_grads.py:167 assert grad.type() == 'torch.cuda.FloatTensor'"),
+        Patch(distrib_optimizer.DistributedOptimizer, "_build_model_and_main_param_groups",
+              _with_cuda_type_names(
+                  distrib_optimizer.DistributedOptimizer.__dict__["_build_model_and_main_param_groups"]
+              ),
+              "optimizer/distrib_optimizer.py:361,420 param.type() == 'torch.cuda.FloatTensor'"),
+    ]
+
+
+def _patch_importers_of_clip_fn() -> list[Patch]:
+    """Modules that imported ``clip_grad_by_total_norm_fp32`` by name need the wrapped one too."""
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.optimizer as mcore_optimizer
+
+    wrapped = clip_grads.clip_grad_by_total_norm_fp32
+    return [
+        Patch(mcore_optimizer, "clip_grad_by_total_norm_fp32", wrapped,
+              "optimizer/optimizer.py clip_grad_norm -> clip_grad_by_total_norm_fp32"),
+    ]
+
+
+def activate_cpu_runtime(allow_untested_version: bool | None = None) -> None:
+    """Make Megatron-Core run on CPU (gloo). Idempotent; refuses on a machine with CUDA."""
+    if cpu_runtime_active():
+        return
+    if torch.cuda.is_available():
+        raise CpuRuntimeError(
+            "CUDA is available: megatron_wedlm's CPU runtime is only for CPU-only machines and "
+            "must not alter Megatron-Core on a GPU. Unset MEGATRON_WEDLM_CPU / do not call "
+            "activate_cpu_runtime() on GPU nodes."
+        )
+    if allow_untested_version is None:
+        allow_untested_version = os.environ.get(UNTESTED_OVERRIDE_ENV_VAR) == "1"
+    check_megatron_core_version(allow_untested_version)
+    for patch in _patches():
+        _apply(patch)
+    for patch in _patch_importers_of_clip_fn():
+        _apply(patch)
+    # Megatron may have created a tracker of the stock class before activation.
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random.initialize_rng_tracker(force_reset=True)
+
+
+def _apply(patch: Patch) -> None:
+    original = getattr(patch.owner, patch.attribute)
+    if isinstance(patch.owner, type):
+        original = patch.owner.__dict__[patch.attribute]
+    setattr(patch.owner, patch.attribute, patch.replacement)
+    _applied.append((patch, original))
+
+
+def deactivate_cpu_runtime() -> None:
+    """Undo every patch (in reverse order). Used by tests that activate in-process."""
+    while _applied:
+        patch, original = _applied.pop()
+        setattr(patch.owner, patch.attribute, original)
+
+
+def applied_patches() -> list[Patch]:
+    return [patch for patch, _ in _applied]
+
+
+def activate_from_env() -> bool:
+    """Activate when ``MEGATRON_WEDLM_CPU=1``; return whether the runtime is active."""
+    if os.environ.get(ENV_VAR) == "1":
+        activate_cpu_runtime()
+    return cpu_runtime_active()

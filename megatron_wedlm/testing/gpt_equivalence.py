@@ -1,0 +1,201 @@
+"""Does a parallel layout compute what one process computes? Worker functions that answer it.
+
+The recipe, run through :func:`megatron_wedlm.testing.multiprocess.run_distributed`:
+
+1. ``save_reference`` (1 rank): build the model at TP=PP=1 from a seed, save its weights as a
+   Megatron ``torch_dist`` checkpoint, run forward/backward on a fixed batch, return loss and
+   gradients.
+2. ``run_layout`` (TP x PP ranks): load those weights (Megatron's own resharding), run the same
+   batch through the real pipeline schedule, and save the *gradients* as a ``torch_dist``
+   checkpoint of the same model; return the loss.
+3. ``gather_checkpoint`` (1 rank): load that gradient checkpoint into a TP=PP=1 model, which
+   reassembles the shards exactly as Megatron does, and return the full tensors.
+
+Using dist_checkpointing for both directions avoids a hand-written gather with per-parameter
+layout rules (GLU halves, QKV groups) that could share a bug with the code under test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import partial
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class TinyGPTSpec:
+    """A small Qwen/Llama-shaped GPT: RMSNorm, SwiGLU, RoPE, GQA, untied output layer."""
+
+    num_layers: int = 4
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    ffn_hidden_size: int = 128
+    vocab_size: int = 128
+    seq_length: int = 32
+    micro_batch_size: int = 2
+    num_microbatches: int = 2
+    seed: int = 1234
+
+
+def build_gpt(spec: TinyGPTSpec, sequence_parallel: bool = False):
+    """A Megatron-Core GPTModel with the local (non-TE) layer spec for this rank's stage."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        sequence_parallel=sequence_parallel,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.seq_length,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+    )
+
+
+def make_batches(spec: TinyGPTSpec) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(spec.seed + 1)
+    batches = []
+    for _ in range(spec.num_microbatches):
+        tokens = torch.randint(0, spec.vocab_size, (spec.micro_batch_size, spec.seq_length + 1), generator=g)
+        loss_mask = (torch.rand(spec.micro_batch_size, spec.seq_length, generator=g) > 0.2).float()
+        batches.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": loss_mask})
+    return batches
+
+
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    # GPTModel returns per-token losses (vocab-parallel cross entropy) when given labels.
+    loss = (output_tensor.float() * loss_mask).sum() / loss_mask.sum()
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    positions = torch.arange(batch["tokens"].shape[1]).unsqueeze(0).expand_as(batch["tokens"])
+    output = model(
+        input_ids=batch["tokens"],
+        position_ids=positions,
+        attention_mask=None,
+        labels=batch["labels"],
+    )
+    return output, partial(_loss_func, batch["loss_mask"])
+
+
+def forward_backward(model, spec: TinyGPTSpec, forward_step: Callable = _forward_step) -> float | None:
+    """One real Megatron schedule step (no optimizer); the mean loss on the last stage, else None."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    fwd_bwd = get_forward_backward_func()
+    losses = fwd_bwd(
+        forward_step_func=forward_step,
+        data_iterator=iter(make_batches(spec)),
+        model=[model],
+        num_microbatches=spec.num_microbatches,
+        seq_length=spec.seq_length,
+        micro_batch_size=spec.micro_batch_size,
+        forward_only=False,
+    )
+    if not ps.is_pipeline_last_stage():
+        return None
+    return float(torch.stack([d["lm loss"] for d in losses]).mean())
+
+
+def _grads_into_params(model) -> None:
+    for param in model.parameters():
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        param.data.copy_(grad)
+
+
+def _save(model, directory: str) -> None:
+    import os
+
+    from megatron.core import dist_checkpointing
+
+    os.makedirs(directory, exist_ok=True)
+    dist_checkpointing.save(model.sharded_state_dict(), directory)
+
+
+def _init(tp: int, pp: int, seed: int, sequence_parallel: bool = False):
+    from megatron_wedlm.runtime.parallel import ParallelConfig, initialize_parallel_state
+
+    return initialize_parallel_state(
+        ParallelConfig(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            sequence_parallel=sequence_parallel,
+        ),
+        device="cpu",
+        seed=seed,
+    )
+
+
+def save_reference(spec_dict: dict, weights_dir: str) -> dict[str, Any]:
+    from megatron.core import dist_checkpointing
+
+    spec = TinyGPTSpec(**spec_dict)
+    _init(1, 1, spec.seed)
+    model = build_gpt(spec)
+    _save(model, weights_dir)
+    loss = forward_backward(model, spec)
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    return {"loss": loss, "grads": grads}
+
+
+def run_layout(
+    spec_dict: dict, weights_dir: str, grads_dir: str, tp: int, pp: int, sequence_parallel: bool = False
+) -> dict[str, Any]:
+    from megatron.core import dist_checkpointing
+
+    spec = TinyGPTSpec(**spec_dict)
+    _init(tp, pp, spec.seed, sequence_parallel)
+    model = build_gpt(spec, sequence_parallel=sequence_parallel)
+    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), weights_dir))
+    loss = forward_backward(model, spec)
+    _grads_into_params(model)
+    _save(model, grads_dir)
+    return {"loss": loss}
+
+
+def gather_checkpoint(spec_dict: dict, ckpt_dir: str) -> dict[str, torch.Tensor]:
+    from megatron.core import dist_checkpointing
+
+    spec = TinyGPTSpec(**spec_dict)
+    _init(1, 1, spec.seed)
+    model = build_gpt(spec)
+    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), ckpt_dir))
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def spec_to_dict(spec: TinyGPTSpec) -> dict:
+    return asdict(spec)

@@ -1,0 +1,142 @@
+"""Launch real worker processes joined by a gloo rendezvous, and collect what each rank returns.
+
+Tests and ``tools/verify_parallel.py`` use this to run the same function on N ranks, the way
+torchrun would, without a shell. Each rank gets torchrun's environment variables, its result
+comes back through a file (tensors included), a rank that fails makes the whole launch fail
+with that rank's traceback, and a launch that hangs (a collective waiting forever) is killed
+at the deadline, so CI never hangs.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+
+class DistributedLaunchError(RuntimeError):
+    """A rank raised, died, or the launch ran past its deadline."""
+
+
+def find_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    result_dir: str,
+    env: dict[str, str],
+    args: tuple,
+    kwargs: dict,
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
+    # Two cores shared by several ranks: one intra-op thread each avoids oversubscription.
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    out = Path(result_dir) / f"rank{rank}.pt"
+    try:
+        result = fn(*args, **kwargs)
+        torch.save({"ok": True, "result": result}, out)
+    except BaseException:  # noqa: BLE001 - the traceback is the report
+        torch.save({"ok": False, "error": traceback.format_exc()}, out)
+        raise SystemExit(1)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 300.0,
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh processes; return results by rank.
+
+    ``fn`` must be importable by name (a module-level function), as with any spawned process.
+    """
+    if world_size < 1:
+        raise ValueError("world_size must be >= 1")
+    ctx = mp.get_context("spawn")
+    port = find_free_port()
+    child_env = {"OMP_NUM_THREADS": "1", "MEGATRON_WEDLM_CPU": "1"}
+    child_env.update(env or {})
+    with tempfile.TemporaryDirectory(prefix="wedlm-mp-") as result_dir:
+        procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(fn, rank, world_size, port, result_dir, child_env, args, kwargs),
+                daemon=False,
+            )
+            for rank in range(world_size)
+        ]
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout_s
+        failed_rank = None
+        try:
+            while any(p.is_alive() for p in procs):
+                for rank, proc in enumerate(procs):
+                    if not proc.is_alive() and proc.exitcode not in (0, None):
+                        failed_rank = rank
+                if failed_rank is not None or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        finally:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+            for proc in procs:
+                proc.join(timeout=10)
+        return _collect(procs, result_dir, failed_rank, timeout_s)
+
+
+def _collect(procs: list, result_dir: str, failed_rank: int | None, timeout_s: float) -> list[Any]:
+    results: list[Any] = []
+    errors: list[str] = []
+    for rank, proc in enumerate(procs):
+        path = Path(result_dir) / f"rank{rank}.pt"
+        if not path.exists():
+            if failed_rank is None and proc.exitcode in (None, -9):
+                errors.append(f"rank {rank}: killed after the {timeout_s:.0f}s deadline")
+            else:
+                errors.append(f"rank {rank}: exited with code {proc.exitcode} and no result")
+            continue
+        payload = torch.load(path, weights_only=False)
+        if payload["ok"]:
+            results.append(payload["result"])
+        else:
+            errors.append(f"rank {rank} raised:\n{payload['error']}")
+    if errors:
+        # The first rank that actually raised explains the others (they were killed or hung).
+        errors.sort(key=lambda e: ("raised" not in e, e))
+        raise DistributedLaunchError("\n".join(errors))
+    return results

