@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from megatron_wedlm.decoding import (
     ar_generate,
@@ -32,7 +33,15 @@ def tokenizer():
 
 def tiny_model(tokenizer, arch="qwen2", scale=1.0, seed=0):
     """Random tiny model; ``scale`` multiplies the output layer so predictions get confident (low entropy)."""
-    model = build_tiny_model(tokenizer, arch=arch, seed=seed, max_position_embeddings=256)
+    if arch == "llama":  # same sizes as the shared qwen builders
+        qwen = build_tiny_model(tokenizer, arch="qwen2", max_position_embeddings=256)
+        fields = {k: getattr(qwen.config, k) for k in (
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings", "mask_token_id")}
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(LlamaConfig(**fields)).eval()
+    else:
+        model = build_tiny_model(tokenizer, arch=arch, seed=seed, max_position_embeddings=256)
     with torch.no_grad():
         model.lm_head.weight.mul_(scale)
     return model
@@ -118,6 +127,7 @@ CASES = [
     ("qwen2", 200.0, 8, 0.4, 0.02, 37),  # low entropy, budget ends inside a window
     ("qwen3", 200.0, 5, 0.6, 0.1, 23),
     ("qwen3", 60.0, 4, None, 0.1, 11),  # entropy_threshold=None: one slot per step
+    ("llama", 200.0, 7, 0.3, 0.05, 30),
 ]
 
 
@@ -296,3 +306,34 @@ def test_clear_errors(tokenizer):
         generate(model, prompt, method="beam")
     with pytest.raises(ValueError, match="prompt_ids is empty"):
         streaming_generate(model, [])
+
+
+def test_sampler_filters_restrict_the_support():
+    from megatron_wedlm.decoding.sampling import sample_tokens
+
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+    greedy = logits.argmax(-1)
+    assert torch.equal(sample_tokens(logits, 1.0, 1, 1.0, g), greedy)
+    assert torch.equal(sample_tokens(logits, 1.0, 0, 1e-6, g), greedy)
+    top3 = logits.topk(3, dim=-1).indices
+    for _ in range(20):
+        drawn = sample_tokens(logits, 2.0, 3, 1.0, g)
+        assert (top3 == drawn[:, None]).any(-1).all()
+    probs = torch.softmax(logits, -1)
+    sorted_p, order = probs.sort(-1, descending=True)
+    keep = ((sorted_p.cumsum(-1) - sorted_p) < 0.5).sum(-1)  # nucleus size for top_p = 0.5
+    for _ in range(20):
+        drawn = sample_tokens(logits, 1.0, 0, 0.5, g)
+        rank = (order == drawn[:, None]).float().argmax(-1)
+        assert (rank < keep).all()
+
+
+def test_gpu_fast_path_is_never_taken_on_cpu(tokenizer):
+    from megatron_wedlm.decoding.parallel import _uses_mask_free_attention
+
+    model = tiny_model(tokenizer)
+    model.config._attn_implementation = "flash_attention_2"
+    assert not _uses_mask_free_attention(model, rows=1)
+    with pytest.raises(ValueError, match="sdpa or eager"):
+        parallel_generate_batch(model, [[1, 2], [3]], max_new_tokens=2)

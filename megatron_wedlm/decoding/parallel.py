@@ -252,7 +252,7 @@ def decode(
         n = torch.where(has_stop, stop_hit.int().argmax(dim=1) + 1, n)
         emitted = emitted + n
         finished = has_stop | (emitted >= budget)
-        n_host, done_host, stop_host = n.tolist(), finished.tolist(), has_stop.tolist()
+        n_host, done_host, stop_host = torch.stack([n, finished.long(), has_stop.long()]).tolist()
         if max(n_host) > 0:
             tokens = window[:, : max(n_host)].tolist()
         for i, row in enumerate(rows):
@@ -269,7 +269,7 @@ def decode(
                     del outputs[row][hit[0] :]
                     reasons[row], stop_found[row] = STOP_STRING, hit[1]
                     done_host[i] = True
-        return torch.tensor(done_host, device=device)
+        return torch.tensor(done_host, dtype=torch.bool, device=device)
 
     def commit_count(lead: torch.Tensor) -> torch.Tensor:
         if settings.schedule == STREAMING:
