@@ -7,8 +7,8 @@ Example::
         --prompt "Solve: 2x + 5 = 13" --window-size 16 --entropy-threshold 0.4 --json
 
 Prints the generated text, or with ``--json`` one JSON object: ``text``, ``token_ids``,
-``forwards``, ``tokens_per_forward``, ``p_cache``, ``tokens_per_sec`` (plus ``method``,
-``num_generated``, ``seconds``, ``stop_reason``). Generation stops at the tokenizer's / model's
+``forwards``, ``tokens_per_forward``, ``p_cache``, ``tokens_per_sec`` (plus the other fields of
+``GenerationResult.metrics()``). Generation stops at the tokenizer's / model's
 EOS token(s), at ``--stop`` strings, or after ``--max-new-tokens``.
 """
 
@@ -66,7 +66,8 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
         return tokenizer.encode(prompt)
     if not getattr(tokenizer, "chat_template", None):
         raise SystemExit("--chat: this tokenizer has no chat template; drop --chat or add one to tokenizer_config.json")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    messages = [{"role": "user", "content": prompt}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -92,18 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
         tokenizer=tokenizer,
         generator=generator,
     )
-    report = {
-        "text": result.text,
-        "token_ids": result.token_ids,
-        "forwards": result.num_forwards,
-        "tokens_per_forward": result.tokens_per_forward,
-        "p_cache": result.p_cache,
-        "tokens_per_sec": result.tokens_per_second,
-        "method": result.method,
-        "num_generated": result.num_generated,
-        "seconds": result.seconds,
-        "stop_reason": result.stop_reason,
-    }
+    report = {"text": result.text, "token_ids": result.token_ids, **result.metrics()}
     print(json.dumps(report) if args.json else result.text)
     return report
 

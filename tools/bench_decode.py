@@ -58,7 +58,8 @@ def build_model(args) -> Qwen3ForCausalLM:
     torch.manual_seed(args.seed)
     config = Qwen3Config(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=int(args.hidden * 2.75),
-        num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64, num_key_value_heads=max(1, args.hidden // 256),
+        num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+        num_key_value_heads=max(1, args.hidden // 256),
         head_dim=64, max_position_embeddings=4096, tie_word_embeddings=False, mask_token_id=args.vocab - 1,
     )
     model = Qwen3ForCausalLM(config).to(args.device, getattr(torch, args.dtype)).eval()
@@ -87,7 +88,8 @@ def main(argv=None):
 
     model = build_model(args)
     timer = ForwardTimer(model)
-    prompt = torch.randint(0, args.vocab - 1, (args.prompt_length,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompt = torch.randint(0, args.vocab - 1, (args.prompt_length,), generator=torch.Generator().manual_seed(1))
+    prompt = prompt.tolist()
     settings = dict(window_size=args.window_size, entropy_threshold=args.entropy_threshold,
                     distance_penalty=args.distance_penalty, max_new_tokens=args.max_new_tokens)
     params = sum(p.numel() for p in model.parameters()) / 1e6
@@ -107,7 +109,8 @@ def main(argv=None):
             if method not in rows or result.seconds < rows[method][0].seconds:
                 rows[method] = (result, timer.seconds)
 
-    header = f"{'method':<10} {'tokens':>6} {'fwds':>5} {'tok/fwd':>8} {'p_cache':>8} {'tok/s':>8} {'ms/step':>8} {'outside fwd':>11}"
+    header = (f"{'method':<10} {'tokens':>6} {'fwds':>5} {'tok/fwd':>8} {'p_cache':>8} {'tok/s':>8} {'ms/step':>8} "
+              f"{'outside fwd':>11}")
     print(header)
     print("-" * len(header))
     for method, (r, forward_s) in rows.items():

@@ -15,7 +15,15 @@ import torch
 from transformers import GenerationConfig
 
 from .checks import as_prompt_batch, as_token_list, check_fits, check_full_attention, generation_budget
-from .result import MAX_NEW_TOKENS, MAX_POSITIONS, STOP_STRING, STOP_TOKEN, GenerationResult, decode_text, find_stop_string
+from .result import (
+    MAX_NEW_TOKENS,
+    MAX_POSITIONS,
+    STOP_STRING,
+    STOP_TOKEN,
+    GenerationResult,
+    decode_text,
+    find_stop_string,
+)
 from .sampling import validate_sampling
 
 AUTOREGRESSIVE = "ar"
@@ -37,7 +45,8 @@ def ar_generate(
 ) -> GenerationResult:
     """Decode one prompt token by token with ``model.generate``. Arguments as ``streaming_generate``;
     ``mask_token_id`` (default ``config.mask_token_id``, may be absent) is only suppressed here."""
-    return ar_generate_batch(model, [as_token_list(prompt_ids)], **{k: v for k, v in locals().items() if k not in ("model", "prompt_ids")})[0]
+    kwargs = {k: v for k, v in locals().items() if k not in ("model", "prompt_ids")}
+    return ar_generate_batch(model, [as_token_list(prompt_ids)], **kwargs)[0]
 
 
 @torch.inference_mode()
@@ -55,7 +64,11 @@ def ar_generate_batch(
     tokenizer=None,
     generator: torch.Generator | None = None,
 ) -> list[GenerationResult]:
-    """Several prompts in one left-padded ``generate`` call; per-row metrics count that row's tokens."""
+    """Several prompts in one left-padded ``generate`` call; per-row metrics count that row's tokens.
+
+    All rows share one token budget: ``max_new_tokens``, capped by the position range left after
+    the longest prompt.
+    """
     validate_sampling(temperature, top_k, top_p)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -99,7 +112,9 @@ def ar_generate_batch(
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         if generator is not None:  # HF samples from the global RNG: seed it from the caller's generator
             torch.manual_seed(int(torch.randint(2**62, (1,), generator=generator, device=generator.device)))
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config, tokenizer=tokenizer)
+        out = model.generate(
+            input_ids=input_ids, attention_mask=attention_mask, generation_config=config, tokenizer=tokenizer
+        )
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start

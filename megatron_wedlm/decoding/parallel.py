@@ -51,7 +51,15 @@ from .checks import (
     generation_budget,
     resolve_mask_token_id,
 )
-from .result import MAX_NEW_TOKENS, MAX_POSITIONS, STOP_STRING, STOP_TOKEN, GenerationResult, decode_text, find_stop_string
+from .result import (
+    MAX_NEW_TOKENS,
+    MAX_POSITIONS,
+    STOP_STRING,
+    STOP_TOKEN,
+    GenerationResult,
+    decode_text,
+    find_stop_string,
+)
 from .row_cache import RowKVCache
 from .sampling import entropy, exclude_token, sample_tokens, select_slots, validate_sampling
 
@@ -325,8 +333,9 @@ def decode(
                 column = column + offsets[:, None]
             mask_hidden = hidden.gather(1, column[..., None].expand(-1, -1, hidden.shape[-1]))
             scores = exclude_token(head(mask_hidden), mask_id)
+            distance = logical - logical[:, :1]  # in window slots, from the leftmost remaining mask
             fill = select_slots(
-                entropy(scores), candidate, logical - logical[:, :1], settings.entropy_threshold, settings.distance_penalty
+                entropy(scores), candidate, distance, settings.entropy_threshold, settings.distance_penalty
             )
             tokens = sample_tokens(scores, settings.temperature, settings.top_k, settings.top_p, generator)
             mask_rank = (perm.argsort(dim=1) - n_filled).clamp(0, n_masks - 1)  # rank of each logical mask slot
