@@ -1,0 +1,94 @@
+"""The CPU runtime: activation rules and the RNG tracker it installs."""
+
+import pytest
+import torch
+
+from megatron_wedlm.runtime import cpu
+from megatron_wedlm.testing.multiprocess import run_distributed
+
+
+def test_refuses_when_cuda_is_available(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(cpu.CpuRuntimeError, match="CUDA is available"):
+        cpu.activate_cpu_runtime()
+    assert not cpu.cpu_runtime_active()
+
+
+def test_refuses_untested_megatron_core_version(monkeypatch):
+    import megatron.core
+
+    monkeypatch.setattr(megatron.core, "__version__", "0.99.0")
+    monkeypatch.delenv(cpu.UNTESTED_OVERRIDE_ENV_VAR, raising=False)
+    with pytest.raises(cpu.CpuRuntimeError) as err:
+        cpu.activate_cpu_runtime()
+    message = str(err.value)
+    assert "0.99.0" in message and "0.16.1" in message and cpu.UNTESTED_OVERRIDE_ENV_VAR in message
+    assert not cpu.cpu_runtime_active()
+
+
+def test_env_var_is_the_only_implicit_switch(monkeypatch):
+    monkeypatch.delenv(cpu.ENV_VAR, raising=False)
+    assert cpu.activate_from_env() is False
+    assert not cpu.cpu_runtime_active()
+
+
+def test_every_patch_names_the_megatron_lines_it_covers():
+    for patch in cpu._patches():
+        assert ".py" in patch.covers, patch
+
+
+def test_activate_and_deactivate_restore_megatron():
+    import megatron.core.pipeline_parallel.schedules as schedules
+
+    original_current_device = torch.cuda.current_device
+    original_schedules_torch = schedules.torch
+    cpu.activate_cpu_runtime()
+    try:
+        assert torch.cuda.current_device() == "cpu"
+        assert schedules.torch.zeros([], device="cuda").device.type == "cpu"
+        assert len(cpu.applied_patches()) == len(cpu._patches()) + len(cpu._patch_importers_of_clip_fn())
+    finally:
+        cpu.deactivate_cpu_runtime()
+    assert torch.cuda.current_device is original_current_device
+    assert schedules.torch is original_schedules_torch
+
+
+def rng_worker(seed: int) -> dict:
+    """Seed Megatron's RNG the standard way and draw inside and outside tracker forks."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    from megatron_wedlm.runtime.parallel import ParallelConfig, initialize_parallel_state
+
+    initialize_parallel_state(ParallelConfig(tensor_model_parallel_size=2), device="cpu", seed=seed)
+    tracker = get_cuda_rng_tracker()
+    default_before = torch.rand(3)
+    with tracker.fork():
+        model_parallel_a = torch.rand(3)
+    default_after = torch.rand(3)
+    with tracker.fork():
+        model_parallel_b = torch.rand(3)
+    with tracker.fork("data-parallel-rng"):
+        data_parallel = torch.rand(3)
+    return {
+        "default": torch.cat([default_before, default_after]),
+        "mp": torch.cat([model_parallel_a, model_parallel_b]),
+        "dp": data_parallel,
+    }
+
+
+def test_rng_tracker_is_deterministic_and_split_like_megatron():
+    first = run_distributed(rng_worker, 2, 7, timeout_s=120)
+    second = run_distributed(rng_worker, 2, 7, timeout_s=120)
+    for a, b in zip(first, second):
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
+    rank0, rank1 = first
+    # Megatron's contract: the model-parallel stream differs across TP ranks ...
+    assert not torch.equal(rank0["mp"], rank1["mp"])
+    # ... while the default and data-parallel streams agree within the TP group.
+    assert torch.equal(rank0["default"], rank1["default"])
+    assert torch.equal(rank0["dp"], rank1["dp"])
+    # A fork resumes its own stream and leaves the default stream where it was.
+    assert not torch.equal(rank0["mp"][:3], rank0["mp"][3:])
+    torch.manual_seed(7)
+    assert torch.equal(rank0["default"], torch.rand(6))
