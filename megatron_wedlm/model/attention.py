@@ -1,0 +1,346 @@
+"""Core-attention modules that apply the WeDLM mask inside Megatron's ``SelfAttention``.
+
+What travels through Megatron: the ``attention_mask`` argument of ``GPTModel.forward`` is
+handed unchanged to every layer's core attention, through activation recomputation
+(``tensor_parallel.checkpoint`` saves it with ``save_for_backward``, so it must be a tensor)
+and on every pipeline stage (each stage's forward step passes it). We pass the *packed
+metadata* of :class:`megatron_wedlm.data.AttentionMetadata`, an int32 tensor ``[B, 3, S]``
+(rows: doc id, is-memory flag, block id) -- O(S) instead of an O(S^2) mask -- and each backend
+expands it into its own form once per micro-batch:
+
+* ``dense``: boolean ``[B, 1, S, S]`` for ``torch.nn.functional.scaled_dot_product_attention``
+  (CPU training, reference, tests).
+* ``flex``: a FlexAttention ``BlockMask`` built from tile summaries (never ``S x S``), run
+  through a compiled ``flex_attention`` (GPU training).
+* ``te``: Transformer Engine's ``DotProductAttention`` with an arbitrary mask
+  (``[B, 1, S, S]``, True = masked out, Megatron's convention).
+
+A dense Megatron-convention mask (bool ``[B|1, 1, S, S]``, True = masked *out*) is also accepted
+by the dense and TE backends, which is how a standard causal mask is fed for comparisons.
+
+Expanded masks are cached per metadata tensor (see :class:`_ExpandedMaskCache`), so the L
+layers of a micro-batch -- and their recomputation in backward -- build the mask once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from megatron_wedlm.data.attention_rule import AttentionMetadata, build_block_mask, dense_attention_mask
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "WeDLMSDPAttention",
+    "WeDLMFlexAttention",
+    "causal_packed_metadata",
+    "pack_attention_metadata",
+    "te_attention_class",
+    "unpack_attention_metadata",
+]
+
+ATTENTION_BACKENDS = ("dense", "flex", "te")
+
+
+# --------------------------------------------------------------------------------------------
+# Packed metadata: the tensor form of AttentionMetadata that Megatron carries as attention_mask
+# --------------------------------------------------------------------------------------------
+
+
+def pack_attention_metadata(metadata: AttentionMetadata) -> Tensor:
+    """``AttentionMetadata`` (``[S]`` or ``[B, S]``) -> int32 ``[B, 3, S]`` for ``attention_mask``."""
+    meta = metadata.batched()
+    return torch.stack(
+        [meta.doc_ids.to(torch.int32), meta.is_memory.to(torch.int32), meta.block_ids.to(torch.int32)], dim=1
+    ).contiguous()
+
+
+def unpack_attention_metadata(packed: Tensor) -> AttentionMetadata:
+    if packed.dim() != 3 or packed.shape[1] != 3:
+        raise ValueError(f"packed attention metadata must be [B, 3, S], got shape {tuple(packed.shape)}")
+    return AttentionMetadata(doc_ids=packed[:, 0], is_memory=packed[:, 1].bool(), block_ids=packed[:, 2])
+
+
+def causal_packed_metadata(batch_size: int, seq_len: int, device: torch.device | str) -> Tensor:
+    """Packed metadata of a plain causal LM row (one document, memory stream only)."""
+    packed = torch.zeros(batch_size, 3, seq_len, dtype=torch.int32, device=device)
+    packed[:, 1] = 1
+    return packed
+
+
+def _is_packed_metadata(mask: Tensor) -> bool:
+    return mask.dim() == 3 and mask.shape[1] == 3 and not mask.dtype.is_floating_point and mask.dtype != torch.bool
+
+
+def _is_megatron_dense_mask(mask: Tensor) -> bool:
+    return mask.dim() == 4 and mask.dtype == torch.bool and mask.shape[1] == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Cache of expanded masks
+# --------------------------------------------------------------------------------------------
+
+
+class _ExpandedMaskCache:
+    """Expanded masks keyed by the *storage* of the packed metadata they were built from.
+
+    Why this is safe without comparing contents: an entry keeps a reference to its metadata
+    tensor, so that storage cannot be freed and reused while the entry lives; a key names the
+    storage address, view geometry and version counter (bumped by any in-place write, and
+    shared with the ``detach()``-ed copies activation recomputation makes). Equal key therefore
+    means the very same values. No device sync is needed to look an entry up.
+    """
+
+    def __init__(self, max_entries: int = 4) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple, tuple[Tensor, Any]] = OrderedDict()
+
+    def get(self, kind: tuple, packed: Tensor, build: Callable[[], Any]) -> Any:
+        key = (
+            kind,
+            str(packed.device),
+            packed.untyped_storage().data_ptr(),
+            packed.storage_offset(),
+            tuple(packed.shape),
+            tuple(packed.stride()),
+            packed._version,
+        )
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+            return entry[1]
+        with torch.no_grad():
+            built = build()
+        self._entries[key] = (packed, built)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+        return built
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+_MASK_CACHE = _ExpandedMaskCache()
+
+
+def dense_allowed_mask(attention_mask: Tensor | None, seq_len: int, batch_size: int, device) -> Tensor:
+    """Bool ``[B|1, 1, S, S]``, True = may attend, from packed metadata or a Megatron mask."""
+    if attention_mask is None:
+        attention_mask = causal_packed_metadata(batch_size, seq_len, device)
+    if _is_megatron_dense_mask(attention_mask):
+        return ~attention_mask
+    if not _is_packed_metadata(attention_mask):
+        raise ValueError(
+            "WeDLM attention expects packed metadata [B, 3, S] (pack_attention_metadata) or a "
+            f"Megatron bool mask [B, 1, S, S]; got {attention_mask.dtype} {tuple(attention_mask.shape)}"
+        )
+    return _MASK_CACHE.get(
+        ("dense",),
+        attention_mask,
+        lambda: dense_attention_mask(unpack_attention_metadata(attention_mask), padding_attends_self=True).unsqueeze(1),
+    )
+
+
+def _check_shapes(query: Tensor, key: Tensor, allowed_shape: tuple[int, ...]) -> None:
+    s_q, s_k = query.shape[0], key.shape[0]
+    if allowed_shape[-2:] != (s_q, s_k):
+        raise ValueError(
+            f"attention mask covers {allowed_shape[-2]}x{allowed_shape[-1]} slots but the layer sees "
+            f"{s_q} queries and {s_k} keys; the mask must describe the full physical row (2L per document)"
+        )
+
+
+class _WeDLMCoreAttentionBase(torch.nn.Module):
+    """Shared constructor: the keyword arguments Megatron's ``SelfAttention`` passes."""
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type=None,
+        attention_type: str = "self",
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+        **_ignored: Any,
+    ) -> None:
+        super().__init__()
+        if config.context_parallel_size != 1:
+            raise ValueError("WeDLM attention does not support context parallelism (context_parallel_size must be 1)")
+        self.config = config
+        self.layer_number = layer_number
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+
+    @staticmethod
+    def _to_bhsd(x: Tensor) -> Tensor:
+        return x.permute(1, 2, 0, 3)  # [s, b, h, d] -> [b, h, s, d]
+
+    @staticmethod
+    def _to_sbh(x: Tensor) -> Tensor:
+        b, h, s, d = x.shape
+        return x.permute(2, 0, 1, 3).reshape(s, b, h * d)  # -> [s, b, h*d]
+
+    def _check_unsupported(self, attention_bias, packed_seq_params) -> None:
+        if attention_bias is not None:
+            raise ValueError("WeDLM attention does not take an attention_bias")
+        if packed_seq_params is not None:
+            raise ValueError(
+                "WeDLM attention does not use packed_seq_params (THD); documents are packed into "
+                "rows and separated by the mask metadata instead"
+            )
+
+
+class WeDLMSDPAttention(_WeDLMCoreAttentionBase):
+    """Dense backend: SDPA with the boolean WeDLM mask. Works on CPU and GPU; O(S^2) mask memory."""
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        attn_mask_type=None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params=None,
+    ) -> Tensor:
+        self._check_unsupported(attention_bias, packed_seq_params)
+        allowed = dense_allowed_mask(attention_mask, query.shape[0], query.shape[1], query.device)
+        _check_shapes(query, key, tuple(allowed.shape))
+        q, k, v = self._to_bhsd(query), self._to_bhsd(key), self._to_bhsd(value)
+        dropout_p = self.dropout_p if self.training else 0.0
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            from megatron.core import tensor_parallel
+
+            # Heads differ per TP rank, so dropout draws from the model-parallel RNG (as Megatron).
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                out = self._sdpa(q, k, v, allowed, dropout_p)
+        else:
+            out = self._sdpa(q, k, v, allowed, dropout_p)
+        return self._to_sbh(out)
+
+    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, dropout_p: float) -> Tensor:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, dropout_p=dropout_p, scale=self.softmax_scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+
+
+_COMPILED_FLEX: Callable | None = None
+
+
+def _flex_kernel(compile_kernel: bool) -> Callable:
+    """FlexAttention, compiled once per process when asked (eager is a slow reference)."""
+    global _COMPILED_FLEX
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not compile_kernel:
+        return flex_attention
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX
+
+
+class WeDLMFlexAttention(_WeDLMCoreAttentionBase):
+    """FlexAttention backend: block-sparse kernel over the WeDLM ``BlockMask``.
+
+    ``tile_size`` is the BlockMask tile (the row length must be a multiple of it: pad batches
+    with ``pad_to_multiple_of``). ``compile_kernel`` None means: compile on CUDA, eager
+    elsewhere. Use :meth:`with_options` to bind them into a spec.
+    """
+
+    tile_size: int = 128
+    compile_kernel: bool | None = None
+
+    def __init__(self, config, layer_number: int, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, layer_number, *args, **kwargs)
+        if self.dropout_p and self.dropout_p > 0:
+            raise ValueError("the flex backend has no attention dropout; set attention_dropout=0.0")
+
+    @classmethod
+    def with_options(cls, tile_size: int = 128, compile_kernel: bool | None = None) -> type:
+        if tile_size < 1:
+            raise ValueError(f"flex tile_size must be >= 1, got {tile_size}")
+        return type(cls.__name__, (cls,), {"tile_size": tile_size, "compile_kernel": compile_kernel})
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        attn_mask_type=None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params=None,
+    ) -> Tensor:
+        self._check_unsupported(attention_bias, packed_seq_params)
+        if attention_mask is None:
+            attention_mask = causal_packed_metadata(query.shape[1], query.shape[0], query.device)
+        if not _is_packed_metadata(attention_mask):
+            raise ValueError(
+                "the flex backend needs packed metadata [B, 3, S] (pack_attention_metadata), not a dense "
+                f"mask; got {attention_mask.dtype} {tuple(attention_mask.shape)}"
+            )
+        if attention_mask.shape[-1] != query.shape[0]:
+            raise ValueError(f"metadata covers {attention_mask.shape[-1]} slots, the layer sees {query.shape[0]}")
+        tile = self.tile_size
+        block_mask = _MASK_CACHE.get(
+            ("flex", tile),
+            attention_mask,
+            lambda: build_block_mask(unpack_attention_metadata(attention_mask), tile, padding_attends_self=True),
+        )
+        compile_kernel = self.compile_kernel if self.compile_kernel is not None else query.is_cuda
+        kernel = _flex_kernel(compile_kernel)
+        q, k, v = self._to_bhsd(query), self._to_bhsd(key), self._to_bhsd(value)
+        out = kernel(q, k, v, block_mask=block_mask, scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
+        return self._to_sbh(out)
+
+
+def te_attention_class() -> type:
+    """Transformer Engine core attention with the WeDLM mask as TE's ``arbitrary`` mask.
+
+    Imported on demand: only a TE installation (CUDA) can build it.
+    """
+    try:
+        import transformer_engine  # noqa: F401
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+    except ImportError as err:  # pragma: no cover - no TE on CPU machines
+        raise ImportError(
+            "attention_backend='te' needs Transformer Engine (pip install transformer-engine[pytorch]) "
+            "on a CUDA machine; use attention_backend='flex' or 'dense' otherwise"
+        ) from err
+    from megatron.core.transformer.enums import AttnMaskType
+
+    class WeDLMTEAttention(TEDotProductAttention):  # pragma: no cover - needs TE
+        def __init__(self, config, layer_number, attn_mask_type, attention_type, **kwargs: Any) -> None:
+            if config.context_parallel_size != 1:
+                raise ValueError("WeDLM attention does not support context parallelism")
+            super().__init__(config, layer_number, AttnMaskType.arbitrary, attention_type, **kwargs)
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None, **kwargs):
+            if packed_seq_params is not None:
+                raise ValueError("WeDLM attention does not use packed_seq_params (THD)")
+            if attention_mask is not None and _is_megatron_dense_mask(attention_mask):
+                masked_out = attention_mask
+            else:
+                if attention_mask is None:
+                    attention_mask = causal_packed_metadata(query.shape[1], query.shape[0], query.device)
+                masked_out = _MASK_CACHE.get(
+                    ("te",), attention_mask,
+                    lambda: ~dense_allowed_mask(attention_mask, query.shape[0], query.shape[1], query.device),
+                )
+            _check_shapes(query, key, tuple(masked_out.shape))
+            return super().forward(
+                query, key, value, masked_out, attn_mask_type=AttnMaskType.arbitrary,
+                attention_bias=attention_bias, packed_seq_params=None, **kwargs,
+            )
+
+    return WeDLMTEAttention

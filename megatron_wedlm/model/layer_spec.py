@@ -1,0 +1,99 @@
+"""Megatron-Core ``ModuleSpec``s for a WeDLM decoder layer and block.
+
+The layer is Megatron's local GPT layer (``get_gpt_layer_local_spec``) with two swaps:
+
+* core attention -> a WeDLM backend (:mod:`.attention`) that applies the dual-stream mask;
+* norms -> :class:`.norms.WeDLMNorm`, which supports sequence parallelism on any device.
+
+Everything else -- ``ColumnParallelLinear`` QKV (GQA, optional QKV bias), QK-norm, RoPE
+application, SwiGLU MLP, bias-dropout-add -- is Megatron's own, and the module tree (hence
+every parameter name) is identical to the local spec's, so Megatron / HF conversions written
+for standard GPT checkpoints map 1:1.
+"""
+
+from __future__ import annotations
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from .attention import ATTENTION_BACKENDS, WeDLMFlexAttention, WeDLMSDPAttention, te_attention_class
+from .norms import WeDLMNorm
+
+__all__ = ["core_attention_class", "get_wedlm_block_spec", "get_wedlm_layer_spec"]
+
+
+def core_attention_class(
+    attention_backend: str = "dense", flex_tile_size: int = 128, flex_compile: bool | None = None
+) -> type:
+    """The core-attention module for a backend name ('dense', 'flex' or 'te')."""
+    if attention_backend == "dense":
+        return WeDLMSDPAttention
+    if attention_backend == "flex":
+        return WeDLMFlexAttention.with_options(tile_size=flex_tile_size, compile_kernel=flex_compile)
+    if attention_backend == "te":
+        return te_attention_class()
+    raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
+
+
+def get_wedlm_layer_spec(
+    attention_backend: str = "dense",
+    qk_layernorm: bool = False,
+    flex_tile_size: int = 128,
+    flex_compile: bool | None = None,
+) -> ModuleSpec:
+    """A ``TransformerLayer`` spec whose attention applies the WeDLM mask.
+
+    ``qk_layernorm`` adds per-head norms on queries and keys (Qwen3); the norm kind (RMSNorm /
+    LayerNorm) follows ``config.normalization``. QKV bias (Qwen2) and GQA come from the
+    ``TransformerConfig`` (``add_qkv_bias``, ``num_query_groups``).
+    """
+    qk_norm = WeDLMNorm if qk_layernorm else IdentityOp
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=WeDLMNorm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.arbitrary},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear,
+                    core_attention=core_attention_class(attention_backend, flex_tile_size, flex_compile),
+                    linear_proj=RowParallelLinear,
+                    q_layernorm=qk_norm,
+                    k_layernorm=qk_norm,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=WeDLMNorm,
+            mlp=ModuleSpec(
+                module=MLP,
+                submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+            ),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def get_wedlm_block_spec(
+    config,
+    attention_backend: str = "dense",
+    vp_stage: int | None = None,
+    flex_tile_size: int = 128,
+    flex_compile: bool | None = None,
+) -> TransformerBlockSubmodules:
+    """The decoder block for this pipeline stage: WeDLM layers plus a WeDLM final norm.
+
+    Why a block spec and not just a layer spec: given a layer spec, Megatron picks the final
+    norm from a module-level default (``WrappedTorchNorm`` without TE/Apex), which refuses
+    sequence parallelism.
+    """
+    layer = get_wedlm_layer_spec(attention_backend, bool(config.qk_layernorm), flex_tile_size, flex_compile)
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=WeDLMNorm)
