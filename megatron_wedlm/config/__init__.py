@@ -1,0 +1,38 @@
+"""Training configuration: typed schema (:mod:`.schema`) + YAML/CLI loading (:mod:`.loading`)."""
+
+from .loading import config_from_yaml_text, config_to_yaml, load_config, save_config
+from .schema import (
+    CheckpointingConfig,
+    ConfigError,
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelismConfig,
+    TrainConfig,
+    TrainerConfig,
+    WandbConfig,
+    WeDLMConfig,
+    validate_config,
+    validate_layout,
+)
+
+__all__ = [
+    "CheckpointingConfig",
+    "ConfigError",
+    "DataConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelismConfig",
+    "TrainConfig",
+    "TrainerConfig",
+    "WandbConfig",
+    "WeDLMConfig",
+    "config_from_yaml_text",
+    "config_to_yaml",
+    "load_config",
+    "save_config",
+    "validate_config",
+    "validate_layout",
+]

@@ -1,0 +1,315 @@
+"""The typed training configuration: one dataclass per section, merged with YAML and CLI overrides.
+
+Why dataclasses under omegaconf: the schema *is* the documentation of every key (name, type,
+default), and ``OmegaConf.structured`` turns it into a config that rejects unknown keys and
+values of the wrong type when YAML or ``key=value`` overrides are merged into it, so a typo
+fails before any process group or model exists (see :mod:`.loading`).
+
+Cross-field rules (choices, divisibility, what is derived from what) live in
+:func:`validate_config`, which names the offending key in every error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+__all__ = [
+    "CheckpointingConfig",
+    "DataConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelismConfig",
+    "TrainConfig",
+    "TrainerConfig",
+    "WandbConfig",
+    "WeDLMConfig",
+    "ConfigError",
+    "CHOICES",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown, has the wrong type, or an invalid value."""
+
+
+@dataclass
+class ModelConfig:
+    """The network. With ``init_from`` set, unset (null) fields are read from the checkpoint's
+    ``wedlm_model.json`` (written by ``tools/convert_checkpoint.py hf-to-megatron`` or by a
+    training run) and set fields must agree with it. Without it the model is built from scratch
+    and ``architecture``, ``num_layers``, ``hidden_size``, ``ffn_hidden_size`` and
+    ``num_attention_heads`` are required."""
+
+    init_from: Optional[str] = None
+    architecture: Optional[str] = None  # qwen2 | qwen3 | llama
+    num_layers: Optional[int] = None
+    hidden_size: Optional[int] = None
+    ffn_hidden_size: Optional[int] = None
+    num_attention_heads: Optional[int] = None
+    num_query_groups: Optional[int] = None  # default: num_attention_heads (no GQA)
+    head_dim: Optional[int] = None  # default: hidden_size // num_attention_heads
+    vocab_size: Optional[int] = None  # default: the data's tokenizer length
+    max_position_embeddings: Optional[int] = None  # default: data.seq_length
+    rope_theta: Optional[float] = None  # default: 10000
+    rms_norm_eps: Optional[float] = None  # default: 1e-6
+    qk_layernorm: Optional[bool] = None  # default: True for qwen3
+    add_qkv_bias: Optional[bool] = None  # default: True for qwen2
+    tie_word_embeddings: Optional[bool] = None  # default: False
+    make_vocab_size_divisible_by: int = 128
+    attention_backend: str = "auto"  # auto (flex on GPU, dense on CPU) | dense | flex | te
+    init_method_std: float = 0.02
+
+
+@dataclass
+class WeDLMConfig:
+    """Dual-stream masking and the loss (SPEC section 2). ``enabled=false`` trains plain
+    next-token prediction on the same packed rows (memory stream only)."""
+
+    enabled: bool = True
+    block_size: int = 32
+    mask_token_id: Optional[int] = None  # default: the id recorded by tools/prepare_data.py
+    ratio_mode: str = "block"  # block | document
+    mask_eps: float = 1e-8
+    loss_weighting: str = "inverse_ratio"  # inverse_ratio (1/gamma) | uniform
+    ar_weight: float = 1.0  # total = (mlm + w * ar) / (1 + w); 0 disables the AR loss
+
+
+@dataclass
+class ParallelismConfig:
+    """Model parallel layout; the data-parallel size is world_size / (tp * pp)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: Optional[int] = None  # derived; if set, it must equal the derived value
+    sequence_parallel: bool = False
+    recompute: str = "none"  # none | selective | full
+    recompute_num_layers: int = 1  # layers per recompute chunk when recompute=full
+
+
+@dataclass
+class OptimizerConfig:
+    """Adam(W) through Megatron's (distributed) optimizer, and the learning-rate schedule.
+
+    Schedule (Megatron's ``OptimizerParamScheduler``): linear warmup from 0 to ``lr`` over
+    ``warmup_steps``, then ``decay_style`` down to ``min_lr`` at ``decay_steps`` (default:
+    ``trainer.train_steps``), constant ``min_lr`` after."""
+
+    name: str = "adam"  # adam | sgd
+    lr: float = 3e-6
+    min_lr: float = 3e-7
+    warmup_steps: int = 0
+    decay_style: str = "cosine"  # cosine | linear | constant | inverse-square-root
+    decay_steps: Optional[int] = None
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # global gradient-norm clip; 0 disables
+    use_distributed_optimizer: bool = True
+
+
+@dataclass
+class DataConfig:
+    """Tokenized webdataset shards from ``tools/prepare_data.py`` and how rows are formed.
+
+    ``seq_length`` is the row length the model sees: a WeDLM row holds ``seq_length // 2``
+    tokens (memory + prediction streams), an AR row ``seq_length`` tokens. ``num_streams`` fixes
+    how shards are dealt out independently of the parallel layout, so a checkpoint resumes at
+    the exact sample under another DP size or worker count; it must be a multiple of
+    ``dp * num_workers`` and at most the number of shards."""
+
+    path: Optional[str] = None  # directory holding manifest.json (required)
+    seq_length: int = 512
+    micro_batch_size: int = 1
+    global_batch_size: int = 8
+    num_workers: int = 1
+    num_streams: int = 8
+    shuffle: bool = True
+    seed: int = 1234
+    prefetch_factor: int = 4
+
+
+@dataclass
+class CheckpointingConfig:
+    """torch_dist checkpoints under ``dir`` (default ``<trainer.output_dir>/checkpoints``)."""
+
+    dir: Optional[str] = None
+    save_interval: int = 1000  # steps between saves; 0 = only at the end
+    save_at_end: bool = True
+    keep_last: int = 3  # complete checkpoints kept; 0 = keep all
+    resume: str = "none"  # none | auto (latest complete checkpoint in dir, if any) | <path>
+    load_optimizer: bool = True  # false: resume weights only (fresh optimizer and schedule)
+    load_data_state: bool = True  # false: restart the data streams from the beginning
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = False
+    project: str = "megatron-wedlm"
+    entity: Optional[str] = None
+    name: Optional[str] = None  # default: the output directory's name
+    group: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+    mode: str = "online"  # online | offline
+    dir: Optional[str] = None  # default: <trainer.output_dir>
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 1  # steps between metrics.jsonl / wandb records
+    progress_bar: bool = True
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class TrainerConfig:
+    task: str = "pretrain"  # pretrain | sft (set by the entry point)
+    output_dir: str = "outputs/run"
+    train_steps: int = 1000
+    exit_at_step: Optional[int] = None  # stop (and save) here, keeping the schedule of train_steps
+    seed: int = 1234
+    device: str = "auto"  # auto | cpu | cuda
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
+    max_consecutive_nonfinite: int = 3  # stop after this many skipped steps in a row
+    distributed_timeout_s: float = 1800.0
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    wedlm: WeDLMConfig = field(default_factory=WeDLMConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+#: Allowed values of string-valued keys with a fixed set of choices.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.architecture": ("qwen2", "qwen3", "llama"),
+    "model.attention_backend": ("auto", "dense", "flex", "te"),
+    "wedlm.ratio_mode": ("block", "document"),
+    "wedlm.loss_weighting": ("inverse_ratio", "uniform"),
+    "parallelism.recompute": ("none", "selective", "full"),
+    "optimizer.name": ("adam", "sgd"),
+    "optimizer.decay_style": ("cosine", "linear", "constant", "inverse-square-root"),
+    "logging.wandb.mode": ("online", "offline"),
+    "trainer.task": ("pretrain", "sft"),
+    "trainer.device": ("auto", "cpu", "cuda"),
+    "trainer.precision": ("auto", "fp32", "bf16"),
+}
+
+
+def _get(cfg: TrainConfig, dotted: str):
+    value = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def validate_config(cfg: TrainConfig) -> None:
+    """Check the rules a type cannot express; raise :class:`ConfigError` naming the key."""
+    for key, allowed in CHOICES.items():
+        value = _get(cfg, key)
+        if value is not None and value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+
+    def positive(key: str, allow_zero: bool = False) -> None:
+        value = _get(cfg, key)
+        if value is None:
+            return
+        if value < 0 or (value == 0 and not allow_zero):
+            raise ConfigError(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
+
+    for key in (
+        "wedlm.block_size", "parallelism.tp", "parallelism.pp", "parallelism.dp",
+        "parallelism.recompute_num_layers", "data.seq_length", "data.micro_batch_size",
+        "data.global_batch_size", "data.num_streams", "data.prefetch_factor",
+        "trainer.train_steps", "trainer.max_consecutive_nonfinite", "logging.log_interval",
+        "model.make_vocab_size_divisible_by", "optimizer.lr", "trainer.exit_at_step",
+        "model.num_layers", "model.hidden_size", "model.ffn_hidden_size",
+        "model.num_attention_heads", "model.num_query_groups", "model.head_dim",
+        "model.vocab_size", "model.max_position_embeddings",
+    ):
+        positive(key)
+    for key in (
+        "data.num_workers", "checkpointing.save_interval", "checkpointing.keep_last",
+        "optimizer.min_lr", "optimizer.warmup_steps", "optimizer.weight_decay",
+        "optimizer.clip_grad", "wedlm.ar_weight", "data.seed", "trainer.seed",
+    ):
+        positive(key, allow_zero=True)
+    if not 0.0 < cfg.wedlm.mask_eps <= 1.0:
+        raise ConfigError(f"wedlm.mask_eps={cfg.wedlm.mask_eps} must be in (0, 1]")
+    if cfg.optimizer.min_lr > cfg.optimizer.lr:
+        raise ConfigError(f"optimizer.min_lr={cfg.optimizer.min_lr} is larger than optimizer.lr={cfg.optimizer.lr}")
+    decay_steps = cfg.optimizer.decay_steps or cfg.trainer.train_steps
+    if cfg.optimizer.warmup_steps >= decay_steps:
+        raise ConfigError(
+            f"optimizer.warmup_steps={cfg.optimizer.warmup_steps} must be smaller than the decay "
+            f"horizon ({decay_steps} = optimizer.decay_steps or trainer.train_steps)"
+        )
+    if cfg.parallelism.sequence_parallel and cfg.parallelism.tp == 1:
+        raise ConfigError("parallelism.sequence_parallel=true needs parallelism.tp > 1")
+    if cfg.data.path is None:
+        raise ConfigError("data.path is required: the directory written by tools/prepare_data.py")
+    if cfg.wedlm.enabled and cfg.data.seq_length < 2 * cfg.wedlm.block_size:
+        raise ConfigError(
+            f"data.seq_length={cfg.data.seq_length} cannot hold one block of wedlm.block_size="
+            f"{cfg.wedlm.block_size} tokens in both streams; use seq_length >= {2 * cfg.wedlm.block_size}"
+        )
+    if cfg.data.global_batch_size % cfg.data.micro_batch_size:
+        raise ConfigError(
+            f"data.global_batch_size={cfg.data.global_batch_size} is not a multiple of "
+            f"data.micro_batch_size={cfg.data.micro_batch_size}"
+        )
+    if cfg.trainer.exit_at_step is not None and cfg.trainer.exit_at_step > cfg.trainer.train_steps:
+        raise ConfigError(
+            f"trainer.exit_at_step={cfg.trainer.exit_at_step} is past trainer.train_steps={cfg.trainer.train_steps}"
+        )
+    resume = cfg.checkpointing.resume
+    if not resume:
+        raise ConfigError("checkpointing.resume must be 'none', 'auto' or a checkpoint path")
+    if cfg.model.init_from is None:
+        missing = [
+            f"model.{k}"
+            for k in ("architecture", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
+            if getattr(cfg.model, k) is None
+        ]
+        if missing:
+            raise ConfigError(
+                f"{', '.join(missing)} must be set to build a model from scratch "
+                "(or set model.init_from to a converted checkpoint)"
+            )
+
+
+def validate_layout(cfg: TrainConfig, world_size: int) -> int:
+    """The data-parallel size for ``world_size`` processes; ConfigError if the layout cannot work."""
+    model_parallel = cfg.parallelism.tp * cfg.parallelism.pp
+    if world_size % model_parallel:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by parallelism.tp x parallelism.pp = "
+            f"{cfg.parallelism.tp} x {cfg.parallelism.pp}; launch a multiple of {model_parallel} processes"
+        )
+    dp = world_size // model_parallel
+    if cfg.parallelism.dp is not None and cfg.parallelism.dp != dp:
+        raise ConfigError(
+            f"parallelism.dp={cfg.parallelism.dp} but {world_size} processes with tp={cfg.parallelism.tp}, "
+            f"pp={cfg.parallelism.pp} give dp={dp}; remove parallelism.dp or change the launch"
+        )
+    rows_per_step = cfg.data.micro_batch_size * dp
+    if cfg.data.global_batch_size % rows_per_step:
+        raise ConfigError(
+            f"data.global_batch_size={cfg.data.global_batch_size} is not a multiple of "
+            f"data.micro_batch_size x dp = {cfg.data.micro_batch_size} x {dp}"
+        )
+    streams_per_round = dp * max(cfg.data.num_workers, 1)
+    if cfg.data.num_streams % streams_per_round:
+        raise ConfigError(
+            f"data.num_streams={cfg.data.num_streams} is not a multiple of dp x data.num_workers = "
+            f"{dp} x {max(cfg.data.num_workers, 1)}; every worker must own the same number of streams"
+        )
+    return dp

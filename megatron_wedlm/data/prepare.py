@@ -1,0 +1,514 @@
+"""Raw text / chat data -> tokenized webdataset shards that the training loader streams.
+
+What a prepared directory holds (the contract with :mod:`.webdataset_loader`):
+
+* ``shard-000000.tar`` ...: webdataset tar shards. One sample per document: ``<key>.tokens.npy``
+  (int32 token ids) and ``<key>.json`` (``{"prompt_length": k, "source": "file:line"}``;
+  ``prompt_length`` is 0 for pretraining).
+* ``tokenizer/``: the tokenizer used, saved with the mask token added if it had none.
+* ``manifest.json``: task, shard list with sample/token counts, ``mask_token_id``,
+  ``eos_token_id``, tokenizer length, and how many input lines were skipped and why.
+
+Pretraining inputs: ``.jsonl`` lines ``{"text": ...}`` or plain text files (one document per
+file, paragraph or line; see ``text_unit``). Text is tokenized with special-token parsing off,
+so a literal ``<|mask|>`` in the data is ordinary text, and the EOS token is appended.
+
+SFT inputs: ``.jsonl`` lines ``{"messages": [{"role", "content"}, ...]}`` whose last message is
+the assistant's reply, or ``{"prompt": ..., "response": ...}`` (``"completion"`` is accepted for
+``"response"``). The conversation is rendered with the tokenizer's chat template; the prompt is
+everything before the final reply (the template's generation prompt included), and only the
+final reply is learnt. With ``chat_template=None`` and ``raw_sft=True`` pairs are concatenated
+as ``prompt + response + EOS`` (for base-model tasks that have no chat format).
+
+Bad input lines (invalid JSON, missing or non-string field, empty text, malformed messages, a
+sample with nothing to learn) are skipped; each is reported as ``file:line: reason`` and the
+summary counts them by reason.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+
+__all__ = [
+    "BadLine",
+    "PrepareSummary",
+    "Sample",
+    "MANIFEST_FILE",
+    "TOKENIZER_DIR",
+    "DEFAULT_MASK_TOKEN",
+    "collect_input_files",
+    "load_tokenizer_with_mask",
+    "prepare_dataset",
+    "read_manifest",
+]
+
+MANIFEST_FILE = "manifest.json"
+TOKENIZER_DIR = "tokenizer"
+DEFAULT_MASK_TOKEN = "<|mask|>"
+FORMAT_VERSION = 1
+_JSON_SUFFIXES = (".jsonl", ".json")
+_TEXT_UNITS = ("file", "paragraph", "line")
+_BATCH = 512  # documents tokenized per call (fast tokenizers batch in Rust)
+
+
+@dataclass(frozen=True)
+class BadLine:
+    file: str
+    line: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: {self.reason}"
+
+
+@dataclass
+class Sample:
+    tokens: list[int]
+    prompt_length: int
+    source: str
+
+
+@dataclass
+class PrepareSummary:
+    task: str
+    output_dir: str
+    num_samples: int = 0
+    num_tokens: int = 0
+    num_shards: int = 0
+    mask_token_id: int = -1
+    mask_token_added: bool = False
+    bad_lines: int = 0
+    bad_by_reason: dict[str, int] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        lines = [
+            f"wrote {self.num_samples} samples ({self.num_tokens} tokens) in {self.num_shards} shards "
+            f"to {self.output_dir}",
+            f"mask token id {self.mask_token_id}" + (" (added to the tokenizer)" if self.mask_token_added else ""),
+            f"skipped {self.bad_lines} bad lines"
+            + (": " + ", ".join(f"{n} {r}" for r, n in sorted(self.bad_by_reason.items())) if self.bad_lines else ""),
+        ]
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------------------------
+
+
+def load_tokenizer_with_mask(tokenizer_dir: str | Path, mask_token: str = DEFAULT_MASK_TOKEN):
+    """Load an HF tokenizer from a local directory; add ``mask_token`` if it has no mask token.
+
+    Returns ``(tokenizer, mask_token_id, added)``. An added token grows the vocabulary by one:
+    the model's embedding must have that row (conversion pads/initialises it, see
+    ``tools/convert_checkpoint.py``; a model trained from scratch sizes itself from the tokenizer).
+    """
+    from transformers import AutoTokenizer
+
+    path = Path(tokenizer_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"tokenizer directory {path} does not exist (give a local HF tokenizer directory)")
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    added = False
+    if tokenizer.mask_token is None:
+        tokenizer.add_special_tokens({"mask_token": mask_token})
+        added = True
+    mask_id = tokenizer.convert_tokens_to_ids(tokenizer.mask_token)
+    if mask_id is None or mask_id == tokenizer.unk_token_id:
+        raise ValueError(f"tokenizer in {path}: mask token {tokenizer.mask_token!r} has no id")
+    return tokenizer, int(mask_id), added
+
+
+# --------------------------------------------------------------------------------------------
+# Reading inputs
+# --------------------------------------------------------------------------------------------
+
+
+def collect_input_files(inputs: Sequence[str | Path]) -> list[Path]:
+    """Files named directly, plus ``*.jsonl``/``*.json``/``*.txt`` under named directories (sorted)."""
+    files: list[Path] = []
+    for item in inputs:
+        path = Path(item)
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (*_JSON_SUFFIXES, ".txt"))
+            if not found:
+                raise FileNotFoundError(f"input directory {path} holds no .jsonl, .json or .txt files")
+            files.extend(found)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"input {path} does not exist")
+    if not files:
+        raise ValueError("no input files given")
+    return files
+
+
+def _json_lines(path: Path) -> Iterator[tuple[int, Any] | BadLine]:
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as err:
+                yield BadLine(str(path), number, f"invalid JSON ({err.msg})")
+
+
+def _text_documents(path: Path, unit: str) -> Iterator[tuple[int, str]]:
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if unit == "file":
+        if text.strip():
+            yield 1, text
+        return
+    line_no, start_line, buffer = 0, 1, []
+    for line_no, line in enumerate(text.splitlines(keepends=True), start=1):
+        if unit == "line":
+            if line.strip():
+                yield line_no, line.rstrip("\n")
+            continue
+        if line.strip():
+            if not buffer:
+                start_line = line_no
+            buffer.append(line)
+        elif buffer:
+            yield start_line, "".join(buffer).rstrip("\n")
+            buffer = []
+    if buffer:
+        yield start_line, "".join(buffer).rstrip("\n")
+
+
+def _pretrain_texts(files: Sequence[Path], text_field: str, text_unit: str) -> Iterator[tuple[str, str] | BadLine]:
+    for path in files:
+        if path.suffix not in _JSON_SUFFIXES:
+            for line, text in _text_documents(path, text_unit):
+                yield f"{path}:{line}", text
+            continue
+        for item in _json_lines(path):
+            if isinstance(item, BadLine):
+                yield item
+                continue
+            number, record = item
+            bad = _check_text_record(record, text_field)
+            if bad:
+                yield BadLine(str(path), number, bad)
+            else:
+                yield f"{path}:{number}", record[text_field]
+
+
+def _check_text_record(record: Any, text_field: str) -> str | None:
+    if not isinstance(record, dict):
+        return f"not a JSON object ({type(record).__name__})"
+    if text_field not in record:
+        return f"missing field '{text_field}'"
+    if not isinstance(record[text_field], str):
+        return f"field '{text_field}' is not a string"
+    if not record[text_field].strip():
+        return f"empty '{text_field}'"
+    return None
+
+
+def _conversation(record: Any) -> list[dict[str, str]] | str:
+    """The record as a message list ending with the assistant reply, or the reason it is bad."""
+    if not isinstance(record, dict):
+        return f"not a JSON object ({type(record).__name__})"
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            return "'messages' is not a non-empty list"
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                return f"messages[{i}] has no string 'role'"
+            if not isinstance(message.get("content"), str):
+                return f"messages[{i}] has no string 'content'"
+        if messages[-1]["role"] != "assistant":
+            return "the last message is not from the assistant (nothing to learn)"
+        if len(messages) < 2:
+            return "no prompt before the assistant reply"
+        if not messages[-1]["content"].strip():
+            return "empty assistant reply"
+        return [{"role": m["role"], "content": m["content"]} for m in messages]
+    response_key = "response" if "response" in record else "completion" if "completion" in record else None
+    if "prompt" not in record or response_key is None:
+        return "missing field 'messages' (or 'prompt' and 'response')"
+    prompt, response = record["prompt"], record[response_key]
+    if not isinstance(prompt, str) or not isinstance(response, str):
+        return f"'prompt' and '{response_key}' must be strings"
+    if not response.strip():
+        return f"empty '{response_key}'"
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+
+
+def _sft_conversations(files: Sequence[Path]) -> Iterator[tuple[str, list[dict[str, str]]] | BadLine]:
+    for path in files:
+        if path.suffix not in _JSON_SUFFIXES:
+            raise ValueError(f"SFT input {path} is not .jsonl: SFT data must be JSON lines with 'messages'")
+        for item in _json_lines(path):
+            if isinstance(item, BadLine):
+                yield item
+                continue
+            number, record = item
+            conv = _conversation(record)
+            if isinstance(conv, str):
+                yield BadLine(str(path), number, conv)
+            else:
+                yield f"{path}:{number}", conv
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizing
+# --------------------------------------------------------------------------------------------
+
+
+def _batched(items: Iterable, size: int) -> Iterator[list]:
+    batch: list = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _pretrain_samples(tokenizer, records: Iterable[tuple[str, str] | BadLine], add_eos: bool) -> Iterator[Sample | BadLine]:
+    eos = tokenizer.eos_token_id if add_eos else None
+    for batch in _batched(records, _BATCH):
+        good = [r for r in batch if not isinstance(r, BadLine)]
+        encoded = iter(
+            tokenizer([text for _, text in good], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            if good
+            else []
+        )
+        for record in batch:
+            if isinstance(record, BadLine):
+                yield record
+                continue
+            ids = list(next(encoded))
+            if eos is not None:
+                ids.append(int(eos))
+            yield Sample(tokens=ids, prompt_length=0, source=record[0])
+
+
+def _render_chat(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], int] | str:
+    prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=True, add_generation_prompt=True)
+    full = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=False)
+    prompt, full = _ids(prompt), _ids(full)
+    if full[: len(prompt)] != prompt:
+        return "the chat template does not render the prompt as a prefix of the full conversation"
+    if len(full) <= len(prompt):
+        return "the rendered reply has no tokens"
+    return full, len(prompt)
+
+
+def _ids(rendered: Any) -> list[int]:
+    if isinstance(rendered, dict) or hasattr(rendered, "keys"):  # BatchEncoding in newer transformers
+        rendered = rendered["input_ids"]
+    return [int(t) for t in rendered]
+
+
+def _render_raw(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], int] | str:
+    if len(messages) != 2:
+        return "raw SFT (no chat template) takes one prompt and one response, not a multi-turn conversation"
+    encode = lambda text: tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]  # noqa: E731
+    prompt = list(encode(messages[0]["content"]))
+    reply = list(encode(messages[1]["content"]))
+    if tokenizer.eos_token_id is not None:
+        reply.append(int(tokenizer.eos_token_id))
+    if not reply:
+        return "the reply has no tokens"
+    return prompt + reply, len(prompt)
+
+
+def _sft_samples(tokenizer, records, raw: bool) -> Iterator[Sample | BadLine]:
+    render = _render_raw if raw else _render_chat
+    for record in records:
+        if isinstance(record, BadLine):
+            yield record
+            continue
+        source, messages = record
+        result = render(tokenizer, messages)
+        if isinstance(result, str):
+            file, _, line = source.rpartition(":")
+            yield BadLine(file, int(line), result)
+            continue
+        tokens, prompt_length = result
+        yield Sample(tokens=tokens, prompt_length=prompt_length, source=source)
+
+
+# --------------------------------------------------------------------------------------------
+# Writing shards
+# --------------------------------------------------------------------------------------------
+
+
+class _ShardWriter:
+    """Writes ``shard-%06d.tar`` files of ``samples_per_shard`` samples; records counts."""
+
+    def __init__(self, output_dir: Path, samples_per_shard: int) -> None:
+        import webdataset as wds
+
+        self._wds = wds
+        self.output_dir = output_dir
+        self.samples_per_shard = samples_per_shard
+        self.shards: list[dict[str, Any]] = []
+        self._writer = None
+        self._count = 0
+        self._tokens = 0
+        self.total = 0
+
+    def _open(self) -> None:
+        name = f"shard-{len(self.shards):06d}.tar"
+        self._writer = self._wds.TarWriter(str(self.output_dir / name), encoder=False)
+        self.shards.append({"path": name, "samples": 0, "tokens": 0})
+        self._count = self._tokens = 0
+
+    def _close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self.shards[-1].update(samples=self._count, tokens=self._tokens)
+            self._writer = None
+
+    def write(self, sample: Sample) -> None:
+        if self._writer is None or self._count == self.samples_per_shard:
+            self._close()
+            self._open()
+        buffer = io.BytesIO()
+        np.save(buffer, np.asarray(sample.tokens, dtype=np.int32))
+        meta = {"prompt_length": sample.prompt_length, "source": sample.source}
+        assert self._writer is not None
+        self._writer.write(
+            {"__key__": f"{self.total:010d}", "tokens.npy": buffer.getvalue(), "json": json.dumps(meta).encode()}
+        )
+        self._count += 1
+        self._tokens += len(sample.tokens)
+        self.total += 1
+
+    def finish(self) -> list[dict[str, Any]]:
+        self._close()
+        return self.shards
+
+
+def prepare_dataset(
+    inputs: Sequence[str | Path],
+    output_dir: str | Path,
+    tokenizer_dir: str | Path,
+    *,
+    task: str = "pretrain",
+    samples_per_shard: int = 10_000,
+    text_field: str = "text",
+    text_unit: str = "paragraph",
+    add_eos: bool = True,
+    mask_token: str = DEFAULT_MASK_TOKEN,
+    chat_template: str | None = None,
+    raw_sft: bool = False,
+    overwrite: bool = False,
+    report: Callable[[str], None] | None = None,
+    max_reported: int = 100,
+) -> PrepareSummary:
+    """Tokenize ``inputs`` into webdataset shards under ``output_dir``; see the module docstring.
+
+    ``report`` receives one line per bad input line (the first ``max_reported``) and is
+    stderr by default. Returns the run summary (also stored in ``manifest.json``).
+    """
+    if task not in ("pretrain", "sft"):
+        raise ValueError(f"task must be 'pretrain' or 'sft', got {task!r}")
+    if text_unit not in _TEXT_UNITS:
+        raise ValueError(f"text_unit must be one of {_TEXT_UNITS}, got {text_unit!r}")
+    if samples_per_shard < 1:
+        raise ValueError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
+    report = report or (lambda line: print(line, file=sys.stderr))
+    out = Path(output_dir)
+    if (out / MANIFEST_FILE).exists() and not overwrite:
+        raise FileExistsError(f"{out} already holds a prepared dataset ({MANIFEST_FILE}); pass overwrite=True / --overwrite")
+    if out.exists():
+        for old in out.glob("shard-*.tar"):
+            old.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    files = collect_input_files(inputs)
+    tokenizer, mask_id, added = load_tokenizer_with_mask(tokenizer_dir, mask_token)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    if task == "sft" and not raw_sft and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"the tokenizer in {tokenizer_dir} has no chat template: pass one (--chat-template FILE) "
+            "or use raw prompt+response concatenation (--raw-sft)"
+        )
+    if task == "pretrain":
+        samples = _pretrain_samples(tokenizer, _pretrain_texts(files, text_field, text_unit), add_eos)
+    else:
+        samples = _sft_samples(tokenizer, _sft_conversations(files), raw_sft)
+
+    summary = PrepareSummary(task=task, output_dir=str(out), mask_token_id=mask_id, mask_token_added=added)
+    reasons: Counter[str] = Counter()
+    writer = _ShardWriter(out, samples_per_shard)
+    for item in samples:
+        if isinstance(item, Sample) and mask_id in item.tokens:
+            file, _, line = item.source.rpartition(":")
+            item = BadLine(file, int(line), "contains the mask token")
+        if isinstance(item, BadLine):
+            summary.bad_lines += 1
+            reasons[_reason_kind(item.reason)] += 1
+            if summary.bad_lines <= max_reported:
+                report(f"skipped {item}")
+            elif summary.bad_lines == max_reported + 1:
+                report(f"(further bad lines are counted but not listed; max_reported={max_reported})")
+            continue
+        writer.write(item)
+        summary.num_samples += 1
+        summary.num_tokens += len(item.tokens)
+    shards = writer.finish()
+    if summary.num_samples == 0:
+        raise ValueError(f"no usable samples in {len(files)} input file(s); {summary.bad_lines} bad lines")
+    summary.num_shards = len(shards)
+    summary.bad_by_reason = dict(reasons)
+    tokenizer.save_pretrained(str(out / TOKENIZER_DIR))
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "task": task,
+        "tokenizer": TOKENIZER_DIR,
+        "mask_token": tokenizer.mask_token,
+        "mask_token_id": mask_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "tokenizer_length": len(tokenizer),
+        "num_samples": summary.num_samples,
+        "num_tokens": summary.num_tokens,
+        "shards": shards,
+        "inputs": [str(f) for f in files],
+        "bad_lines": summary.bad_lines,
+        "bad_by_reason": summary.bad_by_reason,
+    }
+    tmp = out / (MANIFEST_FILE + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, out / MANIFEST_FILE)
+    return summary
+
+
+def _reason_kind(reason: str) -> str:
+    """Group reasons for the summary ('invalid JSON (Expecting value)' -> 'invalid JSON')."""
+    return reason.split(" (")[0]
+
+
+def read_manifest(data_dir: str | Path) -> dict[str, Any]:
+    """The manifest of a prepared directory, with a clear error when it is not one."""
+    path = Path(data_dir) / MANIFEST_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{data_dir} is not a prepared dataset (no {MANIFEST_FILE}); run tools/prepare_data.py")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{path}: format_version {manifest.get('format_version')} is not {FORMAT_VERSION}; re-run tools/prepare_data.py"
+        )
+    return manifest
+
+
+def summary_dict(summary: PrepareSummary) -> dict[str, Any]:
+    return asdict(summary)

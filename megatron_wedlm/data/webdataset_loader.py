@@ -1,0 +1,522 @@
+"""Stream prepared webdataset shards into packed training rows, resumable at the exact sample.
+
+How samples reach a rank (and why it is done this way):
+
+* **Streams.** The shards are dealt once, by a seeded permutation, to ``num_streams`` virtual
+  streams (shard ``perm[i]`` -> stream ``i % num_streams``). A stream reads its shards one after
+  another (order reshuffled every epoch, samples inside a shard shuffled too), packs documents
+  into rows and numbers its rows. Every row is therefore a pure function of (seed, stream, row
+  number): nothing depends on how many ranks or workers happen to read it.
+* **Global row order.** Global row ``g`` is row ``g // num_streams`` of stream
+  ``g % num_streams``. Data-parallel rank ``d`` of ``dp`` trains on global rows
+  ``g = j * dp + d`` (its ``j``-th row), so it owns streams ``v = d, d + dp, ...`` and reads
+  them round-robin; its dataloader workers split those streams again (worker ``w`` owns the
+  ones it will be asked for, since PyTorch's loader takes items from workers in turn). No shard
+  is read by two ranks, and no sample is seen twice in a stream's epoch.
+* **Exact resume.** Each row carries its stream's position *after* it (epoch, shard cursor,
+  sample cursor, token offset inside the sample, rows emitted). The trainer records the
+  position of the last row it consumed per stream; a checkpoint stores all of them plus the
+  number of global rows consumed. A resumed run, under any ``dp`` and worker count that divide
+  ``num_streams``, re-opens each stream at its position and continues with the first chunk not
+  yet trained on. Prefetched but unconsumed rows do not count.
+* **Packing.** Next-fit, as :func:`megatron_wedlm.data.packing.pack_documents_into_rows`:
+  documents longer than a row's token capacity are cut into block-aligned chunks, a chunk that
+  does not fit closes the row. WeDLM rows hold ``seq_length // 2`` tokens rounded down to whole
+  blocks; AR rows (``wedlm.enabled=false``) hold ``seq_length`` tokens and only the memory
+  stream. SFT samples whose prompt fills a whole chunk cannot be learnt and are skipped
+  (counted in the position's ``skipped``).
+* **Masks.** Dual-stream rows are built in the workers with a generator seeded by
+  ``rank_seed(seed, stream, row number)``: different ranks draw different masks, and a resumed
+  run redraws the same masks for the same rows.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from .dual_stream import IGNORE_INDEX, DualStreamBatch, build_dual_stream_batch, pad_dual_stream_batch, stack_dual_stream_batches
+from .prepare import read_manifest
+from .seeding import rank_seed
+
+__all__ = [
+    "LoaderSpec",
+    "StreamPosition",
+    "RowItem",
+    "StreamingRowDataset",
+    "TrainDataIterator",
+    "build_memory_only_row",
+    "loader_spec_from_manifest",
+    "merge_data_states",
+    "row_capacity",
+    "stream_rows",
+]
+
+
+@dataclass
+class StreamPosition:
+    """Where a stream continues: the first chunk it has not yet put into an emitted row."""
+
+    epoch: int = 0
+    shard_cursor: int = 0  # index into this epoch's shard order of the stream
+    sample_cursor: int = 0  # index into the shuffled sample order of that shard
+    token_offset: int = 0  # first token of that sample not yet emitted (a chunk start)
+    rows: int = 0  # rows emitted so far (numbers the next row; seeds its masks)
+    skipped: int = 0  # samples skipped because their prompt fills a whole row
+
+    @classmethod
+    def from_dict(cls, data: dict[str, int]) -> "StreamPosition":
+        return cls(**{k: int(v) for k, v in data.items()})
+
+
+@dataclass(frozen=True)
+class LoaderSpec:
+    """Everything a worker needs to rebuild rows (picklable; no open files)."""
+
+    data_dir: str
+    shard_paths: tuple[str, ...]
+    task: str  # pretrain | sft (sft uses prompt lengths)
+    num_streams: int
+    seq_length: int
+    wedlm: bool
+    block_size: int
+    mask_token_id: int
+    pad_token_id: int
+    ratio_mode: str = "block"
+    mask_eps: float = 1e-8
+    seed: int = 1234
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_streams < 1:
+            raise ValueError(f"num_streams must be >= 1, got {self.num_streams}")
+        if len(self.shard_paths) < self.num_streams:
+            raise ValueError(
+                f"{len(self.shard_paths)} shards cannot feed data.num_streams={self.num_streams} streams; "
+                "lower data.num_streams or re-run tools/prepare_data.py with a smaller --samples-per-shard"
+            )
+        row_capacity(self)  # validates seq_length against block_size
+
+    def stream_shards(self, stream: int) -> list[int]:
+        """Shard indices dealt to ``stream`` (fixed for the whole run, independent of layout)."""
+        order = list(range(len(self.shard_paths)))
+        if self.shuffle:
+            random.Random(f"wedlm-shards:{self.seed}").shuffle(order)
+        return order[stream :: self.num_streams]
+
+
+def row_capacity(spec: LoaderSpec) -> int:
+    """Tokens per row: half the row for WeDLM (two streams), whole blocks only; all of it for AR."""
+    if not spec.wedlm:
+        return spec.seq_length
+    capacity = (spec.seq_length // 2) // spec.block_size * spec.block_size
+    if capacity < 1:
+        raise ValueError(
+            f"seq_length {spec.seq_length} cannot hold one block of {spec.block_size} tokens in both "
+            f"streams (needs >= {2 * spec.block_size})"
+        )
+    return capacity
+
+
+def loader_spec_from_manifest(
+    data_dir: str | Path,
+    *,
+    num_streams: int,
+    seq_length: int,
+    wedlm: bool,
+    block_size: int,
+    mask_token_id: int | None = None,
+    ratio_mode: str = "block",
+    mask_eps: float = 1e-8,
+    seed: int = 1234,
+    shuffle: bool = True,
+    task: str | None = None,
+) -> LoaderSpec:
+    """A :class:`LoaderSpec` for a directory written by ``tools/prepare_data.py``."""
+    manifest = read_manifest(data_dir)
+    if task is not None and manifest["task"] != task:
+        raise ValueError(
+            f"{data_dir} was prepared for task '{manifest['task']}' but this run is '{task}'; "
+            f"prepare the data with --task {task}"
+        )
+    recorded = int(manifest["mask_token_id"])
+    if mask_token_id is not None and mask_token_id != recorded:
+        raise ValueError(
+            f"wedlm.mask_token_id={mask_token_id} differs from the mask token id {recorded} recorded in "
+            f"{data_dir}/manifest.json; remove the override or re-prepare the data"
+        )
+    pad = manifest.get("pad_token_id")
+    if pad is None:
+        pad = manifest.get("eos_token_id")
+    if pad is None:
+        pad = recorded
+    return LoaderSpec(
+        data_dir=str(data_dir),
+        shard_paths=tuple(s["path"] for s in manifest["shards"]),
+        task=manifest["task"],
+        num_streams=num_streams,
+        seq_length=seq_length,
+        wedlm=wedlm,
+        block_size=block_size,
+        mask_token_id=recorded,
+        pad_token_id=int(pad),
+        ratio_mode=ratio_mode,
+        mask_eps=mask_eps,
+        seed=seed,
+        shuffle=shuffle,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Reading one stream
+# --------------------------------------------------------------------------------------------
+
+
+def _read_shard(path: Path) -> list[tuple[np.ndarray, int]]:
+    """All samples of a shard, in file order: (int32 tokens, prompt length)."""
+    from webdataset.tariterators import tarfile_samples
+
+    samples = []
+    for sample in tarfile_samples([{"url": str(path)}]):
+        tokens = np.load(io.BytesIO(sample["tokens.npy"]))
+        meta = json.loads(sample["json"])
+        samples.append((tokens, int(meta.get("prompt_length", 0))))
+    return samples
+
+
+def _sample_order(spec: LoaderSpec, shard: int, epoch: int, count: int) -> list[int]:
+    order = list(range(count))
+    if spec.shuffle:
+        random.Random(f"wedlm-samples:{spec.seed}:{shard}:{epoch}").shuffle(order)
+    return order
+
+
+def _shard_order(spec: LoaderSpec, stream: int, epoch: int) -> list[int]:
+    shards = spec.stream_shards(stream)
+    if spec.shuffle:
+        random.Random(f"wedlm-epoch:{spec.seed}:{stream}:{epoch}").shuffle(shards)
+    return shards
+
+
+@dataclass
+class _Chunk:
+    tokens: torch.Tensor
+    prompt_length: int
+    position: StreamPosition  # the stream position at this chunk's start
+
+
+def _chunks(spec: LoaderSpec, stream: int, start: StreamPosition) -> Iterator[_Chunk | StreamPosition]:
+    """The stream's chunks from ``start`` on, forever (epochs wrap). Yields a bare position
+    after a skipped sample so the caller can account for it."""
+    capacity = row_capacity(spec)
+    pos = StreamPosition(**asdict(start))
+    data_dir = Path(spec.data_dir)
+    while True:
+        shards = _shard_order(spec, stream, pos.epoch)
+        while pos.shard_cursor < len(shards):
+            shard = shards[pos.shard_cursor]
+            samples = _read_shard(data_dir / spec.shard_paths[shard])
+            order = _sample_order(spec, shard, pos.epoch, len(samples))
+            while pos.sample_cursor < len(order):
+                tokens, prompt = samples[order[pos.sample_cursor]]
+                prompt = prompt if spec.task == "sft" else 0
+                if prompt >= min(capacity, len(tokens)):
+                    pos.skipped += 1
+                    pos.sample_cursor += 1
+                    pos.token_offset = 0
+                    yield StreamPosition(**asdict(pos))
+                    continue
+                while pos.token_offset < len(tokens):
+                    offset = pos.token_offset
+                    piece = torch.from_numpy(tokens[offset : offset + capacity].astype(np.int64))
+                    chunk_prompt = min(max(prompt - offset, 0), piece.numel())
+                    yield _Chunk(piece, chunk_prompt, StreamPosition(**asdict(pos)))
+                    pos.token_offset = offset + capacity
+                pos.sample_cursor += 1
+                pos.token_offset = 0
+            pos.shard_cursor += 1
+            pos.sample_cursor = 0
+        pos.epoch += 1
+        pos.shard_cursor = 0
+
+
+@dataclass
+class RowItem:
+    """One packed row as produced by a worker."""
+
+    batch: DualStreamBatch  # [seq_length] tensors
+    stream: int
+    row_index: int  # row number within the stream
+    position: StreamPosition  # stream position after this row
+    num_tokens: int  # real (non-padding) tokens in the row
+
+
+def stream_rows(spec: LoaderSpec, stream: int, start: StreamPosition) -> Iterator[RowItem]:
+    """Rows of one stream from ``start`` on (deterministic; see the module docstring)."""
+    capacity = row_capacity(spec)
+    docs: list[torch.Tensor] = []
+    prompts: list[int] = []
+    rows = start.rows
+    skipped = start.skipped
+    for item in _chunks(spec, stream, start):
+        if isinstance(item, StreamPosition):
+            skipped = item.skipped
+            continue
+        used = sum(d.numel() for d in docs)
+        if docs and used + item.tokens.numel() > capacity:
+            after = StreamPosition(**{**asdict(item.position), "rows": rows + 1, "skipped": skipped})
+            yield RowItem(_build_row(spec, stream, rows, docs, prompts), stream, rows, after, used)
+            rows += 1
+            docs, prompts = [], []
+        docs.append(item.tokens)
+        prompts.append(item.prompt_length)
+
+
+def _build_row(spec: LoaderSpec, stream: int, row: int, docs: list[torch.Tensor], prompts: list[int]) -> DualStreamBatch:
+    if spec.wedlm:
+        generator = torch.Generator().manual_seed(rank_seed(spec.seed, stream, row))
+        return build_dual_stream_batch(
+            docs,
+            block_size=spec.block_size,
+            mask_token_id=spec.mask_token_id,
+            generator=generator,
+            prompt_lengths=prompts,
+            ratio_mode=spec.ratio_mode,  # type: ignore[arg-type]
+            eps=spec.mask_eps,
+            pad_to=spec.seq_length,
+            pad_token_id=spec.pad_token_id,
+        )
+    row = build_memory_only_row(docs, prompts, spec.block_size, spec.mask_token_id, spec.pad_token_id)
+    return pad_dual_stream_batch(row, spec.seq_length)
+
+
+def build_memory_only_row(
+    documents: Sequence[torch.Tensor],
+    prompt_lengths: Sequence[int],
+    block_size: int,
+    mask_token_id: int,
+    pad_token_id: int,
+) -> DualStreamBatch:
+    """An AR training row: the documents' memory streams only (plain next-token prediction).
+
+    Same fields as a dual-stream row, so one model and one loss serve both modes: every slot is
+    memory, nothing is masked (no MLM loss), ``ar_labels`` hold the next token inside each
+    document (none after the last token or on prompt tokens), documents do not attend each
+    other and each starts at position 0.
+    """
+    tokens = torch.cat([d.to(torch.long) for d in documents])
+    lengths = torch.tensor([d.numel() for d in documents])
+    doc_ids = torch.repeat_interleave(torch.arange(len(documents)), lengths)
+    starts = lengths.cumsum(0) - lengths
+    positions = torch.arange(tokens.numel()) - starts[doc_ids]
+    prompts = torch.as_tensor(list(prompt_lengths), dtype=torch.long)[doc_ids]
+    next_tokens = torch.cat([tokens[1:], tokens.new_full((1,), IGNORE_INDEX)])
+    has_next = (positions + 1 < lengths[doc_ids]) & (positions + 1 >= prompts)
+    ar_labels = torch.where(has_next, next_tokens, torch.full_like(tokens, IGNORE_INDEX))
+    zeros = torch.zeros(tokens.numel())
+    return DualStreamBatch(
+        input_ids=tokens,
+        position_ids=positions,
+        is_memory=torch.ones_like(tokens, dtype=torch.bool),
+        is_masked=torch.zeros_like(tokens, dtype=torch.bool),
+        target_ids=tokens.clone(),
+        doc_ids=doc_ids,
+        block_ids=positions // block_size,
+        mask_ratio=zeros.clone(),
+        mlm_weights=zeros.clone(),
+        ar_labels=ar_labels,
+        is_padding=torch.zeros_like(tokens, dtype=torch.bool),
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        pad_token_id=pad_token_id,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# A rank's view: workers, round-robin, state
+# --------------------------------------------------------------------------------------------
+
+
+class StreamingRowDataset(IterableDataset):
+    """The rows of one data-parallel rank, in its global order, split over loader workers.
+
+    ``start_row`` is the rank's next row index ``j`` (rows already trained on), ``positions``
+    the saved stream positions (missing streams start at the beginning).
+    """
+
+    def __init__(
+        self,
+        spec: LoaderSpec,
+        dp_rank: int,
+        dp_size: int,
+        num_workers: int,
+        start_row: int = 0,
+        positions: dict[int, StreamPosition] | None = None,
+    ) -> None:
+        super().__init__()
+        workers = max(num_workers, 1)
+        if spec.num_streams % (dp_size * workers):
+            raise ValueError(
+                f"num_streams={spec.num_streams} is not a multiple of dp x workers = {dp_size} x {workers}"
+            )
+        self.spec = spec
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.num_workers = workers
+        self.start_row = start_row
+        self.positions = dict(positions or {})
+
+    @property
+    def local_streams(self) -> int:
+        return self.spec.num_streams // self.dp_size
+
+    def stream_of_row(self, j: int) -> int:
+        """Global stream id of this rank's ``j``-th row."""
+        return (j % self.local_streams) * self.dp_size + self.dp_rank
+
+    def __iter__(self) -> Iterator[RowItem]:
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        workers = info.num_workers if info is not None else 1
+        if workers != self.num_workers:
+            raise RuntimeError(f"dataset built for {self.num_workers} workers runs under {workers}")
+        # This worker serves rows j = start_row + worker, + workers, ... (PyTorch takes items
+        # from workers in turn); the streams of those rows cycle with period local/workers.
+        first = self.start_row + worker
+        period = self.local_streams // workers
+        streams = [self.stream_of_row(first + k * workers) for k in range(period)]
+        iterators = [stream_rows(self.spec, v, self.positions.get(v, StreamPosition())) for v in streams]
+        while True:
+            for it in iterators:
+                yield next(it)
+
+
+class TrainDataIterator:
+    """Micro-batches for one rank, with the bookkeeping a checkpoint needs.
+
+    ``next_microbatch()`` returns a stacked ``[micro_batch_size, seq_length]`` batch;
+    ``state_dict()`` the positions of the streams this rank consumed (merge across ranks
+    with :func:`merge_data_states` before saving).
+    """
+
+    def __init__(
+        self,
+        spec: LoaderSpec,
+        dp_rank: int,
+        dp_size: int,
+        micro_batch_size: int,
+        num_workers: int = 1,
+        prefetch_factor: int = 4,
+        state: dict[str, Any] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.micro_batch_size = micro_batch_size
+        positions: dict[int, StreamPosition] = {}
+        rows_consumed = 0
+        if state is not None:
+            _check_state_matches(state, spec)
+            rows_consumed = int(state["rows_consumed"])
+            if rows_consumed % dp_size:
+                raise ValueError(f"rows_consumed={rows_consumed} is not a multiple of dp={dp_size}")
+            positions = {int(k): StreamPosition.from_dict(v) for k, v in state["positions"].items()}
+        self.rows_consumed = rows_consumed  # global rows, all ranks
+        self.positions = positions
+        self.dataset = StreamingRowDataset(
+            spec, dp_rank, dp_size, num_workers, start_row=rows_consumed // dp_size, positions=positions
+        )
+        loader_kwargs: dict[str, Any] = {}
+        if num_workers > 0:
+            loader_kwargs = dict(prefetch_factor=prefetch_factor, persistent_workers=False,
+                                 multiprocessing_context="fork" if _fork_ok() else "spawn")
+        self._loader = DataLoader(
+            self.dataset, batch_size=None, num_workers=num_workers, **loader_kwargs
+        )
+        self._rows = iter(self._loader)
+
+    def next_microbatch(self) -> tuple[DualStreamBatch, int]:
+        """(stacked micro-batch, real tokens in it)."""
+        items = [next(self._rows) for _ in range(self.micro_batch_size)]
+        for item in items:
+            self.positions[item.stream] = item.position
+        self.rows_consumed += self.micro_batch_size * self.dp_size  # every rank consumes in lockstep
+        return stack_dual_stream_batches([i.batch for i in items]), sum(i.num_tokens for i in items)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "num_streams": self.spec.num_streams,
+            "seed": self.spec.seed,
+            "seq_length": self.spec.seq_length,
+            "wedlm": self.spec.wedlm,
+            "block_size": self.spec.block_size,
+            "shuffle": self.spec.shuffle,
+            "num_shards": len(self.spec.shard_paths),
+            "rows_consumed": self.rows_consumed,
+            "positions": {str(k): asdict(v) for k, v in sorted(self.positions.items())},
+            "dp_rank": self.dp_rank,
+            "dp_size": self.dp_size,
+        }
+
+    def skipped_samples(self) -> int:
+        return sum(p.skipped for p in self.positions.values())
+
+
+def _fork_ok() -> bool:
+    import multiprocessing as mp
+
+    return "fork" in mp.get_all_start_methods()
+
+
+_STATE_KEYS = ("num_streams", "seed", "seq_length", "wedlm", "block_size", "shuffle", "num_shards")
+
+
+def _check_state_matches(state: dict[str, Any], spec: LoaderSpec) -> None:
+    """A saved data position only means something for the same stream layout and row format."""
+    current = {
+        "num_streams": spec.num_streams,
+        "seed": spec.seed,
+        "seq_length": spec.seq_length,
+        "wedlm": spec.wedlm,
+        "block_size": spec.block_size,
+        "shuffle": spec.shuffle,
+        "num_shards": len(spec.shard_paths),
+    }
+    for key in _STATE_KEYS:
+        if key in state and state[key] != current[key]:
+            raise ValueError(
+                f"the checkpoint's data position was saved with {key}={state[key]!r} but this run has "
+                f"{current[key]!r}; resume with the same data settings (data.num_streams, data.seed, "
+                "data.seq_length, data.shuffle, wedlm.block_size/enabled, same shards), or set "
+                "checkpointing.load_data_state=false to restart the data from the beginning"
+            )
+
+
+def merge_data_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Combine per-rank states (from every rank, any order) into the global data state.
+
+    Each stream is owned by exactly one data-parallel rank; ranks sharing a DP rank (TP/PP
+    peers) hold identical copies, so the owner's entry is taken.
+    """
+    if not states:
+        raise ValueError("no data states to merge")
+    first = states[0]
+    dp = int(first["dp_size"])
+    merged = {k: first[k] for k in (*_STATE_KEYS, "rows_consumed")}
+    positions: dict[str, Any] = {}
+    for state in states:
+        if state["rows_consumed"] != first["rows_consumed"]:
+            raise ValueError("data-parallel ranks consumed different numbers of rows")
+        for stream, pos in state["positions"].items():
+            if int(stream) % dp == int(state["dp_rank"]):
+                positions[stream] = pos
+    merged["positions"] = dict(sorted(positions.items(), key=lambda kv: int(kv[0])))
+    return merged

@@ -1,0 +1,68 @@
+#!/usr/bin/env python
+"""Tokenize jsonl / text (pretraining) or chat jsonl (SFT) into webdataset shards for training.
+
+    python tools/prepare_data.py --input data/*.jsonl --tokenizer TOKENIZER_DIR --output shards/
+    python tools/prepare_data.py --task sft --input chats.jsonl --tokenizer TOKENIZER_DIR --output sft/
+
+The output directory gets the shards, ``manifest.json`` and the tokenizer (with a mask token
+added if it had none); point ``data.path`` of a training config at it. Bad input lines are
+listed as ``file:line: reason`` on stderr and counted in the summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_wedlm.data.prepare import DEFAULT_MASK_TOKEN, prepare_dataset  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--input", nargs="+", required=True, help="files or directories (.jsonl/.json/.txt)")
+    parser.add_argument("--output", required=True, help="output directory")
+    parser.add_argument("--tokenizer", required=True, help="local HF tokenizer (or model) directory")
+    parser.add_argument("--task", choices=("pretrain", "sft"), default="pretrain")
+    parser.add_argument("--samples-per-shard", type=int, default=10_000)
+    parser.add_argument("--text-field", default="text", help="jsonl field holding a pretraining document")
+    parser.add_argument(
+        "--text-unit", choices=("file", "paragraph", "line"), default="paragraph",
+        help="what one document is in plain text files",
+    )
+    parser.add_argument("--no-eos", action="store_true", help="do not append EOS to pretraining documents")
+    parser.add_argument("--mask-token", default=DEFAULT_MASK_TOKEN, help="added if the tokenizer has no mask token")
+    parser.add_argument("--chat-template", help="jinja chat template file (SFT; overrides the tokenizer's)")
+    parser.add_argument("--raw-sft", action="store_true", help="SFT without a chat template: prompt + response + EOS")
+    parser.add_argument("--max-reported", type=int, default=100, help="bad lines listed individually")
+    parser.add_argument("--overwrite", action="store_true")
+    args = parser.parse_args(argv)
+
+    template = Path(args.chat_template).read_text() if args.chat_template else None
+    try:
+        summary = prepare_dataset(
+            args.input,
+            args.output,
+            args.tokenizer,
+            task=args.task,
+            samples_per_shard=args.samples_per_shard,
+            text_field=args.text_field,
+            text_unit=args.text_unit,
+            add_eos=not args.no_eos,
+            mask_token=args.mask_token,
+            chat_template=template,
+            raw_sft=args.raw_sft,
+            overwrite=args.overwrite,
+            max_reported=args.max_reported,
+        )
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        print(f"prepare_data: error: {err}", file=sys.stderr)
+        return 2
+    print(summary.describe())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
