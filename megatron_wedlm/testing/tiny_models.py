@@ -53,6 +53,17 @@ def build_tiny_tokenizer(
     Its normalizer, pre-tokenizer and decoder are Qwen2's, so it survives a save and reload
     next to a qwen2/qwen3 model unchanged (see ``_QWEN2_SPLIT``).
     """
+    tok = _train_byte_level_bpe(SPECIAL_TOKENS, extra_texts, vocab_size)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        mask_token=MASK_TOKEN,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _train_byte_level_bpe(special_tokens: Iterable[str], extra_texts: Iterable[str], vocab_size: int) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -64,18 +75,12 @@ def build_tiny_tokenizer(
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(list(_BASE_TEXTS) + list(extra_texts), trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token=EOS_TOKEN,
-        pad_token=PAD_TOKEN,
-        mask_token=MASK_TOKEN,
-        clean_up_tokenization_spaces=False,
-    )
+    return tok
 
 
 def build_tiny_model(
@@ -112,4 +117,78 @@ def build_tiny_model(
     config.mask_token_id = tokenizer.mask_token_id
     torch.manual_seed(seed)
     model = model_cls(config)
+    return model.eval()
+
+
+def build_tiny_ar_tokenizer(extra_texts: Iterable[str] = (), vocab_size: int = 400) -> PreTrainedTokenizerFast:
+    """Like :func:`build_tiny_tokenizer` but without a mask token anywhere in the vocabulary,
+    as the tokenizer of a plain AR checkpoint (conversion must add one)."""
+    tok = _train_byte_level_bpe((EOS_TOKEN, PAD_TOKEN), extra_texts, vocab_size)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, clean_up_tokenization_spaces=False
+    )
+
+
+def build_tiny_causal_lm(
+    arch: str = "qwen2",
+    *,
+    vocab_size: int,
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int | None = None,
+    intermediate_size: int | None = None,
+    tie_word_embeddings: bool = False,
+    rope_theta: float = 10000.0,
+    rms_norm_eps: float = 1e-6,
+    max_position_embeddings: int = 1024,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+    mask_token_id: int | None = None,
+    seed: int = 0,
+) -> PreTrainedModel:
+    """A random Qwen2 / Qwen3 / Llama causal LM with every shape knob exposed (fp32, eval mode).
+
+    For tests that need shapes :func:`build_tiny_model` fixes: Llama, tied embeddings, a
+    head_dim other than hidden/heads, a vocabulary sized independently of a tokenizer. Weights
+    are scaled up from the config's tiny init (std 0.02) so layers visibly change the logits --
+    a mapping bug then shows as a large difference rather than one lost in rounding.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    families = {
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "llama": (LlamaConfig, LlamaForCausalLM),
+    }
+    if arch not in families:
+        raise ValueError(f"unknown tiny-model arch {arch!r}; choose one of {sorted(families)}")
+    config_cls, model_cls = families[arch]
+    config = config_cls(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim or hidden_size // num_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        rms_norm_eps=rms_norm_eps,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        bos_token_id=None,
+    )
+    if mask_token_id is not None:
+        config.mask_token_id = mask_token_id
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))  # not all ones: a swapped norm shows
+            else:
+                param.normal_(0.0, 0.2 if param.dim() > 1 else 0.1)
     return model.eval()

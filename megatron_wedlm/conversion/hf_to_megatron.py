@@ -1,0 +1,193 @@
+"""HF directory (Qwen2 / Qwen3 / Llama, safetensors) -> Megatron ``torch_dist`` checkpoint.
+
+Output directory::
+
+    metadata.json, .metadata, common.pt, __*.distcp   the torch_dist checkpoint (model weights)
+    wedlm_model.json                                   ModelArgs: what to build to load it
+    tokenizer files, generation_config.json            carried along for export
+
+Every HF tensor is checked (present, shape, nothing left unmapped) before anything is written,
+so a bad input fails in seconds with the tensor's name rather than halfway through.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from megatron_wedlm.model.hf_config import (
+    DEFAULT_MAKE_VOCAB_SIZE_DIVISIBLE_BY,
+    ModelArgs,
+    model_args_from_hf_config,
+    pad_vocab_size,
+    save_model_args,
+)
+
+from .hf_checkpoint import ConversionError, HFSafetensorsReader
+from .layout import resize_rows
+from .mapping import IGNORED_HF_SUFFIXES, OUTPUT_LAYER, Combine, TensorRule, all_hf_names, global_rules, hf_shapes, layer_rules, to_megatron
+from .megatron_checkpoint import build_reference_gpt, fill_model, megatron_process_group, save_megatron_checkpoint
+from .tokenizer_files import DEFAULT_MASK_TOKEN, MaskTokenSetup, copy_tokenizer_files, prepare_tokenizer
+
+GENERATION_CONFIG = "generation_config.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskRowInit:
+    """Give a newly added mask token's row the mean of the existing token rows."""
+
+    row: int
+    mean_over_rows: int  # rows of real tokens before the addition
+
+
+def check_hf_checkpoint(reader: HFSafetensorsReader, args: ModelArgs) -> None:
+    """Raise naming the first missing or mis-shaped tensor, or listing tensors nothing would convert."""
+    for rule in global_rules(args):
+        _check_rule(reader, rule, None, args)
+    for layer in range(args.num_layers):
+        for rule in layer_rules(args):
+            _check_rule(reader, rule, layer, args)
+    expected = set(all_hf_names(args))
+    if args.tie_word_embeddings:
+        expected |= set(OUTPUT_LAYER.hf)  # some tied checkpoints store the (identical) head anyway
+    unmapped = sorted(n for n in reader.names() if n not in expected and not n.endswith(IGNORED_HF_SUFFIXES))
+    if unmapped:
+        shown = ", ".join(unmapped[:8]) + (f", ... ({len(unmapped)} in all)" if len(unmapped) > 8 else "")
+        raise ConversionError(
+            f"the HF checkpoint has tensors that a {args.architecture} conversion does not map and would "
+            f"drop: {shown}. Is config.json's model_type right?"
+        )
+
+
+def _check_rule(reader: HFSafetensorsReader, rule: TensorRule, layer: int | None, args: ModelArgs) -> None:
+    for name, shape in zip(rule.hf_names(layer), hf_shapes(rule, args)):
+        if name not in reader:
+            raise ConversionError(f"tensor {name!r} is missing from the HF checkpoint {reader.directory}")
+        actual = reader.shape(name)
+        if actual != shape:
+            raise ConversionError(
+                f"shape mismatch for tensor {name!r}: the checkpoint has {actual}, config.json implies {shape} "
+                f"(hidden_size={args.hidden_size}, heads={args.num_attention_heads}, kv_heads={args.num_query_groups}, "
+                f"head_dim={args.head_dim}, intermediate_size={args.ffn_hidden_size}, vocab_size={args.vocab_size})"
+            )
+
+
+class HFTensorSource:
+    """Full Megatron tensors made from HF tensors read on demand (see ``TensorSource``)."""
+
+    def __init__(self, directory: str | Path, args: ModelArgs, mask_init: MaskRowInit | None) -> None:
+        self.reader = HFSafetensorsReader(directory)
+        self.args = args
+        self.mask_init = mask_init
+
+    def __call__(self, rule: TensorRule, layer: int | None) -> torch.Tensor:
+        tensors = [self.reader.read(name) for name in rule.hf_names(layer)]
+        if rule.combine is Combine.VOCAB:
+            tensors = [self._grown_vocab(tensors[0])]
+        return to_megatron(rule, tensors, self.args).to(self.args.torch_dtype)
+
+    def _grown_vocab(self, rows: torch.Tensor) -> torch.Tensor:
+        grown = resize_rows(rows, self.args.vocab_size)
+        if self.mask_init is not None:
+            real = rows[: self.mask_init.mean_over_rows]
+            grown[self.mask_init.row] = real.mean(dim=0, dtype=torch.float32).to(rows.dtype)
+        return grown
+
+
+def _write_rank(args_dict: dict, input_dir: str, output_dir: str, tp: int, pp: int, mask_init: MaskRowInit | None) -> None:
+    """One rank of the writer: build its part of the model, fill it, save (collectively)."""
+    args = ModelArgs.from_dict(args_dict)
+    with megatron_process_group(tp, pp):
+        model = build_reference_gpt(args)
+        fill_model(model, args, HFTensorSource(input_dir, args, mask_init))
+        save_megatron_checkpoint(model, output_dir)
+
+
+def _prepare_output(output_dir: Path, overwrite: bool) -> None:
+    if output_dir.exists() and any(output_dir.iterdir()):
+        if not overwrite:
+            raise ConversionError(f"output directory {output_dir} is not empty; choose another or pass --overwrite")
+        shutil.rmtree(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+
+
+def convert_hf_to_megatron(
+    input_dir: str | Path,
+    output_dir: str | Path,
+    *,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    mask_token: str = DEFAULT_MASK_TOKEN,
+    add_mask_token: bool = True,
+    make_vocab_size_divisible_by: int = DEFAULT_MAKE_VOCAB_SIZE_DIVISIBLE_BY,
+    dtype: str | None = None,
+    overwrite: bool = False,
+    timeout_s: float = 24 * 3600.0,
+) -> ModelArgs:
+    """Convert and return the :class:`ModelArgs` written to ``wedlm_model.json``.
+
+    ``tensor/pipeline_model_parallel_size`` pick the layout the checkpoint is *written* with (that
+    many local processes); it loads under any layout. ``dtype`` defaults to the HF weights' dtype.
+    """
+    input_dir, output_dir = Path(input_dir), Path(output_dir)
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    config_file = input_dir / "config.json"
+    if not config_file.is_file():
+        raise ConversionError(f"{input_dir} is not a HF model directory: {config_file} does not exist")
+    raw = json.loads(config_file.read_text())
+    source_args = model_args_from_hf_config(
+        raw, make_vocab_size_divisible_by=make_vocab_size_divisible_by, tensor_model_parallel_size=tp
+    )
+    if pp > source_args.num_layers:
+        raise ConversionError(f"--pp {pp} exceeds the model's {source_args.num_layers} layers")
+    reader = HFSafetensorsReader(input_dir)
+    check_hf_checkpoint(reader, source_args)
+
+    _prepare_output(output_dir, overwrite)
+    with tempfile.TemporaryDirectory(prefix="wedlm-tokenizer-") as staged_tokenizer:
+        # Staged aside: torch_dist warns about (and may clean) a non-empty target directory.
+        mask = prepare_tokenizer(
+            input_dir, staged_tokenizer, config_mask_token_id=raw.get("mask_token_id"),
+            mask_token=mask_token, add_mask_token=add_mask_token,
+        )
+        args = _target_args(source_args, mask, reader, dtype, make_vocab_size_divisible_by, tp)
+        mask_init = MaskRowInit(mask.mask_token_id, min(mask.tokenizer_len, source_args.vocab_size)) if mask.added else None
+
+        if tp * pp == 1:
+            _write_rank(args.to_dict(), str(input_dir), str(output_dir), 1, 1, mask_init)
+        else:
+            from megatron_wedlm.testing.multiprocess import run_distributed
+
+            run_distributed(
+                _write_rank, tp * pp, args.to_dict(), str(input_dir), str(output_dir), tp, pp, mask_init,
+                timeout_s=timeout_s,
+            )
+        copy_tokenizer_files(staged_tokenizer, output_dir)
+    save_model_args(args, output_dir)
+    if (input_dir / GENERATION_CONFIG).is_file():
+        shutil.copyfile(input_dir / GENERATION_CONFIG, output_dir / GENERATION_CONFIG)
+    return args
+
+
+def _target_args(
+    source: ModelArgs, mask: MaskTokenSetup, reader: HFSafetensorsReader, dtype: str | None,
+    divisible_by: int, tp: int,
+) -> ModelArgs:
+    vocab = source.vocab_size
+    if mask.mask_token_id >= vocab:
+        vocab = pad_vocab_size(mask.mask_token_id + 1, divisible_by)  # grown for the new token
+    if dtype is None:
+        stored = reader.dtype("model.embed_tokens.weight")
+        dtype = str(stored).removeprefix("torch.")
+    return dataclasses.replace(
+        source,
+        vocab_size=vocab,
+        padded_vocab_size=pad_vocab_size(vocab, divisible_by, tp),
+        mask_token_id=mask.mask_token_id,
+        dtype=dtype,
+    )

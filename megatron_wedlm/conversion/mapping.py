@@ -1,0 +1,169 @@
+"""Which HF tensors make which Megatron tensor, for Qwen2, Qwen3 and Llama.
+
+Each :class:`TensorRule` names one Megatron parameter three ways -- its module name (how the
+built model calls it), its ``torch_dist`` checkpoint key (how ``sharded_state_dict`` stores it:
+transformer layers stacked along a leading axis, and the local layer spec's norms under the
+Transformer Engine names ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight`` so
+local and TE checkpoints are interchangeable) and the HF tensors it is made of -- plus how the
+pieces combine (:class:`Combine`). ``tests/test_conversion.py`` checks names, keys and shapes
+against a real Megatron model, so a Megatron release that moves them fails there first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from megatron_wedlm.model.hf_config import ModelArgs
+
+from .layout import fuse_gate_up, fuse_qkv, resize_rows, split_gate_up, split_qkv
+
+LAYER = "{layer}"  # placeholder for the global layer index in HF names
+
+
+class Combine(Enum):
+    COPY = "copy"  # one HF tensor, same layout
+    QKV = "qkv"  # q, k, v -> grouped linear_qkv
+    GATE_UP = "gate_up"  # gate, up -> linear_fc1
+    VOCAB = "vocab"  # one HF tensor, vocabulary rows padded to Megatron's size
+
+
+@dataclass(frozen=True)
+class TensorRule:
+    param: str  # module name; relative to a TransformerLayer when per_layer
+    key: str  # torch_dist key (stacked over layers when per_layer)
+    hf: tuple[str, ...]  # HF names, with LAYER for per-layer rules
+    combine: Combine
+    per_layer: bool
+    tp_partition_dim: int | None  # None: replicated over tensor parallelism
+
+    def hf_names(self, layer: int | None) -> tuple[str, ...]:
+        return tuple(name.replace(LAYER, str(layer)) for name in self.hf)
+
+    @property
+    def gated(self) -> bool:
+        return self.combine is Combine.GATE_UP
+
+
+_HF_LAYER = "model.layers.{layer}."
+
+
+def _layer(param: str, key: str, hf: tuple[str, ...], combine: Combine, tp_dim: int | None) -> TensorRule:
+    return TensorRule(param, f"decoder.layers.{key}", tuple(_HF_LAYER + h for h in hf), combine, True, tp_dim)
+
+
+def layer_rules(args: ModelArgs) -> list[TensorRule]:
+    """Rules for the parameters of one transformer layer."""
+    attn = "self_attention."
+    rules = [
+        _layer("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight",
+               ("input_layernorm.weight",), Combine.COPY, None),
+        _layer(attn + "linear_qkv.weight", "self_attention.linear_qkv.weight",
+               ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), Combine.QKV, 0),
+        _layer(attn + "linear_proj.weight", "self_attention.linear_proj.weight",
+               ("self_attn.o_proj.weight",), Combine.COPY, 1),
+        _layer("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight",
+               ("post_attention_layernorm.weight",), Combine.COPY, None),
+        _layer("mlp.linear_fc1.weight", "mlp.linear_fc1.weight",
+               ("mlp.gate_proj.weight", "mlp.up_proj.weight"), Combine.GATE_UP, 0),
+        _layer("mlp.linear_fc2.weight", "mlp.linear_fc2.weight", ("mlp.down_proj.weight",), Combine.COPY, 1),
+    ]
+    if args.add_qkv_bias:
+        rules.append(
+            _layer(attn + "linear_qkv.bias", "self_attention.linear_qkv.bias",
+                   ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), Combine.QKV, 0)
+        )
+    if args.qk_layernorm:
+        rules += [
+            _layer(attn + "q_layernorm.weight", "self_attention.q_layernorm.weight",
+                   ("self_attn.q_norm.weight",), Combine.COPY, None),
+            _layer(attn + "k_layernorm.weight", "self_attention.k_layernorm.weight",
+                   ("self_attn.k_norm.weight",), Combine.COPY, None),
+        ]
+    return rules
+
+
+EMBEDDING = TensorRule("embedding.word_embeddings.weight", "embedding.word_embeddings.weight",
+                       ("model.embed_tokens.weight",), Combine.VOCAB, False, 0)
+FINAL_NORM = TensorRule("decoder.final_layernorm.weight", "decoder.final_layernorm.weight",
+                        ("model.norm.weight",), Combine.COPY, False, None)
+OUTPUT_LAYER = TensorRule("output_layer.weight", "output_layer.weight", ("lm_head.weight",), Combine.VOCAB, False, 0)
+
+
+def global_rules(args: ModelArgs) -> list[TensorRule]:
+    """Rules for the parameters outside the transformer layers (the output layer only if untied)."""
+    return [EMBEDDING, FINAL_NORM] + ([] if args.tie_word_embeddings else [OUTPUT_LAYER])
+
+
+#: HF tensors that exist in some checkpoints but carry nothing to convert.
+IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def all_hf_names(args: ModelArgs) -> list[str]:
+    names = [n for rule in global_rules(args) for n in rule.hf_names(None)]
+    for layer in range(args.num_layers):
+        names += [n for rule in layer_rules(args) for n in rule.hf_names(layer)]
+    return names
+
+
+# --------------------------------------------------------------------------------------------
+# Shapes (full, TP=1 layout) -- used to name the tensor in shape errors
+# --------------------------------------------------------------------------------------------
+
+
+def hf_shapes(rule: TensorRule, args: ModelArgs) -> list[tuple[int, ...]]:
+    h, d = args.hidden_size, args.head_dim
+    q_rows, kv_rows = args.num_attention_heads * d, args.num_query_groups * d
+    param = rule.param
+    if rule.combine is Combine.VOCAB:
+        return [(args.vocab_size, h)]
+    if rule.combine is Combine.QKV:
+        tail = (h,) if param.endswith("weight") else ()
+        return [(q_rows, *tail), (kv_rows, *tail), (kv_rows, *tail)]
+    if rule.combine is Combine.GATE_UP:
+        return [(args.ffn_hidden_size, h)] * 2
+    if param.endswith("linear_proj.weight"):
+        return [(h, q_rows)]
+    if param.endswith("linear_fc2.weight"):
+        return [(h, args.ffn_hidden_size)]
+    if param.endswith(("q_layernorm.weight", "k_layernorm.weight")):
+        return [(d,)]
+    return [(h,)]  # hidden-size norms
+
+
+def megatron_shape(rule: TensorRule, args: ModelArgs) -> tuple[int, ...]:
+    """Shape of one layer's (or the global) tensor in Megatron's full layout."""
+    if rule.combine is Combine.VOCAB:
+        return (args.padded_vocab_size, args.hidden_size)
+    if rule.combine is Combine.QKV:
+        return (args.qkv_rows, *hf_shapes(rule, args)[0][1:])
+    if rule.combine is Combine.GATE_UP:
+        return (2 * args.ffn_hidden_size, args.hidden_size)
+    return hf_shapes(rule, args)[0]
+
+
+# --------------------------------------------------------------------------------------------
+# Conversions (full layout)
+# --------------------------------------------------------------------------------------------
+
+
+def to_megatron(rule: TensorRule, hf_tensors: list[torch.Tensor], args: ModelArgs) -> torch.Tensor:
+    if rule.combine is Combine.QKV:
+        return fuse_qkv(*hf_tensors, num_query_groups=args.num_query_groups)
+    if rule.combine is Combine.GATE_UP:
+        return fuse_gate_up(*hf_tensors)
+    if rule.combine is Combine.VOCAB:
+        return resize_rows(hf_tensors[0], args.padded_vocab_size)
+    return hf_tensors[0]
+
+
+def to_hf(rule: TensorRule, tensor: torch.Tensor, args: ModelArgs) -> list[torch.Tensor]:
+    if rule.combine is Combine.QKV:
+        return list(split_qkv(tensor, args.num_attention_heads, args.num_query_groups, args.head_dim))
+    if rule.combine is Combine.GATE_UP:
+        return list(split_gate_up(tensor))
+    if rule.combine is Combine.VOCAB:
+        return [tensor[: args.vocab_size]]
+    return [tensor]

@@ -1,0 +1,260 @@
+"""Write and read Megatron-Core ``torch_dist`` checkpoints of a converted model.
+
+Writing goes through a real Megatron ``GPTModel`` (local layer spec) built for this rank's part
+of the layout and ``dist_checkpointing.save(model.sharded_state_dict())``, so the checkpoint has
+exactly the keys, shapes and shard metadata Megatron's own loaders expect, and reshards to any
+TP/PP on load. The model is built without random initialisation and filled one tensor at a
+time, so a rank holds its part of the model once plus one full tensor in flight.
+
+Reading does *not* build a model: :class:`MegatronCheckpointReader` asks ``dist_checkpointing``
+for one layer's slice of one stacked tensor at a time, which is what keeps ``megatron-to-hf``
+streaming. It reads training checkpoints too (the model keys are the same; optimizer and other
+state are simply not requested).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from megatron_wedlm.model.hf_config import ModelArgs, gpt_model_kwargs, transformer_config_from_model_args
+
+from .hf_checkpoint import ConversionError
+from .layout import tp_local_shard
+from .mapping import EMBEDDING, OUTPUT_LAYER, Combine, TensorRule, global_rules, layer_rules, megatron_shape
+
+#: A full (TP=1 layout) Megatron tensor for a rule and a global layer index (None: not per layer).
+TensorSource = Callable[[TensorRule, "int | None"], torch.Tensor]
+
+
+@contextlib.contextmanager
+def megatron_process_group(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> Iterator[None]:
+    """torch.distributed (gloo) and Megatron's groups for a conversion, torn down afterwards.
+
+    Inside torchrun (or :func:`run_distributed`) the launcher's world is joined; a plain process
+    gets a world of its own, and its environment is restored afterwards. Whatever already
+    existed is kept. Without CUDA the project's CPU runtime is switched on for the duration
+    (Megatron cannot build a model on a CPU-only torch without it).
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_wedlm.runtime import cpu as cpu_runtime
+    from megatron_wedlm.runtime.parallel import init_distributed
+
+    with contextlib.ExitStack() as stack:
+        if not torch.cuda.is_available() and not cpu_runtime.cpu_runtime_active():
+            cpu_runtime.activate_cpu_runtime()
+            stack.callback(cpu_runtime.deactivate_cpu_runtime)
+        if not dist.is_initialized():
+            if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+                stack.enter_context(_single_process_env())
+            init_distributed(torch.device("cpu"))
+            stack.callback(dist.destroy_process_group)
+        if ps.model_parallel_is_initialized():
+            have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
+            if have != (tensor_model_parallel_size, pipeline_model_parallel_size):
+                raise RuntimeError(
+                    f"Megatron is already initialised with TP x PP = {have[0]} x {have[1]}, not "
+                    f"{tensor_model_parallel_size} x {pipeline_model_parallel_size}"
+                )
+        else:
+            world = dist.get_world_size()
+            if world != tensor_model_parallel_size * pipeline_model_parallel_size:
+                raise RuntimeError(
+                    f"conversion with TP={tensor_model_parallel_size} x PP={pipeline_model_parallel_size} needs "
+                    f"exactly {tensor_model_parallel_size * pipeline_model_parallel_size} processes, got {world}"
+                )
+            from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=tensor_model_parallel_size,
+                pipeline_model_parallel_size=pipeline_model_parallel_size,
+            )
+            stack.callback(ps.destroy_model_parallel)
+            model_parallel_cuda_manual_seed(0)
+        yield
+
+
+@contextlib.contextmanager
+def _single_process_env() -> Iterator[None]:
+    """torchrun's variables for a world of one on a free port, restored on exit."""
+    from megatron_wedlm.testing.multiprocess import find_free_port
+
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(find_free_port()))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def build_reference_gpt(
+    args: ModelArgs, *, params_dtype: torch.dtype | None = None, initialize: bool = False, **config_overrides
+):
+    """Megatron's ``GPTModel`` with the local layer spec for this rank's pipeline stage.
+
+    It has the parameter names of the WeDLM model (which reuses them) and is what conversion
+    writes with. ``initialize=False`` allocates without random init -- every tensor is about to
+    be overwritten, and initialising a multi-billion-parameter model on CPU takes minutes.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    config = transformer_config_from_model_args(
+        args,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        params_dtype=params_dtype or args.torch_dtype,
+        perform_initialization=initialize,
+        **config_overrides,
+    )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization="RMSNorm"),
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        **gpt_model_kwargs(args, tp),
+    )
+
+
+def fill_model(model, args: ModelArgs, source: TensorSource) -> None:
+    """Copy every parameter of this rank's model part from ``source``, one tensor at a time."""
+    from megatron.core import parallel_state as ps
+
+    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    filled: set[int] = set()
+
+    def copy(param: torch.Tensor, rule: TensorRule, layer: int | None) -> None:
+        full = source(rule, layer)
+        local = tp_local_shard(full, rule.tp_partition_dim, tp_rank, tp_size, gated=rule.gated)
+        if local.shape != param.shape:
+            raise ConversionError(
+                f"{rule.param} (layer {layer}): converted shape {tuple(local.shape)} does not match the "
+                f"Megatron parameter {tuple(param.shape)}"
+            )
+        with torch.no_grad():
+            param.copy_(local)
+        filled.add(id(param))
+        del full, local
+
+    top = dict(model.named_parameters())
+    for rule in global_rules(args):
+        if rule.param in top:
+            copy(top[rule.param], rule, None)
+    if args.tie_word_embeddings and OUTPUT_LAYER.param in top:
+        copy(top[OUTPUT_LAYER.param], EMBEDDING, None)  # last stage's copy of the tied embedding
+    by_param = {rule.param: rule for rule in layer_rules(args)}
+    for layer in model.decoder.layers:
+        global_index = layer.layer_number - 1
+        for name, param in layer.named_parameters():
+            if name not in by_param:
+                raise ConversionError(f"no conversion rule for Megatron parameter decoder.layers.*.{name}")
+            copy(param, by_param[name], global_index)
+    missing = [name for name, p in model.named_parameters() if id(p) not in filled]
+    if missing:
+        raise ConversionError(f"Megatron parameters left without a source tensor: {missing}")
+
+
+def save_megatron_checkpoint(model, directory: str | Path) -> None:
+    from megatron.core import dist_checkpointing
+
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save(model.sharded_state_dict(), str(directory))
+
+
+def load_megatron_weights(model, directory: str | Path, strict: bool = True) -> None:
+    """Load a converted (or training) checkpoint's weights into a built Megatron model, any layout.
+
+    This is the model half of ``model.init_from``: Megatron reshards to the model's TP/PP.
+    """
+    from megatron.core import dist_checkpointing
+
+    check_torch_dist_dir(directory)
+    state = dist_checkpointing.load(model.sharded_state_dict(), str(directory))
+    model.load_state_dict(state, strict=strict)
+
+
+def check_torch_dist_dir(directory: str | Path) -> None:
+    meta = Path(directory) / "metadata.json"
+    if not meta.is_file():
+        raise ConversionError(
+            f"{directory} is not a Megatron torch_dist checkpoint (no metadata.json); point --input at the "
+            "directory written by hf-to-megatron or at one checkpoint iteration of a training run"
+        )
+    backend = json.loads(meta.read_text()).get("sharded_backend")
+    if backend != "torch_dist":
+        raise ConversionError(f"{directory} uses the {backend!r} backend; only torch_dist is supported")
+
+
+class MegatronCheckpointReader:
+    """One Megatron tensor (one layer of it) at a time from a ``torch_dist`` checkpoint."""
+
+    def __init__(self, directory: str | Path, args: ModelArgs) -> None:
+        from megatron.core import dist_checkpointing
+
+        check_torch_dist_dir(directory)
+        self.directory = str(directory)
+        self.args = args
+        self.metadata = dist_checkpointing.load_tensors_metadata(self.directory)
+        self.prefix = self._model_prefix()
+
+    def _model_prefix(self) -> str:
+        """Keys may sit under a prefix when the model is wrapped; find it from the embedding key."""
+        candidates = [k[: -len(EMBEDDING.key)] for k in self.metadata if k.endswith(EMBEDDING.key)]
+        if not candidates:
+            raise ConversionError(f"{self.directory} has no {EMBEDDING.key!r}: not a GPT model checkpoint")
+        return min(candidates, key=len)
+
+    def _key(self, rule: TensorRule, layer: int | None) -> tuple[str, bool]:
+        """(checkpoint key, whether layers are stacked in it)."""
+        stacked = self.prefix + rule.key
+        if layer is None or stacked in self.metadata:
+            return stacked, layer is not None
+        # Checkpoints saved with non-homogeneous layers keep one key per layer.
+        suffix = rule.key.removeprefix("decoder.layers.")
+        return f"{self.prefix}decoder.layers.{layer}.{suffix}", False
+
+    def read(self, rule: TensorRule, layer: int | None) -> torch.Tensor:
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        key, stacked = self._key(rule, layer)
+        if key not in self.metadata:
+            raise ConversionError(f"tensor {key!r} is missing from the Megatron checkpoint {self.directory}")
+        info = self.metadata[key]
+        expected = megatron_shape(rule, self.args)
+        global_shape = tuple(info.global_shape)
+        if rule.combine is Combine.VOCAB and global_shape[1:] == expected[1:] and global_shape[0] >= self.args.vocab_size:
+            expected = global_shape  # padded for another layout: the rows past vocab_size are dropped later
+        if stacked:
+            if global_shape[1:] != expected or global_shape[0] != self.args.num_layers:
+                raise ConversionError(
+                    f"tensor {key!r} has shape {global_shape}, expected {(self.args.num_layers, *expected)} "
+                    f"from the model description (wedlm_model.json)"
+                )
+            target = ShardedTensor.from_rank_offsets(
+                key, torch.empty(1, *expected, dtype=info.dtype), (0, layer, self.args.num_layers)
+            )
+        else:
+            if global_shape != expected:
+                raise ConversionError(
+                    f"tensor {key!r} has shape {global_shape}, expected {expected} from the model "
+                    "description (wedlm_model.json)"
+                )
+            target = ShardedTensor.from_rank_offsets(key, torch.empty(*expected, dtype=info.dtype))
+        loaded = dist_checkpointing.load({"t": target}, self.directory, validate_access_integrity=False)["t"]
+        return loaded[0] if stacked else loaded

@@ -1,0 +1,102 @@
+"""Tokenizer files that travel with a checkpoint, and the mask token WeDLM trains with.
+
+A WeDLM checkpoint must say which token id is the mask (``config.mask_token_id``). When the AR
+tokenizer already has a mask token (or the config already names one) that id is used and the
+tokenizer files are copied byte for byte. Otherwise the token (``<|mask|>`` by default) is added
+as a special token and the tokenizer re-saved; the caller then gives the new id an embedding row
+(see :mod:`.hf_to_megatron`).
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from .hf_checkpoint import ConversionError
+
+DEFAULT_MASK_TOKEN = "<|mask|>"
+
+#: Files that make up a HF tokenizer (whichever of them exist are copied).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+@dataclass(frozen=True)
+class MaskTokenSetup:
+    mask_token_id: int
+    added: bool  # the token was added to the tokenizer by this conversion
+    tokenizer_len: int  # tokens in the tokenizer before the addition
+
+
+def tokenizer_files_in(directory: str | Path) -> list[Path]:
+    directory = Path(directory)
+    return [directory / name for name in TOKENIZER_FILES if (directory / name).is_file()]
+
+
+def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[Path]:
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for file in tokenizer_files_in(src):
+        if file.resolve() != (dst / file.name).resolve():
+            shutil.copyfile(file, dst / file.name)
+        copied.append(dst / file.name)
+    return copied
+
+
+def prepare_tokenizer(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    config_mask_token_id: int | None = None,
+    mask_token: str = DEFAULT_MASK_TOKEN,
+    add_mask_token: bool = True,
+) -> MaskTokenSetup:
+    """Put the tokenizer of ``src`` into ``dst`` with a mask token, and say which id it has."""
+    if not tokenizer_files_in(src):
+        if config_mask_token_id is not None:
+            return MaskTokenSetup(config_mask_token_id, added=False, tokenizer_len=-1)
+        raise ConversionError(
+            f"{src} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...) and its config.json has "
+            "no mask_token_id, so the mask token cannot be found or added; put the tokenizer next to the weights"
+        )
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(src))
+    length = len(tokenizer)
+    own_id = tokenizer.mask_token_id if tokenizer.mask_token is not None else None
+    if own_id is not None:
+        if config_mask_token_id is not None and config_mask_token_id != own_id:
+            raise ConversionError(
+                f"config.json says mask_token_id={config_mask_token_id} but the tokenizer's mask token "
+                f"{tokenizer.mask_token!r} has id {own_id}; fix one of them"
+            )
+        copy_tokenizer_files(src, dst)
+        return MaskTokenSetup(own_id, added=False, tokenizer_len=length)
+    if config_mask_token_id is not None:
+        copy_tokenizer_files(src, dst)
+        return MaskTokenSetup(config_mask_token_id, added=False, tokenizer_len=length)
+    existing = tokenizer.convert_tokens_to_ids(mask_token)
+    if existing is not None and existing != tokenizer.unk_token_id:
+        # The string is already a token, just not registered as the mask token: register it.
+        tokenizer.add_special_tokens({"mask_token": mask_token})
+        tokenizer.save_pretrained(str(dst))
+        return MaskTokenSetup(int(existing), added=False, tokenizer_len=length)
+    if not add_mask_token:
+        raise ConversionError(
+            f"the tokenizer in {src} has no mask token and {mask_token!r} is not in its vocabulary; "
+            "allow adding one (drop --no-add-mask-token) or name an existing token with --mask-token"
+        )
+    tokenizer.add_special_tokens({"mask_token": mask_token})
+    tokenizer.save_pretrained(str(dst))
+    return MaskTokenSetup(int(tokenizer.mask_token_id), added=True, tokenizer_len=length)

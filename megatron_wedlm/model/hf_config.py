@@ -1,0 +1,400 @@
+"""HF model configs <-> the Megatron-Core model that holds the same weights.
+
+:class:`ModelArgs` is the one description of a Qwen2 / Qwen3 / Llama style model this project
+uses on the Megatron side. It is read from a HF ``config.json`` (:func:`model_args_from_hf_config`),
+stored next to a converted checkpoint as ``wedlm_model.json`` (:func:`save_model_args` /
+:func:`load_model_args`) so the training entry points can rebuild the matching model, and turned
+back into a HF config on export (:func:`hf_config_from_model_args`).
+
+Why a separate record rather than the HF config itself: Megatron needs facts the HF config does not
+state (the padded vocabulary the checkpoint was written with, the mask token id), and a model
+trained from scratch in this framework has no HF config at all. The original HF config is kept
+verbatim in :attr:`ModelArgs.hf_config`, so fields this module does not model (token ids,
+``max_window_layers``, ...) survive a round trip.
+
+The three families differ only in a few switches Megatron already has:
+
+==========  ====================  ==============  ============================
+family      q/k/v bias            q/k RMSNorm     transformers class
+==========  ====================  ==============  ============================
+qwen2       yes (no o_proj bias)  no              ``Qwen2ForCausalLM``
+qwen3       no                    yes (per head)  ``Qwen3ForCausalLM``
+llama       no                    no              ``LlamaForCausalLM``
+==========  ====================  ==============  ============================
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: File written next to a converted Megatron checkpoint.
+MODEL_ARGS_FILE = "wedlm_model.json"
+
+#: Megatron-LM's default: each tensor-parallel shard of the vocabulary is a multiple of this.
+DEFAULT_MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
+
+#: model_type -> transformers causal-LM class name.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class UnsupportedModelError(ValueError):
+    """The HF config describes a model this project cannot convert or build."""
+
+
+@dataclass
+class ModelArgs:
+    """Architecture of a Qwen2 / Qwen3 / Llama model as the Megatron side needs it."""
+
+    architecture: str  # a key of SUPPORTED_ARCHITECTURES
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    vocab_size: int  # rows of the HF embedding (and of the exported checkpoint)
+    padded_vocab_size: int  # rows of the Megatron embedding the checkpoint was written with
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+    qk_layernorm: bool
+    add_qkv_bias: bool
+    tie_word_embeddings: bool
+    mask_token_id: int | None = None
+    dtype: str = "bfloat16"  # dtype of the weights as stored
+    make_vocab_size_divisible_by: int = DEFAULT_MAKE_VOCAB_SIZE_DIVISIBLE_BY
+    hf_config: dict[str, Any] = field(default_factory=dict)  # original config.json, for export
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(_unsupported_message(self.architecture))
+        if self.num_attention_heads % self.num_query_groups != 0:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_query_groups={self.num_query_groups} (num_key_value_heads)"
+            )
+        if self.padded_vocab_size < self.vocab_size:
+            raise ValueError(
+                f"padded_vocab_size={self.padded_vocab_size} is smaller than vocab_size={self.vocab_size}"
+            )
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"mask_token_id={self.mask_token_id} is outside the vocabulary (vocab_size={self.vocab_size})"
+            )
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def qkv_rows(self) -> int:
+        """Output rows of Megatron's fused ``linear_qkv``: all query heads plus K and V per group."""
+        return (self.num_attention_heads + 2 * self.num_query_groups) * self.head_dim
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelArgs":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelArgs fields {unknown}; known fields: {sorted(known)}")
+        return cls(**data)
+
+
+def _unsupported_message(architecture: str) -> str:
+    supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_ARCHITECTURES.items())
+    return f"unsupported architecture {architecture!r}; supported architectures: {supported}"
+
+
+def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tensor_model_parallel_size: int = 1) -> int:
+    """Round up so every tensor-parallel shard of the vocabulary is a multiple of the divisor.
+
+    A size padded for TP=1 with the default divisor (128) also splits evenly for any power-of-two
+    TP up to 128, which is what lets one converted checkpoint load under other TP sizes.
+    """
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+# --------------------------------------------------------------------------------------------
+# HF config -> ModelArgs
+# --------------------------------------------------------------------------------------------
+
+
+def _as_config_dict(config: Any) -> dict[str, Any]:
+    if isinstance(config, dict):
+        return dict(config)
+    return config.to_dict()
+
+
+def _normalised_hf_config(raw: dict[str, Any]):
+    """A transformers config object for ``raw``, with legacy fields (``rope_theta``) normalised."""
+    from transformers import AutoConfig
+
+    model_type = raw.get("model_type")
+    if model_type == "wedlm":
+        # Official WeDLM checkpoints: same weights as the AR family they came from.
+        from megatron_wedlm.decoding.loading import wedlm_config_to_hf
+
+        _, config = wedlm_config_to_hf(raw)
+        if raw.get("mask_token_id") is not None:
+            config.mask_token_id = raw["mask_token_id"]
+        return config
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        archs = raw.get("architectures")
+        name = f"{model_type}" + (f" ({', '.join(archs)})" if archs else "")
+        raise UnsupportedModelError(_unsupported_message(name))
+    fields_ = {k: v for k, v in raw.items() if k not in ("model_type", "transformers_version")}
+    return AutoConfig.for_model(model_type, **fields_)
+
+
+def _rope_theta(config: Any) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise UnsupportedModelError(
+            f"rope type {rope_type!r} (rope_parameters={params}) is not supported; only the default "
+            "RoPE (a rope_theta, no scaling) is converted"
+        )
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        raise UnsupportedModelError("the config gives no rope_theta")
+    return float(theta)
+
+
+def _check_supported_features(config: Any) -> None:
+    arch = config.model_type
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"hidden_act={config.hidden_act!r} is not supported; only 'silu' (SwiGLU)")
+    if getattr(config, "use_sliding_window", False):
+        raise UnsupportedModelError("use_sliding_window=true is not supported (WeDLM needs full causal attention)")
+    if arch in ("llama", "qwen3") and getattr(config, "attention_bias", False):
+        raise UnsupportedModelError(
+            f"{arch} with attention_bias=true (biases on q/k/v *and* o_proj) is not supported; "
+            "Megatron's add_qkv_bias covers q/k/v only"
+        )
+    if arch == "llama" and getattr(config, "mlp_bias", False):
+        raise UnsupportedModelError("llama with mlp_bias=true is not supported")
+
+
+def model_args_from_hf_config(
+    config: Any,
+    *,
+    make_vocab_size_divisible_by: int = DEFAULT_MAKE_VOCAB_SIZE_DIVISIBLE_BY,
+    tensor_model_parallel_size: int = 1,
+    vocab_size: int | None = None,
+    mask_token_id: int | None = None,
+) -> ModelArgs:
+    """:class:`ModelArgs` for a HF config (a transformers config object or a ``config.json`` dict).
+
+    ``vocab_size`` overrides the config's (used when the vocabulary grew for a new mask token);
+    ``mask_token_id`` defaults to the config's own ``mask_token_id`` if it has one.
+    """
+    raw = _as_config_dict(config)
+    hf = _normalised_hf_config(raw)
+    _check_supported_features(hf)
+    rows = int(vocab_size if vocab_size is not None else hf.vocab_size)
+    heads = int(hf.num_attention_heads)
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    dtype = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    if mask_token_id is None:
+        mask_token_id = raw.get("mask_token_id")
+    return ModelArgs(
+        architecture=hf.model_type,
+        num_layers=int(hf.num_hidden_layers),
+        hidden_size=int(hf.hidden_size),
+        ffn_hidden_size=int(hf.intermediate_size),
+        num_attention_heads=heads,
+        num_query_groups=int(getattr(hf, "num_key_value_heads", None) or heads),
+        head_dim=int(head_dim),
+        vocab_size=rows,
+        padded_vocab_size=pad_vocab_size(rows, make_vocab_size_divisible_by, tensor_model_parallel_size),
+        max_position_embeddings=int(hf.max_position_embeddings),
+        rope_theta=_rope_theta(hf),
+        rms_norm_eps=float(hf.rms_norm_eps),
+        qk_layernorm=hf.model_type == "qwen3",
+        add_qkv_bias=hf.model_type == "qwen2",
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        mask_token_id=mask_token_id,
+        dtype=dtype,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        hf_config={k: v for k, v in raw.items() if k != "transformers_version"},
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# ModelArgs -> HF config
+# --------------------------------------------------------------------------------------------
+
+
+def hf_config_from_model_args(args: ModelArgs):
+    """The transformers config of the exported checkpoint, with ``mask_token_id`` recorded.
+
+    Starts from the original HF config (when there was one) so unmodelled fields are kept, and
+    overwrites everything :class:`ModelArgs` states.
+    """
+    from transformers import AutoConfig
+
+    base = {
+        k: v
+        for k, v in args.hf_config.items()
+        if k not in ("model_type", "architectures", "auto_map", "transformers_version", "torch_dtype",
+                     "rope_theta", "rope_scaling", "qk_norm")
+    }
+    base.update(
+        num_hidden_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_key_value_heads=args.num_query_groups,
+        head_dim=args.head_dim,
+        vocab_size=args.vocab_size,
+        max_position_embeddings=args.max_position_embeddings,
+        rms_norm_eps=args.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta},
+        tie_word_embeddings=args.tie_word_embeddings,
+        hidden_act="silu",
+        dtype=args.dtype,
+    )
+    if args.architecture == "qwen2":
+        base.pop("attention_bias", None)
+    else:
+        base["attention_bias"] = False
+    if args.architecture == "llama":
+        base["mlp_bias"] = False
+    if "layer_types" in base and len(base["layer_types"]) != args.num_layers:
+        base.pop("layer_types")
+    config = AutoConfig.for_model(args.architecture, **base)
+    config.architectures = [SUPPORTED_ARCHITECTURES[args.architecture]]
+    if args.mask_token_id is not None:
+        config.mask_token_id = args.mask_token_id
+    return config
+
+
+# --------------------------------------------------------------------------------------------
+# ModelArgs -> Megatron-Core
+# --------------------------------------------------------------------------------------------
+
+
+def transformer_config_from_model_args(
+    args: ModelArgs,
+    *,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    params_dtype: torch.dtype | None = None,
+    **overrides: Any,
+):
+    """Megatron ``TransformerConfig`` computing what the HF model computes.
+
+    Dropout is off (the HF families train without it); fusions that need CUDA kernels are off so
+    the same config runs on CPU; ``overrides`` is for training settings (recompute, SP, bf16, ...).
+    """
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    params_dtype = params_dtype or torch.float32
+    kwargs: dict[str, Any] = dict(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=args.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=args.add_qkv_bias,
+        qk_layernorm=args.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=True,
+        bias_dropout_fusion=False,
+        bias_activation_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def gpt_model_kwargs(args: ModelArgs, tensor_model_parallel_size: int = 1) -> dict[str, Any]:
+    """Keyword arguments of Megatron's ``GPTModel`` (besides config, layer spec and stages).
+
+    The vocabulary is the padded size the checkpoint was written with, so any layout loads it;
+    a TP size that does not divide it is refused here rather than deep inside Megatron.
+    """
+    if args.padded_vocab_size % tensor_model_parallel_size != 0:
+        raise ValueError(
+            f"padded vocabulary {args.padded_vocab_size} does not split over tensor_model_parallel_size="
+            f"{tensor_model_parallel_size}; re-convert with --tp {tensor_model_parallel_size}"
+        )
+    return dict(
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        share_embeddings_and_output_weights=args.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=args.rope_theta,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# wedlm_model.json
+# --------------------------------------------------------------------------------------------
+
+
+def save_model_args(args: ModelArgs, directory: str | Path) -> Path:
+    path = Path(directory) / MODEL_ARGS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(args.to_dict(), indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def find_model_args_file(directory: str | Path) -> Path | None:
+    """``wedlm_model.json`` in ``directory`` or one of its two parents (training checkpoints
+    live in ``<run>/checkpoints/iter_N``), or None."""
+    directory = Path(directory).resolve()
+    for candidate in (directory, *list(directory.parents)[:2]):
+        if (candidate / MODEL_ARGS_FILE).is_file():
+            return candidate / MODEL_ARGS_FILE
+    return None
+
+
+def load_model_args(path: str | Path) -> ModelArgs:
+    """Read ``wedlm_model.json`` (``path`` is the file or a directory searched as above)."""
+    path = Path(path)
+    file = path if path.is_file() else find_model_args_file(path)
+    if file is None:
+        raise FileNotFoundError(
+            f"no {MODEL_ARGS_FILE} in {path} or its parents; it is written by "
+            "`tools/convert_checkpoint.py hf-to-megatron` (or pass its path explicitly)"
+        )
+    return ModelArgs.from_dict(json.loads(file.read_text()))
