@@ -140,7 +140,7 @@ class CheckpointingConfig:
     save_at_end: bool = True
     keep_last: int = 3  # complete checkpoints kept; 0 = keep all
     resume: str = "none"  # none | auto (latest complete checkpoint in dir, if any) | <path>
-    load_optimizer: bool = True  # false: resume weights only (fresh optimizer and schedule)
+    load_optimizer: bool = True  # false: fresh optimizer moments (weights, schedule, data resume)
     load_data_state: bool = True  # false: restart the data streams from the beginning
 
 

@@ -1,0 +1,11 @@
+"""Training entry-point machinery: config -> model, data, optimizer, loop, checkpoints, logging.
+
+* :mod:`.cli`            -- command line of ``pretrain/pretrain_wedlm.py`` and ``sft/sft_wedlm.py``.
+* :mod:`.loop`           -- ``run_training(cfg)``: the step loop (Megatron schedules, skip non-finite).
+* :mod:`.model_setup`    -- ``ModelArgs`` from config / ``model.init_from``, the WeDLM model chunk.
+* :mod:`.optimization`   -- Megatron DDP, distributed optimizer, lr schedule.
+* :mod:`.checkpointing`  -- atomic torch_dist checkpoints, resume, keep-last-K.
+* :mod:`.metrics`        -- metrics.jsonl, wandb, progress bar.
+* :mod:`.steps`          -- forward-step functions (WeDLM and AR mode).
+* :mod:`.megatron_compat`-- workarounds for two Megatron-Core gaps (documented there).
+"""

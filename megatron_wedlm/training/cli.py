@@ -1,0 +1,83 @@
+"""Command line of ``pretrain/pretrain_wedlm.py`` and ``sft/sft_wedlm.py``.
+
+    torchrun --nnodes N --nproc_per_node G pretrain/pretrain_wedlm.py \\
+        --config configs/pretrain/qwen3_8b.yaml [--resume auto] key=value ...
+
+``key=value`` arguments override the YAML (omegaconf dotlist: ``optimizer.lr=1e-5``,
+``logging.wandb.tags=[a,b]``). The config is loaded and validated on every rank before any
+process group is created, so a typo fails at once with the key's name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from typing import Sequence
+
+__all__ = ["main", "parse_args"]
+
+
+def parse_args(argv: Sequence[str] | None, task: str) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(
+        prog=f"{task}_wedlm.py",
+        description=f"WeDLM {task} on Megatron-Core (launch with torchrun).",
+        epilog="Any other argument of the form key=value overrides the config (e.g. optimizer.lr=1e-5).",
+    )
+    parser.add_argument("--config", help="YAML config (see configs/); keys not given keep the schema defaults")
+    parser.add_argument(
+        "--resume", help="'auto' (newest complete checkpoint, if any), 'none', or a checkpoint directory; "
+        "same as checkpointing.resume=...",
+    )
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--result-json", help="write a JSON summary of the run here (rank 0)")
+    args, rest = parser.parse_known_args(argv)
+    bad = [item for item in rest if item.startswith("-")]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    return args, rest
+
+
+def main(argv: Sequence[str] | None = None, task: str = "pretrain") -> int:
+    from megatron_wedlm.config.loading import config_to_yaml, load_config
+    from megatron_wedlm.config.schema import ConfigError
+
+    args, overrides = parse_args(argv, task)
+    if args.resume is not None:
+        overrides = [*overrides, f"checkpointing.resume={args.resume}"]
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        cfg = load_config(args.config, overrides, defaults={"trainer": {"task": task}})
+        if cfg.trainer.task != task:
+            raise ConfigError(f"trainer.task={cfg.trainer.task!r} but this is the {task} entry point")
+    except (ConfigError, FileNotFoundError) as err:
+        if rank == 0:
+            print(f"config error: {err}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        if rank == 0:
+            print(config_to_yaml(cfg), end="")
+        return 0
+    from megatron_wedlm.runtime.parallel import destroy_parallel_state
+
+    from .loop import NonFiniteLossError, result_dict, run_training
+
+    try:
+        result = run_training(cfg)
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"[rank {rank}] error: {err}", file=sys.stderr)
+        return 2
+    except NonFiniteLossError as err:
+        print(f"[rank {rank}] stopped: {err}", file=sys.stderr)
+        return 3
+    except Exception:  # noqa: BLE001 - show the traceback, exit non-zero so torchrun stops the job
+        traceback.print_exc()
+        return 1
+    finally:
+        destroy_parallel_state()
+    if args.result_json and rank == 0:
+        with open(args.result_json, "w") as handle:
+            json.dump(result_dict(result), handle, indent=1)
+    return 0

@@ -1,0 +1,139 @@
+"""Where a run's numbers go: ``metrics.jsonl``, Weights & Biases, and a console progress bar.
+
+Only the logging rank (global rank 0) writes; the loop hands it step records that are already
+global (reduced over all ranks). ``metrics.jsonl`` has one JSON object per logged step with at
+least: step, loss, mlm_loss, ar_loss, masked_tokens, lr, grad_norm, tokens_per_sec. A resumed
+run first drops records past its start step (they belong to the abandoned future of the
+checkpoint) and appends from there, so the file always describes one consistent history.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from megatron_wedlm.config.schema import TrainConfig
+
+__all__ = ["MetricsLogger", "METRICS_FILE", "read_metrics"]
+
+METRICS_FILE = "metrics.jsonl"
+REQUIRED_KEYS = ("step", "loss", "mlm_loss", "ar_loss", "masked_tokens", "lr", "grad_norm", "tokens_per_sec")
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a ``metrics.jsonl`` (a file or the run directory)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _json_number(value: Any) -> Any:
+    """NaN/inf are not JSON: write them as strings so the file stays parseable."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class MetricsLogger:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        config_dict: dict[str, Any],
+        start_step: int,
+        enabled: bool,
+        wandb_run_id: str | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.enabled = enabled
+        self.output_dir = Path(cfg.trainer.output_dir)
+        self.path = self.output_dir / METRICS_FILE
+        self.wandb_run = None
+        self.wandb_run_id = wandb_run_id
+        self._bar = None
+        if not enabled:
+            return
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self._truncate_after(start_step)
+        if cfg.logging.wandb.enabled:
+            self._start_wandb(config_dict)
+        if cfg.logging.progress_bar:
+            from tqdm import tqdm
+
+            total = cfg.trainer.exit_at_step or cfg.trainer.train_steps
+            self._bar = tqdm(
+                total=total, initial=start_step, desc=cfg.trainer.task, unit="step",
+                file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
+            )
+
+    def _truncate_after(self, start_step: int) -> None:
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= start_step]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
+
+    def _start_wandb(self, config_dict: dict[str, Any]) -> None:
+        import wandb
+
+        w = self.cfg.logging.wandb
+        directory = Path(w.dir or self.output_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.wandb_run = wandb.init(
+            project=w.project,
+            entity=w.entity,
+            name=w.name or self.output_dir.name,
+            group=w.group,
+            tags=list(w.tags),
+            mode=w.mode,
+            dir=str(directory),
+            config=config_dict,
+            id=self.wandb_run_id,
+            resume="allow" if self.wandb_run_id else None,
+        )
+        self.wandb_run_id = self.wandb_run.id
+
+    @property
+    def wandb_run_dir(self) -> str | None:
+        return None if self.wandb_run is None else str(Path(self.wandb_run.dir).parent)
+
+    def log_step(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(
+                loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_sec']:.0f}", lr=f"{record['lr']:.2e}",
+                refresh=False,
+            )
+        step = int(record["step"])
+        if step % self.cfg.logging.log_interval and not record.get("skipped") and not record.get("final"):
+            return
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps({k: _json_number(v) for k, v in record.items()}) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}, step=step)
+
+    def message(self, text: str) -> None:
+        """A line for the console that does not break the progress bar."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None

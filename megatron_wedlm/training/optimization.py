@@ -1,0 +1,102 @@
+"""Megatron DDP, the (distributed) optimizer and the learning-rate schedule from the config.
+
+All three are Megatron-Core's own classes; this module only maps config keys onto them, so a
+run here behaves like a Megatron-LM run with the same settings.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_wedlm.config.schema import TrainConfig
+
+from .megatron_compat import ensure_cpu_optimizer_factories, patch_native_adam_step_restore
+
+__all__ = ["wrap_ddp", "build_optimizer", "build_scheduler", "current_lr"]
+
+
+def wrap_ddp(model, cfg: TrainConfig):
+    """Megatron ``DistributedDataParallel`` plus the config hooks its schedules call.
+
+    ``finalize_model_grads`` all-reduces gradients over DP (and embedding/SP-norm grads across
+    stages and TP ranks) at the end of the backward passes; ``no_sync`` defers the DP reduction
+    to the last micro-batch.
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    ddp = DistributedDataParallel(
+        config=model.config,
+        ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+            check_for_nan_in_grad=False,  # non-finite steps are skipped and counted by the loop
+        ),
+        module=model,
+    )
+    model.config.finalize_model_grads_func = finalize_model_grads
+    model.config.no_sync_func = ddp.no_sync
+    return ddp
+
+
+def build_optimizer(cfg: TrainConfig, ddp_model, bf16: bool):
+    """``get_megatron_optimizer`` with Adam(W) or SGD, gradient clipping, weight decay."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ensure_cpu_optimizer_factories()
+    o = cfg.optimizer
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer=o.name,
+            lr=o.lr,
+            min_lr=o.min_lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2,
+            adam_eps=o.adam_eps,
+            clip_grad=o.clip_grad,
+            bf16=bf16,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32,
+            use_distributed_optimizer=o.use_distributed_optimizer,
+        ),
+        [ddp_model],
+    )
+    patch_native_adam_step_restore(optimizer)
+    return optimizer
+
+
+def build_scheduler(cfg: TrainConfig, optimizer):
+    """Megatron's ``OptimizerParamScheduler``: warmup from 0, then decay to ``min_lr``.
+
+    Megatron's convention: update ``n`` (0-based) uses the lr of ``n`` scheduler steps, so
+    with warmup the first update has lr 0; without warmup it has the peak lr.
+    """
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    o = cfg.optimizer
+    decay_steps = o.decay_steps or cfg.trainer.train_steps
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if o.warmup_steps else o.lr,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=o.warmup_steps,
+        lr_decay_steps=decay_steps,
+        lr_decay_style=o.decay_style,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=decay_steps,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
+    )
+
+
+def current_lr(optimizer) -> float:
+    groups: Any = optimizer.param_groups
+    for group in groups:
+        if group.get("default_config", True):
+            return float(group["lr"])
+    return float(groups[0]["lr"])
