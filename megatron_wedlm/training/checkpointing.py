@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .megatron_compat import prepare_optimizer_for_load
+from .megatron_compat import prepare_optimizer_for_load, separate_adam_step_counters
 
 __all__ = [
     "CheckpointManager",
@@ -185,11 +185,11 @@ class CheckpointManager:
             partial.mkdir()
         _barrier()
         model_sd = model.sharded_state_dict()
-        sharded = {
-            "model": model_sd,
-            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=OPTIMIZER_METADATA),
-            "rng_state": _rng_sharded_object(_rng_state()),
-        }
+        optimizer_sd = optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=OPTIMIZER_METADATA)
+        if optimizer_sd.get("param_state", ...) is None:
+            # the memory-efficient format gathers parameter state on DP rank 0; the others hold None
+            del optimizer_sd["param_state"]
+        sharded = {"model": model_sd, "optimizer": optimizer_sd, "rng_state": _rng_sharded_object(_rng_state())}
         dist_checkpointing.save(sharded, str(partial))
         _barrier()
         if self.is_writer:
@@ -247,6 +247,7 @@ class CheckpointManager:
         model.load_state_dict(loaded["model"])
         if load_optimizer:
             optimizer.load_state_dict(loaded["optimizer"])
+            separate_adam_step_counters(optimizer)
         elif hasattr(optimizer, "reload_model_params"):
             optimizer.reload_model_params()  # main (fp32) params from the loaded weights
         if same_layout and loaded.get("rng_state") is not None:

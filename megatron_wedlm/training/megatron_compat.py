@@ -9,7 +9,12 @@
    asserts that every parameter has a ``step``, i.e. that the optimizer has stepped at least once.
    :func:`prepare_optimizer_for_load` fills empty state the way Megatron's own
    ``init_state_fn`` does (plus ``step = 0``), and :func:`patch_native_adam_step_restore`
-   keeps the existing ``step`` when the loaded tensors lack it. Both are no-ops with Apex/TE.
+   keeps the existing ``step`` when the loaded tensors lack it. Finally, the loader puts *one*
+   ``step`` tensor into the state of every parameter, and ``torch.optim.AdamW`` increments each
+   parameter's ``step`` in place, so after a resume the shared counter grows by the number of
+   parameters per update and Adam's bias correction goes wrong (the resumed run silently
+   diverges from the uninterrupted one); :func:`separate_adam_step_counters` gives every
+   parameter its own copy. All three are no-ops with Apex/TE.
 
 2. **CPU only: literal ``device='cuda'`` tensors in ``megatron/core/optimizer/optimizer.py``**
    (``MixedPrecisionOptimizer.__init__``, lines 473-485, and ``FP32Optimizer``). The project's
@@ -32,6 +37,7 @@ __all__ = [
     "inner_optimizers",
     "patch_native_adam_step_restore",
     "prepare_optimizer_for_load",
+    "separate_adam_step_counters",
 ]
 
 
@@ -92,3 +98,16 @@ def patch_native_adam_step_restore(optimizer: Any) -> None:
 
         set_states._wedlm_keeps_step = True  # type: ignore[attr-defined]
         sub._set_main_param_and_optimizer_states = set_states
+
+
+def separate_adam_step_counters(optimizer: Any) -> None:
+    """After loading: one ``step`` tensor per parameter state (see the module docstring)."""
+    if not _uses_native_torch_adam():
+        return
+    for sub in inner_optimizers(optimizer):
+        inner = getattr(sub, "optimizer", None)
+        if inner is None:
+            continue
+        for state in inner.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
