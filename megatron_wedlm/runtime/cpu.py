@@ -227,9 +227,38 @@ def _with_cuda_type_names(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+@contextlib.contextmanager
+def _cpu_tensors_ignore_cuda_moves() -> Iterator[None]:
+    """While active, ``t.cuda()`` on a CPU tensor returns the tensor itself (no CUDA to move to)."""
+    original = torch.Tensor.cuda
+
+    def stay_on_cpu(self: torch.Tensor, *args: Any, **kwargs: Any):
+        if self.device.type == "cpu":
+            return self
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.cuda = stay_on_cpu  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original  # type: ignore[method-assign]
+
+
+def _without_cuda_moves(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with _cpu_tensors_ignore_cuda_moves():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
 def _patches() -> list[Patch]:
     import megatron.core.optimizer.clip_grads as clip_grads
     import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
+    import megatron.core.optimizer.grad_scaler as grad_scaler
+    import megatron.core.optimizer.optimizer as mcore_optimizer
+    from megatron.core.models.common.language_module.language_module import LanguageModule
     import megatron.core.pipeline_parallel.schedules as schedules
     import megatron.core.tensor_parallel.random as mcore_random
     import megatron.core.transformer.utils as transformer_utils
@@ -262,6 +291,11 @@ def _patches() -> list[Patch]:
               "utils.py:1207 local_multi_tensor_l2_norm device='cuda' (grad-norm without apex)"),
         Patch(transformer_utils, "torch", cpu_torch,
               "transformer/utils.py:35 get_default_causal_mask device='cuda' (local attention)"),
+        Patch(mcore_optimizer, "torch", cpu_torch,
+              "optimizer/optimizer.py:473,481,485,907 device='cuda' (found_inf, scale buffers; "
+              "FP32Optimizer)"),
+        Patch(grad_scaler, "torch", cpu_torch,
+              "optimizer/grad_scaler.py:15,88,91,94 device='cuda' (loss-scale buffers)"),
         Patch(clip_grads, "torch", cpu_torch,
               "optimizer/clip_grads.py:90,103,115,174,207 device='cuda' buffers"),
         Patch(clip_grads, "clip_grad_by_total_norm_fp32",
@@ -272,6 +306,10 @@ def _patches() -> list[Patch]:
                   distrib_optimizer.DistributedOptimizer.__dict__["_build_model_and_main_param_groups"]
               ),
               "optimizer/distrib_optimizer.py:361,420 param.type() == 'torch.cuda.FloatTensor'"),
+        Patch(LanguageModule, "setup_embeddings_and_output_layer",
+              _without_cuda_moves(LanguageModule.__dict__["setup_embeddings_and_output_layer"]),
+              "models/common/language_module/language_module.py:244 weight.data.cuda() before the "
+              "all-reduce that copies tied embeddings to the last pipeline stage"),
     ]
 
 

@@ -131,13 +131,22 @@ def forward_backward(model, spec: TinyGPTSpec, forward_step: Callable = _forward
     return float(torch.stack([d["lm loss"] for d in losses]).mean())
 
 
-def _grads_into_params(model) -> None:
+def grads_into_params(model, use_main_grad: bool = False) -> None:
+    """Overwrite every parameter with its gradient, so a checkpoint of the model holds the grads.
+
+    ``use_main_grad``: read Megatron DDP's ``param.main_grad`` (where DDP accumulates and
+    ``finalize_model_grads`` reduces) instead of ``param.grad``.
+    """
     for param in model.parameters():
-        grad = param.grad if param.grad is not None else torch.zeros_like(param)
-        param.data.copy_(grad)
+        grad = getattr(param, "main_grad", None) if use_main_grad else param.grad
+        param.data.copy_(grad if grad is not None else torch.zeros_like(param))
 
 
-def _save(model, directory: str) -> None:
+_grads_into_params = grads_into_params
+
+
+def save_sharded(model, directory: str) -> None:
+    """Save ``model.sharded_state_dict()`` as a ``torch_dist`` checkpoint (all ranks call)."""
     import os
 
     from megatron.core import dist_checkpointing
@@ -146,7 +155,18 @@ def _save(model, directory: str) -> None:
     dist_checkpointing.save(model.sharded_state_dict(), directory)
 
 
-def _init(tp: int, pp: int, seed: int, sequence_parallel: bool = False):
+_save = save_sharded
+
+
+def load_sharded(model, directory: str) -> None:
+    """Load a ``torch_dist`` checkpoint into ``model``, resharding to this rank's layout."""
+    from megatron.core import dist_checkpointing
+
+    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), directory))
+
+
+def init_layout(tp: int, pp: int, seed: int, sequence_parallel: bool = False):
+    """(Re-)create Megatron's groups for TP x PP on CPU; DP is what the world size leaves."""
     from megatron_wedlm.runtime.parallel import ParallelConfig, initialize_parallel_state
 
     return initialize_parallel_state(
@@ -158,6 +178,9 @@ def _init(tp: int, pp: int, seed: int, sequence_parallel: bool = False):
         device="cpu",
         seed=seed,
     )
+
+
+_init = init_layout
 
 
 def save_reference(spec_dict: dict, weights_dir: str) -> dict[str, Any]:

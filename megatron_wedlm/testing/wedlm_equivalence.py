@@ -1,0 +1,246 @@
+"""Does a parallel layout train the WeDLM model exactly as one process does? Workers that answer.
+
+Same recipe as :mod:`.gpt_equivalence` (whose checkpoint helpers are reused), on the real
+training path: the WeDLM model wrapped in Megatron's ``DistributedDataParallel``, Megatron's
+pipeline schedule with :func:`megatron_wedlm.model.wedlm_forward_step`, globally normalised
+losses, and ``finalize_model_grads`` (which all-reduces sequence-parallel norm and QK-norm
+gradients across TP and tied embeddings across pipeline stages). Gradients are read from DDP's
+``main_grad`` after finalisation -- what an optimizer would consume.
+
+1. :func:`reference_worker` (1 rank): per spec, build the model at TP=PP=1 from its seed, save
+   the weights (``torch_dist``), run one step, return the loss summary and gradients.
+2. :func:`layouts_worker` (N ranks): for each layout, re-create Megatron's groups, load the
+   weights (Megatron reshards them), run the same global batch, save the gradients as a
+   checkpoint, then re-create a TP=PP=1 layout and load that checkpoint back, which
+   reassembles the shards exactly as Megatron does. Several layouts share one launch.
+3. :func:`optimizer_worker`: a few Adam steps (distributed optimizer or not) on a global batch
+   split over the data-parallel ranks; returns the loss of every step.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .gpt_equivalence import grads_into_params, init_layout, load_sharded, save_sharded
+
+
+@dataclass
+class TinyWeDLMSpec:
+    """A small Qwen-shaped WeDLM model and the dual-stream data it is tested on.
+
+    Defaults switch on every feature at once: GQA, QK-norm (Qwen3), QKV bias (Qwen2),
+    RMSNorm, SwiGLU, a non-default rope base, packed documents, an SFT prompt (ignored labels)
+    and padding slots.
+    """
+
+    num_layers: int = 4
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    ffn_hidden_size: int = 128
+    vocab_size: int = 128
+    mask_token_id: int = 127
+    qk_layernorm: bool = True
+    add_qkv_bias: bool = True
+    tied_embeddings: bool = False
+    rotary_base: float = 1000.0
+    attention_backend: str = "dense"
+    block_size: int = 4
+    row_length: int = 64  # physical slots per row (2L per document + padding)
+    micro_batch_size: int = 2
+    global_microbatches: int = 2  # over all data-parallel ranks
+    ar_weight: float = 1.0
+    mlm_weighting: str = "inverse_ratio"
+    seed: int = 1234
+    doc_lengths: list = field(default_factory=lambda: [[13, 11], [20, 12], [9, 7, 14], [32]])
+    prompt_lengths: list = field(default_factory=lambda: [[3, 0], [0, 0], [0, 4, 0], [5]])
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def make_global_batch(spec: TinyWeDLMSpec, step: int = 0) -> list:
+    """``global_microbatches`` stacked dual-stream micro-batches ``[micro_batch_size, row_length]``."""
+    from megatron_wedlm.data import build_dual_stream_batch, stack_dual_stream_batches
+
+    g = torch.Generator().manual_seed(spec.seed * 1000 + step)
+    batches = []
+    row = 0
+    for _ in range(spec.global_microbatches):
+        rows = []
+        for _ in range(spec.micro_batch_size):
+            lengths = spec.doc_lengths[row % len(spec.doc_lengths)]
+            prompts = spec.prompt_lengths[row % len(spec.prompt_lengths)]
+            docs = [torch.randint(0, spec.mask_token_id, (n,), generator=g) for n in lengths]
+            rows.append(build_dual_stream_batch(docs, spec.block_size, spec.mask_token_id, g, prompt_lengths=prompts))
+            row += 1
+        batches.append(stack_dual_stream_batches(rows, pad_to=spec.row_length))
+    return batches
+
+
+def build_model(spec: TinyWeDLMSpec, sequence_parallel: bool = False, recompute: str | None = None):
+    """This rank's WeDLM model chunk for the current Megatron layout."""
+    from megatron_wedlm.model import build_wedlm_model, wedlm_transformer_config
+
+    overrides: dict[str, Any] = {}
+    if recompute == "full":
+        overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif recompute == "selective":
+        overrides.update(recompute_granularity="selective", recompute_modules=["core_attn"])
+    elif recompute is not None:
+        raise ValueError(f"recompute must be None, 'full' or 'selective', got {recompute!r}")
+    config = wedlm_transformer_config(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        qk_layernorm=spec.qk_layernorm,
+        add_qkv_bias=spec.add_qkv_bias,
+        sequence_parallel=sequence_parallel,
+        init_method_std=0.05,
+        **overrides,
+    )
+    return build_wedlm_model(
+        config,
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.row_length,
+        mask_token_id=spec.mask_token_id,
+        attention_backend=spec.attention_backend,
+        share_embeddings_and_output_weights=spec.tied_embeddings,
+        rotary_base=spec.rotary_base,
+    )
+
+
+def wrap_ddp(model, distributed_optimizer: bool = False):
+    """Megatron DDP around ``model`` and the config hooks the schedule uses to finalise grads."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    ddp = DistributedDataParallel(
+        model.config,
+        DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=distributed_optimizer,
+        ),
+        model,
+    )
+    model.config.finalize_model_grads_func = finalize_model_grads
+    model.config.no_sync_func = ddp.no_sync
+    return ddp
+
+
+def train_step(ddp_model, spec: TinyWeDLMSpec, batches: list):
+    """One forward/backward over this rank's micro-batches; the global loss summary (last stage)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_wedlm.model import global_loss_normalizer, reduce_loss_reports, wedlm_forward_step
+
+    normalizer = global_loss_normalizer(batches, spec.mlm_weighting)
+    step = wedlm_forward_step(
+        normalizer, len(batches), ar_weight=spec.ar_weight, mlm_weighting=spec.mlm_weighting
+    )
+    ddp_model.zero_grad_buffer()
+    reports = get_forward_backward_func()(
+        forward_step_func=step,
+        data_iterator=iter(batches),
+        model=[ddp_model],
+        num_microbatches=len(batches),
+        seq_length=spec.row_length,
+        micro_batch_size=spec.micro_batch_size,
+        forward_only=False,
+    )
+    if not ps.is_pipeline_last_stage():
+        return None
+    return asdict(reduce_loss_reports(reports, spec.ar_weight))
+
+
+def _local_microbatches(spec: TinyWeDLMSpec, step: int = 0) -> list:
+    from megatron.core import parallel_state as ps
+
+    batches = make_global_batch(spec, step)
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    if len(batches) % dp:
+        raise ValueError(f"{len(batches)} micro-batches cannot be split over {dp} data-parallel ranks")
+    per_rank = len(batches) // dp
+    return batches[rank * per_rank:(rank + 1) * per_rank]
+
+
+def _named_grads(model) -> dict[str, torch.Tensor]:
+    return {name: p.main_grad.detach().clone().float() for name, p in model.named_parameters()}
+
+
+def reference_worker(specs: dict[str, dict], root: str) -> dict[str, dict]:
+    """TP=PP=1 on one rank: save weights to ``root/<name>/weights``; loss and grads per spec."""
+    out = {}
+    for name, spec_dict in specs.items():
+        spec = TinyWeDLMSpec(**spec_dict)
+        init_layout(1, 1, spec.seed)
+        model = build_model(spec)
+        save_sharded(model, os.path.join(root, name, "weights"))
+        ddp = wrap_ddp(model)
+        summary = train_step(ddp, spec, _local_microbatches(spec))
+        out[name] = {"summary": summary, "grads": _named_grads(model)}
+    return out
+
+
+def layouts_worker(specs: dict[str, dict], root: str, layouts: list[dict]) -> dict[str, dict]:
+    """Run each layout ``{name, spec, tp, pp, sp, recompute}`` on this launch's ranks.
+
+    Returns, per layout, this rank's loss summary (None off the last stage) and, on global
+    rank 0, the full gradients reassembled at TP=PP=1.
+    """
+    import torch.distributed as dist
+
+    out = {}
+    for layout in layouts:
+        spec = TinyWeDLMSpec(**specs[layout["spec"]])
+        tp, pp, sp = layout.get("tp", 1), layout.get("pp", 1), layout.get("sp", False)
+        init_layout(tp, pp, spec.seed, sp)
+        model = build_model(spec, sequence_parallel=sp, recompute=layout.get("recompute"))
+        load_sharded(model, os.path.join(root, layout["spec"], "weights"))
+        ddp = wrap_ddp(model)
+        summary = train_step(ddp, spec, _local_microbatches(spec))
+        grads_dir = os.path.join(root, "grads-" + layout["name"])
+        grads_into_params(model, use_main_grad=True)
+        save_sharded(model, grads_dir)
+        dist.barrier()
+        init_layout(1, 1, spec.seed)
+        full = build_model(spec)
+        load_sharded(full, grads_dir)
+        grads = {n: p.detach().clone() for n, p in full.named_parameters()} if dist.get_rank() == 0 else None
+        out[layout["name"]] = {"summary": summary, "grads": grads}
+        dist.barrier()
+    return out
+
+
+def optimizer_worker(spec_dict: dict, weights_dir: str, distributed_optimizer: bool, steps: int) -> list:
+    """``steps`` Adam steps at TP=PP=1 with DP = world size; the global loss of every step."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    spec = TinyWeDLMSpec(**spec_dict)
+    init_layout(1, 1, spec.seed)
+    model = build_model(spec)
+    load_sharded(model, weights_dir)
+    ddp = wrap_ddp(model, distributed_optimizer=distributed_optimizer)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=3e-3, weight_decay=0.01, clip_grad=1.0,
+            use_distributed_optimizer=distributed_optimizer, params_dtype=torch.float32,
+        ),
+        [ddp],
+    )
+    losses = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        summary = train_step(ddp, spec, _local_microbatches(spec, step % 2))
+        ok, grad_norm, _ = optimizer.step()
+        if not ok:
+            raise RuntimeError(f"optimizer step {step} was skipped (grad norm {grad_norm})")
+        losses.append({**summary, "grad_norm": float(grad_norm)})
+    return losses

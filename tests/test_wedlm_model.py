@@ -1,0 +1,253 @@
+"""The WeDLM Megatron model on one rank: the AR path, the attention rule end to end, backends, losses.
+
+One spawned process (Megatron needs its parallel state) runs every check and returns raw
+numbers; the tests below assert on them. fp32 throughout; 1e-5 absolute on logits of
+magnitude ~1 allows kernel rounding (SDPA vs Megatron's baddbmm softmax, different row
+lengths) and catches any mask or position error, which moves logits by >1e-2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_wedlm.testing import wedlm_equivalence as we
+from megatron_wedlm.testing.multiprocess import run_distributed
+
+ATOL = 1e-5
+
+
+def _spec() -> we.TinyWeDLMSpec:
+    return we.TinyWeDLMSpec(num_layers=2, row_length=48)
+
+
+def _standard_gpt(spec: we.TinyWeDLMSpec, config):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm"),
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.row_length,
+        share_embeddings_and_output_weights=spec.tied_embeddings,
+        position_embedding_type="rope",
+        rotary_base=spec.rotary_base,
+    )
+
+
+def _causal_logits(model, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Plain causal forward of one sequence with explicit positions -> logits [n, V]."""
+    return model(tokens.unsqueeze(0), positions.unsqueeze(0))[0]
+
+
+def _permute_within_blocks(batch, generator):
+    """Shuffle the prediction-stream slots of every block (any order obeys the rule)."""
+    from megatron_wedlm.data import DualStreamBatch
+
+    order = torch.arange(batch.seq_len)
+    pred = (~batch.is_memory) & (batch.doc_ids >= 0)
+    keys = batch.doc_ids * 10_000 + batch.block_ids
+    for key in keys[pred].unique():
+        slots = torch.nonzero(pred & (keys == key)).flatten()
+        order[slots] = slots[torch.randperm(len(slots), generator=generator)]
+    fields = {name: getattr(batch, name)[order] for name in DualStreamBatch.tensor_field_names()}
+    return DualStreamBatch(**fields, block_size=batch.block_size, mask_token_id=batch.mask_token_id,
+                           pad_token_id=batch.pad_token_id)
+
+
+def _brute_force_row_logits(model, row) -> torch.Tensor:
+    """Logits of every real slot of a dual-stream row by the rule's meaning, one causal pass each.
+
+    Memory slot at position p: causal LM over the document. Prediction slot in block b: causal
+    LM over [document tokens of blocks < b ; block b's slots in physical order], positions kept.
+    """
+    out = torch.full((row.seq_len, model.vocab_size), float("nan"))
+    for doc in row.doc_ids[row.doc_ids >= 0].unique():
+        mem = torch.nonzero((row.doc_ids == doc) & row.is_memory).flatten()
+        out[mem] = _causal_logits(model, row.input_ids[mem], row.position_ids[mem])
+        pred_doc = (row.doc_ids == doc) & ~row.is_memory
+        for block in row.block_ids[pred_doc].unique():
+            slots = torch.nonzero(pred_doc & (row.block_ids == block)).flatten()
+            prefix = mem[row.position_ids[mem] < block * row.block_size]
+            seq = torch.cat([prefix, slots])
+            logits = _causal_logits(model, row.input_ids[seq], row.position_ids[seq])
+            out[slots] = logits[len(prefix):]
+    return out
+
+
+def model_checks(spec_dict: dict) -> dict:
+    from megatron_wedlm.data import build_dual_stream_batch, stack_dual_stream_batches
+    from megatron_wedlm.model import wedlm_labels, wedlm_loss
+
+    spec = we.TinyWeDLMSpec(**spec_dict)
+    we.init_layout(1, 1, spec.seed)
+    model = we.build_model(spec).eval()
+    results: dict = {}
+
+    # 1. Same module tree as Megatron's local GPT spec: conversions map 1:1.
+    gpt = _standard_gpt(spec, model.config).eval()
+    results["wedlm_params"] = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    results["gpt_params"] = {n: tuple(p.shape) for n, p in gpt.named_parameters()}
+    gpt.load_state_dict(model.state_dict(), strict=True)
+
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        # 2. Memory stream only: WeDLM == standard causal GPT (positions 0..S-1, causal mask).
+        tokens = torch.randint(0, spec.mask_token_id, (2, spec.row_length), generator=g)
+        positions = torch.arange(spec.row_length).expand(2, -1)
+        results["ar_wedlm"] = model(tokens, positions)
+        results["ar_gpt"] = gpt(tokens, positions, attention_mask=None)
+
+        # 3. Full dual-stream rows: memory slots still equal the standard GPT on the document.
+        doc = torch.randint(0, spec.mask_token_id, (spec.row_length // 2,), generator=g)
+        row = build_dual_stream_batch([doc], spec.block_size, spec.mask_token_id, g)
+        dual = model(row.input_ids[None], row.position_ids[None], attention_metadata=row.attention_metadata())[0]
+        results["dual_memory"] = dual[row.is_memory]
+        results["gpt_on_doc"] = gpt(doc[None], torch.arange(len(doc))[None], attention_mask=None)[0]
+
+        # 4. Every slot of packed rows (two documents, an SFT prompt, padding), in the canonical
+        #    order and with slots shuffled inside each block, equals the rule's brute force.
+        docs = [torch.randint(0, spec.mask_token_id, (n,), generator=g) for n in (11, 9)]
+        canonical = build_dual_stream_batch(docs, spec.block_size, spec.mask_token_id, g,
+                                            prompt_lengths=[2, 0], pad_to=spec.row_length)
+        results["rule"] = []
+        for row in (canonical, _permute_within_blocks(canonical, g), _permute_within_blocks(canonical, g)):
+            got = model(row.input_ids[None], row.position_ids[None], attention_metadata=row.attention_metadata())[0]
+            real = row.doc_ids >= 0
+            # sort real slots by their logical identity (doc, stream, position) to compare orders
+            identity = row.doc_ids * 100_000 + row.is_memory.long() * 10_000 + row.position_ids
+            by_identity = torch.argsort(torch.where(real, identity, identity.max() + 1))[: int(real.sum())]
+            memory = row.is_memory[by_identity]
+            results["rule"].append((got[by_identity], _brute_force_row_logits(model, row)[by_identity], memory))
+        # Sensitivity: a prediction slot given the *whole* document as prefix predicts differently.
+        row = canonical
+        got_canonical = model(row.input_ids[None], row.position_ids[None], attention_metadata=row.attention_metadata())[0]
+        slot = int(torch.nonzero(~row.is_memory & (row.block_ids == 1) & (row.doc_ids == 0))[0])
+        mem0 = torch.nonzero(row.is_memory & (row.doc_ids == 0)).flatten()
+        leaky = _causal_logits(model, torch.cat([row.input_ids[mem0], row.input_ids[slot:slot + 1]]),
+                               torch.cat([row.position_ids[mem0], row.position_ids[slot:slot + 1]]))[-1]
+        results["leaky_vs_rule"] = (leaky - got_canonical[slot]).abs().max().item()
+
+        # 5. FlexAttention backend (eager on CPU) == dense backend on the same weights.
+        flex_spec = we.TinyWeDLMSpec(**{**spec_dict, "attention_backend": "flex"})
+        flex = we.build_model(flex_spec).eval()
+        flex.load_state_dict(model.state_dict())
+        for layer in flex.decoder.layers:
+            layer.self_attention.core_attention.tile_size = 16
+        rows = stack_dual_stream_batches([canonical, _permute_within_blocks(canonical, g)])
+        meta = rows.attention_metadata()
+        results["flex"] = flex(rows.input_ids, rows.position_ids, attention_metadata=meta)
+        results["dense"] = model(rows.input_ids, rows.position_ids, attention_metadata=meta)
+
+        # 6. Loss vs a brute-force computation from full logits with torch's cross entropy.
+        labels = wedlm_labels(rows.is_masked, rows.target_ids, rows.ar_labels)
+        ce = model(rows.input_ids, rows.position_ids, attention_metadata=meta, labels=labels)
+        results["losses"] = {}
+        for weighting in ("inverse_ratio", "uniform"):
+            for ar_weight in (1.0, 0.5, 0.0):
+                loss = wedlm_loss(ce, rows.is_masked, rows.mlm_weights, rows.ar_labels,
+                                  ar_weight=ar_weight, mlm_weighting=weighting)
+                results["losses"][(weighting, ar_weight)] = {
+                    k: float(getattr(loss, k)) for k in ("total", "mlm", "ar", "mlm_tokens", "ar_tokens")
+                }
+        results["loss_inputs"] = {
+            "logits": results["dense"], "target_ids": rows.target_ids, "is_masked": rows.is_masked,
+            "mlm_weights": rows.mlm_weights, "ar_labels": rows.ar_labels, "mask_ratio": rows.mask_ratio,
+        }
+    return results
+
+
+@pytest.fixture(scope="module")
+def checks():
+    return run_distributed(model_checks, 1, _spec().to_dict(), timeout_s=300)[0]
+
+
+def test_parameter_names_match_megatron_local_gpt_spec(checks):
+    assert checks["wedlm_params"] == checks["gpt_params"]
+    names = checks["wedlm_params"]
+    assert "decoder.layers.0.self_attention.q_layernorm.weight" in names  # Qwen3 QK-norm
+    assert "decoder.layers.0.self_attention.linear_qkv.bias" in names  # Qwen2 QKV bias
+    q, kv, head = 4, 2, 16
+    assert names["decoder.layers.0.self_attention.linear_qkv.weight"] == ((q + 2 * kv) * head, 64)  # GQA
+
+
+def test_memory_stream_only_equals_standard_causal_gpt(checks):
+    torch.testing.assert_close(checks["ar_wedlm"], checks["ar_gpt"], atol=ATOL, rtol=0)
+
+
+def test_memory_stream_of_a_dual_stream_row_ignores_the_prediction_stream(checks):
+    torch.testing.assert_close(checks["dual_memory"], checks["gpt_on_doc"], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("order", [0, 1, 2], ids=["canonical", "shuffled-a", "shuffled-b"])
+def test_every_slot_follows_the_attention_rule(checks, order):
+    got, brute, _ = checks["rule"][order]
+    assert not torch.isnan(brute).any()
+    torch.testing.assert_close(got, brute, atol=ATOL, rtol=0)
+
+
+def test_rule_check_is_sensitive_to_leaking_later_memory(checks):
+    assert checks["leaky_vs_rule"] > 1e-3
+
+
+def test_shuffling_a_block_changes_only_its_prediction_slots(checks):
+    # Slots compared by logical identity (document, stream, position) across orderings.
+    (a, _, memory), (b, _, memory_b) = checks["rule"][0], checks["rule"][1]
+    assert torch.equal(memory, memory_b)
+    torch.testing.assert_close(a[memory], b[memory], atol=ATOL, rtol=0)  # memory stream untouched
+    # a prediction slot sees a different causal prefix once its block is shuffled
+    assert (a[~memory] - b[~memory]).abs().amax(-1).max() > 1e-3
+
+
+def test_flex_backend_matches_dense_backend(checks):
+    torch.testing.assert_close(checks["flex"], checks["dense"], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("weighting", ["inverse_ratio", "uniform"])
+@pytest.mark.parametrize("ar_weight", [1.0, 0.5, 0.0])
+def test_loss_matches_brute_force(checks, weighting, ar_weight):
+    inp = checks["loss_inputs"]
+    logits = inp["logits"].double()
+    masked = inp["is_masked"]
+    mlm_ce = torch.nn.functional.cross_entropy(logits[masked], inp["target_ids"][masked], reduction="none")
+    gamma = inp["mask_ratio"][masked].double()
+    w = 1.0 / gamma if weighting == "inverse_ratio" else torch.ones_like(gamma)
+    mlm = float((w * mlm_ce).sum() / w.sum())
+    has_ar = inp["ar_labels"] >= 0
+    ar = float(torch.nn.functional.cross_entropy(logits[has_ar], inp["ar_labels"][has_ar]))
+    got = checks["losses"][(weighting, ar_weight)]
+    assert got["mlm"] == pytest.approx(mlm, rel=1e-5)
+    assert got["ar"] == pytest.approx(ar, rel=1e-5)
+    assert got["total"] == pytest.approx((mlm + ar_weight * ar) / (1 + ar_weight), rel=1e-5)
+    assert got["mlm_tokens"] == int(masked.sum()) and got["ar_tokens"] == int(has_ar.sum())
+
+
+def test_mask_token_must_have_an_embedding_row():
+    from megatron_wedlm.model import WeDLMModelArgs
+
+    with pytest.raises(ValueError, match="no embedding row"):
+        WeDLMModelArgs(vocab_size=128, max_sequence_length=64, mask_token_id=128)
+    with pytest.raises(ValueError, match="attention_backend"):
+        WeDLMModelArgs(vocab_size=128, max_sequence_length=64, mask_token_id=1, attention_backend="xformers")
+
+
+def test_logical_rope_equals_megatron_table_on_positions_0_to_s():
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from megatron_wedlm.model import LogicalRotaryEmbedding
+
+    for kwargs in ({"rotary_base": 1e6}, {"rotary_base": 5e5, "rope_scaling": True}, {"rotary_percent": 0.5}):
+        table = RotaryEmbedding(kv_channels=32, rotary_percent=kwargs.get("rotary_percent", 1.0),
+                                rotary_base=kwargs.get("rotary_base", 10000), rope_scaling=kwargs.get("rope_scaling", False),
+                                use_cpu_initialization=True)
+        ours = LogicalRotaryEmbedding(kv_channels=32, **kwargs)
+        freqs = table.get_freqs_non_repeated(20)  # what Megatron's table holds for positions 0..19
+        expected = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
+        got = ours(torch.arange(20).expand(3, -1))  # [S, B, 1, D]
+        assert got.shape == (20, 3, 1, expected.shape[-1])
+        torch.testing.assert_close(got, expected.expand(-1, 3, -1, -1), atol=0, rtol=0)
+    # per-slot: a row's frequencies follow its own (reordered) positions
+    pos = torch.tensor([[3, 0, 2, 1]])
+    got = ours(pos)
+    torch.testing.assert_close(got[:, 0], ours(torch.arange(4)[None])[pos[0], 0], atol=0, rtol=0)
