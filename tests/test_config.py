@@ -1,0 +1,142 @@
+"""Training config: schema + YAML + CLI overrides; typos and bad values fail fast, naming the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_wedlm.config import ConfigError, config_from_yaml_text, config_to_yaml, load_config, validate_layout
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "pretrain" / "tiny_cpu.yaml"
+SHIPPED = sorted((ROOT / "configs" / "pretrain").glob("*.yaml")) + sorted((ROOT / "configs" / "sft").glob("*.yaml"))
+
+
+def test_yaml_then_overrides_take_precedence():
+    cfg = load_config(TINY, ["optimizer.lr=5e-3", "logging.wandb.tags=[a,b]", "parallelism.tp=2"])
+    assert cfg.optimizer.lr == 5e-3
+    assert cfg.logging.wandb.tags == ["a", "b"]
+    assert cfg.parallelism.tp == 2
+    assert cfg.model.hidden_size == 64  # from the YAML
+    assert cfg.optimizer.adam_beta1 == 0.9  # schema default
+
+
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("model.hiden_size=32", "model.hiden_size"),
+        ("optimiser.lr=1e-3", "optimiser"),
+        ("logging.wandb.projct=x", "logging.wandb.projct"),
+    ],
+)
+def test_unknown_override_key_is_named(override, named):
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        load_config(TINY, [override])
+
+
+def test_unknown_key_suggests_the_right_one():
+    with pytest.raises(ConfigError, match="did you mean 'model.hidden_size'"):
+        load_config(TINY, ["model.hiden_size=32"])
+
+
+def test_unknown_yaml_key_names_file_and_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(TINY.read_text().replace("  block_size: 8", "  blok_size: 8"))
+    with pytest.raises(ConfigError, match=r"bad\.yaml.*wedlm\.blok_size"):
+        load_config(bad)
+
+
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("optimizer.lr=fast", "optimizer.lr"),
+        ("trainer.train_steps=1.5", "trainer.train_steps"),
+        ("wedlm.enabled=maybe", "wedlm.enabled"),
+    ],
+)
+def test_wrong_type_is_named(override, named):
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        load_config(TINY, [override])
+
+
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("wedlm.ratio_mode=token", "wedlm.ratio_mode"),
+        ("optimizer.decay_style=cosin", "optimizer.decay_style"),
+        ("data.seq_length=8", "data.seq_length"),
+        ("optimizer.min_lr=1.0", "optimizer.min_lr"),
+        ("parallelism.sequence_parallel=true", "parallelism.sequence_parallel"),
+        ("trainer.exit_at_step=99", "trainer.exit_at_step"),
+        ("data.global_batch_size=7", "data.global_batch_size"),
+    ],
+)
+def test_invalid_values_are_named(override, named):
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        load_config(TINY, [override])
+
+
+def test_malformed_override_and_missing_file():
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(TINY, ["optimizer.lr"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(TINY.with_name("nope.yaml"))
+
+
+def test_model_from_scratch_needs_architecture():
+    with pytest.raises(ConfigError, match="model.num_layers"):
+        load_config(None, ["data.path=/x", "model.architecture=qwen2"])
+
+
+def test_layout_checks_name_the_keys():
+    cfg = load_config(TINY, ["parallelism.tp=2"])
+    assert validate_layout(cfg, 4) == 2
+    with pytest.raises(ConfigError, match="parallelism.tp"):
+        validate_layout(cfg, 3)
+    with pytest.raises(ConfigError, match="data.num_streams"):
+        validate_layout(load_config(TINY, ["data.num_streams=3"]), 2)
+    with pytest.raises(ConfigError, match="parallelism.dp"):
+        validate_layout(load_config(TINY, ["parallelism.dp=1"]), 2)
+
+
+def test_resolved_config_round_trips():
+    cfg = load_config(TINY, ["optimizer.lr=2e-3", "logging.wandb.tags=[x]"])
+    again = config_from_yaml_text(config_to_yaml(cfg))
+    assert again == cfg
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[f"{p.parent.name}/{p.name}" for p in SHIPPED])
+def test_shipped_configs_load(path):
+    cfg = load_config(path)
+    assert cfg.trainer.task == path.parent.name
+    if "qwen" in path.name:  # the paper's settings
+        assert cfg.wedlm.enabled and cfg.wedlm.block_size == 32
+        assert cfg.optimizer.lr == 3e-6 and cfg.optimizer.min_lr == 3e-7
+        assert cfg.optimizer.decay_style == "cosine"
+        assert cfg.wedlm.ar_weight > 0
+        assert cfg.trainer.precision == "auto"
+
+
+def test_cli_rejects_a_typo_before_starting(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "pretrain" / "pretrain_wedlm.py"), "--config", str(TINY), "optimizer.lrr=1"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert proc.returncode == 2
+    assert "optimizer.lrr" in proc.stderr and "did you mean 'optimizer.lr'" in proc.stderr
+
+
+def test_cli_print_config_applies_overrides_and_task(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "sft" / "sft_wedlm.py"), "--config", str(ROOT / "configs/sft/tiny_cpu.yaml"),
+         "--print-config", "--resume", "auto", "optimizer.lr=5e-4"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    printed = config_from_yaml_text(proc.stdout)
+    assert printed.trainer.task == "sft"
+    assert printed.checkpointing.resume == "auto"
+    assert printed.optimizer.lr == 5e-4
