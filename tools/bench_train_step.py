@@ -1,0 +1,178 @@
+"""Training-step cost of WeDLM's dual stream vs plain autoregressive training, side by side.
+
+    python tools/bench_train_step.py [--tokens 256] [--rows 2] [--hidden 512] [--layers 4]
+
+Same model weights, same documents (``rows`` rows of ``tokens`` tokens each), one process,
+Megatron's schedule (forward + backward, no optimizer: its cost is identical for both):
+
+* ``wedlm``: the dual-stream batch, 2 x tokens slots per row, WeDLM mask, MLM + AR losses;
+* ``ar_same_model``: the same WeDLM model and kernels as a causal LM over the tokens;
+* ``ar_megatron_gpt``: Megatron's stock ``GPTModel`` (local spec) on the tokens.
+
+Runs are interleaved (A B C A B C ...) and the median is reported, so background load hits
+all variants alike. The dual stream processes 2L tokens, so ~2x is the floor; attention with
+a dense mask costs (2L)^2 instead of L^2/2..L^2, which is what pushes the ratio above 2 at long rows.
+The flex backend is timed only where CUDA exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=256, help="document tokens per row (L)")
+    p.add_argument("--rows", type=int, default=2, help="rows per micro-batch")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--groups", type=int, default=4, help="KV heads (GQA)")
+    p.add_argument("--ffn", type=int, default=1408)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per variant (after 1 warm-up)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (1: stable numbers on a shared machine; 0: torch's default)")
+    p.add_argument("--json", action="store_true", help="print only the JSON result")
+    return p.parse_args(argv)
+
+
+def _config(args, **overrides):
+    from megatron_wedlm.model import wedlm_transformer_config
+
+    return wedlm_transformer_config(
+        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+        num_query_groups=args.groups, ffn_hidden_size=args.ffn, **overrides,
+    )
+
+
+def _wedlm_model(args, backend: str, device):
+    from megatron_wedlm.model import build_wedlm_model
+
+    return build_wedlm_model(
+        _config(args), vocab_size=args.vocab, max_sequence_length=2 * args.tokens,
+        mask_token_id=args.vocab - 1, attention_backend=backend, rotary_base=1e6,
+    ).to(device)
+
+
+def _megatron_gpt(args, device):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return GPTModel(
+        config=_config(args), transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=args.vocab, max_sequence_length=args.tokens, position_embedding_type="rope", rotary_base=1e6,
+    ).to(device)
+
+
+def _ar_forward_step(batch, data_iterator, model):
+    next(data_iterator)
+    tokens, labels = batch
+    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    out = model(tokens, positions, attention_mask=None, labels=labels)
+
+    def loss_func(per_token):
+        loss = per_token.float().mean()
+        return loss, {"loss": loss.detach()}
+
+    return out, loss_func
+
+
+def _step_fn(model, forward_step, seq_length: int, rows: int):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter([None]), model=[model], num_microbatches=1,
+            seq_length=seq_length, micro_batch_size=rows, forward_only=False,
+        )
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    return run
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    from megatron_wedlm.data import build_dual_stream_batch, stack_dual_stream_batches
+    from megatron_wedlm.model import global_loss_normalizer, wedlm_forward_step
+    from megatron_wedlm.runtime.parallel import ParallelConfig, initialize_parallel_state
+
+    layout = initialize_parallel_state(ParallelConfig(), device="auto")
+    device = layout.device
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(0, args.vocab - 1, (args.tokens,), generator=g) for _ in range(args.rows)]
+    dual = stack_dual_stream_batches(
+        [build_dual_stream_batch([d], args.block_size, args.vocab - 1, g) for d in docs]
+    ).to(device)
+    tokens = torch.stack(docs).to(device)
+    ar_batch = (tokens, torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1))
+
+    dense = _wedlm_model(args, "dense", device)
+    gpt = _megatron_gpt(args, device)
+    gpt.load_state_dict(dense.state_dict())
+    normalizer = global_loss_normalizer([dual], group=None)
+    wedlm_step = wedlm_forward_step(normalizer, 1)
+    wedlm_iter = lambda: iter([dual])  # noqa: E731
+
+    def wedlm_forward(data_iterator, model):
+        return wedlm_step(wedlm_iter(), model)
+
+    variants = {
+        "wedlm_dense": _step_fn(dense, wedlm_forward, 2 * args.tokens, args.rows),
+        "ar_same_model": _step_fn(dense, partial(_ar_forward_step, ar_batch), args.tokens, args.rows),
+        "ar_megatron_gpt": _step_fn(gpt, partial(_ar_forward_step, ar_batch), args.tokens, args.rows),
+    }
+    if torch.cuda.is_available():
+        flex = _wedlm_model(args, "flex", device)
+        flex.load_state_dict(dense.state_dict())
+        padded = dual  # rows of 2 x tokens slots; tokens should make this a multiple of 128
+        variants["wedlm_flex"] = _step_fn(flex, lambda it, m: wedlm_step(iter([padded]), m), 2 * args.tokens, args.rows)
+
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for fn in variants.values():
+        fn()  # warm-up (allocations, mask cache, compile)
+    for _ in range(args.repeats):
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    median = {name: statistics.median(t) for name, t in times.items()}
+    result = {
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "shape": {"rows": args.rows, "tokens_per_row": args.tokens, "dual_stream_slots_per_row": 2 * args.tokens,
+                  "layers": args.layers, "hidden": args.hidden, "heads": args.heads, "kv_heads": args.groups,
+                  "ffn": args.ffn, "vocab": args.vocab, "block_size": args.block_size},
+        "median_step_s": {k: round(v, 4) for k, v in median.items()},
+        "ratio_wedlm_dense_vs_ar_same_model": round(median["wedlm_dense"] / median["ar_same_model"], 3),
+        "ratio_wedlm_dense_vs_ar_megatron_gpt": round(median["wedlm_dense"] / median["ar_megatron_gpt"], 3),
+        "flex": "timed" if "wedlm_flex" in median else "skipped (no CUDA device)",
+    }
+    if "wedlm_flex" in median:
+        result["ratio_wedlm_flex_vs_ar_megatron_gpt"] = round(median["wedlm_flex"] / median["ar_megatron_gpt"], 3)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
