@@ -7,5 +7,5 @@
 * :mod:`.checkpointing`  -- atomic torch_dist checkpoints, resume, keep-last-K.
 * :mod:`.metrics`        -- metrics.jsonl, wandb, progress bar.
 * :mod:`.steps`          -- forward-step functions (WeDLM and AR mode).
-* :mod:`.megatron_compat`-- workarounds for two Megatron-Core gaps (documented there).
+* :mod:`.megatron_compat`-- native-torch Adam checkpoint fixes for Megatron-Core (documented there).
 """

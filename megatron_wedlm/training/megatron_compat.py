@@ -1,58 +1,34 @@
-"""Two gaps in Megatron-Core 0.16.1 that the training loop works around, applied per instance.
+"""Native-torch Adam and distributed-optimizer checkpoints: a Megatron-Core 0.16.1 gap.
 
-1. **Native-torch Adam and distributed-optimizer checkpoints** (any device). Without Apex or
-   Transformer Engine, Megatron falls back to ``torch.optim.AdamW``, whose per-parameter state
-   holds a ``step`` tensor. ``DistributedOptimizer.load_state_dict`` copies every key of that
-   state from the loaded tensors, but the checkpoint formats store only param/exp_avg/exp_avg_sq,
-   so loading fails with ``KeyError: 'step'`` (the step itself is restored separately from the
-   param groups). Also ``sharded_state_dict(is_loading=True)`` calls ``state_dict()``, which
-   asserts that every parameter has a ``step``, i.e. that the optimizer has stepped at least once.
-   :func:`prepare_optimizer_for_load` fills empty state the way Megatron's own
-   ``init_state_fn`` does (plus ``step = 0``), and :func:`patch_native_adam_step_restore`
-   keeps the existing ``step`` when the loaded tensors lack it. Finally, the loader puts *one*
-   ``step`` tensor into the state of every parameter, and ``torch.optim.AdamW`` increments each
-   parameter's ``step`` in place, so after a resume the shared counter grows by the number of
-   parameters per update and Adam's bias correction goes wrong (the resumed run silently
-   diverges from the uninterrupted one); :func:`separate_adam_step_counters` gives every
-   parameter its own copy. All three are no-ops with Apex/TE.
-
-2. **CPU only: literal ``device='cuda'`` tensors in ``megatron/core/optimizer/optimizer.py``**
-   (``MixedPrecisionOptimizer.__init__``, lines 473-485, and ``FP32Optimizer``). The project's
-   CPU runtime (:mod:`megatron_wedlm.runtime.cpu`) redirects such factories in other Megatron
-   modules but not yet in this one; :func:`ensure_cpu_optimizer_factories` installs the runtime's
-   own redirection for it when the runtime is active and has not done so itself.
-   TODO(runtime owner): move this into ``runtime/cpu.py``'s patch list; this function then
-   detects it and does nothing.
+Applies on any device, per optimizer instance (nothing global is patched). Without Apex or
+Transformer Engine, Megatron falls back to ``torch.optim.AdamW``, whose per-parameter state
+holds a ``step`` tensor. ``DistributedOptimizer.load_state_dict`` copies every key of that
+state from the loaded tensors, but the checkpoint formats store only param/exp_avg/exp_avg_sq,
+so loading fails with ``KeyError: 'step'`` (the step itself is restored separately from the
+param groups). Also ``sharded_state_dict(is_loading=True)`` calls ``state_dict()``, which
+asserts that every parameter has a ``step``, i.e. that the optimizer has stepped at least once.
+:func:`prepare_optimizer_for_load` fills empty state the way Megatron's own
+``init_state_fn`` does (plus ``step = 0``), and :func:`patch_native_adam_step_restore`
+keeps the existing ``step`` when the loaded tensors lack it. Finally, the loader puts *one*
+``step`` tensor into the state of every parameter, and ``torch.optim.AdamW`` increments each
+parameter's ``step`` in place, so after a resume the shared counter grows by the number of
+parameters per update and Adam's bias correction goes wrong (the resumed run silently
+diverges from the uninterrupted one); :func:`separate_adam_step_counters` gives every
+parameter its own copy. All three are no-ops with Apex/TE.
 """
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch
 
 __all__ = [
-    "ensure_cpu_optimizer_factories",
     "inner_optimizers",
     "patch_native_adam_step_restore",
     "prepare_optimizer_for_load",
     "separate_adam_step_counters",
 ]
-
-
-def ensure_cpu_optimizer_factories() -> bool:
-    """Redirect ``device='cuda'`` factories of Megatron's optimizer module on CPU; True if done."""
-    from megatron_wedlm.runtime import cpu as cpu_runtime
-
-    if not cpu_runtime.cpu_runtime_active():
-        return False
-    import megatron.core.optimizer.optimizer as mcore_optimizer
-
-    if isinstance(mcore_optimizer.torch, types.ModuleType) and mcore_optimizer.torch is not torch:
-        return False  # the runtime (or an earlier call) already redirected this module
-    mcore_optimizer.torch = cpu_runtime._TorchWithCpuFactories()  # noqa: SLF001 - the runtime's own proxy
-    return True
 
 
 def _uses_native_torch_adam() -> bool:

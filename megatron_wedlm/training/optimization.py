@@ -12,7 +12,7 @@ import torch
 
 from megatron_wedlm.config.schema import TrainConfig
 
-from .megatron_compat import ensure_cpu_optimizer_factories, patch_native_adam_step_restore
+from .megatron_compat import patch_native_adam_step_restore
 
 __all__ = ["wrap_ddp", "build_optimizer", "build_scheduler", "current_lr"]
 
@@ -45,7 +45,6 @@ def build_optimizer(cfg: TrainConfig, ddp_model, bf16: bool):
     """``get_megatron_optimizer`` with Adam(W) or SGD, gradient clipping, weight decay."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    ensure_cpu_optimizer_factories()
     o = cfg.optimizer
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
