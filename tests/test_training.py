@@ -1,0 +1,311 @@
+"""Training entry points end to end on CPU, with real processes (torchrun and gloo ranks).
+
+The tiny config (2 layers, hidden 64) on built-in low-entropy data; every run is 2 processes.
+Process launches dominate the cost (importing Megatron), so runs that do not need the command
+line are grouped as phases inside one launch of ``run_distributed``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_wedlm.config import config_from_yaml_text, load_config
+from megatron_wedlm.data.prepare import prepare_dataset
+from megatron_wedlm.eval.builtin_tasks import training_corpus, training_pairs
+from megatron_wedlm.testing.multiprocess import DistributedLaunchError, run_distributed
+from megatron_wedlm.testing.tiny_models import build_tiny_tokenizer
+from megatron_wedlm.training.checkpointing import complete_checkpoints
+from megatron_wedlm.training.metrics import REQUIRED_KEYS, read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "pretrain" / "tiny_cpu.yaml"
+TINY_SFT = ROOT / "configs" / "sft" / "tiny_cpu.yaml"
+LAUNCH_TIMEOUT = 420
+
+
+# --------------------------------------------------------------------------------------------
+# Data and launch helpers
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("data")
+    build_tiny_tokenizer().save_pretrained(str(root / "tok"))
+    with open(root / "corpus.jsonl", "w") as f:
+        for doc in training_corpus(400, seed=0):
+            f.write(json.dumps({"text": doc}) + "\n")
+    with open(root / "pairs.jsonl", "w") as f:
+        for prompt, completion in training_pairs(256, seed=1):
+            f.write(json.dumps({"prompt": prompt, "response": completion}) + "\n")
+    prepare_dataset([root / "corpus.jsonl"], root / "pretrain", root / "tok", samples_per_shard=50)
+    prepare_dataset([root / "pairs.jsonl"], root / "sft", root / "tok", task="sft", raw_sft=True, samples_per_shard=32)
+    return {"pretrain": str(root / "pretrain"), "sft": str(root / "sft")}
+
+
+def _base(data_dir: str, out: Path) -> list[str]:
+    return [f"data.path={data_dir}", f"trainer.output_dir={out}", "logging.progress_bar=false"]
+
+
+def torchrun(script: str, args: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"}
+    env.pop("MEGATRON_WEDLM_CPU", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / script), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def losses(out: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(out)}
+
+
+def assert_loss_decreases(history: dict[int, float]) -> None:
+    steps = sorted(history)
+    first = sum(history[s] for s in steps[:5]) / 5
+    last = sum(history[s] for s in steps[-5:]) / 5
+    assert last < first - 1.0, f"loss did not decrease: first 5 mean {first:.3f}, last 5 mean {last:.3f}"
+
+
+def wandb_history_keys(run_file: Path) -> tuple[set[str], int, dict]:
+    """Keys of every history record in an offline ``run-*.wandb`` file, how many records, and the
+    run record (project, name, group, tags).
+
+    The file is a LevelDB-style log (wandb's transaction log): a 7-byte header, then 32 KiB
+    blocks of records ``crc32(4) length(2) type(1) payload``, payloads being wandb ``Record``
+    protobufs (type 1 = whole record, 2/3/4 = first/middle/last fragment).
+    """
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = run_file.read_bytes()
+    assert data[:4] == b":W&B"
+    block, pos, pieces, payloads = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        payload = data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind == 0 and length == 0:
+            break
+        pieces = payload if kind in (1, 2) else pieces + payload
+        if kind in (1, 4):
+            payloads.append(pieces)
+    keys: set[str] = set()
+    count, run = 0, {}
+    for payload in payloads:
+        record = pb.Record()
+        record.ParseFromString(payload)
+        which = record.WhichOneof("record_type")
+        if which == "history":
+            count += 1
+            keys.update(item.key or "/".join(item.nested_key) for item in record.history.item)
+        elif which == "run":
+            run = {"project": record.run.project, "name": record.run.display_name,
+                   "group": record.run.run_group, "tags": list(record.run.tags)}
+    return keys, count, run
+
+
+# --------------------------------------------------------------------------------------------
+# torchrun: the real command line
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data, tmp_path_factory) -> Path:
+    """30 steps, DP=2, through torchrun and pretrain_wedlm.py, with wandb offline."""
+    out = tmp_path_factory.mktemp("run") / "uninterrupted"
+    torchrun("pretrain/pretrain_wedlm.py", [
+        "--config", str(TINY), *_base(data["pretrain"], out),
+        "checkpointing.save_interval=10", "checkpointing.keep_last=2",
+        "logging.wandb.enabled=true", "logging.wandb.mode=offline", "logging.wandb.group=tests",
+        "logging.wandb.tags=[tiny,ci]", "logging.wandb.name=tiny-dp2",
+    ])
+    return out
+
+
+def test_dp2_loss_decreases_and_everything_is_recorded(uninterrupted):
+    records = read_metrics(uninterrupted)
+    assert [r["step"] for r in records] == list(range(1, 31))
+    for record in records:
+        assert set(REQUIRED_KEYS) <= set(record)
+        assert record["masked_tokens"] > 0 and record["tokens_per_sec"] > 0 and not record["skipped"]
+    assert_loss_decreases(losses(uninterrupted))
+    assert records[0]["lr"] == 0.0 and records[2]["lr"] == pytest.approx(3e-3)  # warmup 2, then peak
+    assert records[-1]["lr"] == pytest.approx(3e-4, rel=0.05)  # cosine down to min_lr
+
+    # resolved config saved with the run and with every checkpoint; keep_last=2
+    run_config = (uninterrupted / "config.yaml").read_text()
+    cfg = config_from_yaml_text(run_config)
+    assert cfg.parallelism.dp == 2 and cfg.model.vocab_size is not None
+    kept = complete_checkpoints(uninterrupted / "checkpoints")
+    assert [step for step, _ in kept] == [20, 30]
+    for _, path in kept:
+        assert (path / "config.yaml").read_text() == run_config
+        assert json.loads((path / "wedlm_model.json").read_text())["num_layers"] == 2
+        assert (path / "metadata.json").is_file()
+    assert (uninterrupted / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "30"
+
+
+def test_wandb_offline_run_holds_the_logged_keys(uninterrupted):
+    runs = list((uninterrupted / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    [run_file] = runs[0].glob("run-*.wandb")
+    keys, count, run = wandb_history_keys(run_file)
+    assert count == 30
+    assert set(REQUIRED_KEYS) - {"step"} <= keys
+    assert run == {"project": "megatron-wedlm", "name": "tiny-dp2", "group": "tests", "tags": ["tiny", "ci"]}
+
+
+def test_stop_at_15_and_resume_reproduces_steps_16_to_30(uninterrupted, data, tmp_path):
+    out = tmp_path / "stopped"
+    common = ["--config", str(TINY), *_base(data["pretrain"], out)]
+    torchrun("pretrain/pretrain_wedlm.py", [*common, "trainer.exit_at_step=15"])
+    assert sorted(losses(out)) == list(range(1, 16))
+    assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == [10, 15]
+    torchrun("pretrain/pretrain_wedlm.py", [*common, "--resume", "auto"])
+    resumed, reference = losses(out), losses(uninterrupted)
+    assert sorted(resumed) == list(range(1, 31))
+    assert [resumed[s] for s in range(16, 31)] == [reference[s] for s in range(16, 31)]
+
+
+# --------------------------------------------------------------------------------------------
+# run_distributed: layouts, crash during save, SFT, AR mode, non-finite steps
+# --------------------------------------------------------------------------------------------
+
+
+def _train(config: str, overrides: list[str]) -> dict:
+    from megatron_wedlm.training.loop import result_dict, run_training
+
+    return result_dict(run_training(load_config(config, overrides)))
+
+
+def layouts_worker(data_dir: str, root: str) -> dict:
+    """TP=2 for 30 steps (checkpoint at 15), TP=1 (DP=2) resumed from it, PP=2 for 30 steps."""
+    out = {}
+    tp2 = Path(root) / "tp2"
+    out["tp2"] = _train(str(TINY), [*_base(data_dir, tp2), "parallelism.tp=2", "checkpointing.save_interval=15"])
+    out["tp1"] = _train(str(TINY), [
+        *_base(data_dir, Path(root) / "tp1"), f"checkpointing.resume={tp2 / 'checkpoints' / 'iter_0000015'}",
+        "trainer.exit_at_step=20",
+    ])
+    out["pp2"] = _train(str(TINY), [*_base(data_dir, Path(root) / "pp2"), "parallelism.pp=2"])
+    return out
+
+
+def test_tp2_and_pp2_train_and_tp2_checkpoint_resumes_with_tp1(data, tmp_path):
+    results = run_distributed(layouts_worker, 2, data["pretrain"], str(tmp_path), timeout_s=LAUNCH_TIMEOUT)
+    result = results[0]
+    tp2, tp1, pp2 = (result[k] for k in ("tp2", "tp1", "pp2"))
+    tp2_losses = {int(k): v for k, v in tp2["losses"].items()}
+    assert_loss_decreases(tp2_losses)
+    assert_loss_decreases({int(k): v for k, v in pp2["losses"].items()})
+    assert tp1["start_step"] == 15 and tp1["final_step"] == 20
+    for step in range(16, 21):  # same trajectory under the new layout (fp32 reduction order only)
+        assert tp1["losses"][step] == pytest.approx(tp2_losses[step], abs=1e-5)
+    saved = config_from_yaml_text((tmp_path / "tp1" / "config.yaml").read_text())
+    assert saved.parallelism.tp == 1 and saved.parallelism.dp == 2
+
+
+def crash_worker(data_dir: str, out: str) -> None:
+    """Rank 0 is SIGKILLed while saving step 10: after every rank wrote its shards, before the
+    checkpoint is made visible."""
+    from megatron_wedlm.training import checkpointing
+
+    original = checkpointing.CheckpointManager._publish
+
+    def publish(self, partial, final):
+        if final.name == "iter_0000010":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, partial, final)
+
+    checkpointing.CheckpointManager._publish = publish
+    _train(str(TINY), [*_base(data_dir, Path(out)), "checkpointing.save_interval=5"])
+
+
+def after_crash_worker(data_dir: str, root: str, crashed: str) -> dict:
+    """Resume after the crash; then SFT, AR mode, and non-finite steps."""
+    from megatron_wedlm.training import steps
+    from megatron_wedlm.training.loop import NonFiniteLossError
+
+    out = {"resumed": _train(str(TINY), [*_base(data_dir, Path(crashed)), "checkpointing.resume=auto",
+                                           "trainer.exit_at_step=7", "checkpointing.save_interval=5"])}
+    out["sft"] = _train(str(TINY_SFT), [*_base(data_dir.replace("pretrain", "sft"), Path(root) / "sft"),
+                                        "trainer.train_steps=12"])
+    out["ar"] = _train(str(TINY), [*_base(data_dir, Path(root) / "ar"), "wedlm.enabled=false",
+                                   "trainer.train_steps=20"])
+
+    # non-finite loss: step 3 alone, then steps 6, 7, 8 in a row (max_consecutive_nonfinite=3)
+    original = steps.make_forward_step
+    calls = {"n": 0}
+
+    def poisoned(cfg, normalizer, num_microbatches, device):
+        calls["n"] += 1
+        step = original(cfg, normalizer, num_microbatches, device)
+        if calls["n"] not in (3, 6, 7, 8):
+            return step
+
+        def nan_step(data_iterator, model):
+            output, loss_func = step(data_iterator, model)
+            return output * float("nan"), loss_func
+
+        return nan_step
+
+    steps.make_forward_step = poisoned
+    nonfinite_dir = Path(root) / "nonfinite"
+    try:
+        _train(str(TINY), [*_base(data_dir, nonfinite_dir), "trainer.train_steps=20"])
+        out["nonfinite_error"] = None
+    except NonFiniteLossError as err:
+        out["nonfinite_error"] = str(err)
+    finally:
+        steps.make_forward_step = original
+    return out
+
+
+def test_killed_save_keeps_previous_checkpoint_then_sft_ar_and_nonfinite(data, tmp_path):
+    crashed = tmp_path / "crashed"
+    with pytest.raises(DistributedLaunchError):
+        run_distributed(crash_worker, 2, data["pretrain"], str(crashed), timeout_s=LAUNCH_TIMEOUT)
+    ckpts = crashed / "checkpoints"
+    assert [s for s, _ in complete_checkpoints(ckpts)] == [5]
+    partial = ckpts / "iter_0000010.partial"
+    assert (partial / "metadata.json").is_file()  # the shards were written, but never published
+    before = losses(crashed)
+    assert sorted(before) == list(range(1, 11))
+
+    result = run_distributed(
+        after_crash_worker, 2, data["pretrain"], str(tmp_path), str(crashed), timeout_s=LAUNCH_TIMEOUT
+    )[0]
+
+    resumed = result["resumed"]
+    assert resumed["start_step"] == 5
+    assert [resumed["losses"][s] for s in (6, 7)] == [before[6], before[7]]
+    assert not partial.exists()  # the next save cleaned it up
+    assert [s for s, _ in complete_checkpoints(ckpts)] == [5, 7]
+
+    sft = read_metrics(tmp_path / "sft")
+    assert len(sft) == 12 and all(r["masked_tokens"] > 0 for r in sft)
+    assert sum(r["loss"] for r in sft[-3:]) < sum(r["loss"] for r in sft[:3])
+
+    ar = read_metrics(tmp_path / "ar")
+    assert all(r["masked_tokens"] == 0 and r["mlm_loss"] == 0 and r["loss"] == r["ar_loss"] for r in ar)
+    assert_loss_decreases({r["step"]: r["loss"] for r in ar})
+
+    assert result["nonfinite_error"] is not None and "3 consecutive steps" in result["nonfinite_error"]
+    bad = read_metrics(tmp_path / "nonfinite")
+    assert [r["step"] for r in bad if r["skipped"]] == [3, 6, 7, 8]
+    assert [r["step"] for r in bad][-1] == 8  # stopped right there
+    by_step = {r["step"]: r for r in bad}
+    assert by_step[4]["lr"] == by_step[3]["lr"]  # a skipped step does not advance the schedule
+    assert all(r["loss"] == r["loss"] for r in bad if not r["skipped"])  # finite elsewhere
