@@ -102,7 +102,7 @@ def model_checks(spec_dict: dict) -> dict:
         # 3. Full dual-stream rows: memory slots still equal the standard GPT on the document.
         doc = torch.randint(0, spec.mask_token_id, (spec.row_length // 2,), generator=g)
         row = build_dual_stream_batch([doc], spec.block_size, spec.mask_token_id, g)
-        dual = model(row.input_ids[None], row.position_ids[None], attention_metadata=row.attention_metadata())[0]
+        dual = model(row.input_ids[None], row.position_ids[None], row.attention_metadata())[0]
         results["dual_memory"] = dual[row.is_memory]
         results["gpt_on_doc"] = gpt(doc[None], torch.arange(len(doc))[None], attention_mask=None)[0]
 
@@ -251,3 +251,31 @@ def test_logical_rope_equals_megatron_table_on_positions_0_to_s():
     pos = torch.tensor([[3, 0, 2, 1]])
     got = ours(pos)
     torch.testing.assert_close(got[:, 0], ours(torch.arange(4)[None])[pos[0], 0], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("weighting", ["inverse_ratio", "uniform"])
+def test_microbatch_contributions_add_up_to_the_global_batch_loss(weighting):
+    from megatron_wedlm.model import global_loss_normalizer, reduce_loss_reports, wedlm_loss
+
+    batches = we.make_global_batch(we.TinyWeDLMSpec(global_microbatches=3, micro_batch_size=2))
+    g = torch.Generator().manual_seed(3)
+    ces = [torch.rand(b.input_ids.shape, generator=g) * 5 for b in batches]
+    normalizer = global_loss_normalizer(batches, weighting, group=None)
+    parts = [
+        wedlm_loss(ce, b.is_masked, b.mlm_weights, b.ar_labels, ar_weight=0.5, mlm_weighting=weighting,
+                   normalizer=normalizer)
+        for ce, b in zip(ces, batches)
+    ]
+    cat = lambda name: torch.cat([getattr(b, name) for b in batches])  # noqa: E731
+    whole = wedlm_loss(torch.cat(ces), cat("is_masked"), cat("mlm_weights"), cat("ar_labels"),
+                       ar_weight=0.5, mlm_weighting=weighting)
+    assert float(sum(p.total for p in parts)) == pytest.approx(float(whole.total), rel=1e-6)
+    summary = reduce_loss_reports([p.report() for p in parts], ar_weight=0.5, group=None)
+    assert summary.total == pytest.approx(float(whole.total), rel=1e-6)
+    assert summary.mlm == pytest.approx(float(whole.mlm), rel=1e-6)
+    assert summary.ar == pytest.approx(float(whole.ar), rel=1e-6)
+    assert (summary.mlm_tokens, summary.ar_tokens) == (int(whole.mlm_tokens), int(whole.ar_tokens))
+    # per-micro-batch normalisation would give a different (biased) loss
+    local = [wedlm_loss(ce, b.is_masked, b.mlm_weights, b.ar_labels, ar_weight=0.5, mlm_weighting=weighting)
+             for ce, b in zip(ces, batches)]
+    assert abs(float(sum(p.total for p in local)) / 3 - float(whole.total)) > 1e-4

@@ -82,8 +82,8 @@ class WeDLMGPTModel(GPTModel):
       document); ``position_ids`` are logical and are needed on *every* pipeline stage.
     * ``attention_mask``: packed metadata ``[B, 3, S]`` (:func:`.attention.pack_attention_metadata`),
       or a Megatron bool mask ``[B, 1, S, S]`` (True = masked out; dense/TE backends), or None
-      for plain causal attention. ``attention_metadata`` (an ``AttentionMetadata``) is the
-      convenient alternative and is packed here.
+      for plain causal attention. An ``AttentionMetadata`` (positionally or as
+      ``attention_metadata=``) is the convenient alternative and is packed here.
     * ``labels``: ``[B, S]`` token ids, ``-100`` = no loss. Given labels, the last stage returns
       the per-slot cross entropy ``[B, S]`` (vocab-parallel, zero where ignored); without them
       it returns logits ``[B, S, V / TP]`` (``[B, S, V]`` with ``runtime_gather_output=True``).
@@ -159,6 +159,10 @@ class WeDLMGPTModel(GPTModel):
             raise ValueError("WeDLMGPTModel does not take packed_seq_params; pack documents into rows instead")
         if position_ids is None:
             raise ValueError("position_ids are required on every pipeline stage (logical RoPE positions)")
+        if isinstance(attention_mask, AttentionMetadata):
+            if attention_metadata is not None:
+                raise ValueError("give the AttentionMetadata once (attention_mask or attention_metadata)")
+            attention_metadata, attention_mask = attention_mask, None
         if attention_metadata is not None:
             if attention_mask is not None:
                 raise ValueError("give attention_mask or attention_metadata, not both")

@@ -13,6 +13,10 @@ The recipe, run through :func:`megatron_wedlm.testing.multiprocess.run_distribut
 
 Using dist_checkpointing for both directions avoids a hand-written gather with per-parameter
 layout rules (GLU halves, QKV groups) that could share a bug with the code under test.
+
+The model-agnostic pieces (:func:`init_layout`, :func:`save_sharded`, :func:`load_sharded`,
+:func:`grads_into_params`) are shared with :mod:`.wedlm_equivalence`, which runs the same
+recipe for the WeDLM model on the full training path (DDP, finalize_model_grads).
 """
 
 from __future__ import annotations
