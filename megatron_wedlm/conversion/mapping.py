@@ -11,6 +11,7 @@ against a real Megatron model, so a Megatron release that moves them fails there
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import Enum
 
@@ -95,6 +96,27 @@ OUTPUT_LAYER = TensorRule("output_layer.weight", "output_layer.weight", ("lm_hea
 def global_rules(args: ModelArgs) -> list[TensorRule]:
     """Rules for the parameters outside the transformer layers (the output layer only if untied)."""
     return [EMBEDDING, FINAL_NORM] + ([] if args.tie_word_embeddings else [OUTPUT_LAYER])
+
+
+#: (module name, Transformer Engine name) of the two layer norms. Megatron's local GPT spec stores
+#: its norms under the TE names (its ``sharded_state_dict_keys_map``), so local and TE
+#: checkpoints interchange; a layer spec without that map stores them under the module names.
+#: Both are the same tensor, and loading/reading accepts either.
+NORM_KEY_ALIASES = (
+    ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+    ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),
+)
+
+
+def checkpoint_key_variants(key: str) -> list[str]:
+    """``key`` and the other name its tensor may be stored under (see ``NORM_KEY_ALIASES``)."""
+    variants = [key]
+    for module_name, te_name in NORM_KEY_ALIASES:
+        for old, new in ((module_name, te_name), (te_name, module_name)):
+            other = re.sub(r"(layers\.(?:\d+\.)?)" + re.escape(old), lambda m: m.group(1) + new, key, count=1)
+            if other != key:
+                variants.append(other)
+    return variants
 
 
 #: HF tensors that exist in some checkpoints but carry nothing to convert.

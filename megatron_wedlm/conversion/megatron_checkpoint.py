@@ -26,7 +26,16 @@ from megatron_wedlm.model.hf_config import ModelArgs, gpt_model_kwargs, transfor
 
 from .hf_checkpoint import ConversionError
 from .layout import tp_local_shard
-from .mapping import EMBEDDING, OUTPUT_LAYER, Combine, TensorRule, global_rules, layer_rules, megatron_shape
+from .mapping import (
+    EMBEDDING,
+    OUTPUT_LAYER,
+    Combine,
+    TensorRule,
+    checkpoint_key_variants,
+    global_rules,
+    layer_rules,
+    megatron_shape,
+)
 
 #: A full (TP=1 layout) Megatron tensor for a rule and a global layer index (None: not per layer).
 TensorSource = Callable[[TensorRule, "int | None"], torch.Tensor]
@@ -182,9 +191,17 @@ def load_megatron_weights(model, directory: str | Path, strict: bool = True) -> 
     This is the model half of ``model.init_from``: Megatron reshards to the model's TP/PP.
     """
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     check_torch_dist_dir(directory)
-    state = dist_checkpointing.load(model.sharded_state_dict(), str(directory))
+    sharded = model.sharded_state_dict()
+    stored = set(dist_checkpointing.load_tensors_metadata(str(directory)))
+    for item in nested_values(sharded):
+        if isinstance(item, ShardedTensor) and item.key not in stored:
+            # The same norm under its other name (local-spec TE alias vs module name).
+            item.key = next((k for k in checkpoint_key_variants(item.key) if k in stored), item.key)
+    state = dist_checkpointing.load(sharded, str(directory))
     model.load_state_dict(state, strict=strict)
 
 
@@ -220,13 +237,17 @@ class MegatronCheckpointReader:
         return min(candidates, key=len)
 
     def _key(self, rule: TensorRule, layer: int | None) -> tuple[str, bool]:
-        """(checkpoint key, whether layers are stacked in it)."""
-        stacked = self.prefix + rule.key
-        if layer is None or stacked in self.metadata:
-            return stacked, layer is not None
-        # Checkpoints saved with non-homogeneous layers keep one key per layer.
+        """(checkpoint key, whether layers are stacked in it); the rule's own key when absent."""
+        if layer is None:
+            return self.prefix + rule.key, False
         suffix = rule.key.removeprefix("decoder.layers.")
-        return f"{self.prefix}decoder.layers.{layer}.{suffix}", False
+        stacked = f"{self.prefix}decoder.layers.{suffix}"
+        per_layer = f"{self.prefix}decoder.layers.{layer}.{suffix}"  # non-homogeneous layer saves
+        for candidate, is_stacked in ((stacked, True), (per_layer, False)):
+            for key in checkpoint_key_variants(candidate):
+                if key in self.metadata:
+                    return key, is_stacked
+        return stacked, True
 
     def read(self, rule: TensorRule, layer: int | None) -> torch.Tensor:
         from megatron.core import dist_checkpointing

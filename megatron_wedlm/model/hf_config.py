@@ -117,9 +117,10 @@ class ModelArgs:
         return cls(**data)
 
 
-def _unsupported_message(architecture: str) -> str:
+def _unsupported_message(architecture: str, classes: list[str] | None = None) -> str:
     supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_ARCHITECTURES.items())
-    return f"unsupported architecture {architecture!r}; supported architectures: {supported}"
+    named = f" ({', '.join(classes)})" if classes else ""
+    return f"unsupported architecture {architecture!r}{named}; supported architectures: {supported}"
 
 
 def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tensor_model_parallel_size: int = 1) -> int:
@@ -157,11 +158,12 @@ def _normalised_hf_config(raw: dict[str, Any]):
             config.mask_token_id = raw["mask_token_id"]
         return config
     if model_type not in SUPPORTED_ARCHITECTURES:
-        archs = raw.get("architectures")
-        name = f"{model_type}" + (f" ({', '.join(archs)})" if archs else "")
-        raise UnsupportedModelError(_unsupported_message(name))
+        raise UnsupportedModelError(_unsupported_message(str(model_type), raw.get("architectures")))
     fields_ = {k: v for k, v in raw.items() if k not in ("model_type", "transformers_version")}
-    return AutoConfig.for_model(model_type, **fields_)
+    try:
+        return AutoConfig.for_model(model_type, **fields_)
+    except (KeyError, TypeError, ValueError) as err:
+        raise UnsupportedModelError(f"transformers rejects this {model_type} config: {err}") from err
 
 
 def _rope_theta(config: Any) -> float:

@@ -1,0 +1,512 @@
+"""HF <-> Megatron checkpoint conversion on one process: round trips, logits, mask token, export, errors.
+
+Models are tiny random Qwen2 / Qwen3 / Llama built from configs (weights scaled up so a wrong
+mapping moves logits by O(1)); every family runs with tied and untied embeddings, GQA, a
+non-default rope theta and RMS eps, and Qwen3 with head_dim != hidden / heads. The vocabulary
+(400) is not a multiple of 128, so Megatron pads it (512) and export must trim it back.
+
+Tolerance: fp32. Megatron and transformers compute the same functions with different kernels
+(baddbmm softmax vs SDPA, fused vs split QKV matmuls), observed max |diff| ~3e-6 on logits of
+magnitude ~5; 1e-5 still catches any layout error, which shows at 1e-1.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megatron_wedlm.conversion import (
+    ConversionError,
+    build_reference_gpt,
+    convert_hf_to_megatron,
+    convert_megatron_to_hf,
+    load_megatron_weights,
+    megatron_process_group,
+)
+from megatron_wedlm.conversion.mapping import global_rules, layer_rules, megatron_shape
+from megatron_wedlm.model.hf_config import (
+    ModelArgs,
+    UnsupportedModelError,
+    hf_config_from_model_args,
+    load_model_args,
+    model_args_from_hf_config,
+)
+from megatron_wedlm.testing.tiny_models import build_tiny_ar_tokenizer, build_tiny_causal_lm, build_tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+ATOL = 1e-5
+ARCHS = {
+    "qwen2": dict(num_kv_heads=2, rope_theta=1e6, rms_norm_eps=1e-6),
+    "qwen3": dict(num_kv_heads=2, head_dim=16, rope_theta=1e6, rms_norm_eps=1e-6),
+    "llama": dict(num_kv_heads=2, rope_theta=5e5, rms_norm_eps=1e-5),
+}
+CASES = [(arch, tied) for arch in ARCHS for tied in (False, True)]
+CASE_IDS = [f"{arch}-{'tied' if tied else 'untied'}" for arch, tied in CASES]
+
+
+def make_hf_dir(directory: Path, arch: str, tied: bool, tokenizer=None, vocab_size: int | None = None, seed: int = 0):
+    tokenizer = tokenizer or build_tiny_tokenizer()
+    model = build_tiny_causal_lm(
+        arch, vocab_size=vocab_size or len(tokenizer), num_layers=4, tie_word_embeddings=tied,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, seed=seed, **ARCHS[arch],
+    )
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return model, tokenizer
+
+
+def causal_input(vocab: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(seed))
+
+
+def build_megatron_model(kind: str, args: ModelArgs):
+    """Megatron's GPT with the local spec ("gpt"), or the WeDLM model built as training builds it."""
+    if kind == "gpt":
+        return build_reference_gpt(args, params_dtype=torch.float32)
+    from megatron.core import parallel_state as ps
+
+    from megatron_wedlm.model.hf_config import transformer_config_from_model_args
+    from megatron_wedlm.model.wedlm_model import WeDLMModelArgs, build_wedlm_model
+
+    config = transformer_config_from_model_args(
+        args,
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        params_dtype=torch.float32,
+    )
+    return build_wedlm_model(
+        config,
+        WeDLMModelArgs(
+            vocab_size=args.padded_vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+            mask_token_id=args.mask_token_id,
+            attention_backend="dense",
+            share_embeddings_and_output_weights=args.tie_word_embeddings,
+            rotary_base=args.rope_theta,
+        ),
+    )
+
+
+def megatron_logits(args: ModelArgs, ckpt: Path, ids: torch.Tensor) -> torch.Tensor:
+    with megatron_process_group():
+        model = build_megatron_model("gpt", args).eval()
+        load_megatron_weights(model, ckpt)
+        with torch.no_grad():
+            positions = torch.arange(ids.shape[1]).expand_as(ids)
+            return model(ids, positions, None)[..., : args.vocab_size]
+
+
+def wedlm_rows(mask_token_id: int, vocab: int):
+    """Two packed dual-stream rows (three documents, an SFT prompt, padding), stacked ``[2, S]``."""
+    from megatron_wedlm.data import build_dual_stream_batch, stack_dual_stream_batches
+
+    g = torch.Generator().manual_seed(7)
+    rows = []
+    for lengths, prompt in (([11, 7], [3, 0]), ([13], [0])):
+        tokens = [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
+        rows.append(build_dual_stream_batch(tokens, 4, mask_token_id, g, prompt_lengths=prompt))
+    return stack_dual_stream_batches(rows, pad_to=40)
+
+
+def hf_wedlm_logits(model, rows) -> torch.Tensor:
+    """The HF model on a dual-stream batch: logical positions and the WeDLM rule as an additive
+    4-D float mask (a bool mask is misread by eager attention in transformers 5)."""
+    allowed = rows.dense_attention_mask(padding_attends_self=True)
+    mask = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        return model(rows.input_ids, position_ids=rows.position_ids, attention_mask=mask[:, None]).logits
+
+
+def safetensors_of(directory: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """Each case converted HF -> Megatron -> HF once; tests look at different sides of it."""
+    out = {}
+    for (arch, tied), case_id in zip(CASES, CASE_IDS):
+        root = tmp_path_factory.mktemp(case_id)
+        model, tokenizer = make_hf_dir(root / "hf", arch, tied)
+        args = convert_hf_to_megatron(root / "hf", root / "megatron")
+        convert_megatron_to_hf(root / "megatron", root / "export")
+        out[case_id] = dict(root=root, model=model, tokenizer=tokenizer, args=args)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The mapping agrees with Megatron
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch,tied", CASES, ids=CASE_IDS)
+def test_rules_name_every_megatron_parameter_and_checkpoint_key(converted, arch, tied):
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    args = converted[f"{arch}-{'tied' if tied else 'untied'}"]["args"]
+    expected_params, expected_keys = {}, {}
+    for rule in global_rules(args):
+        expected_params[rule.param] = megatron_shape(rule, args)
+        expected_keys[rule.key] = megatron_shape(rule, args)
+    for layer in range(args.num_layers):
+        for rule in layer_rules(args):
+            expected_params[f"decoder.layers.{layer}.{rule.param}"] = megatron_shape(rule, args)
+            expected_keys[rule.key] = (args.num_layers, *megatron_shape(rule, args))
+    with megatron_process_group():
+        model = build_reference_gpt(args)
+        params = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        sharded = model.sharded_state_dict()
+        apply_factories(sharded)
+        keys = {t.key: tuple(t.global_shape) for t in nested_values(sharded) if isinstance(t, ShardedTensor)}
+    assert params == expected_params
+    assert keys == expected_keys
+
+
+# --------------------------------------------------------------------------------------------
+# HF -> Megatron -> HF
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch,tied", CASES, ids=CASE_IDS)
+def test_round_trip_reproduces_every_tensor_exactly(converted, arch, tied):
+    case = converted[f"{arch}-{'tied' if tied else 'untied'}"]
+    original = safetensors_of(case["root"] / "hf")
+    exported = safetensors_of(case["root"] / "export")
+    assert sorted(exported) == sorted(original)
+    assert ("lm_head.weight" in exported) is not tied
+    for name, tensor in original.items():
+        assert exported[name].dtype == tensor.dtype, name
+        assert torch.equal(exported[name], tensor), name
+
+
+@pytest.mark.parametrize("arch,tied", CASES, ids=CASE_IDS)
+def test_round_trip_keeps_the_config_and_records_the_mask_token(converted, arch, tied):
+    case = converted[f"{arch}-{'tied' if tied else 'untied'}"]
+    before = json.loads((case["root"] / "hf" / "config.json").read_text())
+    after = json.loads((case["root"] / "export" / "config.json").read_text())
+    assert after["mask_token_id"] == case["tokenizer"].mask_token_id
+    for key in ("model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_parameters",
+                "tie_word_embeddings", "max_position_embeddings", "eos_token_id", "pad_token_id", "dtype"):
+        assert after.get(key) == before.get(key), key
+    assert (case["root"] / "export" / "generation_config.json").is_file()
+    assert (case["root"] / "export" / "tokenizer.json").read_bytes() == (case["root"] / "hf" / "tokenizer.json").read_bytes()
+
+
+@pytest.mark.parametrize("arch,tied", CASES, ids=CASE_IDS)
+def test_megatron_logits_equal_hf_logits(converted, arch, tied):
+    case = converted[f"{arch}-{'tied' if tied else 'untied'}"]
+    args = case["args"]
+    assert args.padded_vocab_size == 512 and args.vocab_size == 400  # padding is exercised
+    ids = causal_input(args.vocab_size)
+    with torch.no_grad():
+        reference = case["model"](ids).logits
+    got = megatron_logits(args, case["root"] / "megatron", ids)
+    assert reference.abs().max() > 1.0  # the comparison is not between near-zero numbers
+    assert (got - reference).abs().max().item() < ATOL
+
+
+@pytest.mark.parametrize("case_id", ["qwen2-untied", "qwen3-tied", "llama-untied"])
+def test_wedlm_model_on_a_dual_stream_batch_equals_hf_with_the_mask(converted, case_id):
+    """Cross-implementation check of the training path: the converted weights in the WeDLM
+    model (logical-position RoPE, WeDLM mask) vs HF given the same positions and mask."""
+    case = converted[case_id]
+    args = case["args"]
+    rows = wedlm_rows(args.mask_token_id, args.vocab_size)
+    assert rows.is_masked.any() and rows.is_padding.any()
+    reference = hf_wedlm_logits(case["model"], rows)
+    with megatron_process_group():
+        model = build_megatron_model("wedlm", args).eval()
+        load_megatron_weights(model, case["root"] / "megatron")
+        with torch.no_grad():
+            got = model(rows.input_ids, rows.position_ids, attention_metadata=rows.attention_metadata())
+    real = ~rows.is_padding  # padding slots compute nothing meaningful
+    assert reference[real].abs().max() > 1.0
+    assert (got[..., : args.vocab_size][real] - reference[real]).abs().max().item() < ATOL
+
+
+def test_checkpoint_with_module_named_norms_loads_and_exports(converted, tmp_path):
+    """Megatron's local spec stores layer norms under TE's names; a spec without that keys map
+    (e.g. a training run's model) stores ``input_layernorm.weight``. Both directions accept either."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    case = converted["qwen3-tied"]
+    args = case["args"]
+    with megatron_process_group():
+        model = build_megatron_model("gpt", args)
+        load_megatron_weights(model, case["root"] / "megatron")
+        sharded = model.sharded_state_dict()
+        for item in nested_values(sharded):
+            if isinstance(item, ShardedTensor):
+                item.key = item.key.replace("self_attention.linear_qkv.layer_norm_", "input_layernorm.")
+                item.key = item.key.replace("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm.")
+        (tmp_path / "renamed").mkdir()
+        dist_checkpointing.save(sharded, str(tmp_path / "renamed"))
+        keys = dist_checkpointing.load_tensors_metadata(str(tmp_path / "renamed"))
+    assert "decoder.layers.input_layernorm.weight" in keys
+    assert "decoder.layers.self_attention.linear_qkv.layer_norm_weight" not in keys
+    ids = causal_input(args.vocab_size)
+    with torch.no_grad():
+        assert (megatron_logits(args, tmp_path / "renamed", ids) - case["model"](ids).logits).abs().max() < ATOL
+    convert_megatron_to_hf(tmp_path / "renamed", tmp_path / "export", model_args=case["root"] / "megatron")
+    original, exported = safetensors_of(case["root"] / "hf"), safetensors_of(tmp_path / "export")
+    assert all(torch.equal(exported[name], tensor) for name, tensor in original.items())
+
+
+def test_exported_directory_loads_and_generates_like_the_original(converted):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_wedlm.decoding.loading import load_wedlm_model
+
+    case = converted["qwen3-tied"]
+    export = case["root"] / "export"
+    model = AutoModelForCausalLM.from_pretrained(export).eval()
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    prompt = tokenizer("Count from 3 to 12:", return_tensors="pt").input_ids
+    settings = dict(max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    generated = model.generate(prompt, **settings)
+    assert generated.shape[1] == prompt.shape[1] + 8
+    assert torch.equal(generated, case["model"].generate(prompt, **settings))
+    assert load_wedlm_model(export, device="cpu").config.mask_token_id == tokenizer.mask_token_id
+
+
+def test_large_exports_are_sharded_with_an_index(converted, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    case = converted["llama-untied"]
+    files = convert_megatron_to_hf(case["root"] / "megatron", tmp_path / "sharded", max_shard_size="40KB")
+    assert len(files) > 2 and all(f.name.endswith(f"-of-{len(files):05d}.safetensors") for f in files)
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {f.name for f in files}
+    assert safetensors_of(tmp_path / "sharded").keys() == safetensors_of(case["root"] / "hf").keys()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "sharded")
+    ids = causal_input(400)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, case["model"](ids).logits)
+
+
+def test_training_checkpoint_layout_is_found_from_an_iteration_directory(converted, tmp_path):
+    """Training runs keep wedlm_model.json and the tokenizer in the run directory, above
+    ``checkpoints/iter_N``; megatron-to-hf finds them there."""
+    case = converted["qwen2-untied"]
+    run = tmp_path / "run"
+    shutil.copytree(case["root"] / "megatron", run / "checkpoints" / "iter_0000010")
+    for name in ("wedlm_model.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.move(run / "checkpoints" / "iter_0000010" / name, run / name)
+    convert_megatron_to_hf(run / "checkpoints" / "iter_0000010", tmp_path / "export")
+    assert torch.equal(
+        safetensors_of(tmp_path / "export")["model.layers.3.self_attn.q_proj.bias"],
+        safetensors_of(case["root"] / "hf")["model.layers.3.self_attn.q_proj.bias"],
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Mask token
+# --------------------------------------------------------------------------------------------
+
+
+def test_mask_token_is_added_with_a_mean_row_and_the_vocabulary_grows(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = build_tiny_ar_tokenizer()
+    assert tokenizer.mask_token is None and len(tokenizer) == 400
+    model, _ = make_hf_dir(tmp_path / "hf", "llama", tied=False, tokenizer=tokenizer)
+    args = convert_hf_to_megatron(tmp_path / "hf", tmp_path / "megatron")
+    assert args.mask_token_id == 400 and args.vocab_size == 512  # grown to a multiple of 128
+    assert load_model_args(tmp_path / "megatron").mask_token_id == 400
+    convert_megatron_to_hf(tmp_path / "megatron", tmp_path / "export")
+
+    saved = AutoTokenizer.from_pretrained(tmp_path / "export")
+    assert saved.mask_token == "<|mask|>" and saved.mask_token_id == 400
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["mask_token_id"] == 400
+    before, after = safetensors_of(tmp_path / "hf"), safetensors_of(tmp_path / "export")
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert after[name].shape == (512, 32)
+        assert torch.equal(after[name][:400], before[name])
+        torch.testing.assert_close(after[name][400], before[name].mean(dim=0), rtol=0, atol=1e-7)
+        assert not after[name][401:].any()
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    ids = causal_input(400)
+    with torch.no_grad():
+        assert torch.equal(exported(ids).logits[..., :400], model(ids).logits)
+
+
+def test_mask_token_added_into_a_spare_row_keeps_the_vocabulary(tmp_path):
+    """Qwen-style checkpoints have more embedding rows than tokens; the new token takes a spare one."""
+    model, _ = make_hf_dir(tmp_path / "hf", "qwen2", tied=True, tokenizer=build_tiny_ar_tokenizer(), vocab_size=512)
+    args = convert_hf_to_megatron(tmp_path / "hf", tmp_path / "megatron")
+    assert (args.mask_token_id, args.vocab_size) == (400, 512)
+    convert_megatron_to_hf(tmp_path / "megatron", tmp_path / "export")
+    before, after = safetensors_of(tmp_path / "hf"), safetensors_of(tmp_path / "export")
+    embed = "model.embed_tokens.weight"
+    torch.testing.assert_close(after[embed][400], before[embed][:400].mean(dim=0), rtol=0, atol=1e-7)
+    keep = torch.ones(512, dtype=torch.bool)
+    keep[400] = False
+    assert torch.equal(after[embed][keep], before[embed][keep])
+
+
+def test_tokenizer_without_mask_token_is_an_error_when_adding_is_disabled(tmp_path):
+    make_hf_dir(tmp_path / "hf", "llama", tied=True, tokenizer=build_tiny_ar_tokenizer())
+    with pytest.raises(ConversionError, match="no mask token"):
+        convert_hf_to_megatron(tmp_path / "hf", tmp_path / "megatron", add_mask_token=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+
+def _cli():
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", ROOT / "tools" / "convert_checkpoint.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cli_converts_both_ways(converted, tmp_path):
+    case = converted["qwen2-tied"]
+    cli = _cli()
+    assert cli.main(["hf-to-megatron", "--input", str(case["root"] / "hf"), "--output", str(tmp_path / "m")]) == 0
+    assert cli.main(["megatron-to-hf", "--input", str(tmp_path / "m"), "--output", str(tmp_path / "h"),
+                     "--max-shard-size", "100KB"]) == 0
+    assert (tmp_path / "h" / "model.safetensors.index.json").is_file()
+    original, exported = safetensors_of(case["root"] / "hf"), safetensors_of(tmp_path / "h")
+    assert all(torch.equal(exported[name], tensor) for name, tensor in original.items())
+
+
+def test_cli_reports_an_unsupported_architecture(tmp_path):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), "hf-to-megatron",
+         "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert "gpt2" in result.stderr and "GPT2LMHeadModel" in result.stderr
+    assert all(name in result.stderr for name in ("qwen2", "qwen3", "llama"))
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def broken_copy(converted, tmp_path):
+    """A writable copy of the qwen2 HF directory with its tensors at hand for editing."""
+    source = converted["qwen2-untied"]["root"] / "hf"
+    target = tmp_path / "hf"
+    shutil.copytree(source, target)
+    return target, load_file(target / "model.safetensors")
+
+
+def test_shape_mismatch_names_the_tensor(broken_copy, tmp_path):
+    directory, tensors = broken_copy
+    tensors["model.layers.2.self_attn.k_proj.weight"] = torch.zeros(8, 32)
+    save_file(tensors, directory / "model.safetensors")
+    with pytest.raises(ConversionError, match=r"model\.layers\.2\.self_attn\.k_proj\.weight.*\(8, 32\).*\(16, 32\)"):
+        convert_hf_to_megatron(directory, tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # checked before anything is written
+
+
+def test_missing_tensor_is_named(broken_copy, tmp_path):
+    directory, tensors = broken_copy
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, directory / "model.safetensors")
+    with pytest.raises(ConversionError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*missing"):
+        convert_hf_to_megatron(directory, tmp_path / "out")
+
+
+def test_tensors_nothing_would_convert_are_an_error(broken_copy, tmp_path):
+    directory, tensors = broken_copy
+    tensors["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(32)
+    save_file(tensors, directory / "model.safetensors")
+    with pytest.raises(ConversionError, match=r"o_proj\.bias"):
+        convert_hf_to_megatron(directory, tmp_path / "out")
+
+
+def test_missing_files_are_named(broken_copy, tmp_path):
+    directory, _ = broken_copy
+    with pytest.raises(ConversionError, match="config.json does not exist"):
+        convert_hf_to_megatron(tmp_path / "nowhere", tmp_path / "out")
+    (directory / "model.safetensors").rename(directory / "pytorch_model.bin")
+    with pytest.raises(ConversionError, match=r"no \*\.safetensors.*pytorch_model\.bin"):
+        convert_hf_to_megatron(directory, tmp_path / "out")
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}})
+    )
+    with pytest.raises(ConversionError, match="model-00001-of-00002.safetensors"):
+        convert_hf_to_megatron(directory, tmp_path / "out")
+    with pytest.raises(ConversionError, match="not a Megatron torch_dist checkpoint"):
+        convert_megatron_to_hf(directory, tmp_path / "out")
+
+
+def test_megatron_to_hf_errors(converted, tmp_path):
+    case = converted["llama-tied"]
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(case["root"] / "megatron", ckpt)
+    (ckpt / "wedlm_model.json").rename(tmp_path / "elsewhere.json")
+    with pytest.raises(ConversionError, match="no wedlm_model.json"):
+        convert_megatron_to_hf(ckpt, tmp_path / "a")
+    args = json.loads((tmp_path / "elsewhere.json").read_text())
+    args["mask_token_id"] = None
+    (tmp_path / "no_mask.json").write_text(json.dumps(args))
+    with pytest.raises(ConversionError, match="no mask_token_id"):
+        convert_megatron_to_hf(ckpt, tmp_path / "b", model_args=tmp_path / "no_mask.json", tokenizer_dir=ckpt)
+    args["mask_token_id"], args["vocab_size"], args["padded_vocab_size"] = 450, 512, 512
+    (tmp_path / "far_mask.json").write_text(json.dumps(args))
+    with pytest.raises(ConversionError, match="mask_token_id=450 is not a token"):
+        convert_megatron_to_hf(ckpt, tmp_path / "c", model_args=tmp_path / "far_mask.json", tokenizer_dir=ckpt)
+    args["mask_token_id"], args["hidden_size"] = 2, 64
+    (tmp_path / "wrong_shape.json").write_text(json.dumps(args))
+    with pytest.raises(ConversionError, match=r"embedding\.word_embeddings\.weight.*\(512, 32\).*\(512, 64\)"):
+        convert_megatron_to_hf(ckpt, tmp_path / "d", model_args=tmp_path / "wrong_shape.json", tokenizer_dir=ckpt)
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "keep.txt").write_text("x")
+    with pytest.raises(ConversionError, match="not empty"):
+        convert_megatron_to_hf(case["root"] / "megatron", tmp_path / "e")
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(model_type="mistral"), "unsupported architecture 'mistral'"),
+        (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+        (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+         "rope type 'llama3'"),
+        (dict(attention_bias=True), "attention_bias=true"),
+    ],
+    ids=["architecture", "activation", "rope-scaling", "o-proj-bias"],
+)
+def test_unsupported_configs_are_named(converted, change, message):
+    raw = json.loads((converted["llama-untied"]["root"] / "hf" / "config.json").read_text())
+    raw.update(change)
+    with pytest.raises(UnsupportedModelError, match=message):
+        model_args_from_hf_config(raw)
+
+
+def test_legacy_config_fields_are_understood():
+    """Hub configs written by transformers 4 keep rope_theta at the top level."""
+    raw = dict(model_type="qwen2", vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, rope_theta=1e6, rms_norm_eps=1e-6,
+               max_position_embeddings=4096, torch_dtype="bfloat16", tie_word_embeddings=True)
+    args = model_args_from_hf_config(raw, tensor_model_parallel_size=2)
+    assert (args.rope_theta, args.dtype, args.head_dim, args.padded_vocab_size) == (1e6, "bfloat16", 16, 1024)
+    config = hf_config_from_model_args(args)
+    assert config.rope_parameters["rope_theta"] == 1e6 and config.tie_word_embeddings
