@@ -1,8 +1,10 @@
 """Training entry points end to end on CPU, with real processes (torchrun and gloo ranks).
 
 The tiny config (2 layers, hidden 64) on built-in low-entropy data; every run is 2 processes.
-Process launches dominate the cost (importing Megatron), so runs that do not need the command
-line are grouped as phases inside one launch of ``run_distributed``.
+Process launches dominate the cost (importing Megatron), so there are three: the command line
+through torchrun (the reference run), a run killed while saving, and one ``run_distributed``
+launch whose ranks run the remaining trainings one after another as phases; the tests then
+check the phases' results.
 """
 
 from __future__ import annotations
@@ -167,20 +169,8 @@ def test_wandb_offline_run_holds_the_logged_keys(uninterrupted):
     assert run == {"project": "megatron-wedlm", "name": "tiny-dp2", "group": "tests", "tags": ["tiny", "ci"]}
 
 
-def test_stop_at_15_and_resume_reproduces_steps_16_to_30(uninterrupted, data, tmp_path):
-    out = tmp_path / "stopped"
-    common = ["--config", str(TINY), *_base(data["pretrain"], out)]
-    torchrun("pretrain/pretrain_wedlm.py", [*common, "trainer.exit_at_step=15"])
-    assert sorted(losses(out)) == list(range(1, 16))
-    assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == [10, 15]
-    torchrun("pretrain/pretrain_wedlm.py", [*common, "--resume", "auto"])
-    resumed, reference = losses(out), losses(uninterrupted)
-    assert sorted(resumed) == list(range(1, 31))
-    assert [resumed[s] for s in range(16, 31)] == [reference[s] for s in range(16, 31)]
-
-
 # --------------------------------------------------------------------------------------------
-# run_distributed: layouts, crash during save, SFT, AR mode, non-finite steps
+# run_distributed: a crash during a save, then every other training as phases of one launch
 # --------------------------------------------------------------------------------------------
 
 
@@ -188,33 +178,6 @@ def _train(config: str, overrides: list[str]) -> dict:
     from megatron_wedlm.training.loop import result_dict, run_training
 
     return result_dict(run_training(load_config(config, overrides)))
-
-
-def layouts_worker(data_dir: str, root: str) -> dict:
-    """TP=2 for 30 steps (checkpoint at 15), TP=1 (DP=2) resumed from it, PP=2 for 30 steps."""
-    out = {}
-    tp2 = Path(root) / "tp2"
-    out["tp2"] = _train(str(TINY), [*_base(data_dir, tp2), "parallelism.tp=2", "checkpointing.save_interval=15"])
-    out["tp1"] = _train(str(TINY), [
-        *_base(data_dir, Path(root) / "tp1"), f"checkpointing.resume={tp2 / 'checkpoints' / 'iter_0000015'}",
-        "trainer.exit_at_step=20",
-    ])
-    out["pp2"] = _train(str(TINY), [*_base(data_dir, Path(root) / "pp2"), "parallelism.pp=2"])
-    return out
-
-
-def test_tp2_and_pp2_train_and_tp2_checkpoint_resumes_with_tp1(data, tmp_path):
-    results = run_distributed(layouts_worker, 2, data["pretrain"], str(tmp_path), timeout_s=LAUNCH_TIMEOUT)
-    result = results[0]
-    tp2, tp1, pp2 = (result[k] for k in ("tp2", "tp1", "pp2"))
-    tp2_losses = {int(k): v for k, v in tp2["losses"].items()}
-    assert_loss_decreases(tp2_losses)
-    assert_loss_decreases({int(k): v for k, v in pp2["losses"].items()})
-    assert tp1["start_step"] == 15 and tp1["final_step"] == 20
-    for step in range(16, 21):  # same trajectory under the new layout (fp32 reduction order only)
-        assert tp1["losses"][step] == pytest.approx(tp2_losses[step], abs=1e-5)
-    saved = config_from_yaml_text((tmp_path / "tp1" / "config.yaml").read_text())
-    assert saved.parallelism.tp == 1 and saved.parallelism.dp == 2
 
 
 def crash_worker(data_dir: str, out: str) -> None:
@@ -233,19 +196,25 @@ def crash_worker(data_dir: str, out: str) -> None:
     _train(str(TINY), [*_base(data_dir, Path(out)), "checkpointing.save_interval=5"])
 
 
-def after_crash_worker(data_dir: str, root: str, crashed: str) -> dict:
-    """Resume after the crash; then SFT, AR mode, and non-finite steps."""
+@pytest.fixture(scope="module")
+def crashed(data, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("crash") / "run"
+    with pytest.raises(DistributedLaunchError):
+        run_distributed(crash_worker, 2, data["pretrain"], str(out), timeout_s=LAUNCH_TIMEOUT)
+    ckpts = out / "checkpoints"
+    return {
+        "dir": out,
+        "complete": [s for s, _ in complete_checkpoints(ckpts)],
+        "partial_has_shards": (ckpts / "iter_0000010.partial" / "metadata.json").is_file(),
+        "losses": losses(out),
+    }
+
+
+def _nonfinite_phase(data_dir: str, out: Path) -> str | None:
+    """NaN outputs at step 3 alone, then steps 6, 7, 8 in a row (max_consecutive_nonfinite=3)."""
     from megatron_wedlm.training import steps
     from megatron_wedlm.training.loop import NonFiniteLossError
 
-    out = {"resumed": _train(str(TINY), [*_base(data_dir, Path(crashed)), "checkpointing.resume=auto",
-                                           "trainer.exit_at_step=7", "checkpointing.save_interval=5"])}
-    out["sft"] = _train(str(TINY_SFT), [*_base(data_dir.replace("pretrain", "sft"), Path(root) / "sft"),
-                                        "trainer.train_steps=12"])
-    out["ar"] = _train(str(TINY), [*_base(data_dir, Path(root) / "ar"), "wedlm.enabled=false",
-                                   "trainer.train_steps=20"])
-
-    # non-finite loss: step 3 alone, then steps 6, 7, 8 in a row (max_consecutive_nonfinite=3)
     original = steps.make_forward_step
     calls = {"n": 0}
 
@@ -262,50 +231,107 @@ def after_crash_worker(data_dir: str, root: str, crashed: str) -> dict:
         return nan_step
 
     steps.make_forward_step = poisoned
-    nonfinite_dir = Path(root) / "nonfinite"
     try:
-        _train(str(TINY), [*_base(data_dir, nonfinite_dir), "trainer.train_steps=20"])
-        out["nonfinite_error"] = None
+        _train(str(TINY), [*_base(data_dir, out), "trainer.train_steps=20"])
+        return None
     except NonFiniteLossError as err:
-        out["nonfinite_error"] = str(err)
+        return str(err)
     finally:
         steps.make_forward_step = original
+
+
+def phases_worker(pretrain: str, sft: str, root: str, crashed_dir: str) -> dict:
+    root_path = Path(root)
+    out: dict = {}
+    # stop at 15, resume (what --resume auto sets) -- compared with the torchrun run
+    stopped = root_path / "stopped"
+    out["stopped"] = _train(str(TINY), [*_base(pretrain, stopped), "trainer.exit_at_step=15"])
+    out["stopped_checkpoints"] = [s for s, _ in complete_checkpoints(stopped / "checkpoints")]
+    out["resumed"] = _train(str(TINY), [*_base(pretrain, stopped), "checkpointing.resume=auto"])
+    # TP=2 for 30 steps (checkpoint at 15), TP=1 (DP=2) resumed from it, PP=2 for 30 steps
+    tp2 = root_path / "tp2"
+    out["tp2"] = _train(str(TINY), [*_base(pretrain, tp2), "parallelism.tp=2", "checkpointing.save_interval=15"])
+    out["tp1"] = _train(str(TINY), [
+        *_base(pretrain, root_path / "tp1"), f"checkpointing.resume={tp2 / 'checkpoints' / 'iter_0000015'}",
+        "trainer.exit_at_step=20",
+    ])
+    out["pp2"] = _train(str(TINY), [*_base(pretrain, root_path / "pp2"), "parallelism.pp=2"])
+    # after the crash: resume picks the last complete checkpoint
+    out["after_crash"] = _train(str(TINY), [*_base(pretrain, Path(crashed_dir)), "checkpointing.resume=auto",
+                                            "trainer.exit_at_step=7", "checkpointing.save_interval=5"])
+    out["sft"] = _train(str(TINY_SFT), [*_base(sft, root_path / "sft"), "trainer.train_steps=12"])
+    out["ar"] = _train(str(TINY), [*_base(pretrain, root_path / "ar"), "wedlm.enabled=false", "trainer.train_steps=20"])
+    out["nonfinite_error"] = _nonfinite_phase(pretrain, root_path / "nonfinite")
     return out
 
 
-def test_killed_save_keeps_previous_checkpoint_then_sft_ar_and_nonfinite(data, tmp_path):
-    crashed = tmp_path / "crashed"
-    with pytest.raises(DistributedLaunchError):
-        run_distributed(crash_worker, 2, data["pretrain"], str(crashed), timeout_s=LAUNCH_TIMEOUT)
-    ckpts = crashed / "checkpoints"
-    assert [s for s, _ in complete_checkpoints(ckpts)] == [5]
-    partial = ckpts / "iter_0000010.partial"
-    assert (partial / "metadata.json").is_file()  # the shards were written, but never published
-    before = losses(crashed)
-    assert sorted(before) == list(range(1, 11))
-
+@pytest.fixture(scope="module")
+def phases(data, crashed, tmp_path_factory) -> tuple[dict, Path]:
+    root = tmp_path_factory.mktemp("phases")
     result = run_distributed(
-        after_crash_worker, 2, data["pretrain"], str(tmp_path), str(crashed), timeout_s=LAUNCH_TIMEOUT
+        phases_worker, 2, data["pretrain"], data["sft"], str(root), str(crashed["dir"]), timeout_s=LAUNCH_TIMEOUT
     )[0]
+    return result, root
 
-    resumed = result["resumed"]
+
+def test_stop_at_15_and_resume_reproduces_steps_16_to_30(uninterrupted, phases):
+    result, root = phases
+    assert result["stopped"]["final_step"] == 15 and result["stopped_checkpoints"] == [10, 15]
+    assert result["resumed"]["start_step"] == 15 and result["resumed"]["final_step"] == 30
+    resumed, reference = losses(root / "stopped"), losses(uninterrupted)
+    assert sorted(resumed) == list(range(1, 31))
+    # bit-identical: same data rows, masks, weights, optimizer moments and step counters
+    assert [resumed[s] for s in range(16, 31)] == [reference[s] for s in range(16, 31)]
+
+
+def test_tp2_and_pp2_train_and_tp2_checkpoint_resumes_with_tp1(phases):
+    result, root = phases
+    tp2 = {int(k): v for k, v in result["tp2"]["losses"].items()}
+    assert_loss_decreases(tp2)
+    assert_loss_decreases({int(k): v for k, v in result["pp2"]["losses"].items()})
+    tp1 = result["tp1"]
+    assert tp1["start_step"] == 15 and tp1["final_step"] == 20
+    for step in range(16, 21):  # the same trajectory under the new layout (fp32 reduction order only)
+        assert tp1["losses"][step] == pytest.approx(tp2[step], abs=1e-5)
+    saved = config_from_yaml_text((root / "tp1" / "config.yaml").read_text())
+    assert saved.parallelism.tp == 1 and saved.parallelism.dp == 2
+
+
+def test_killed_save_leaves_the_previous_checkpoint_loadable(crashed, phases):
+    assert crashed["complete"] == [5]  # the step-10 save never became visible
+    assert crashed["partial_has_shards"]  # although every shard had been written
+    assert sorted(crashed["losses"]) == list(range(1, 11))
+    result, _ = phases
+    resumed = result["after_crash"]
     assert resumed["start_step"] == 5
-    assert [resumed["losses"][s] for s in (6, 7)] == [before[6], before[7]]
-    assert not partial.exists()  # the next save cleaned it up
+    assert [resumed["losses"][s] for s in (6, 7)] == [crashed["losses"][6], crashed["losses"][7]]
+    ckpts = crashed["dir"] / "checkpoints"
+    assert not (ckpts / "iter_0000010.partial").exists()  # the next save cleaned it up
     assert [s for s, _ in complete_checkpoints(ckpts)] == [5, 7]
 
-    sft = read_metrics(tmp_path / "sft")
-    assert len(sft) == 12 and all(r["masked_tokens"] > 0 for r in sft)
-    assert sum(r["loss"] for r in sft[-3:]) < sum(r["loss"] for r in sft[:3])
 
-    ar = read_metrics(tmp_path / "ar")
-    assert all(r["masked_tokens"] == 0 and r["mlm_loss"] == 0 and r["loss"] == r["ar_loss"] for r in ar)
-    assert_loss_decreases({r["step"]: r["loss"] for r in ar})
+def test_sft_trains_with_the_same_loop(phases):
+    _, root = phases
+    records = read_metrics(root / "sft")
+    assert len(records) == 12 and all(r["masked_tokens"] > 0 for r in records)
+    assert sum(r["loss"] for r in records[-3:]) < sum(r["loss"] for r in records[:3])
+    assert config_from_yaml_text((root / "sft" / "config.yaml").read_text()).trainer.task == "sft"
 
+
+def test_ar_mode_is_plain_next_token_training(phases):
+    _, root = phases
+    records = read_metrics(root / "ar")
+    assert all(r["masked_tokens"] == 0 and r["mlm_loss"] == 0 and r["loss"] == r["ar_loss"] for r in records)
+    assert_loss_decreases({r["step"]: r["loss"] for r in records})
+
+
+def test_nonfinite_steps_are_skipped_logged_and_stop_the_run(phases):
+    result, root = phases
     assert result["nonfinite_error"] is not None and "3 consecutive steps" in result["nonfinite_error"]
-    bad = read_metrics(tmp_path / "nonfinite")
-    assert [r["step"] for r in bad if r["skipped"]] == [3, 6, 7, 8]
-    assert [r["step"] for r in bad][-1] == 8  # stopped right there
-    by_step = {r["step"]: r for r in bad}
+    records = read_metrics(root / "nonfinite")
+    assert [r["step"] for r in records if r["skipped"]] == [3, 6, 7, 8]
+    assert records[-1]["step"] == 8  # stopped right there
+    by_step = {r["step"]: r for r in records}
     assert by_step[4]["lr"] == by_step[3]["lr"]  # a skipped step does not advance the schedule
-    assert all(r["loss"] == r["loss"] for r in bad if not r["skipped"])  # finite elsewhere
+    assert all(isinstance(r["loss"], float) for r in records if not r["skipped"])  # finite elsewhere
+    assert all(r["loss"] == "nan" for r in records if r["skipped"])  # written as a string, valid JSON
