@@ -18,7 +18,9 @@ ATOL = 1e-5
 
 
 def _spec() -> we.TinyWeDLMSpec:
-    return we.TinyWeDLMSpec(num_layers=2, row_length=48)
+    # 48-slot rows in tiles of 8: the dense backend skips empty key tiles; the brute-force
+    # sequences (other lengths) take the untiled path, so the two paths check each other.
+    return we.TinyWeDLMSpec(num_layers=2, row_length=48, dense_tile_size=8)
 
 
 def _standard_gpt(spec: we.TinyWeDLMSpec, config):
@@ -74,6 +76,12 @@ def _brute_force_row_logits(model, row) -> torch.Tensor:
             logits = _causal_logits(model, row.input_ids[seq], row.position_ids[seq])
             out[slots] = logits[len(prefix):]
     return out
+
+
+def model_packed(rows):
+    from megatron_wedlm.model import pack_attention_metadata
+
+    return pack_attention_metadata(rows.attention_metadata())
 
 
 def model_checks(spec_dict: dict) -> dict:
@@ -140,6 +148,15 @@ def model_checks(spec_dict: dict) -> dict:
         results["flex"] = flex(rows.input_ids, rows.position_ids, attention_metadata=meta)
         results["dense"] = model(rows.input_ids, rows.position_ids, attention_metadata=meta)
 
+        # 5b. Dense backend with empty-tile skipping == one SDPA call over the full mask.
+        untiled = we.build_model(we.TinyWeDLMSpec(**{**spec_dict, "dense_tile_size": 0})).eval()
+        untiled.load_state_dict(model.state_dict())
+        results["untiled"] = untiled(rows.input_ids, rows.position_ids, attention_metadata=meta)
+        from megatron_wedlm.model.attention import _dense_mask_and_plan
+
+        _, plan = _dense_mask_and_plan(model_packed(rows), torch.zeros(rows.seq_len, 2, 1, 1), spec.dense_tile_size)
+        results["plan_keys"] = [t.allowed.shape[-1] for t in plan]
+
         # 6. Loss vs a brute-force computation from full logits with torch's cross entropy.
         labels = wedlm_labels(rows.is_masked, rows.target_ids, rows.ar_labels)
         ce = model(rows.input_ids, rows.position_ids, attention_metadata=meta, labels=labels)
@@ -202,6 +219,12 @@ def test_shuffling_a_block_changes_only_its_prediction_slots(checks):
 
 def test_flex_backend_matches_dense_backend(checks):
     torch.testing.assert_close(checks["flex"], checks["dense"], atol=ATOL, rtol=0)
+
+
+def test_dense_tile_skipping_matches_full_mask_sdpa(checks):
+    torch.testing.assert_close(checks["dense"], checks["untiled"], atol=ATOL, rtol=0)
+    keys = checks["plan_keys"]
+    assert len(keys) == 48 // 8 and min(keys) < 48 // 2  # tiles really skip keys
 
 
 @pytest.mark.parametrize("weighting", ["inverse_ratio", "uniform"])

@@ -9,7 +9,8 @@ metadata* of :class:`megatron_wedlm.data.AttentionMetadata`, an int32 tensor ``[
 expands it into its own form once per micro-batch:
 
 * ``dense``: boolean ``[B, 1, S, S]`` for ``torch.nn.functional.scaled_dot_product_attention``
-  (CPU training, reference, tests).
+  (CPU training, reference, tests), with the queries split into tiles that each see only the
+  key tiles they may attend -- about L^2 of the (2L)^2 pairs of a dual-stream row.
 * ``flex``: a FlexAttention ``BlockMask`` built from tile summaries (never ``S x S``), run
   through a compiled ``flex_attention`` (GPU training).
 * ``te``: Transformer Engine's ``DotProductAttention`` with an arbitrary mask
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -198,8 +200,94 @@ class _WeDLMCoreAttentionBase(torch.nn.Module):
             )
 
 
+@dataclass
+class _QueryTile:
+    """One query tile of the dense backend's plan: its rows, the key slots it needs, its mask."""
+
+    start: int
+    end: int
+    keys: slice | Tensor  # a slice when the needed key tiles are contiguous, else slot indices
+    allowed: Tensor  # [B|1, 1, end - start, num_keys] bool, True = may attend
+
+
+def _key_runs(columns: list[int]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for c in columns:
+        if runs and runs[-1][1] == c:
+            runs[-1] = (runs[-1][0], c + 1)
+        else:
+            runs.append((c, c + 1))
+    return runs
+
+
+def _dense_plan(allowed: Tensor, tile: int) -> list[_QueryTile] | None:
+    """Skip key tiles a query tile never attends (None: not worth it, use one SDPA call).
+
+    Why: SDPA with an arbitrary bool mask computes every (q, k) pair, (2L)^2 per dual-stream
+    row, while the WeDLM rule allows about L^2 of them (memory: causal; prediction: earlier
+    blocks' memory and its own block). Splitting the queries into tiles and giving each tile
+    only the key tiles with an allowed pair (exact, from the mask itself; union over the batch)
+    recovers most of that on CPU, where no block-sparse kernel exists. Dropped keys are fully
+    masked for the tile's queries, so the softmax is unchanged.
+    """
+    b, _, s, s_k = allowed.shape
+    if tile < 1 or s != s_k or s % tile or s < 4 * tile:
+        return None
+    n = s // tile
+    tiles = allowed.reshape(b, n, tile, n, tile).any(dim=2).any(dim=-1).any(dim=0)  # [n, n]
+    if tiles.float().mean().item() > 0.75:
+        return None
+    plan = []
+    for i, row in enumerate(tiles.tolist()):
+        runs = _key_runs([j for j, used in enumerate(row) if used])
+        rows = allowed[:, :, i * tile:(i + 1) * tile]
+        if len(runs) == 1:
+            keys: slice | Tensor = slice(runs[0][0] * tile, runs[0][1] * tile)
+            sub = rows[..., keys]
+        else:
+            keys = torch.cat([torch.arange(a * tile, z * tile, device=allowed.device) for a, z in runs])
+            sub = rows.index_select(-1, keys)
+        plan.append(_QueryTile(i * tile, (i + 1) * tile, keys, sub.contiguous()))
+    return plan
+
+
+def _dense_mask_and_plan(attention_mask: Tensor | None, query: Tensor, tile: int):
+    """``(allowed [B|1, 1, S, S], plan or None)``, built once per micro-batch (cached)."""
+    if attention_mask is None:
+        attention_mask = causal_packed_metadata(query.shape[1], query.shape[0], query.device)
+    if _is_megatron_dense_mask(attention_mask):
+        build_allowed = lambda: ~attention_mask  # noqa: E731
+    elif _is_packed_metadata(attention_mask):
+        build_allowed = lambda: dense_attention_mask(  # noqa: E731
+            unpack_attention_metadata(attention_mask), padding_attends_self=True
+        ).unsqueeze(1)
+    else:
+        raise ValueError(
+            "WeDLM attention expects packed metadata [B, 3, S] (pack_attention_metadata) or a "
+            f"Megatron bool mask [B, 1, S, S]; got {attention_mask.dtype} {tuple(attention_mask.shape)}"
+        )
+
+    def build():
+        allowed = build_allowed()
+        return allowed, _dense_plan(allowed, tile)
+
+    return _MASK_CACHE.get(("dense-plan", tile), attention_mask, build)
+
+
 class WeDLMSDPAttention(_WeDLMCoreAttentionBase):
-    """Dense backend: SDPA with the boolean WeDLM mask. Works on CPU and GPU; O(S^2) mask memory."""
+    """Dense backend: SDPA with the boolean WeDLM mask, skipping empty key tiles (see ``_dense_plan``).
+
+    Works on CPU and GPU; O(S^2) mask memory. ``tile_size`` 0 disables the tiling (one SDPA
+    call over the full mask).
+    """
+
+    tile_size: int = 64
+
+    @classmethod
+    def with_options(cls, tile_size: int = 64) -> type:
+        if tile_size < 0:
+            raise ValueError(f"dense tile_size must be >= 0 (0 = no tiling), got {tile_size}")
+        return type(cls.__name__, (cls,), {"tile_size": tile_size})
 
     def forward(
         self,
@@ -212,7 +300,7 @@ class WeDLMSDPAttention(_WeDLMCoreAttentionBase):
         packed_seq_params=None,
     ) -> Tensor:
         self._check_unsupported(attention_bias, packed_seq_params)
-        allowed = dense_allowed_mask(attention_mask, query.shape[0], query.shape[1], query.device)
+        allowed, plan = _dense_mask_and_plan(attention_mask, query, self.tile_size)
         _check_shapes(query, key, tuple(allowed.shape))
         q, k, v = self._to_bhsd(query), self._to_bhsd(key), self._to_bhsd(value)
         dropout_p = self.dropout_p if self.training else 0.0
@@ -221,10 +309,22 @@ class WeDLMSDPAttention(_WeDLMCoreAttentionBase):
 
             # Heads differ per TP rank, so dropout draws from the model-parallel RNG (as Megatron).
             with tensor_parallel.get_cuda_rng_tracker().fork():
-                out = self._sdpa(q, k, v, allowed, dropout_p)
+                out = self._attend(q, k, v, allowed, plan, dropout_p)
         else:
-            out = self._sdpa(q, k, v, allowed, dropout_p)
+            out = self._attend(q, k, v, allowed, plan, dropout_p)
         return self._to_sbh(out)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, plan, dropout_p: float) -> Tensor:
+        if plan is None:
+            return self._sdpa(q, k, v, allowed, dropout_p)
+        outs = []
+        for t in plan:
+            if isinstance(t.keys, slice):
+                k_t, v_t = k[:, :, t.keys], v[:, :, t.keys]
+            else:
+                k_t, v_t = k.index_select(2, t.keys), v.index_select(2, t.keys)
+            outs.append(self._sdpa(q[:, :, t.start:t.end], k_t, v_t, t.allowed, dropout_p))
+        return torch.cat(outs, dim=2)
 
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, dropout_p: float) -> Tensor:
         return F.scaled_dot_product_attention(

@@ -30,11 +30,14 @@ __all__ = ["core_attention_class", "get_wedlm_block_spec", "get_wedlm_layer_spec
 
 
 def core_attention_class(
-    attention_backend: str = "dense", flex_tile_size: int = 128, flex_compile: bool | None = None
+    attention_backend: str = "dense",
+    flex_tile_size: int = 128,
+    flex_compile: bool | None = None,
+    dense_tile_size: int = 64,
 ) -> type:
     """The core-attention module for a backend name ('dense', 'flex' or 'te')."""
     if attention_backend == "dense":
-        return WeDLMSDPAttention
+        return WeDLMSDPAttention.with_options(tile_size=dense_tile_size)
     if attention_backend == "flex":
         return WeDLMFlexAttention.with_options(tile_size=flex_tile_size, compile_kernel=flex_compile)
     if attention_backend == "te":
@@ -47,12 +50,14 @@ def get_wedlm_layer_spec(
     qk_layernorm: bool = False,
     flex_tile_size: int = 128,
     flex_compile: bool | None = None,
+    dense_tile_size: int = 64,
 ) -> ModuleSpec:
     """A ``TransformerLayer`` spec whose attention applies the WeDLM mask.
 
     ``qk_layernorm`` adds per-head norms on queries and keys (Qwen3); the norm kind (RMSNorm /
     LayerNorm) follows ``config.normalization``. QKV bias (Qwen2) and GQA come from the
-    ``TransformerConfig`` (``add_qkv_bias``, ``num_query_groups``).
+    ``TransformerConfig`` (``add_qkv_bias``, ``num_query_groups``). ``dense_tile_size``: query
+    tile of the dense backend's empty-tile skipping (0 = one SDPA call over the whole mask).
     """
     qk_norm = WeDLMNorm if qk_layernorm else IdentityOp
     return ModuleSpec(
@@ -64,7 +69,7 @@ def get_wedlm_layer_spec(
                 params={"attn_mask_type": AttnMaskType.arbitrary},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear,
-                    core_attention=core_attention_class(attention_backend, flex_tile_size, flex_compile),
+                    core_attention=core_attention_class(attention_backend, flex_tile_size, flex_compile, dense_tile_size),
                     linear_proj=RowParallelLinear,
                     q_layernorm=qk_norm,
                     k_layernorm=qk_norm,
@@ -87,6 +92,7 @@ def get_wedlm_block_spec(
     vp_stage: int | None = None,
     flex_tile_size: int = 128,
     flex_compile: bool | None = None,
+    dense_tile_size: int = 64,
 ) -> TransformerBlockSubmodules:
     """The decoder block for this pipeline stage: WeDLM layers plus a WeDLM final norm.
 
@@ -94,6 +100,8 @@ def get_wedlm_block_spec(
     norm from a module-level default (``WrappedTorchNorm`` without TE/Apex), which refuses
     sequence parallelism.
     """
-    layer = get_wedlm_layer_spec(attention_backend, bool(config.qk_layernorm), flex_tile_size, flex_compile)
+    layer = get_wedlm_layer_spec(
+        attention_backend, bool(config.qk_layernorm), flex_tile_size, flex_compile, dense_tile_size
+    )
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=WeDLMNorm)

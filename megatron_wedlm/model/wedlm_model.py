@@ -53,6 +53,7 @@ class WeDLMModelArgs:
     parallel_output: bool = True
     flex_tile_size: int = 128
     flex_compile: bool | None = None
+    dense_tile_size: int = 64
     extra: dict[str, Any] = field(default_factory=dict)  # free-form provenance (e.g. HF model_type)
 
     def __post_init__(self) -> None:
@@ -239,7 +240,7 @@ def build_wedlm_model(
         )
     spec = get_wedlm_block_spec(
         config, args.attention_backend, vp_stage=vp_stage,
-        flex_tile_size=args.flex_tile_size, flex_compile=args.flex_compile,
+        flex_tile_size=args.flex_tile_size, flex_compile=args.flex_compile, dense_tile_size=args.dense_tile_size,
     )
     return WeDLMGPTModel(config, spec, args, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
 

@@ -49,6 +49,7 @@ class TinyWeDLMSpec:
     tied_embeddings: bool = False
     rotary_base: float = 1000.0
     attention_backend: str = "dense"
+    dense_tile_size: int = 16  # small, so the dense backend's empty-tile skipping is exercised
     block_size: int = 4
     row_length: int = 64  # physical slots per row (2L per document + padding)
     micro_batch_size: int = 2
@@ -111,6 +112,7 @@ def build_model(spec: TinyWeDLMSpec, sequence_parallel: bool = False, recompute:
         max_sequence_length=spec.row_length,
         mask_token_id=spec.mask_token_id,
         attention_backend=spec.attention_backend,
+        dense_tile_size=spec.dense_tile_size,
         share_embeddings_and_output_weights=spec.tied_embeddings,
         rotary_base=spec.rotary_base,
     )
