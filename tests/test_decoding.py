@@ -61,7 +61,9 @@ def full_forward_logits(model, ids, positions):
     return out.logits[0]
 
 
-def reference_decode(model, prompt, *, mask_id, window, tau, lam, max_new, stops=(), schedule="streaming"):
+def reference_decode(
+    model, prompt, *, mask_id, window, tau, lam, max_new, stops=(), schedule="streaming", fused_refill=False
+):
     """Algorithm 1 (or the block-wise baseline) written plainly, recomputing everything every step."""
     out, forwards, slots = [], 0, 0
     win = [mask_id] * min(window, max_new)
@@ -116,8 +118,13 @@ def reference_decode(model, prompt, *, mask_id, window, tau, lam, max_new, stops
         if any(t in stops for t in win[:n_end]) or len(out) + n_end >= max_new:
             emit(win[:n_end])
             break
-        if n_end:  # the run the next forward commits is replaced by masks in that same forward
-            win += [mask_id] * (min(window + n_end, max_new - len(out)) - len(win))
+        if fused_refill:  # the run the next forward commits is replaced by masks in that same forward
+            if n_end:
+                win += [mask_id] * (min(window + n_end, max_new - len(out)) - len(win))
+        else:  # Algorithm 1: append as many masks as were committed, the window stays W long
+            win += [mask_id] * (min(window, max_new - len(out)) - len(win))
+            if n and schedule == "blockwise":
+                block = len(win)
     return out, forwards, slots
 
 
@@ -131,17 +138,23 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("fused_refill", [False, True], ids=["spec-refill", "fused-refill"])
 @pytest.mark.parametrize("schedule", ["streaming", "blockwise"])
 @pytest.mark.parametrize("arch,scale,window,tau,lam,max_new", CASES)
-def test_cached_decoder_equals_no_cache_reference(tokenizer, schedule, arch, scale, window, tau, lam, max_new):
+def test_cached_decoder_equals_no_cache_reference(
+    tokenizer, schedule, fused_refill, arch, scale, window, tau, lam, max_new
+):
     model = tiny_model(tokenizer, arch, scale)
     mask_id = model.config.mask_token_id
     prompt = tokenizer.encode("Count from 3 to 12: 3 4 5")
     kw = dict(window_size=window, entropy_threshold=tau, distance_penalty=lam, max_new_tokens=max_new)
-    result = generate(model, prompt, method=schedule, **kw)
+    result = generate(model, prompt, method=schedule, fused_refill=fused_refill, **kw)
     expected, forwards, slots = reference_decode(
-        model, prompt, mask_id=mask_id, window=window, tau=tau, lam=lam, max_new=max_new, schedule=schedule
+        model, prompt, mask_id=mask_id, window=window, tau=tau, lam=lam, max_new=max_new, schedule=schedule,
+        fused_refill=fused_refill,
     )
+    if not fused_refill:  # Algorithm 1 keeps the parallel workload fixed at W slots per forward
+        assert slots <= forwards * window
     assert result.token_ids == expected
     assert (result.num_forwards, result.num_slots) == (forwards, slots)
     assert result.stop_reason == "max_new_tokens" and len(expected) == max_new

@@ -98,30 +98,39 @@ def main(argv=None):
     print(f"prompt {args.prompt_length} tokens, max_new_tokens {args.max_new_tokens}, W={args.window_size}, "
           f"tau={args.entropy_threshold}, lambda={args.distance_penalty}, greedy, best of {args.repeats}")
 
-    methods = ("streaming", "blockwise", "ar")
-    for method in methods:
-        generate(model, prompt, method=method, **settings)  # warm-up
+    # name -> (method, extra settings); "+fused" rows use the fused refill order (see decoding.parallel)
+    configs = {
+        "streaming": ("streaming", {}),
+        "blockwise": ("blockwise", {}),
+        "stream+fused": ("streaming", {"fused_refill": True}),
+        "block+fused": ("blockwise", {"fused_refill": True}),
+        "ar": ("ar", {}),
+    }
+    for method, extra in configs.values():
+        generate(model, prompt, method=method, **settings, **extra)  # warm-up
     rows = {}
     for _ in range(args.repeats):  # round-robin, so load from other processes hits every method alike
-        for method in methods:
+        for name, (method, extra) in configs.items():
             timer.seconds = 0.0
-            result = generate(model, prompt, method=method, **settings)
-            if method not in rows or result.seconds < rows[method][0].seconds:
-                rows[method] = (result, timer.seconds)
+            result = generate(model, prompt, method=method, **settings, **extra)
+            if name not in rows or result.seconds < rows[name][0].seconds:
+                rows[name] = (result, timer.seconds)
 
-    header = (f"{'method':<10} {'tokens':>6} {'fwds':>5} {'tok/fwd':>8} {'p_cache':>8} {'tok/s':>8} {'ms/step':>8} "
+    header = (f"{'method':<12} {'tokens':>6} {'fwds':>5} {'tok/fwd':>8} {'p_cache':>8} {'tok/s':>8} {'ms/step':>8} "
               f"{'outside fwd':>11}")
     print(header)
     print("-" * len(header))
     for method, (r, forward_s) in rows.items():
         outside = 1.0 - forward_s / r.seconds
-        print(f"{method:<10} {r.num_generated:>6} {r.num_forwards:>5} {r.tokens_per_forward:>8.2f} {r.p_cache:>8.3f} "
+        print(f"{method:<12} {r.num_generated:>6} {r.num_forwards:>5} {r.tokens_per_forward:>8.2f} {r.p_cache:>8.3f} "
               f"{r.tokens_per_second:>8.1f} {1e3 * r.seconds / r.num_forwards:>8.2f} {outside:>10.1%}")
-    s, b, a = (rows[m][0] for m in ("streaming", "blockwise", "ar"))
-    print(f"streaming / AR          : {s.tokens_per_second / a.tokens_per_second:.2f}x tokens/s, "
-          f"{s.tokens_per_forward / a.tokens_per_forward:.2f}x tokens/forward")
-    print(f"streaming / block-wise  : {s.tokens_per_second / b.tokens_per_second:.2f}x tokens/s, "
-          f"{s.tokens_per_forward / b.tokens_per_forward:.2f}x tokens/forward")
+    a = rows["ar"][0]
+    for label, (s_name, b_name) in {"": ("streaming", "blockwise"), " (fused)": ("stream+fused", "block+fused")}.items():
+        s, b = rows[s_name][0], rows[b_name][0]
+        print(f"streaming / AR{label:<9}: {s.tokens_per_second / a.tokens_per_second:.2f}x tokens/s, "
+              f"{s.tokens_per_forward / a.tokens_per_forward:.2f}x tokens/forward")
+        print(f"streaming / block-wise{label:<1}: {s.tokens_per_second / b.tokens_per_second:.2f}x tokens/s, "
+              f"{s.tokens_per_forward / b.tokens_per_forward:.2f}x tokens/forward")
 
 
 if __name__ == "__main__":

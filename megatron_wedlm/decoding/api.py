@@ -8,14 +8,14 @@ from .parallel import BLOCKWISE, STREAMING, parallel_generate_batch
 from .result import GenerationResult
 
 METHODS = (STREAMING, BLOCKWISE, AUTOREGRESSIVE)
-PARALLEL_ONLY = ("window_size", "entropy_threshold", "distance_penalty")
+PARALLEL_ONLY = ("window_size", "entropy_threshold", "distance_penalty", "fused_refill")
 
 
 def generate_batch(model, prompts, method: str = STREAMING, **kwargs) -> list[GenerationResult]:
     """Decode a batch of prompts with ``method`` in ``("streaming", "blockwise", "ar")``.
 
     Keyword arguments are those of ``streaming_generate``; the parallel-only ones
-    (window size, entropy threshold, distance penalty) are ignored for ``"ar"`` so one settings
+    (window size, entropy threshold, distance penalty, refill order) are ignored for ``"ar"`` so one settings
     dict can drive all methods.
     """
     if method == AUTOREGRESSIVE:

@@ -5,15 +5,17 @@ One engine runs both schedules; they differ only in what a forward may commit:
 * ``streaming``: the leftmost filled run of the window, whatever its length.
 * ``blockwise``: nothing until the whole block of ``window_size`` slots is filled, then the block.
 
-In both, the run a forward is going to commit (it was filled by the previous step) is replaced
-by new mask slots *in that same forward*, so after every commit exactly ``window_size``
-uncommitted slots remain and no forward is spent on committing alone. A forward therefore
-carries up to ``2 * window_size`` slots (run to commit + window). This is how the reference
-WeDLM engine schedules its window; SPEC step (e) appends the masks after the commit, which
-would predict them one forward later and, for confident output, spend every other forward
-committing only (half the tokens per forward of this schedule, and block-wise would get the
-fused commit and streaming not). For block-wise it means the forward that commits a finished
-block also predicts the next block.
+Refill order (``fused_refill``):
+
+* ``False`` (default, Algorithm 1 as the paper and SPEC step (e) state it): after a forward
+  commits its leftmost filled run of n slots, n new masks are appended, so every forward carries
+  exactly ``window_size`` slots (the paper's fixed parallel workload). The new masks get their
+  first prediction in the next forward.
+* ``True``: the run the next forward will commit is replaced by new masks *in that same
+  forward*, so a forward carries up to ``2 * window_size`` slots (run to commit + window) and no
+  forward is spent on committing alone. On confident output the default spends every other
+  forward committing a fully filled window; the fused order roughly doubles tokens per forward
+  there, at the price of a wider forward. ``tools/bench_decode.py`` measures both.
 
 Per step and row, the window (filled slots first, then masks, each in ascending logical
 position) goes through one causal forward on top of the row's committed KV cache, with
@@ -82,6 +84,7 @@ class ParallelSettings:
     top_p: float
     stop_token_ids: tuple[int, ...]
     stop_strings: tuple[str, ...]
+    fused_refill: bool = False
 
     def __post_init__(self):
         if self.schedule not in (STREAMING, BLOCKWISE):
@@ -116,6 +119,7 @@ def streaming_generate(
     stop_strings: Sequence[str] | None = None,
     tokenizer=None,
     generator: torch.Generator | None = None,
+    fused_refill: bool = False,
 ) -> GenerationResult:
     """Decode one prompt with Streaming Parallel Decoding (SPEC section 3, Algorithm 1).
 
@@ -124,7 +128,8 @@ def streaming_generate(
     ``stop_token_ids``: generation ends at the first one (it is kept in the output); None = none.
     ``stop_strings`` (needs ``tokenizer``): generation ends once the decoded output contains one;
     ``token_ids`` keep the token that completed it and ``text`` is cut just before it.
-    ``generator`` (on the model's device) makes sampling reproducible. Returns a
+    ``generator`` (on the model's device) makes sampling reproducible. ``fused_refill`` picks the
+    refill order (module docstring; default: the paper's fixed window). Returns a
     :class:`GenerationResult` (metrics defined in :mod:`megatron_wedlm.decoding.result`).
     """
     return parallel_generate_batch(model, [as_token_list(prompt_ids)], schedule=STREAMING, **_collect(locals()))[0]
@@ -146,6 +151,7 @@ def blockwise_generate(
     stop_strings: Sequence[str] | None = None,
     tokenizer=None,
     generator: torch.Generator | None = None,
+    fused_refill: bool = False,
 ) -> GenerationResult:
     """Decode one prompt block by block (the baseline): blocks of ``window_size`` masks, same fill rule,
     a block is committed only once all of it is filled. Arguments as :func:`streaming_generate`."""
@@ -173,6 +179,7 @@ def parallel_generate_batch(
     stop_strings: Sequence[str] | None = None,
     tokenizer=None,
     generator: torch.Generator | None = None,
+    fused_refill: bool = False,
 ) -> list[GenerationResult]:
     """Decode several prompts (of any lengths) together, one batched forward per step.
 
@@ -193,6 +200,7 @@ def parallel_generate_batch(
         top_p=top_p,
         stop_token_ids=tuple(int(t) for t in (stop_token_ids or ())),
         stop_strings=tuple(stop_strings or ()),
+        fused_refill=fused_refill,
     )
     results, _ = decode(model, as_prompt_batch(prompts), settings, tokenizer=tokenizer, generator=generator)
     return results
@@ -354,8 +362,12 @@ def decode(
         ends = (torch.isin(window, stop_ids) & (slot < lead[:, None])).any(dim=1) | (emitted + lead >= budget)
         finished |= accept(torch.where(ends & ~finished, lead, 0))
 
-        # e. refill: the run the next forward commits is replaced by new masks in that same forward
-        window_len = torch.where(lead > 0, torch.minimum(lead + W, budget - emitted), window_len)
+        # e. refill
+        if settings.fused_refill:  # the run the next forward commits makes room for masks in it
+            window_len = torch.where(lead > 0, torch.minimum(lead + W, budget - emitted), window_len)
+        else:  # the n committed slots are replaced: the next forward carries W slots again
+            window_len = torch.minimum(torch.full_like(window_len, W), budget - emitted)
+            block_len = torch.where(n > 0, window_len, block_len)
 
         cache.commit(base, max(base.tolist()))
         finished_host = finished.tolist()
