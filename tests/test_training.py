@@ -53,8 +53,8 @@ def data(tmp_path_factory) -> dict[str, str]:
     return {"pretrain": str(root / "pretrain"), "sft": str(root / "sft")}
 
 
-def _base(data_dir: str, out: Path) -> list[str]:
-    return [f"data.path={data_dir}", f"trainer.output_dir={out}", "logging.progress_bar=false"]
+def _base(data_dir: str, out: Path, progress_bar: bool = False) -> list[str]:
+    return [f"data.path={data_dir}", f"trainer.output_dir={out}", f"logging.progress_bar={str(progress_bar).lower()}"]
 
 
 def torchrun(script: str, args: list[str]) -> subprocess.CompletedProcess:
@@ -127,12 +127,13 @@ def wandb_history_keys(run_file: Path) -> tuple[set[str], int, dict]:
 def uninterrupted(data, tmp_path_factory) -> Path:
     """30 steps, DP=2, through torchrun and pretrain_wedlm.py, with wandb offline."""
     out = tmp_path_factory.mktemp("run") / "uninterrupted"
-    torchrun("pretrain/pretrain_wedlm.py", [
-        "--config", str(TINY), *_base(data["pretrain"], out),
+    proc = torchrun("pretrain/pretrain_wedlm.py", [
+        "--config", str(TINY), *_base(data["pretrain"], out, progress_bar=True),
         "checkpointing.save_interval=10", "checkpointing.keep_last=2",
         "logging.wandb.enabled=true", "logging.wandb.mode=offline", "logging.wandb.group=tests",
         "logging.wandb.tags=[tiny,ci]", "logging.wandb.name=tiny-dp2",
     ])
+    (out / "stderr.txt").write_text(proc.stderr)
     return out
 
 
@@ -157,6 +158,10 @@ def test_dp2_loss_decreases_and_everything_is_recorded(uninterrupted):
         assert json.loads((path / "wedlm_model.json").read_text())["num_layers"] == 2
         assert (path / "metadata.json").is_file()
     assert (uninterrupted / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "30"
+
+    # the console progress bar: steps done / total, loss, tokens per second, ETA
+    console = (uninterrupted / "stderr.txt").read_text()
+    assert "30/30" in console and "loss=" in console and "tok_s=" in console and "<00:00" in console
 
 
 def test_wandb_offline_run_holds_the_logged_keys(uninterrupted):
@@ -259,7 +264,9 @@ def phases_worker(pretrain: str, sft: str, root: str, crashed_dir: str) -> dict:
     # after the crash: resume picks the last complete checkpoint
     out["after_crash"] = _train(str(TINY), [*_base(pretrain, Path(crashed_dir)), "checkpointing.resume=auto",
                                             "trainer.exit_at_step=7", "checkpointing.save_interval=5"])
-    out["sft"] = _train(str(TINY_SFT), [*_base(sft, root_path / "sft"), "trainer.train_steps=12"])
+    # SFT from the pretraining run's last checkpoint (model.init_from a training checkpoint)
+    out["sft"] = _train(str(TINY_SFT), [*_base(sft, root_path / "sft"), "trainer.train_steps=12",
+                                        f"model.init_from={stopped / 'checkpoints' / 'iter_0000030'}"])
     out["ar"] = _train(str(TINY), [*_base(pretrain, root_path / "ar"), "wedlm.enabled=false", "trainer.train_steps=20"])
     out["nonfinite_error"] = _nonfinite_phase(pretrain, root_path / "nonfinite")
     return out
@@ -314,6 +321,8 @@ def test_sft_trains_with_the_same_loop(phases):
     _, root = phases
     records = read_metrics(root / "sft")
     assert len(records) == 12 and all(r["masked_tokens"] > 0 for r in records)
+    # started from the pretrained weights: a random init starts near ln(vocab) = ln(512) = 6.2
+    assert records[0]["loss"] < 4.5
     assert sum(r["loss"] for r in records[-3:]) < sum(r["loss"] for r in records[:3])
     assert config_from_yaml_text((root / "sft" / "config.yaml").read_text()).trainer.task == "sft"
 

@@ -254,6 +254,11 @@ def validate_config(cfg: TrainConfig) -> None:
         )
     if cfg.parallelism.sequence_parallel and cfg.parallelism.tp == 1:
         raise ConfigError("parallelism.sequence_parallel=true needs parallelism.tp > 1")
+    if cfg.parallelism.sequence_parallel and cfg.data.seq_length % cfg.parallelism.tp:
+        raise ConfigError(
+            f"data.seq_length={cfg.data.seq_length} must be a multiple of parallelism.tp={cfg.parallelism.tp} "
+            "with sequence parallelism (rows are split along the sequence)"
+        )
     if cfg.data.path is None:
         raise ConfigError("data.path is required: the directory written by tools/prepare_data.py")
     if cfg.wedlm.enabled and cfg.data.seq_length < 2 * cfg.wedlm.block_size:

@@ -169,10 +169,15 @@ def build_model_chunk(cfg: TrainConfig, args: ModelArgs, device: torch.device, p
 
 
 def load_init_weights(model, directory: str | Path) -> None:
-    """``model.init_from``: the weights of a converted HF (or training) checkpoint, any TP/PP."""
+    """``model.init_from``: the weights of a converted HF (or training) checkpoint, any TP/PP.
+
+    ``strict=False`` only because a training checkpoint's common state (optimizer, RNG) comes
+    back with the requested weights; every parameter is requested as a sharded tensor, and
+    ``dist_checkpointing`` raises if the checkpoint lacks one.
+    """
     from megatron_wedlm.conversion.megatron_checkpoint import load_megatron_weights
 
-    load_megatron_weights(model, directory)
+    load_megatron_weights(model, directory, strict=False)
 
 
 def model_args_summary(args: ModelArgs) -> dict[str, Any]:
