@@ -1,9 +1,11 @@
 #!/usr/bin/env python
-"""WeDLM supervised fine-tuning on Megatron-Core: prompt tokens are never masked and carry no loss.
+"""WeDLM supervised fine-tuning: prompt tokens are never masked and carry no loss.
 
     torchrun --nproc_per_node 8 sft/sft_wedlm.py --config configs/sft/qwen3_8b.yaml \\
         model.init_from=/ckpt/wedlm-8b-base data.path=/data/sft_shards
 
+Megatron-Core by default; ``trainer.backend=deepspeed`` (on the command line or in the YAML)
+fine-tunes a HF checkpoint under DeepSpeed ZeRO instead (``megatron_wedlm.deepspeed_backend``).
 Data: ``tools/prepare_data.py --task sft``. See docs/training.md.
 """
 
@@ -12,7 +14,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_wedlm.training.cli import main  # noqa: E402
+from megatron_wedlm.training.cli import main, requested_backend  # noqa: E402
+
+
+def run(argv: list[str]) -> int:
+    if requested_backend(argv) == "deepspeed":
+        from megatron_wedlm.deepspeed_backend.cli import main as deepspeed_main
+
+        return deepspeed_main(argv, task="sft")
+    return main(argv, task="sft")
+
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:], task="sft"))
+    sys.exit(run(sys.argv[1:]))

@@ -166,6 +166,7 @@ class LoggingConfig:
 @dataclass
 class TrainerConfig:
     task: str = "pretrain"  # pretrain | sft (set by the entry point)
+    backend: str = "megatron"  # megatron | deepspeed (SFT of HF checkpoints, megatron_wedlm.deepspeed_backend)
     output_dir: str = "outputs/run"
     train_steps: int = 1000
     exit_at_step: Optional[int] = None  # stop (and save) here, keeping the schedule of train_steps
@@ -199,6 +200,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optimizer.decay_style": ("cosine", "linear", "constant", "inverse-square-root"),
     "logging.wandb.mode": ("online", "offline"),
     "trainer.task": ("pretrain", "sft"),
+    "trainer.backend": ("megatron", "deepspeed"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "trainer.precision": ("auto", "fp32", "bf16"),
 }

@@ -17,7 +17,7 @@ import sys
 import traceback
 from typing import Sequence
 
-__all__ = ["main", "parse_args"]
+__all__ = ["main", "parse_args", "requested_backend"]
 
 
 def parse_args(argv: Sequence[str] | None, task: str) -> tuple[argparse.Namespace, list[str]]:
@@ -40,6 +40,23 @@ def parse_args(argv: Sequence[str] | None, task: str) -> tuple[argparse.Namespac
     return args, rest
 
 
+def requested_backend(argv: Sequence[str]) -> str:
+    """``trainer.backend`` as the command line asks for it (the override, else the YAML's), read
+    before the config is loaded: the DeepSpeed backend extends the schema with its own section."""
+    import yaml
+
+    args, overrides = parse_args(list(argv), task="sft")
+    for item in reversed(overrides):
+        if item.startswith("trainer.backend="):
+            return item.split("=", 1)[1].strip()
+    if args.config and os.path.isfile(args.config):
+        data = yaml.safe_load(open(args.config).read()) or {}
+        trainer = data.get("trainer") if isinstance(data, dict) else None
+        if isinstance(trainer, dict) and trainer.get("backend"):
+            return str(trainer["backend"])
+    return "megatron"
+
+
 def main(argv: Sequence[str] | None = None, task: str = "pretrain") -> int:
     from megatron_wedlm.config.loading import config_to_yaml, load_config
     from megatron_wedlm.config.schema import ConfigError
@@ -52,6 +69,11 @@ def main(argv: Sequence[str] | None = None, task: str = "pretrain") -> int:
         cfg = load_config(args.config, overrides, defaults={"trainer": {"task": task}})
         if cfg.trainer.task != task:
             raise ConfigError(f"trainer.task={cfg.trainer.task!r} but this is the {task} entry point")
+        if cfg.trainer.backend != "megatron":
+            raise ConfigError(
+                f"trainer.backend={cfg.trainer.backend!r}: this entry point trains with Megatron-Core "
+                "(the DeepSpeed backend is for SFT: sft/sft_wedlm.py ... trainer.backend=deepspeed)"
+            )
     except (ConfigError, FileNotFoundError) as err:
         if rank == 0:
             print(f"config error: {err}", file=sys.stderr)
