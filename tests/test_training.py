@@ -1,10 +1,10 @@
 """Training entry points end to end on CPU, with real processes (torchrun and gloo ranks).
 
 The tiny config (2 layers, hidden 64) on built-in low-entropy data; every run is 2 processes.
-Process launches dominate the cost (importing Megatron), so there are three: the command line
-through torchrun (the reference run), a run killed while saving, and one ``run_distributed``
-launch whose ranks run the remaining trainings one after another as phases; the tests then
-check the phases' results.
+Process launches dominate the cost (importing Megatron), so there are four: the command line
+through torchrun (the reference run), a checkpoint conversion, a run killed while saving, and
+one ``run_distributed`` launch whose ranks run the remaining trainings one after another as
+phases; the tests then check the phases' results.
 """
 
 from __future__ import annotations
@@ -18,14 +18,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from megatron_wedlm.config import config_from_yaml_text, load_config
-from megatron_wedlm.data.prepare import prepare_dataset
+from megatron_wedlm.config import ConfigError, config_from_yaml_text, load_config
+from megatron_wedlm.data.prepare import prepare_dataset, read_manifest
+from megatron_wedlm.data.webdataset_loader import TrainDataIterator, loader_spec_from_manifest
 from megatron_wedlm.eval.builtin_tasks import training_corpus, training_pairs
 from megatron_wedlm.testing.multiprocess import DistributedLaunchError, run_distributed
-from megatron_wedlm.testing.tiny_models import build_tiny_tokenizer
+from megatron_wedlm.testing.tiny_models import build_tiny_model, build_tiny_tokenizer
 from megatron_wedlm.training.checkpointing import complete_checkpoints
 from megatron_wedlm.training.metrics import REQUIRED_KEYS, read_metrics
+from megatron_wedlm.training.model_setup import resolve_model_args
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "pretrain" / "tiny_cpu.yaml"
@@ -51,6 +54,33 @@ def data(tmp_path_factory) -> dict[str, str]:
     prepare_dataset([root / "corpus.jsonl"], root / "pretrain", root / "tok", samples_per_shard=50)
     prepare_dataset([root / "pairs.jsonl"], root / "sft", root / "tok", task="sft", raw_sft=True, samples_per_shard=32)
     return {"pretrain": str(root / "pretrain"), "sft": str(root / "sft")}
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> dict:
+    """A random Qwen2 HF model shaped like the tiny config, converted to torch_dist, and data
+    tokenized with its tokenizer (``model.init_from``)."""
+    root = tmp_path_factory.mktemp("init")
+    tok = build_tiny_tokenizer()
+    model = build_tiny_model(tok, "qwen2", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, seed=3)
+    model.save_pretrained(str(root / "hf"))
+    tok.save_pretrained(str(root / "hf"))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), "hf-to-megatron",
+         "--input", str(root / "hf"), "--output", str(root / "mcore")],
+        capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(root / "corpus.jsonl", "w") as f:
+        for doc in training_corpus(64, seed=2):
+            f.write(json.dumps({"text": doc}) + "\n")
+    prepare_dataset([root / "corpus.jsonl"], root / "data", root / "hf", samples_per_shard=8)
+    return {"hf": model, "mcore": str(root / "mcore"), "data": str(root / "data")}
+
+
+def _init_from_overrides(mcore: str, data_dir: str, out: Path) -> list[str]:
+    return [*_base(data_dir, out), f"model.init_from={mcore}", "wedlm.enabled=false", "trainer.train_steps=3",
+            "optimizer.warmup_steps=0"]
 
 
 def _base(data_dir: str, out: Path, progress_bar: bool = False) -> list[str]:
@@ -245,7 +275,7 @@ def _nonfinite_phase(data_dir: str, out: Path) -> str | None:
         steps.make_forward_step = original
 
 
-def phases_worker(pretrain: str, sft: str, root: str, crashed_dir: str) -> dict:
+def phases_worker(pretrain: str, sft: str, root: str, crashed_dir: str, mcore: str, init_data: str) -> dict:
     root_path = Path(root)
     out: dict = {}
     # stop at 15, resume (what --resume auto sets) -- compared with the torchrun run
@@ -269,14 +299,16 @@ def phases_worker(pretrain: str, sft: str, root: str, crashed_dir: str) -> dict:
                                         f"model.init_from={stopped / 'checkpoints' / 'iter_0000030'}"])
     out["ar"] = _train(str(TINY), [*_base(pretrain, root_path / "ar"), "wedlm.enabled=false", "trainer.train_steps=20"])
     out["nonfinite_error"] = _nonfinite_phase(pretrain, root_path / "nonfinite")
+    out["init_from"] = _train(str(TINY), _init_from_overrides(mcore, init_data, root_path / "init_from"))
     return out
 
 
 @pytest.fixture(scope="module")
-def phases(data, crashed, tmp_path_factory) -> tuple[dict, Path]:
+def phases(data, crashed, converted, tmp_path_factory) -> tuple[dict, Path]:
     root = tmp_path_factory.mktemp("phases")
     result = run_distributed(
-        phases_worker, 2, data["pretrain"], data["sft"], str(root), str(crashed["dir"]), timeout_s=LAUNCH_TIMEOUT
+        phases_worker, 2, data["pretrain"], data["sft"], str(root), str(crashed["dir"]),
+        converted["mcore"], converted["data"], timeout_s=LAUNCH_TIMEOUT,
     )[0]
     return result, root
 
@@ -344,3 +376,58 @@ def test_nonfinite_steps_are_skipped_logged_and_stop_the_run(phases):
     assert by_step[4]["lr"] == by_step[3]["lr"]  # a skipped step does not advance the schedule
     assert all(isinstance(r["loss"], float) for r in records if not r["skipped"])  # finite elsewhere
     assert all(r["loss"] == "nan" for r in records if r["skipped"])  # written as a string, valid JSON
+
+
+def _hf_loss_on_first_step(conv: dict, cfg) -> float:
+    """Mean next-token CE of the HF model over the first global batch, document by document.
+
+    Megatron's output layer has the padded vocabulary; conversion fills the extra rows with
+    zeros, so they add logits of 0 to the softmax: the reference appends the same columns.
+    The rows of a global batch do not depend on the layout, so one reader here (dp=1) sees what
+    the two training ranks (dp=2) saw together.
+    """
+    padded = json.loads((Path(conv["mcore"]) / "wedlm_model.json").read_text())["padded_vocab_size"]
+    spec = loader_spec_from_manifest(
+        conv["data"], num_streams=cfg.data.num_streams, seq_length=cfg.data.seq_length, wedlm=False,
+        block_size=cfg.wedlm.block_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
+    )
+    data = TrainDataIterator(spec, 0, 1, cfg.data.micro_batch_size, num_workers=0)
+    total, count = 0.0, 0
+    for _ in range(cfg.data.global_batch_size // cfg.data.micro_batch_size):
+        batch, _ = data.next_microbatch()
+        for row in range(batch.input_ids.shape[0]):
+            for doc in torch.unique(batch.doc_ids[row][batch.doc_ids[row] >= 0]):
+                slots = batch.doc_ids[row] == doc
+                ids, labels = batch.input_ids[row][slots], batch.ar_labels[row][slots]
+                with torch.no_grad():
+                    logits = conv["hf"](input_ids=ids[None]).logits[0].float()
+                logits = torch.cat([logits, logits.new_zeros(logits.shape[0], padded - logits.shape[1])], dim=1)
+                keep = labels >= 0
+                total += float(torch.nn.functional.cross_entropy(logits[keep], labels[keep], reduction="sum"))
+                count += int(keep.sum())
+    return total / count
+
+
+def test_training_starts_from_a_converted_hf_checkpoint(converted, phases):
+    """The first logged loss (before any update) equals the HF model's own loss on those rows."""
+    _, root = phases
+    out = root / "init_from"
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    cfg = load_config(str(TINY), _init_from_overrides(converted["mcore"], converted["data"], out))
+    assert records[0]["loss"] == pytest.approx(_hf_loss_on_first_step(converted, cfg), rel=1e-4)
+    saved = json.loads((out / "checkpoints" / "iter_0000003" / "wedlm_model.json").read_text())
+    assert saved["architecture"] == "qwen2"
+    assert saved["mask_token_id"] == read_manifest(converted["data"])["mask_token_id"]
+
+
+def test_config_keys_that_contradict_the_checkpoint_are_refused(converted, tmp_path):
+    manifest = read_manifest(converted["data"])
+    cfg = load_config(str(TINY), [*_init_from_overrides(converted["mcore"], converted["data"], tmp_path),
+                                  "model.hidden_size=32"])
+    with pytest.raises(ConfigError, match="model.hidden_size=32 disagrees"):
+        resolve_model_args(cfg, manifest, "float32")
+    cfg = load_config(str(TINY), _init_from_overrides(converted["mcore"], converted["data"], tmp_path))
+    args = resolve_model_args(cfg, manifest, "float32")
+    assert cfg.model.qk_layernorm is False and cfg.model.add_qkv_bias is True  # filled from the checkpoint
+    assert args.padded_vocab_size % 128 == 0 and args.vocab_size >= manifest["tokenizer_length"]
