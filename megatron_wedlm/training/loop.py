@@ -66,6 +66,15 @@ def _global_stats(local: list[float], device: torch.device) -> list[float]:
     return tensor.cpu().tolist()
 
 
+def _agreed(compute):
+    """``compute()`` on rank 0, the same answer everywhere (nodes may list a shared directory
+    differently for a moment, e.g. NFS attribute caching)."""
+    value = [compute() if not dist.is_initialized() or dist.get_rank() == 0 else None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(value, src=0)
+    return value[0]
+
+
 def run_training(cfg: TrainConfig) -> TrainResult:
     """Train as described by ``cfg`` in this process (one rank of a torchrun launch)."""
     from megatron.core import parallel_state as ps
@@ -112,7 +121,7 @@ def run_training(cfg: TrainConfig) -> TrainResult:
     output_dir = Path(cfg.trainer.output_dir)
     ckpt_root = Path(cfg.checkpointing.dir or output_dir / "checkpoints")
     cfg.checkpointing.dir = str(ckpt_root)
-    resume_path = resolve_resume_path(cfg.checkpointing.resume, ckpt_root)
+    resume_path = _agreed(lambda: resolve_resume_path(cfg.checkpointing.resume, ckpt_root))
 
     # ---- model, optimizer, schedule, state ----
     model = build_model_chunk(cfg, model_args, device, torch.bfloat16 if bf16 else torch.float32)
