@@ -510,3 +510,44 @@ def test_legacy_config_fields_are_understood():
     assert (args.rope_theta, args.dtype, args.head_dim, args.padded_vocab_size) == (1e6, "bfloat16", 16, 1024)
     config = hf_config_from_model_args(args)
     assert config.rope_parameters["rope_theta"] == 1e6 and config.tie_word_embeddings
+
+
+def test_layout_the_checkpoint_is_written_with_must_divide_the_model(converted, tmp_path):
+    source = converted["qwen2-untied"]["root"] / "hf"  # 4 heads, 2 kv heads, 4 layers
+    with pytest.raises(ConversionError, match=r"--tp 4 does not divide num_key_value_heads"):
+        convert_hf_to_megatron(source, tmp_path / "a", tensor_model_parallel_size=4)
+    with pytest.raises(ConversionError, match=r"--pp 3 does not divide the model's 4 layers"):
+        convert_hf_to_megatron(source, tmp_path / "b", pipeline_model_parallel_size=3)
+
+
+# --------------------------------------------------------------------------------------------
+# Layout primitives against their definitions
+# --------------------------------------------------------------------------------------------
+
+
+def test_qkv_rows_are_grouped_per_key_value_head():
+    from megatron_wedlm.conversion.layout import fuse_qkv, split_qkv
+
+    heads, groups, d = 6, 2, 3
+    q = torch.arange(heads * d).repeat_interleave(2).reshape(heads * d, 2).float()
+    k = 100 + torch.arange(groups * d).repeat_interleave(2).reshape(groups * d, 2).float()
+    v = 200 + torch.arange(groups * d).repeat_interleave(2).reshape(groups * d, 2).float()
+    fused = fuse_qkv(q, k, v, groups)
+    per_group = heads // groups
+    expected = []
+    for g in range(groups):  # Megatron: the group's query heads, then its key head, then its value head
+        expected += [q[(g * per_group + h) * d:(g * per_group + h + 1) * d] for h in range(per_group)]
+        expected += [k[g * d:(g + 1) * d], v[g * d:(g + 1) * d]]
+    assert torch.equal(fused, torch.cat(expected))
+    assert all(torch.equal(a, b) for a, b in zip(split_qkv(fused, heads, groups, d), (q, k, v)))
+    bias = fuse_qkv(q[:, 0], k[:, 0], v[:, 0], groups)
+    assert torch.equal(bias, torch.cat(expected)[:, 0])
+
+
+def test_tensor_parallel_shards_of_the_fused_mlp_hold_gate_and_up_slices():
+    from megatron_wedlm.conversion.layout import fuse_gate_up, tp_local_shard
+
+    gate, up = torch.arange(8.0)[:, None], 10 + torch.arange(8.0)[:, None]
+    fc1 = fuse_gate_up(gate, up)
+    assert torch.equal(tp_local_shard(fc1, 0, 1, 2, gated=True), torch.cat([gate[4:], up[4:]]))
+    assert torch.equal(tp_local_shard(fc1, 0, 1, 2), fc1[8:])  # a plain column split would mix them

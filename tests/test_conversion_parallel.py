@@ -4,8 +4,8 @@
   model, and the logits (vocab-parallel shards gathered, last pipeline stage) equal the HF
   model's: causal input for the GPT, a packed dual-stream batch for WeDLM (HF run with the
   batch's logical position ids and the WeDLM mask as a 4-D float mask).
-* A checkpoint *written* at TP=2 x PP=2 (four writer processes, each filling only its shard)
-  exports back to the original HF tensors bit for bit.
+* A checkpoint *written* at TP=2 x PP=2 (``--tp 2 --pp 2``: four writer processes, each
+  filling only its shard) exports back to the original HF tensors bit for bit.
 
 Tolerance as in test_conversion.py (fp32, 1e-5; TP changes reduction order only).
 """
@@ -116,7 +116,8 @@ def test_logits_under_parallel_layouts_equal_hf(parallel_logits, tp, pp, case_id
 
 
 def test_checkpoint_written_at_tp2_pp2_exports_the_original_tensors(tmp_path):
-    make_hf_dir(tmp_path / "hf", "qwen2", tied=False, seed=3)
+    """Tied embeddings: the last stage's output layer is filled from the embedding but not saved."""
+    make_hf_dir(tmp_path / "hf", "qwen2", tied=True, seed=3)
     args = convert_hf_to_megatron(
         tmp_path / "hf", tmp_path / "megatron", tensor_model_parallel_size=2, pipeline_model_parallel_size=2
     )

@@ -152,8 +152,11 @@ class ShardedSafetensorsWriter:
         else:
             final = [self.directory / f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
         weight_map = {}
+        umask = os.umask(0)
+        os.umask(umask)
         for (tmp, names), target in zip(self._written, final):
             os.replace(tmp, target)
+            os.chmod(target, 0o666 & ~umask)  # safetensors creates files owner-only
             weight_map.update({name: target.name for name in names})
         if count > 1:
             index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}

@@ -105,7 +105,7 @@ def _write_rank(args_dict: dict, input_dir: str, output_dir: str, tp: int, pp: i
     with megatron_process_group(tp, pp):
         model = build_reference_gpt(args)
         fill_model(model, args, HFTensorSource(input_dir, args, mask_init))
-        save_megatron_checkpoint(model, output_dir)
+        save_megatron_checkpoint(model, output_dir, release_model=True)
 
 
 def _prepare_output(output_dir: Path, overwrite: bool) -> None:
@@ -143,8 +143,7 @@ def convert_hf_to_megatron(
     source_args = model_args_from_hf_config(
         raw, make_vocab_size_divisible_by=make_vocab_size_divisible_by, tensor_model_parallel_size=tp
     )
-    if pp > source_args.num_layers:
-        raise ConversionError(f"--pp {pp} exceeds the model's {source_args.num_layers} layers")
+    _check_layout(source_args, tp, pp)
     reader = HFSafetensorsReader(input_dir)
     check_hf_checkpoint(reader, source_args)
 
@@ -172,6 +171,22 @@ def convert_hf_to_megatron(
     if (input_dir / GENERATION_CONFIG).is_file():
         shutil.copyfile(input_dir / GENERATION_CONFIG, output_dir / GENERATION_CONFIG)
     return args
+
+
+def _check_layout(args: ModelArgs, tp: int, pp: int) -> None:
+    """The layout the checkpoint is written with must be one Megatron can build."""
+    if tp < 1 or pp < 1:
+        raise ConversionError(f"--tp and --pp must be >= 1, got {tp} and {pp}")
+    splits = {
+        "num_attention_heads": args.num_attention_heads,
+        "num_key_value_heads (query groups)": args.num_query_groups,
+        "intermediate_size": args.ffn_hidden_size,
+    }
+    for name, value in splits.items():
+        if value % tp:
+            raise ConversionError(f"--tp {tp} does not divide {name}={value}; choose a --tp that does")
+    if args.num_layers % pp:
+        raise ConversionError(f"--pp {pp} does not divide the model's {args.num_layers} layers")
 
 
 def _target_args(

@@ -178,11 +178,42 @@ def fill_model(model, args: ModelArgs, source: TensorSource) -> None:
         raise ConversionError(f"Megatron parameters left without a source tensor: {missing}")
 
 
-def save_megatron_checkpoint(model, directory: str | Path) -> None:
+def save_megatron_checkpoint(model, directory: str | Path, release_model: bool = False) -> None:
+    """``dist_checkpointing.save`` of the model's sharded state dict.
+
+    ``release_model=True`` is for a writer that is done with the model: torch_dist copies every
+    tensor that is a view into a larger storage before writing -- the SwiGLU gate and up halves
+    of ``linear_fc1`` are such views, a third of a typical model -- so the halves are copied
+    here, layer by layer, and the fused parameter freed right after. The copy then replaces the
+    original instead of sitting next to it (peak ~1x the model instead of ~1.5x). The model's
+    ``linear_fc1`` weights are empty afterwards.
+    """
     from megatron.core import dist_checkpointing
 
     Path(directory).mkdir(parents=True, exist_ok=True)
-    dist_checkpointing.save(model.sharded_state_dict(), str(directory))
+    sharded = model.sharded_state_dict()
+    if release_model:
+        _move_views_out_of_parameters(model, sharded)
+    dist_checkpointing.save(sharded, str(directory))
+
+
+def _move_views_out_of_parameters(model, sharded) -> None:
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    apply_factories(sharded)  # what save() would do first; builds the fc1 half-views
+    params = {p.untyped_storage().data_ptr(): p for p in model.parameters()}
+    views: dict[int, list[ShardedTensor]] = {}
+    for item in nested_values(sharded):
+        if isinstance(item, ShardedTensor) and item.data is not None:
+            storage = item.data.untyped_storage()
+            if storage.nbytes() != item.data.nbytes:
+                views.setdefault(storage.data_ptr(), []).append(item)
+    for data_ptr, items in views.items():
+        for item in items:
+            item.data = item.data.detach().clone()
+        if data_ptr in params:
+            params[data_ptr].data = torch.empty(0, dtype=params[data_ptr].dtype)
 
 
 def load_megatron_weights(model, directory: str | Path, strict: bool = True) -> None:
