@@ -202,7 +202,8 @@ def test_round_trip_keeps_the_config_and_records_the_mask_token(converted, arch,
                 "tie_word_embeddings", "max_position_embeddings", "eos_token_id", "pad_token_id", "dtype"):
         assert after.get(key) == before.get(key), key
     assert (case["root"] / "export" / "generation_config.json").is_file()
-    assert (case["root"] / "export" / "tokenizer.json").read_bytes() == (case["root"] / "hf" / "tokenizer.json").read_bytes()
+    exported_tokenizer = (case["root"] / "export" / "tokenizer.json").read_bytes()
+    assert exported_tokenizer == (case["root"] / "hf" / "tokenizer.json").read_bytes()
 
 
 @pytest.mark.parametrize("arch,tied", CASES, ids=CASE_IDS)
@@ -390,7 +391,8 @@ def test_cli_converts_both_ways(converted, tmp_path):
 
 def test_cli_reports_an_unsupported_architecture(tmp_path):
     (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     result = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), "hf-to-megatron",
          "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "out")],

@@ -18,7 +18,16 @@ import torch
 from megatron_wedlm.conversion import convert_hf_to_megatron, convert_megatron_to_hf
 from megatron_wedlm.testing.multiprocess import run_distributed
 
-from test_conversion import CASES, CASE_IDS, build_megatron_model, causal_input, hf_wedlm_logits, make_hf_dir, safetensors_of, wedlm_rows
+from test_conversion import (
+    CASES,
+    CASE_IDS,
+    build_megatron_model,
+    causal_input,
+    hf_wedlm_logits,
+    make_hf_dir,
+    safetensors_of,
+    wedlm_rows,
+)
 
 ATOL = 1e-5
 LAYOUTS = [(2, 1), (1, 2)]

@@ -54,7 +54,9 @@ def _current_rss_bytes() -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def write_toy_checkpoint(directory: Path, hidden: int, layers: int, ffn: int, vocab: int, heads: int, kv_heads: int) -> int:
+def write_toy_checkpoint(
+    directory: Path, hidden: int, layers: int, ffn: int, vocab: int, heads: int, kv_heads: int
+) -> int:
     """Random bf16 Qwen2 weights written tensor by tensor; returns the model's bytes."""
     import torch
     from transformers import Qwen2Config

@@ -30,7 +30,17 @@ from megatron_wedlm.model.hf_config import (
 
 from .hf_checkpoint import ConversionError, HFSafetensorsReader
 from .layout import resize_rows
-from .mapping import IGNORED_HF_SUFFIXES, OUTPUT_LAYER, Combine, TensorRule, all_hf_names, global_rules, hf_shapes, layer_rules, to_megatron
+from .mapping import (
+    IGNORED_HF_SUFFIXES,
+    OUTPUT_LAYER,
+    Combine,
+    TensorRule,
+    all_hf_names,
+    global_rules,
+    hf_shapes,
+    layer_rules,
+    to_megatron,
+)
 from .megatron_checkpoint import build_reference_gpt, fill_model, megatron_process_group, save_megatron_checkpoint
 from .tokenizer_files import DEFAULT_MASK_TOKEN, MaskTokenSetup, copy_tokenizer_files, prepare_tokenizer
 
@@ -99,7 +109,9 @@ class HFTensorSource:
         return grown
 
 
-def _write_rank(args_dict: dict, input_dir: str, output_dir: str, tp: int, pp: int, mask_init: MaskRowInit | None) -> None:
+def _write_rank(
+    args_dict: dict, input_dir: str, output_dir: str, tp: int, pp: int, mask_init: MaskRowInit | None
+) -> None:
     """One rank of the writer: build its part of the model, fill it, save (collectively)."""
     args = ModelArgs.from_dict(args_dict)
     with megatron_process_group(tp, pp):
@@ -155,7 +167,9 @@ def convert_hf_to_megatron(
             mask_token=mask_token, add_mask_token=add_mask_token,
         )
         args = _target_args(source_args, mask, reader, dtype, make_vocab_size_divisible_by, tp)
-        mask_init = MaskRowInit(mask.mask_token_id, min(mask.tokenizer_len, source_args.vocab_size)) if mask.added else None
+        mask_init = None
+        if mask.added:
+            mask_init = MaskRowInit(mask.mask_token_id, min(mask.tokenizer_len, source_args.vocab_size))
 
         if tp * pp == 1:
             _write_rank(args.to_dict(), str(input_dir), str(output_dir), 1, 1, mask_init)

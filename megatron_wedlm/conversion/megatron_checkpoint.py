@@ -42,7 +42,9 @@ TensorSource = Callable[[TensorRule, "int | None"], torch.Tensor]
 
 
 @contextlib.contextmanager
-def megatron_process_group(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> Iterator[None]:
+def megatron_process_group(
+    tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1
+) -> Iterator[None]:
     """torch.distributed (gloo) and Megatron's groups for a conversion, torn down afterwards.
 
     Inside torchrun (or :func:`run_distributed`) the launcher's world is joined; a plain process
@@ -290,7 +292,8 @@ class MegatronCheckpointReader:
         info = self.metadata[key]
         expected = megatron_shape(rule, self.args)
         global_shape = tuple(info.global_shape)
-        if rule.combine is Combine.VOCAB and global_shape[1:] == expected[1:] and global_shape[0] >= self.args.vocab_size:
+        padded_otherwise = global_shape[1:] == expected[1:] and global_shape[0] >= self.args.vocab_size
+        if rule.combine is Combine.VOCAB and padded_otherwise:
             expected = global_shape  # padded for another layout: the rows past vocab_size are dropped later
         if stacked:
             if global_shape[1:] != expected or global_shape[0] != self.args.num_layers:

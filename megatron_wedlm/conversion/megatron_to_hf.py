@@ -12,8 +12,6 @@ import dataclasses
 import shutil
 from pathlib import Path
 
-import torch
-
 from megatron_wedlm.model.hf_config import ModelArgs, find_model_args_file, hf_config_from_model_args, load_model_args
 
 from .hf_checkpoint import ConversionError, ShardedSafetensorsWriter, parse_size
