@@ -18,6 +18,7 @@ install_requires = [
     "tokenizers>=0.21",
     "safetensors>=0.4",
     "omegaconf>=2.3",
+    "pyyaml>=6.0",
     "webdataset>=0.2.100",
     "wandb>=0.19",
     "tqdm>=4.66",
