@@ -239,8 +239,8 @@ def test_wedlm_model_on_a_dual_stream_batch_equals_hf_with_the_mask(converted, c
 
 
 def test_checkpoint_with_module_named_norms_loads_and_exports(converted, tmp_path):
-    """Megatron's local spec stores layer norms under TE's names; a spec without that keys map
-    (e.g. a training run's model) stores ``input_layernorm.weight``. Both directions accept either."""
+    """Megatron's local spec stores layer norms under TE's names; a layer spec without that keys
+    map stores ``input_layernorm.weight``. Both directions accept either."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor

@@ -82,6 +82,12 @@ def get_wedlm_layer_spec(
                 submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
             ),
             mlp_bda=get_bias_dropout_add,
+            # Store the norms under the names Megatron's local and TE GPT specs use, so WeDLM
+            # checkpoints and standard Megatron GPT checkpoints load into each other.
+            sharded_state_dict_keys_map={
+                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+            },
         ),
     )
 
