@@ -1,0 +1,41 @@
+"""WeDLM SFT of HF checkpoints under DeepSpeed ZeRO (``trainer.backend=deepspeed``), no conversion.
+
+For teams that instruct-tune from a HF checkpoint: the same dual-stream rows, losses, lr
+schedule, data pipeline, checkpoint conventions and logging as the Megatron path, with the
+model an unmodified transformers ``*ForCausalLM`` trained by DeepSpeed ZeRO-1/2/3 (optionally
+with optimizer / parameter offload to the CPU).
+
+* :mod:`.settings`   -- the ``deepspeed`` config section, backend checks, the DeepSpeed JSON config;
+* :mod:`.hf_model`   -- loading (Qwen2 / Qwen3 / Llama / official WeDLM), mask-token row,
+  Megatron-style weight-decay groups;
+* :mod:`.forward`    -- the dual-stream forward through transformers' attention interface
+  (SDPA + 4-D float mask on CPU, FlexAttention ``BlockMask`` on GPU) and the WeDLM objective;
+* :mod:`.checkpoint` -- DeepSpeed checkpoints with exact resume, HF exports;
+* :mod:`.trainer`    -- :func:`run_deepspeed_sft`, the training loop;
+* :mod:`.cli`        -- the command line behind ``sft/sft_wedlm.py ... trainer.backend=deepspeed``.
+
+Importing this package does not import DeepSpeed; the trainer does (set ``DS_ACCELERATOR=cpu``
+on machines without a GPU, which the trainer does for ``trainer.device=cpu``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["DeepSpeedConfig", "DualStreamCausalLM", "load_deepspeed_config", "run_deepspeed_sft"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "run_deepspeed_sft":
+        from .trainer import run_deepspeed_sft
+
+        return run_deepspeed_sft
+    if name in ("DeepSpeedConfig", "load_deepspeed_config"):
+        from . import settings
+
+        return getattr(settings, name)
+    if name == "DualStreamCausalLM":
+        from .forward import DualStreamCausalLM
+
+        return DualStreamCausalLM
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

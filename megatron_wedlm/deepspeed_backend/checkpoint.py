@@ -1,0 +1,178 @@
+"""DeepSpeed training checkpoints (exact resume) and HF exports of the trained model.
+
+A checkpoint is a directory ``<checkpointing.dir>/iter_0000015/`` with the same conventions as
+the Megatron path (:mod:`megatron_wedlm.training.checkpointing`), so ``resume=auto``,
+``keep_last`` and the atomic ``.partial`` -> ``iter_N`` rename behave identically:
+
+* ``deepspeed/``: ``engine.save_checkpoint`` output -- module weights and every rank's ZeRO
+  optimizer partition (fp32 master weights, Adam moments);
+* ``rng/rank<r>.pt``: each rank's RNG states (dropout, if the model has any);
+* ``hf/`` (``deepspeed.export_hf``): a HF export of the weights at this step;
+* ``trainer_state.json``: step, lr schedule, the data position of every stream, counters,
+  world size; ``config.yaml``: the run's resolved config.
+
+A HF export is what ``save_pretrained`` writes (``config.json`` with ``mask_token_id``,
+``*.safetensors``, ``generation_config.json``) plus the data's tokenizer (mask token included),
+so :func:`megatron_wedlm.decoding.loading.load_wedlm_model` and ``AutoModelForCausalLM`` load it
+as it is. Under ZeRO-3 the weights are gathered one layer at a time to rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_wedlm.training.checkpointing import (
+    PARTIAL_SUFFIX,
+    TRAINER_STATE_FILE,
+    CheckpointManager,
+    checkpoint_name,
+    read_trainer_state,
+)
+
+__all__ = ["DEEPSPEED_TAG", "HF_EXPORT_DIR", "DeepSpeedCheckpointManager", "export_hf_model", "full_state_dict"]
+
+DEEPSPEED_TAG = "deepspeed"
+HF_EXPORT_DIR = "hf"
+_RNG_DIR = "rng"
+_WRAPPER_PREFIX = "hf_model."
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def full_state_dict(engine) -> dict[str, torch.Tensor] | None:
+    """The HF model's full state dict on rank 0 (None elsewhere). Collective under ZeRO-3."""
+    if engine.zero_optimization_partition_weights():
+        state = engine._zero3_consolidated_16bit_state_dict()
+    else:
+        state = engine.module.state_dict() if _rank() == 0 else None
+    if state is None:
+        return None
+    return {
+        name[len(_WRAPPER_PREFIX):]: tensor.detach().cpu()
+        for name, tensor in state.items()
+        if name.startswith(_WRAPPER_PREFIX)
+    }
+
+
+def export_hf_model(engine, hf_model: nn.Module, directory: str | Path, tokenizer_dir: str | Path | None) -> Path:
+    """Collective: write a HF export of the engine's current weights to ``directory`` (rank 0 writes)."""
+    from megatron_wedlm.conversion.tokenizer_files import copy_tokenizer_files
+
+    directory = Path(directory)
+    state = full_state_dict(engine)
+    if _rank() == 0:
+        assert state is not None
+        if directory.exists():
+            shutil.rmtree(directory)
+        if getattr(hf_model.config, "mask_token_id", None) is None:
+            raise ValueError("the model's config has no mask_token_id; refusing to export a non-WeDLM checkpoint")
+        hf_model.save_pretrained(str(directory), state_dict=state)
+        if tokenizer_dir is not None:
+            copy_tokenizer_files(tokenizer_dir, directory)
+    _barrier()
+    return directory
+
+
+class DeepSpeedCheckpointManager(CheckpointManager):
+    """Saves and loads DeepSpeed checkpoints under ``root`` (publishing and pruning as the Megatron path)."""
+
+    def save(  # type: ignore[override]
+        self,
+        step: int,
+        engine,
+        trainer_state: dict[str, Any],
+        files: dict[str, str],
+        export: Callable[[Path], Any] | None = None,
+    ) -> Path:
+        """Collective. ``export(dir)`` (collective too) writes the HF export into the checkpoint."""
+        final = self.root / checkpoint_name(step)
+        partial = final.with_name(final.name + PARTIAL_SUFFIX)
+        if self.is_writer:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob(f"*{PARTIAL_SUFFIX}"):
+                shutil.rmtree(stale, ignore_errors=True)  # left by a save that was killed
+            (partial / _RNG_DIR).mkdir(parents=True)
+        _barrier()
+        engine.save_checkpoint(str(partial), tag=DEEPSPEED_TAG, client_state={}, save_latest=False)
+        torch.save(_rng_state(), partial / _RNG_DIR / f"rank{_rank()}.pt")
+        if export is not None:
+            export(partial / HF_EXPORT_DIR)
+        _barrier()
+        if self.is_writer:
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            state = {**trainer_state, "step": step, "layout": {"backend": "deepspeed", "world_size": world}}
+            for name, content in files.items():
+                (partial / name).write_text(content)
+            (partial / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True) + "\n")
+            self._publish(partial, final)
+            self._prune()
+        _barrier()
+        return final
+
+    def load(self, path: str | Path, engine, load_optimizer: bool = True) -> dict[str, Any]:  # type: ignore[override]
+        """Load weights (and optimizer states and RNG when asked) into ``engine``; return the trainer state.
+
+        ZeRO partitions belong to ranks, so optimizer states reload only under the world size
+        they were saved with; weights alone (``load_optimizer=false``) reload under any world
+        size for ZeRO-1/2.
+        """
+        path = Path(path)
+        state = read_trainer_state(path)
+        layout = state.get("layout", {})
+        if layout.get("backend") != "deepspeed":
+            raise ValueError(
+                f"{path} is not a DeepSpeed checkpoint (layout {layout}); a Megatron checkpoint resumes with "
+                "trainer.backend=megatron, or export it to HF (tools/convert_checkpoint.py megatron-to-hf) first"
+            )
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        same_world = layout.get("world_size") == world
+        if not same_world and (load_optimizer or engine.zero_optimization_partition_weights()):
+            raise ValueError(
+                f"{path} was saved by {layout.get('world_size')} ranks and this run has {world}: ZeRO "
+                "partitions reload only under the same world size. Relaunch with that many ranks, or "
+                "set checkpointing.load_optimizer=false (ZeRO-1/2: weights only, fresh Adam moments)"
+            )
+        load_path, _ = engine.load_checkpoint(
+            str(path),
+            tag=DEEPSPEED_TAG,
+            load_optimizer_states=load_optimizer,
+            load_lr_scheduler_states=False,
+            load_module_only=not load_optimizer,
+        )
+        if load_path is None:
+            raise FileNotFoundError(f"DeepSpeed found no checkpoint in {path / DEEPSPEED_TAG}")
+        rng_file = path / _RNG_DIR / f"rank{_rank()}.pt"
+        if same_world and rng_file.is_file():
+            _set_rng_state(torch.load(rng_file, weights_only=False))
+        return state

@@ -1,0 +1,187 @@
+"""A HF causal LM ready for WeDLM training: loaded from a local directory, with a mask-token row.
+
+Which checkpoints: anything :func:`megatron_wedlm.decoding.loading.load_wedlm_model` loads --
+plain ``qwen2`` / ``qwen3`` / ``llama`` directories and the official ``model_type: "wedlm"``
+ones (mapped onto the transformers class of the AR model they came from, no remote code).
+
+The mask token. The data (``tools/prepare_data.py``) fixes its id: the tokenizer it saved has
+the token, appended when the original tokenizer had none. The model must then have an
+embedding row for that id:
+
+* the checkpoint already knows a mask token (``config.mask_token_id``, or its tokenizer has a
+  mask token): the ids must agree, nothing is changed;
+* otherwise the token is new. If the embedding is too small it is grown (rows padded to a
+  multiple of ``model.make_vocab_size_divisible_by``, as the Megatron conversion does) and the
+  mask row -- of the input embedding and, when untied, of the output layer -- is set to the
+  mean of the real tokens' rows, the same initialisation the HF -> Megatron conversion uses,
+  so both backends start a WeDLM run from the same weights.
+
+In every case ``config.mask_token_id`` records the id, so exports are WeDLM checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+__all__ = [
+    "MaskTokenPlan",
+    "load_hf_causal_lm",
+    "plan_mask_token",
+    "apply_mask_token",
+    "weight_decay_param_groups",
+]
+
+
+@dataclass(frozen=True)
+class MaskTokenPlan:
+    """What :func:`apply_mask_token` does to a checkpoint for the data's mask token id."""
+
+    mask_token_id: int
+    initialise_row: bool  # the token is new to the checkpoint: give its row the mean embedding
+    mean_over_rows: int  # rows of real tokens averaged for the new row
+    min_rows: int  # the embedding must have at least this many rows
+
+
+def load_hf_causal_lm(path: str | Path, dtype: torch.dtype, attn_implementation: str) -> nn.Module:
+    """Load ``path`` in ``dtype`` for training (``train()`` mode, KV cache off), where it lands.
+
+    Not moved afterwards: DeepSpeed places the module, and under ZeRO-3 initialisation
+    (``deepspeed.zero3_init``) the parameters are already partitioned when this returns.
+    Official ``model_type: "wedlm"`` configs are mapped as the decoding loader does.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from megatron_wedlm.decoding.loading import wedlm_config_to_hf
+
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"model.init_from={path} is not a HF model directory (no config.json)")
+    raw = json.loads(config_file.read_text())
+    kwargs = {"dtype": dtype, "attn_implementation": attn_implementation}
+    if raw.get("model_type") == "wedlm":
+        model_class, config = wedlm_config_to_hf(raw)
+        model = model_class.from_pretrained(str(path), config=config, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    model.config.use_cache = False
+    return model.train()
+
+
+def _checkpoint_mask_token_id(path: Path) -> int | None:
+    raw = json.loads((path / "config.json").read_text())
+    if raw.get("mask_token_id") is not None:
+        return int(raw["mask_token_id"])
+    tokenizer = _checkpoint_tokenizer(path)
+    if tokenizer is not None and tokenizer.mask_token is not None:
+        return int(tokenizer.mask_token_id)
+    return None
+
+
+def _checkpoint_tokenizer(path: Path):
+    from megatron_wedlm.conversion.tokenizer_files import tokenizer_files_in
+
+    if not tokenizer_files_in(path):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def plan_mask_token(init_from: str | Path, mask_token_id: int, vocab_rows: int) -> MaskTokenPlan:
+    """Decide how checkpoint ``init_from`` (with ``vocab_rows`` embedding rows) gets the data's mask id."""
+    path = Path(init_from)
+    known = _checkpoint_mask_token_id(path)
+    if known is not None:
+        if known != mask_token_id:
+            raise ValueError(
+                f"the checkpoint in {path} uses mask token id {known} but the data was prepared with mask "
+                f"token id {mask_token_id}; prepare the data with the checkpoint's tokenizer "
+                "(tools/prepare_data.py --tokenizer <model dir>)"
+            )
+        if known >= vocab_rows:
+            raise ValueError(
+                f"{path}: mask_token_id {known} has no embedding row (the embedding has {vocab_rows} rows)"
+            )
+        return MaskTokenPlan(mask_token_id, initialise_row=False, mean_over_rows=0, min_rows=vocab_rows)
+    tokenizer = _checkpoint_tokenizer(path)
+    # Without the checkpoint's tokenizer only a row beyond the embedding is known to be new.
+    real_tokens = len(tokenizer) if tokenizer is not None else vocab_rows
+    if mask_token_id < real_tokens:
+        # An ordinary token of the checkpoint's vocabulary promoted to mask token: keep its row.
+        return MaskTokenPlan(mask_token_id, initialise_row=False, mean_over_rows=0, min_rows=vocab_rows)
+    return MaskTokenPlan(
+        mask_token_id,
+        initialise_row=True,
+        mean_over_rows=min(real_tokens, vocab_rows),
+        min_rows=max(vocab_rows, mask_token_id + 1),
+    )
+
+
+@contextlib.contextmanager
+def _full_parameters(params: list[nn.Parameter], modify: bool) -> Iterator[None]:
+    """Full tensors of ZeRO-3-partitioned parameters inside the block (a no-op otherwise)."""
+    if not any(hasattr(p, "ds_id") for p in params):
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0 if modify else None):
+        yield
+
+
+def _embedding_weights(model: nn.Module) -> list[nn.Parameter]:
+    """Input embedding and, when untied, output layer weights (the tensors with a row per token)."""
+    weights = [model.get_input_embeddings().weight]
+    output = model.get_output_embeddings()
+    if output is not None and output.weight is not weights[0]:
+        weights.append(output.weight)
+    return weights
+
+
+def apply_mask_token(model: nn.Module, plan: MaskTokenPlan, pad_rows_to_multiple_of: int = 1) -> None:
+    """Grow the embedding if needed, initialise the new mask row, record ``config.mask_token_id``.
+
+    Rows added by growing are zero except the mask row (as in the Megatron conversion), so an
+    unused row gives logit 0 on both backends rather than a random one.
+    """
+    old_rows = model.get_input_embeddings().num_embeddings
+    if old_rows < plan.min_rows:
+        multiple = max(int(pad_rows_to_multiple_of), 1)
+        new_rows = -(-plan.min_rows // multiple) * multiple
+        model.resize_token_embeddings(new_rows, mean_resizing=False)
+    weights = _embedding_weights(model)
+    if plan.initialise_row or model.get_input_embeddings().num_embeddings > old_rows:
+        with _full_parameters(weights, modify=True), torch.no_grad():
+            for weight in weights:
+                weight[old_rows:] = 0
+                if plan.initialise_row:
+                    mean = weight[: plan.mean_over_rows].double().mean(0)
+                    weight[plan.mask_token_id] = mean.to(weight.dtype)
+    model.config.mask_token_id = plan.mask_token_id
+
+
+def weight_decay_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two AdamW groups as Megatron forms them: no decay on biases and 1-D tensors (norms).
+
+    ``wd_mult`` is what Megatron's ``OptimizerParamScheduler`` multiplies the scheduled weight
+    decay by, so the scheduler keeps the no-decay group at zero.
+    """
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        shape = getattr(param, "ds_shape", param.shape)  # ZeRO-3 keeps the full shape aside
+        (no_decay if name.endswith(".bias") or len(shape) == 1 else decay).append(param)
+    groups = [
+        {"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0},
+        {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0},
+    ]
+    return [g for g in groups if g["params"]]

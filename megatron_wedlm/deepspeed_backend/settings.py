@@ -1,0 +1,172 @@
+"""The ``deepspeed`` config section, its checks, and the DeepSpeed JSON config derived from a run.
+
+Why a section of its own and not a free-form DeepSpeed JSON: every other setting the DeepSpeed
+path needs (batch sizes, lr schedule, clipping, precision, data, checkpoints, logging) already
+has a key in the training schema (:mod:`megatron_wedlm.config.schema`) and means the same
+thing on both backends. Only what is specific to ZeRO lives here; ``extra_config`` is the
+escape hatch for DeepSpeed knobs nobody mapped (bucket sizes, overlap), merged last.
+
+The training schema holds ``trainer.backend``; until it also holds this section,
+:class:`DeepSpeedTrainConfig` extends it and :func:`load_deepspeed_config` loads YAML/CLI
+overrides into the extension with the schema's own merging rules (unknown keys and wrong types
+fail naming the key).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from megatron_wedlm.config.schema import ConfigError, TrainConfig
+
+from .section import DeepSpeedConfig
+
+__all__ = [
+    "DeepSpeedConfig",
+    "DeepSpeedTrainConfig",
+    "build_ds_config",
+    "deepspeed_section",
+    "load_deepspeed_config",
+    "validate_deepspeed_run",
+]
+
+_OFFLOAD_DEVICES = ("none", "cpu")
+
+
+@dataclass
+class DeepSpeedTrainConfig(TrainConfig):
+    """The training schema plus the ``deepspeed`` section."""
+
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+
+
+def deepspeed_section(cfg: TrainConfig) -> DeepSpeedConfig:
+    """The ``deepspeed`` section of ``cfg`` (defaults when the schema in use has none)."""
+    section = getattr(cfg, "deepspeed", None)
+    return section if section is not None else DeepSpeedConfig()
+
+
+def load_deepspeed_config(
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    defaults: dict[str, Any] | None = None,
+) -> DeepSpeedTrainConfig:
+    """Schema defaults < ``defaults`` < YAML < ``key=value`` overrides, validated for this backend."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from megatron_wedlm.config.loading import _merge, _parse_overrides, _read_yaml
+    from megatron_wedlm.config.schema import validate_config
+
+    cfg = OmegaConf.structured(DeepSpeedTrainConfig)
+    if defaults:
+        cfg = _merge(cfg, OmegaConf.create(defaults), "entry-point defaults")
+    if path is not None:
+        cfg = _merge(cfg, _read_yaml(Path(path)), str(path))
+    if overrides:
+        cfg = _merge(cfg, _parse_overrides(overrides), "command line")
+    try:
+        typed = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as err:
+        raise ConfigError(str(err).splitlines()[0]) from None
+    assert isinstance(typed, DeepSpeedTrainConfig)
+    validate_config(typed)
+    validate_deepspeed_run(typed)
+    return typed
+
+
+def validate_deepspeed_run(cfg: TrainConfig) -> None:
+    """Rules of the DeepSpeed backend on top of :func:`validate_config`; ConfigError naming the key."""
+    if cfg.trainer.backend != "deepspeed":
+        raise ConfigError(f"trainer.backend={cfg.trainer.backend!r}: this is the DeepSpeed backend (set deepspeed)")
+    if cfg.trainer.task != "sft":
+        raise ConfigError(f"trainer.task={cfg.trainer.task!r}: the DeepSpeed backend fine-tunes (sft) only")
+    ds = deepspeed_section(cfg)
+    if ds.zero_stage not in (1, 2, 3):
+        raise ConfigError(f"deepspeed.zero_stage={ds.zero_stage} must be 1, 2 or 3")
+    for key in ("offload_optimizer", "offload_params"):
+        if getattr(ds, key) not in _OFFLOAD_DEVICES:
+            raise ConfigError(f"deepspeed.{key}={getattr(ds, key)!r} is not one of {', '.join(_OFFLOAD_DEVICES)}")
+    if ds.offload_params != "none" and ds.zero_stage != 3:
+        raise ConfigError(
+            f"deepspeed.offload_params={ds.offload_params!r} needs deepspeed.zero_stage=3 "
+            f"(got {ds.zero_stage}): only ZeRO-3 partitions the parameters"
+        )
+    if ds.extra_config is not None and not Path(ds.extra_config).is_file():
+        raise ConfigError(f"deepspeed.extra_config={ds.extra_config!r} is not a file")
+    if cfg.model.init_from is None:
+        raise ConfigError("model.init_from must name a HF model directory for trainer.backend=deepspeed")
+    set_arch = [
+        f"model.{k}" for k in (
+            "architecture", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+            "num_query_groups", "head_dim", "vocab_size", "max_position_embeddings", "rope_theta",
+            "rms_norm_eps", "qk_layernorm", "add_qkv_bias", "tie_word_embeddings",
+        ) if getattr(cfg.model, k) is not None
+    ]
+    if set_arch:
+        raise ConfigError(
+            f"{', '.join(set_arch)} cannot be set with trainer.backend=deepspeed: the architecture is the "
+            f"HF checkpoint's in model.init_from={cfg.model.init_from}; remove these keys"
+        )
+    if cfg.model.attention_backend not in ("auto", "dense", "flex"):
+        raise ConfigError(
+            f"model.attention_backend={cfg.model.attention_backend!r} is not available with trainer.backend="
+            "deepspeed; use auto (flex on GPU, dense SDPA on CPU), dense or flex"
+        )
+    p = cfg.parallelism
+    if p.tp != 1 or p.pp != 1 or p.sequence_parallel:
+        raise ConfigError(
+            f"parallelism.tp={p.tp}, pp={p.pp}, sequence_parallel={p.sequence_parallel}: the DeepSpeed backend "
+            "is data-parallel only (ZeRO shards states instead); set tp=1, pp=1, sequence_parallel=false"
+        )
+    if cfg.optimizer.name != "adam":
+        raise ConfigError(f"optimizer.name={cfg.optimizer.name!r}: the DeepSpeed backend trains with adam (AdamW)")
+
+
+def build_ds_config(cfg: TrainConfig, world_size: int, bf16: bool) -> dict[str, Any]:
+    """The DeepSpeed JSON config of a run.
+
+    The optimizer and the lr schedule are *not* in it: the trainer builds AdamW param groups
+    (no weight decay on biases and norms, as Megatron) and drives the lr with Megatron's own
+    scheduler, so both backends follow one schedule.
+    """
+    ds = deepspeed_section(cfg)
+    micro = cfg.data.micro_batch_size
+    if cfg.data.global_batch_size % (micro * world_size):
+        raise ConfigError(
+            f"data.global_batch_size={cfg.data.global_batch_size} is not a multiple of "
+            f"data.micro_batch_size x world size = {micro} x {world_size}"
+        )
+    zero: dict[str, Any] = {"stage": ds.zero_stage}
+    if ds.offload_optimizer != "none":
+        zero["offload_optimizer"] = {"device": ds.offload_optimizer, "pin_memory": False}
+    if ds.offload_params != "none":
+        zero["offload_param"] = {"device": ds.offload_params, "pin_memory": False}
+    config: dict[str, Any] = {
+        "train_batch_size": cfg.data.global_batch_size,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": cfg.data.global_batch_size // (micro * world_size),
+        "gradient_clipping": float(cfg.optimizer.clip_grad),
+        "zero_optimization": zero,
+        "bf16": {"enabled": bool(bf16), "check_grad_overflow": True},
+        "fp16": {"enabled": False},
+        "steps_per_print": 2**31 - 1,  # progress goes through the run's own logger
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+    }
+    if ds.extra_config is not None:
+        config = _deep_merge(config, json.loads(Path(ds.extra_config).read_text()))
+    return config
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged

@@ -1,0 +1,339 @@
+"""``run_deepspeed_sft``: WeDLM SFT of a HF checkpoint under DeepSpeed ZeRO, one rank of a torchrun launch.
+
+It shares with the Megatron path everything that is not the model engine: the config schema,
+the prepared webdataset shards and their resumable loader, the dual-stream rows, the loss
+(:func:`megatron_wedlm.model.losses.wedlm_loss` with global denominators), Megatron's lr
+schedule (``OptimizerParamScheduler`` driving the ZeRO optimizer's param groups), the
+checkpoint directory conventions and ``metrics.jsonl`` / wandb / progress logging. So a run
+here and a Megatron run with the same config log the same quantities and follow the same
+schedule.
+
+One optimizer step:
+
+1. ``G = global_batch / (micro_batch * world)`` micro-batches from the loader;
+2. global loss denominators (MLM weight sum, AR token count) all-reduced over ranks;
+3. per micro-batch: forward (per-slot cross entropy), contribution to the global loss,
+   ``engine.backward(contribution * G * world)`` -- DeepSpeed divides by ``G`` and averages
+   gradients over ranks, so the applied gradient is that of the global loss -- and
+   ``engine.step()`` (DeepSpeed clips and updates at the accumulation boundary);
+4. a step whose gradient norm is not finite is skipped by DeepSpeed (``was_step_applied``);
+   the lr schedule advances only on applied steps, and too many skipped steps in a row stop
+   the run, as on the Megatron path.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_wedlm.config.schema import ConfigError, TrainConfig
+
+from .settings import deepspeed_section, validate_deepspeed_run
+
+__all__ = ["run_deepspeed_sft", "FINAL_EXPORT_DIR"]
+
+FINAL_EXPORT_DIR = "hf"  # <trainer.output_dir>/hf: the HF export at the end of training
+FLEX_TILE_SIZE = 128  # FlexAttention BlockMask tile; rows are padded to whole tiles
+
+
+def _sum_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor)
+    return tensor.cpu().tolist()
+
+
+def _prepare_deepspeed(device: torch.device) -> None:
+    """DeepSpeed picks its accelerator at import: make it the CPU one for CPU runs."""
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+class _ZeRO3Init:
+    """Keeps transformers' ZeRO-3 hook alive while the model is loaded (parameters partitioned at load)."""
+
+    def __init__(self, ds_config: dict[str, Any], enabled: bool) -> None:
+        self.handle = None
+        if not enabled:
+            return
+        try:
+            from transformers.integrations.deepspeed import HfDeepSpeedConfig
+
+            self.handle = HfDeepSpeedConfig(ds_config)
+        except ImportError as err:
+            raise ConfigError(
+                f"deepspeed.zero3_init=true needs the `accelerate` package ({err}); install it "
+                "(pip install accelerate) or set deepspeed.zero3_init=false to load the full model on every rank"
+            ) from None
+
+    def close(self) -> None:
+        if self.handle is not None:
+            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+            unset_hf_deepspeed_config()
+            self.handle = None
+
+
+def _build_model(cfg: TrainConfig, manifest: dict[str, Any], ds_config: dict[str, Any], dtype: torch.dtype,
+                 backend: str, zero3_init: bool):
+    from .forward import ATTN_IMPLEMENTATION, DualStreamCausalLM
+    from .hf_model import apply_mask_token, load_hf_causal_lm, plan_mask_token
+
+    init = _ZeRO3Init(ds_config, zero3_init)
+    try:
+        hf_model = load_hf_causal_lm(cfg.model.init_from, dtype, ATTN_IMPLEMENTATION[backend])  # type: ignore[arg-type]
+        rows = hf_model.get_input_embeddings().num_embeddings
+        plan = plan_mask_token(cfg.model.init_from, int(cfg.wedlm.mask_token_id), rows)  # type: ignore[arg-type]
+        apply_mask_token(hf_model, plan, cfg.model.make_vocab_size_divisible_by)
+    finally:
+        init.close()
+    rows = hf_model.get_input_embeddings().num_embeddings
+    if rows < int(manifest["tokenizer_length"]):
+        raise ConfigError(
+            f"the model in model.init_from has {rows} embedding rows but the data's tokenizer has "
+            f"{manifest['tokenizer_length']} tokens; prepare the data with the checkpoint's tokenizer"
+        )
+    positions = cfg.data.seq_length // 2 if cfg.wedlm.enabled else cfg.data.seq_length
+    max_positions = getattr(hf_model.config, "max_position_embeddings", None)
+    if max_positions is not None and positions > max_positions:
+        raise ConfigError(
+            f"rows of data.seq_length={cfg.data.seq_length} hold positions up to {positions}, beyond the "
+            f"checkpoint's max_position_embeddings={max_positions}"
+        )
+    if cfg.parallelism.recompute != "none":
+        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return hf_model, DualStreamCausalLM(hf_model)
+
+
+def _build_optimizer(cfg: TrainConfig, module, device: torch.device, offload: bool):
+    """AdamW over Megatron-style weight-decay groups; DeepSpeed's CPU Adam when states are offloaded."""
+    from .hf_model import weight_decay_param_groups
+
+    o = cfg.optimizer
+    groups = weight_decay_param_groups(module, o.weight_decay)
+    kwargs = dict(lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, weight_decay=o.weight_decay)
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+    return torch.optim.AdamW(groups, fused=device.type == "cuda", **kwargs)
+
+
+def run_deepspeed_sft(cfg: TrainConfig):
+    """Train as ``cfg`` says in this process; returns the Megatron path's ``TrainResult``."""
+    from omegaconf import OmegaConf
+
+    from megatron_wedlm.config.loading import config_to_yaml, save_config
+    from megatron_wedlm.data.prepare import TOKENIZER_DIR, read_manifest
+    from megatron_wedlm.data.webdataset_loader import TrainDataIterator, loader_spec_from_manifest, merge_data_states
+    from megatron_wedlm.model.losses import global_loss_normalizer, reduce_loss_reports
+    from megatron_wedlm.runtime.parallel import init_distributed, resolve_device
+    from megatron_wedlm.training.checkpointing import resolve_resume_path
+    from megatron_wedlm.training.loop import NonFiniteLossError, TrainResult, _agreed, _precision
+    from megatron_wedlm.training.metrics import MetricsLogger
+    from megatron_wedlm.training.model_setup import resolve_attention_backend
+    from megatron_wedlm.training.optimization import build_scheduler, current_lr
+
+    from .checkpoint import DeepSpeedCheckpointManager, export_hf_model
+    from .forward import model_inputs, pad_to_tiles, training_objective
+    from .settings import build_ds_config
+
+    validate_deepspeed_run(cfg)
+    ds = deepspeed_section(cfg)
+    device = resolve_device(cfg.trainer.device)
+    bf16 = _precision(cfg, device)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    manifest = read_manifest(cfg.data.path)  # type: ignore[arg-type]
+    if manifest["task"] != cfg.trainer.task:
+        raise ConfigError(
+            f"data.path={cfg.data.path} holds '{manifest['task']}' data but this is a {cfg.trainer.task} run; "
+            f"prepare it with tools/prepare_data.py --task {cfg.trainer.task}"
+        )
+    if cfg.wedlm.mask_token_id is None:
+        cfg.wedlm.mask_token_id = int(manifest["mask_token_id"])
+    ds_config = build_ds_config(cfg, world, bf16)
+    num_microbatches = int(ds_config["gradient_accumulation_steps"])
+    backend = resolve_attention_backend(cfg.model.attention_backend, device)
+    cfg.parallelism.dp = world
+
+    _prepare_deepspeed(device)
+    init_distributed(device, timeout_s=cfg.trainer.distributed_timeout_s)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=dist.get_backend())
+    rank = dist.get_rank()
+    is_logger = rank == 0
+    torch.manual_seed(cfg.trainer.seed)
+
+    output_dir = Path(cfg.trainer.output_dir)
+    ckpt_root = Path(cfg.checkpointing.dir or output_dir / "checkpoints")
+    cfg.checkpointing.dir = str(ckpt_root)
+    resume_path = _agreed(lambda: resolve_resume_path(cfg.checkpointing.resume, ckpt_root))
+
+    # ---- model, engine, schedule, state ----
+    zero3_init = ds.zero_stage == 3 and ds.zero3_init
+    hf_model, module = _build_model(cfg, manifest, ds_config, dtype, backend, zero3_init)
+    optimizer = _build_optimizer(cfg, module, device, offload=ds.offload_optimizer != "none")
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config)
+    scheduler = build_scheduler(cfg, engine.optimizer)
+    manager = DeepSpeedCheckpointManager(ckpt_root, cfg.checkpointing.keep_last)
+    state: dict[str, Any] = {}
+    if resume_path is not None:
+        state = manager.load(resume_path, engine, cfg.checkpointing.load_optimizer)
+        scheduler.load_state_dict(state["scheduler"])
+    start_step = int(state.get("step", 0))
+
+    # ---- data (the Megatron path's loader: same rows, masks and resume positions) ----
+    micro_batch = cfg.data.micro_batch_size
+    spec = loader_spec_from_manifest(
+        cfg.data.path,  # type: ignore[arg-type]
+        num_streams=cfg.data.num_streams,
+        seq_length=cfg.data.seq_length,
+        wedlm=cfg.wedlm.enabled,
+        block_size=cfg.wedlm.block_size,
+        mask_token_id=cfg.wedlm.mask_token_id,
+        ratio_mode=cfg.wedlm.ratio_mode,
+        mask_eps=cfg.wedlm.mask_eps,
+        seed=cfg.data.seed,
+        shuffle=cfg.data.shuffle,
+        task=cfg.trainer.task,
+    )
+    data_state = state.get("data") if cfg.checkpointing.load_data_state else None
+    data = TrainDataIterator(
+        spec, rank, world, micro_batch, num_workers=cfg.data.num_workers,
+        prefetch_factor=cfg.data.prefetch_factor, state=data_state,
+    )
+    tokenizer_dir = Path(cfg.data.path) / manifest.get("tokenizer", TOKENIZER_DIR)  # type: ignore[arg-type]
+
+    # ---- bookkeeping ----
+    config_yaml = config_to_yaml(cfg)
+    if is_logger:
+        save_config(cfg, output_dir / "config.yaml")
+    logger = MetricsLogger(
+        cfg, OmegaConf.to_container(OmegaConf.create(config_yaml)), start_step, is_logger,  # type: ignore[arg-type]
+        wandb_run_id=state.get("wandb_run_id"),
+    )
+    result = TrainResult(final_step=start_step, start_step=start_step, output_dir=str(output_dir))
+    consumed_tokens = int(state.get("consumed_tokens", 0))
+    skipped_total = int(state.get("skipped_steps", 0))
+    nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
+    end_step = cfg.trainer.exit_at_step or cfg.trainer.train_steps
+    if resume_path is not None:
+        logger.message(f"resumed from {resume_path} at step {start_step}")
+    offload = [k for k, v in (("optimizer", ds.offload_optimizer), ("params", ds.offload_params)) if v != "none"]
+    logger.message(
+        f"{cfg.trainer.task} (DeepSpeed ZeRO-{ds.zero_stage}{', offload ' + '+'.join(offload) if offload else ''}): "
+        f"{'WeDLM' if cfg.wedlm.enabled else 'AR'} training of {cfg.model.init_from}, world {world}, "
+        f"{num_microbatches} micro-batches of {micro_batch} x {cfg.data.seq_length}, steps {start_step + 1}.."
+        f"{end_step}, device {device.type}, {'bf16' if bf16 else 'fp32'}, attention {backend}"
+    )
+
+    def export(directory: Path) -> None:
+        export_hf_model(engine, hf_model, directory, tokenizer_dir)
+
+    def save(step: int) -> None:
+        local = data.state_dict()
+        states: list[Any] = [None] * world
+        if world > 1:
+            dist.all_gather_object(states, local)
+        else:
+            states = [local]
+        trainer_state = {
+            "scheduler": scheduler.state_dict(),
+            "data": merge_data_states(states),
+            "consumed_tokens": consumed_tokens,
+            "skipped_steps": skipped_total,
+            "nonfinite_in_a_row": nonfinite_in_a_row,
+            "wandb_run_id": logger.wandb_run_id,
+            "train_steps": cfg.trainer.train_steps,
+            "init_from": cfg.model.init_from,
+        }
+        path = manager.save(step, engine, trainer_state, {"config.yaml": config_yaml},
+                            export=export if ds.export_hf else None)
+        result.checkpoints.append(str(path))
+        logger.message(f"saved checkpoint {path}")
+
+    group = dist.group.WORLD if world > 1 else None
+    result.wandb_run_dir = logger.wandb_run_dir
+    try:
+        for step in range(start_step + 1, end_step + 1):
+            started = time.perf_counter()
+            micro = [data.next_microbatch() for _ in range(num_microbatches)]
+            batches = [b for b, _ in micro]
+            weighting = cfg.wedlm.loss_weighting
+            normalizer = global_loss_normalizer(batches, weighting, group=group)  # type: ignore[arg-type]
+            lr = current_lr(engine.optimizer)  # the lr this update uses
+            reports = []
+            for batch in batches:
+                batch = batch.to(device)
+                if backend == "flex":
+                    batch = pad_to_tiles(batch, FLEX_TILE_SIZE)
+                per_slot = engine(*model_inputs(batch, backend, dtype, FLEX_TILE_SIZE))
+                objective, loss = training_objective(
+                    per_slot, batch, normalizer, wedlm=cfg.wedlm.enabled,
+                    ar_weight=cfg.wedlm.ar_weight, mlm_weighting=cfg.wedlm.loss_weighting,  # type: ignore[arg-type]
+                )
+                engine.backward(objective * (num_microbatches * world))
+                engine.step()
+                reports.append(loss.report())
+            summary = reduce_loss_reports(reports, cfg.wedlm.ar_weight, group=group)
+            loss_value = float(summary.total) if cfg.wedlm.enabled else float(summary.ar)
+            applied = bool(engine.was_step_applied())
+            (tokens,) = _sum_over_ranks([float(sum(n for _, n in micro))], device)
+            finite = applied and math.isfinite(loss_value)
+            grad_norm = float("nan")
+            if finite:
+                norm = engine.get_global_grad_norm()
+                grad_norm = float(norm) if norm is not None else float("nan")
+                scheduler.step(increment=1)
+                nonfinite_in_a_row = 0
+            else:
+                skipped_total += 1
+                nonfinite_in_a_row += 1
+                result.skipped_steps.append(step)
+                logger.message(
+                    f"step {step}: non-finite {'loss' if not math.isfinite(loss_value) else 'gradient'} "
+                    f"(loss={loss_value}), update skipped ({nonfinite_in_a_row} in a row)"
+                )
+            consumed_tokens += int(tokens)
+            elapsed = time.perf_counter() - started
+            record = {
+                "step": step,
+                "loss": loss_value,
+                "mlm_loss": summary.mlm,
+                "ar_loss": summary.ar,
+                "masked_tokens": summary.mlm_tokens,
+                "ar_tokens": summary.ar_tokens,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "tokens_per_sec": tokens / elapsed if elapsed > 0 else 0.0,
+                "tokens": int(tokens),
+                "consumed_tokens": consumed_tokens,
+                "step_time_s": elapsed,
+                "skipped": not finite,
+            }
+            result.losses[step] = loss_value
+            result.final_step = step
+            logger.log_step(record)
+            if nonfinite_in_a_row >= cfg.trainer.max_consecutive_nonfinite:
+                raise NonFiniteLossError(
+                    f"{nonfinite_in_a_row} consecutive steps (last: {step}) had a non-finite loss or gradient; "
+                    "stopping. Lower optimizer.lr, check the data, or resume from an earlier checkpoint"
+                )
+            interval = cfg.checkpointing.save_interval
+            if (interval and step % interval == 0) or (step == end_step and cfg.checkpointing.save_at_end):
+                save(step)
+        if result.final_step == cfg.trainer.train_steps:
+            final = export_hf_model(engine, hf_model, output_dir / FINAL_EXPORT_DIR, tokenizer_dir)
+            logger.message(f"exported the trained model to {final}")
+    finally:
+        logger.close()
+    return result
+
