@@ -235,3 +235,24 @@ def test_loss_on_a_fixed_batch_equals_the_megatron_models_on_converted_weights(t
         torch.testing.assert_close(hf_total, mc_total, rtol=1e-6, atol=0)
         torch.testing.assert_close(hf_loss.mlm, mc_loss.mlm, rtol=1e-6, atol=0)
         torch.testing.assert_close(hf_loss.ar, mc_loss.ar, rtol=1e-6, atol=0)
+
+
+def test_official_wedlm_checkpoint_loads_as_its_ar_family_and_keeps_its_mask_token(tmp_path):
+    """``model_type: "wedlm"`` (qk_norm, no biases: WeDLM-8B style) trains as Qwen3, no remote code."""
+    import json
+
+    from megatron_wedlm.deepspeed_backend.hf_model import load_hf_causal_lm
+
+    source = build_tiny_causal_lm("qwen3", vocab_size=512, num_kv_heads=2, head_dim=16, mask_token_id=MASK)
+    source.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(model_type="wedlm", architectures=["WeDLMForCausalLM"], qk_norm=True, attention_bias=False)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = load_hf_causal_lm(tmp_path, torch.float32, "sdpa")
+    assert type(model).__name__ == "Qwen3ForCausalLM" and model.training
+    plan = plan_mask_token(tmp_path, MASK, vocab_rows=512)
+    assert not plan.initialise_row and plan.min_rows == 512
+    batch = _batch(seed=5)
+    with torch.no_grad():
+        torch.testing.assert_close(DualStreamCausalLM(model).batch_forward(batch, "dense"),
+                                   DualStreamCausalLM(source.train()).batch_forward(batch, "dense"), rtol=0, atol=0)
