@@ -126,14 +126,14 @@ def plan_mask_token(init_from: str | Path, mask_token_id: int, vocab_rows: int) 
 
 
 @contextlib.contextmanager
-def _full_parameters(params: list[nn.Parameter], modify: bool) -> Iterator[None]:
-    """Full tensors of ZeRO-3-partitioned parameters inside the block (a no-op otherwise)."""
+def _full_parameters(params: list[nn.Parameter]) -> Iterator[None]:
+    """Full tensors of ZeRO-3-partitioned parameters inside the block, rank 0's edits kept (no-op otherwise)."""
     if not any(hasattr(p, "ds_id") for p in params):
         yield
         return
     import deepspeed
 
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=0 if modify else None):
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
         yield
 
 
@@ -159,7 +159,7 @@ def apply_mask_token(model: nn.Module, plan: MaskTokenPlan, pad_rows_to_multiple
         model.resize_token_embeddings(new_rows, mean_resizing=False)
     weights = _embedding_weights(model)
     if plan.initialise_row or model.get_input_embeddings().num_embeddings > old_rows:
-        with _full_parameters(weights, modify=True), torch.no_grad():
+        with _full_parameters(weights), torch.no_grad():
             for weight in weights:
                 weight[old_rows:] = 0
                 if plan.initialise_row:
