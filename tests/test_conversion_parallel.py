@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megatron_wedlm.conversion import convert_hf_to_megatron, convert_megatron_to_hf
-from megatron_wedlm.testing.multiprocess import run_distributed
+from megatron_wedlm.runtime.multiprocess import run_distributed
 
 from test_conversion import (
     CASES,

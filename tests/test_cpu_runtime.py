@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_wedlm.runtime import cpu
-from megatron_wedlm.testing.multiprocess import run_distributed
+from megatron_wedlm.runtime.multiprocess import run_distributed
 
 
 def test_refuses_when_cuda_is_available(monkeypatch):

@@ -26,7 +26,7 @@ import torch
 
 from megatron_wedlm.data.prepare import prepare_dataset
 from megatron_wedlm.eval.builtin_tasks import training_pairs
-from megatron_wedlm.testing.multiprocess import run_distributed
+from megatron_wedlm.runtime.multiprocess import run_distributed
 from megatron_wedlm.testing.tiny_models import build_tiny_ar_tokenizer, build_tiny_causal_lm
 from megatron_wedlm.training.metrics import REQUIRED_KEYS, read_metrics
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_wedlm.testing import gpt_equivalence as ge
-from megatron_wedlm.testing.multiprocess import run_distributed
+from megatron_wedlm.runtime.multiprocess import run_distributed
 
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]
 ATOL = 1e-5

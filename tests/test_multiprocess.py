@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from megatron_wedlm.testing.multiprocess import DistributedLaunchError, run_distributed
+from megatron_wedlm.runtime.multiprocess import DistributedLaunchError, run_distributed
 
 
 def allreduce_rank(scale: float) -> dict:

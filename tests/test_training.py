@@ -24,7 +24,7 @@ from megatron_wedlm.config import ConfigError, config_from_yaml_text, load_confi
 from megatron_wedlm.data.prepare import prepare_dataset, read_manifest
 from megatron_wedlm.data.webdataset_loader import TrainDataIterator, loader_spec_from_manifest
 from megatron_wedlm.eval.builtin_tasks import training_corpus, training_pairs
-from megatron_wedlm.testing.multiprocess import DistributedLaunchError, run_distributed
+from megatron_wedlm.runtime.multiprocess import DistributedLaunchError, run_distributed
 from megatron_wedlm.testing.tiny_models import build_tiny_model, build_tiny_tokenizer
 from megatron_wedlm.training.checkpointing import complete_checkpoints
 from megatron_wedlm.training.metrics import REQUIRED_KEYS, read_metrics

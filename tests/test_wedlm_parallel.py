@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from megatron_wedlm.testing import wedlm_equivalence as we
-from megatron_wedlm.testing.multiprocess import run_distributed
+from megatron_wedlm.runtime.multiprocess import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 ATOL = 1e-5

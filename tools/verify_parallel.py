@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     from megatron_wedlm.testing import wedlm_equivalence as we
-    from megatron_wedlm.testing.multiprocess import run_distributed
+    from megatron_wedlm.runtime.multiprocess import run_distributed
 
     args = parse_args(argv)
     spec = we.TinyWeDLMSpec(

@@ -174,7 +174,7 @@ def convert_hf_to_megatron(
         if tp * pp == 1:
             _write_rank(args.to_dict(), str(input_dir), str(output_dir), 1, 1, mask_init)
         else:
-            from megatron_wedlm.testing.multiprocess import run_distributed
+            from megatron_wedlm.runtime.multiprocess import run_distributed
 
             run_distributed(
                 _write_rank, tp * pp, args.to_dict(), str(input_dir), str(output_dir), tp, pp, mask_init,

@@ -95,7 +95,7 @@ def megatron_process_group(
 @contextlib.contextmanager
 def _single_process_env() -> Iterator[None]:
     """torchrun's variables for a world of one on a free port, restored on exit."""
-    from megatron_wedlm.testing.multiprocess import find_free_port
+    from megatron_wedlm.runtime.multiprocess import find_free_port
 
     names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     saved = {name: os.environ.get(name) for name in names}

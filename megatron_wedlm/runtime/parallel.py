@@ -73,7 +73,7 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        from megatron_wedlm.testing.multiprocess import find_free_port
+        from megatron_wedlm.runtime.multiprocess import find_free_port
 
         os.environ["MASTER_PORT"] = str(find_free_port())
     backend = "nccl" if device.type == "cuda" else "gloo"

@@ -1,6 +1,6 @@
 """Does a parallel layout compute what one process computes? Worker functions that answer it.
 
-The recipe, run through :func:`megatron_wedlm.testing.multiprocess.run_distributed`:
+The recipe, run through :func:`megatron_wedlm.runtime.multiprocess.run_distributed`:
 
 1. ``save_reference`` (1 rank): build the model at TP=PP=1 from a seed, save its weights as a
    Megatron ``torch_dist`` checkpoint, run forward/backward on a fixed batch, return loss and

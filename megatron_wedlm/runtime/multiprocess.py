@@ -1,7 +1,8 @@
 """Launch real worker processes joined by a gloo rendezvous, and collect what each rank returns.
 
-Tests and ``tools/verify_parallel.py`` use this to run the same function on N ranks, the way
-torchrun would, without a shell. Each rank gets torchrun's environment variables, its result
+Tests, ``tools/verify_parallel.py`` and the checkpoint converter (which writes a TP x PP layout
+from one command) use this to run the same function on N ranks, the way torchrun would, without
+a shell. Each rank gets torchrun's environment variables, its result
 comes back through a file (tensors included), a rank that fails makes the whole launch fail
 with that rank's traceback, and a launch that hangs (a collective waiting forever) is killed
 at the deadline, so CI never hangs.
