@@ -9,14 +9,11 @@ from pathlib import Path
 import pytest
 
 from megatron_wedlm.config import ConfigError, config_from_yaml_text, config_to_yaml, load_config, validate_layout
+from megatron_wedlm.deepspeed_backend.settings import validate_deepspeed_run
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "pretrain" / "tiny_cpu.yaml"
-# Megatron-backend configs (the DeepSpeed backend's *_deepspeed.yaml extend the schema; see its tests)
-SHIPPED = [
-    p for p in sorted((ROOT / "configs" / "pretrain").glob("*.yaml")) + sorted((ROOT / "configs" / "sft").glob("*.yaml"))
-    if "deepspeed" not in p.name
-]
+SHIPPED = sorted((ROOT / "configs" / "pretrain").glob("*.yaml")) + sorted((ROOT / "configs" / "sft").glob("*.yaml"))
 
 
 def test_yaml_then_overrides_take_precedence():
@@ -44,6 +41,8 @@ def test_unknown_override_key_is_named(override, named):
 def test_unknown_key_suggests_the_right_one():
     with pytest.raises(ConfigError, match="did you mean 'model.hidden_size'"):
         load_config(TINY, ["model.hiden_size=32"])
+    with pytest.raises(ConfigError, match="did you mean 'deepspeed.zero_stage'"):
+        load_config(TINY, ["deepspeed.zero_stag=3"])
 
 
 def test_unknown_yaml_key_names_file_and_key(tmp_path):
@@ -76,6 +75,9 @@ def test_wrong_type_is_named(override, named):
         ("parallelism.sequence_parallel=true", "parallelism.sequence_parallel"),
         ("trainer.exit_at_step=99", "trainer.exit_at_step"),
         ("data.global_batch_size=7", "data.global_batch_size"),
+        ("deepspeed.zero_stage=4", "deepspeed.zero_stage"),
+        ("deepspeed.offload_optimizer=nvme", "deepspeed.offload_optimizer"),
+        ("deepspeed.offload_params=cpu", "deepspeed.offload_params"),
     ],
 )
 def test_invalid_values_are_named(override, named):
@@ -116,6 +118,9 @@ def test_resolved_config_round_trips():
 def test_shipped_configs_load(path):
     cfg = load_config(path)
     assert cfg.trainer.task == path.parent.name
+    assert (cfg.trainer.backend == "deepspeed") == ("deepspeed" in path.name)
+    if cfg.trainer.backend == "deepspeed":
+        validate_deepspeed_run(cfg)
     if "qwen" in path.name:  # the paper's settings
         assert cfg.wedlm.enabled and cfg.wedlm.block_size == 32
         assert cfg.optimizer.lr == 3e-6 and cfg.optimizer.min_lr == 3e-7

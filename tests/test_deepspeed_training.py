@@ -71,7 +71,7 @@ def data(tmp_path_factory) -> dict[str, str]:
 
 def one_rank_worker(common: list[str], data: dict[str, str], out: str) -> None:
     from megatron_wedlm.config import load_config
-    from megatron_wedlm.deepspeed_backend import load_deepspeed_config, run_deepspeed_sft
+    from megatron_wedlm.deepspeed_backend import run_deepspeed_sft
     from megatron_wedlm.runtime.parallel import destroy_parallel_state
     from megatron_wedlm.training.loop import run_training
 
@@ -81,7 +81,7 @@ def one_rank_worker(common: list[str], data: dict[str, str], out: str) -> None:
                                         f"trainer.output_dir={out}/megatron{name}", "checkpointing.save_at_end=false"]))
         destroy_parallel_state()  # also ends the process group; DeepSpeed runs keep theirs, so they go last
     for name, mode in modes:
-        run_deepspeed_sft(load_deepspeed_config(None, [
+        run_deepspeed_sft(load_config(None, [
             *common, mode, "trainer.backend=deepspeed", f"model.init_from={data['hf']}",
             f"trainer.output_dir={out}/ds1{name}", "checkpointing.save_at_end=false",
         ]))
@@ -100,11 +100,12 @@ def cpu_adam_ready() -> bool:
 
 def two_rank_worker(common: list[str], data: dict[str, str], out: str, offload: bool) -> dict[str, str]:
     import megatron_wedlm.deepspeed_backend.forward as forward
-    from megatron_wedlm.deepspeed_backend import load_deepspeed_config, run_deepspeed_sft
+    from megatron_wedlm.config import load_config
+    from megatron_wedlm.deepspeed_backend import run_deepspeed_sft
     from megatron_wedlm.training.loop import NonFiniteLossError
 
     def run(name: str, *extra: str):
-        return run_deepspeed_sft(load_deepspeed_config(None, [
+        return run_deepspeed_sft(load_config(None, [
             *common, "trainer.backend=deepspeed", f"model.init_from={data['hf']}", f"trainer.output_dir={out}/{name}",
             *extra,
         ]))
@@ -351,9 +352,10 @@ def test_gpu_bf16_flex_run_follows_the_cpu_fp32_run(data, one_rank, tmp_path):
 
 
 def _gpu_worker(common: list[str], data: dict[str, str], out: str) -> None:
-    from megatron_wedlm.deepspeed_backend import load_deepspeed_config, run_deepspeed_sft
+    from megatron_wedlm.config import load_config
+    from megatron_wedlm.deepspeed_backend import run_deepspeed_sft
 
-    run_deepspeed_sft(load_deepspeed_config(None, [
+    run_deepspeed_sft(load_config(None, [
         *common, "trainer.backend=deepspeed", f"model.init_from={data['hf']}", f"trainer.output_dir={out}/gpu",
         "trainer.device=cuda", "trainer.precision=bf16", "model.attention_backend=flex", "deepspeed.zero_stage=3",
         "parallelism.recompute=full", "checkpointing.save_at_end=false",

@@ -14,9 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+# A plain dataclass in a module that imports nothing from the project; the backend package
+# imports DeepSpeed lazily, so the schema does not pull it in.
+from megatron_wedlm.deepspeed_backend.section import DeepSpeedConfig
+
 __all__ = [
     "CheckpointingConfig",
     "DataConfig",
+    "DeepSpeedConfig",
     "LoggingConfig",
     "ModelConfig",
     "OptimizerConfig",
@@ -187,6 +192,7 @@ class TrainConfig:
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)  # read by trainer.backend=deepspeed only
 
 
 #: Allowed values of string-valued keys with a fixed set of choices.
@@ -203,6 +209,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "trainer.backend": ("megatron", "deepspeed"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "trainer.precision": ("auto", "fp32", "bf16"),
+    "deepspeed.offload_optimizer": ("none", "cpu"),
+    "deepspeed.offload_params": ("none", "cpu"),
 }
 
 
@@ -244,6 +252,14 @@ def validate_config(cfg: TrainConfig) -> None:
         "optimizer.clip_grad", "wedlm.ar_weight", "data.seed", "trainer.seed",
     ):
         positive(key, allow_zero=True)
+    ds = cfg.deepspeed
+    if ds.zero_stage not in (1, 2, 3):
+        raise ConfigError(f"deepspeed.zero_stage={ds.zero_stage} must be 1, 2 or 3")
+    if ds.offload_params != "none" and ds.zero_stage != 3:
+        raise ConfigError(
+            f"deepspeed.offload_params={ds.offload_params!r} needs deepspeed.zero_stage=3 "
+            f"(got {ds.zero_stage}): only ZeRO-3 partitions the parameters"
+        )
     if not 0.0 < cfg.wedlm.mask_eps <= 1.0:
         raise ConfigError(f"wedlm.mask_eps={cfg.wedlm.mask_eps} must be in (0, 1]")
     if cfg.optimizer.min_lr > cfg.optimizer.lr:

@@ -5,7 +5,8 @@ schedule, data pipeline, checkpoint conventions and logging as the Megatron path
 model an unmodified transformers ``*ForCausalLM`` trained by DeepSpeed ZeRO-1/2/3 (optionally
 with optimizer / parameter offload to the CPU).
 
-* :mod:`.settings`   -- the ``deepspeed`` config section, backend checks, the DeepSpeed JSON config;
+* :mod:`.section`    -- the ``deepspeed`` section of the training schema (``TrainConfig.deepspeed``);
+* :mod:`.settings`   -- the backend's checks of a run, the DeepSpeed JSON config;
 * :mod:`.hf_model`   -- loading (Qwen2 / Qwen3 / Llama / official WeDLM), mask-token row,
   Megatron-style weight-decay groups;
 * :mod:`.forward`    -- the dual-stream forward through transformers' attention interface
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["DeepSpeedConfig", "DualStreamCausalLM", "load_deepspeed_config", "run_deepspeed_sft"]
+__all__ = ["DeepSpeedConfig", "DualStreamCausalLM", "run_deepspeed_sft"]
 
 
 def __getattr__(name: str) -> Any:
@@ -30,10 +31,10 @@ def __getattr__(name: str) -> Any:
         from .trainer import run_deepspeed_sft
 
         return run_deepspeed_sft
-    if name in ("DeepSpeedConfig", "load_deepspeed_config"):
-        from . import settings
+    if name == "DeepSpeedConfig":
+        from .section import DeepSpeedConfig
 
-        return getattr(settings, name)
+        return DeepSpeedConfig
     if name == "DualStreamCausalLM":
         from .forward import DualStreamCausalLM
 

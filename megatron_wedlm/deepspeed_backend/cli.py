@@ -21,18 +21,19 @@ __all__ = ["main"]
 
 def main(argv: Sequence[str] | None = None, task: str = "sft") -> int:
     """Exit codes as the Megatron entry point: 0 ok, 1 crash, 2 config error, 3 non-finite stop."""
-    from megatron_wedlm.config.loading import config_to_yaml
+    from megatron_wedlm.config.loading import config_to_yaml, load_config
     from megatron_wedlm.config.schema import ConfigError
     from megatron_wedlm.training.cli import parse_args
 
-    from .settings import load_deepspeed_config
+    from .settings import validate_deepspeed_run
 
     args, overrides = parse_args(argv, task)
     if args.resume is not None:
         overrides = [*overrides, f"checkpointing.resume={args.resume}"]
     rank = int(os.environ.get("RANK", "0"))
     try:
-        cfg = load_deepspeed_config(args.config, overrides, defaults={"trainer": {"task": task}})
+        cfg = load_config(args.config, overrides, defaults={"trainer": {"task": task}})
+        validate_deepspeed_run(cfg)
         if cfg.trainer.task != task:
             raise ConfigError(f"trainer.task={cfg.trainer.task!r} but this is the {task} entry point")
     except (ConfigError, FileNotFoundError) as err:

@@ -1,7 +1,8 @@
-"""The ``deepspeed`` section of the training config (a plain dataclass, importable by the schema).
+"""The ``deepspeed`` section of the training config (``TrainConfig.deepspeed``).
 
 It imports nothing from the project, so :mod:`megatron_wedlm.config.schema` can hold it as a
-section without an import cycle. Its checks live in :mod:`.settings`.
+section without an import cycle. Its values are checked by
+:func:`megatron_wedlm.config.validate_config`; the rules of a DeepSpeed run by :mod:`.settings`.
 """
 
 from __future__ import annotations

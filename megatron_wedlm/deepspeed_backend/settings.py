@@ -1,81 +1,26 @@
-"""The ``deepspeed`` config section, its checks, and the DeepSpeed JSON config derived from a run.
+"""The DeepSpeed backend's checks of a run and the DeepSpeed JSON config derived from it.
 
 Why a section of its own and not a free-form DeepSpeed JSON: every other setting the DeepSpeed
 path needs (batch sizes, lr schedule, clipping, precision, data, checkpoints, logging) already
 has a key in the training schema (:mod:`megatron_wedlm.config.schema`) and means the same
-thing on both backends. Only what is specific to ZeRO lives here; ``extra_config`` is the
+thing on both backends. Only what is specific to ZeRO lives in the section; ``extra_config`` is the
 escape hatch for DeepSpeed knobs nobody mapped (bucket sizes, overlap), merged last.
 
-The training schema holds ``trainer.backend``; until it also holds this section,
-:class:`DeepSpeedTrainConfig` extends it and :func:`load_deepspeed_config` loads YAML/CLI
-overrides into the extension with the schema's own merging rules (unknown keys and wrong types
-fail naming the key).
+The section (:class:`~.section.DeepSpeedConfig`) is part of the training schema, so
+:func:`megatron_wedlm.config.load_config` loads it like any other (unknown ``deepspeed.*`` keys
+fail with a suggestion) and :func:`megatron_wedlm.config.validate_config` checks its values;
+what holds only when this backend runs is checked here.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from megatron_wedlm.config.schema import ConfigError, TrainConfig
 
-from .section import DeepSpeedConfig
-
-__all__ = [
-    "DeepSpeedConfig",
-    "DeepSpeedTrainConfig",
-    "build_ds_config",
-    "deepspeed_section",
-    "load_deepspeed_config",
-    "validate_deepspeed_run",
-]
-
-_OFFLOAD_DEVICES = ("none", "cpu")
-
-
-@dataclass
-class DeepSpeedTrainConfig(TrainConfig):
-    """The training schema plus the ``deepspeed`` section."""
-
-    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
-
-
-def deepspeed_section(cfg: TrainConfig) -> DeepSpeedConfig:
-    """The ``deepspeed`` section of ``cfg`` (defaults when the schema in use has none)."""
-    section = getattr(cfg, "deepspeed", None)
-    return section if section is not None else DeepSpeedConfig()
-
-
-def load_deepspeed_config(
-    path: str | Path | None = None,
-    overrides: Sequence[str] = (),
-    *,
-    defaults: dict[str, Any] | None = None,
-) -> DeepSpeedTrainConfig:
-    """Schema defaults < ``defaults`` < YAML < ``key=value`` overrides, validated for this backend."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from megatron_wedlm.config.loading import _merge, _parse_overrides, _read_yaml
-    from megatron_wedlm.config.schema import validate_config
-
-    cfg = OmegaConf.structured(DeepSpeedTrainConfig)
-    if defaults:
-        cfg = _merge(cfg, OmegaConf.create(defaults), "entry-point defaults")
-    if path is not None:
-        cfg = _merge(cfg, _read_yaml(Path(path)), str(path))
-    if overrides:
-        cfg = _merge(cfg, _parse_overrides(overrides), "command line")
-    try:
-        typed = OmegaConf.to_object(cfg)
-    except OmegaConfBaseException as err:
-        raise ConfigError(str(err).splitlines()[0]) from None
-    assert isinstance(typed, DeepSpeedTrainConfig)
-    validate_config(typed)
-    validate_deepspeed_run(typed)
-    return typed
+__all__ = ["build_ds_config", "validate_deepspeed_run"]
 
 
 def validate_deepspeed_run(cfg: TrainConfig) -> None:
@@ -84,17 +29,7 @@ def validate_deepspeed_run(cfg: TrainConfig) -> None:
         raise ConfigError(f"trainer.backend={cfg.trainer.backend!r}: this is the DeepSpeed backend (set deepspeed)")
     if cfg.trainer.task != "sft":
         raise ConfigError(f"trainer.task={cfg.trainer.task!r}: the DeepSpeed backend fine-tunes (sft) only")
-    ds = deepspeed_section(cfg)
-    if ds.zero_stage not in (1, 2, 3):
-        raise ConfigError(f"deepspeed.zero_stage={ds.zero_stage} must be 1, 2 or 3")
-    for key in ("offload_optimizer", "offload_params"):
-        if getattr(ds, key) not in _OFFLOAD_DEVICES:
-            raise ConfigError(f"deepspeed.{key}={getattr(ds, key)!r} is not one of {', '.join(_OFFLOAD_DEVICES)}")
-    if ds.offload_params != "none" and ds.zero_stage != 3:
-        raise ConfigError(
-            f"deepspeed.offload_params={ds.offload_params!r} needs deepspeed.zero_stage=3 "
-            f"(got {ds.zero_stage}): only ZeRO-3 partitions the parameters"
-        )
+    ds = cfg.deepspeed
     if ds.extra_config is not None and not Path(ds.extra_config).is_file():
         raise ConfigError(f"deepspeed.extra_config={ds.extra_config!r} is not a file")
     if cfg.model.init_from is None:
@@ -133,7 +68,7 @@ def build_ds_config(cfg: TrainConfig, world_size: int, bf16: bool) -> dict[str, 
     (no weight decay on biases and norms, as Megatron) and drives the lr with Megatron's own
     scheduler, so both backends follow one schedule.
     """
-    ds = deepspeed_section(cfg)
+    ds = cfg.deepspeed
     micro = cfg.data.micro_batch_size
     if cfg.data.global_batch_size % (micro * world_size):
         raise ConfigError(

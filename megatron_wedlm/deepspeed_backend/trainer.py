@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from megatron_wedlm.config.schema import ConfigError, TrainConfig
 
-from .settings import deepspeed_section, validate_deepspeed_run
+from .settings import validate_deepspeed_run
 
 __all__ = ["run_deepspeed_sft", "FINAL_EXPORT_DIR"]
 
@@ -145,7 +145,7 @@ def run_deepspeed_sft(cfg: TrainConfig):
     from .settings import build_ds_config
 
     validate_deepspeed_run(cfg)
-    ds = deepspeed_section(cfg)
+    ds = cfg.deepspeed
     device = resolve_device(cfg.trainer.device)
     bf16 = _precision(cfg, device)
     dtype = torch.bfloat16 if bf16 else torch.float32
