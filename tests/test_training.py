@@ -220,14 +220,14 @@ def crash_worker(data_dir: str, out: str) -> None:
     checkpoint is made visible."""
     from megatron_wedlm.training import checkpointing
 
-    original = checkpointing.CheckpointManager._publish
+    original = checkpointing.CheckpointManager.publish
 
     def publish(self, partial, final):
         if final.name == "iter_0000010":
             os.kill(os.getpid(), signal.SIGKILL)
         return original(self, partial, final)
 
-    checkpointing.CheckpointManager._publish = publish
+    checkpointing.CheckpointManager.publish = publish
     _train(str(TINY), [*_base(data_dir, Path(out)), "checkpointing.save_interval=5"])
 
 

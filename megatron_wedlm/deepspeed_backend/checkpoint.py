@@ -135,8 +135,8 @@ class DeepSpeedCheckpointManager(CheckpointManager):
             for name, content in files.items():
                 (partial / name).write_text(content)
             (partial / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True) + "\n")
-            self._publish(partial, final)
-            self._prune()
+            self.publish(partial, final)
+            self.prune()
         _barrier()
         return final
 

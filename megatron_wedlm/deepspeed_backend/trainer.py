@@ -135,7 +135,7 @@ def run_deepspeed_sft(cfg: TrainConfig):
     from megatron_wedlm.model.losses import global_loss_normalizer, reduce_loss_reports
     from megatron_wedlm.runtime.parallel import init_distributed, resolve_device
     from megatron_wedlm.training.checkpointing import resolve_resume_path
-    from megatron_wedlm.training.loop import NonFiniteLossError, TrainResult, _agreed, _precision
+    from megatron_wedlm.training.loop import NonFiniteLossError, TrainResult, agreed, bf16_enabled
     from megatron_wedlm.training.metrics import MetricsLogger
     from megatron_wedlm.training.model_setup import resolve_attention_backend
     from megatron_wedlm.training.optimization import build_scheduler, current_lr
@@ -147,7 +147,7 @@ def run_deepspeed_sft(cfg: TrainConfig):
     validate_deepspeed_run(cfg)
     ds = cfg.deepspeed
     device = resolve_device(cfg.trainer.device)
-    bf16 = _precision(cfg, device)
+    bf16 = bf16_enabled(cfg, device)
     dtype = torch.bfloat16 if bf16 else torch.float32
     world = int(os.environ.get("WORLD_SIZE", "1"))
     manifest = read_manifest(cfg.data.path)  # type: ignore[arg-type]
@@ -175,7 +175,7 @@ def run_deepspeed_sft(cfg: TrainConfig):
     output_dir = Path(cfg.trainer.output_dir)
     ckpt_root = Path(cfg.checkpointing.dir or output_dir / "checkpoints")
     cfg.checkpointing.dir = str(ckpt_root)
-    resume_path = _agreed(lambda: resolve_resume_path(cfg.checkpointing.resume, ckpt_root))
+    resume_path = agreed(lambda: resolve_resume_path(cfg.checkpointing.resume, ckpt_root))
 
     # ---- model, engine, schedule, state ----
     zero3_init = ds.zero_stage == 3 and ds.zero3_init

@@ -197,12 +197,12 @@ class CheckpointManager:
             for name, content in files.items():
                 (partial / name).write_text(content)
             (partial / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True) + "\n")
-            self._publish(partial, final)
-            self._prune()
+            self.publish(partial, final)
+            self.prune()
         _barrier()
         return final
 
-    def _publish(self, partial: Path, final: Path) -> None:
+    def publish(self, partial: Path, final: Path) -> None:
         """The commit point: the checkpoint becomes visible under its final name."""
         if final.exists():
             # an abandoned future of an earlier resume: replace it
@@ -217,7 +217,8 @@ class CheckpointManager:
         latest_tmp.write_text(f"{_NAME.match(final.name).group(1).lstrip('0') or '0'}\n")  # type: ignore[union-attr]
         os.replace(latest_tmp, self.root / LATEST_FILE)
 
-    def _prune(self) -> None:
+    def prune(self) -> None:
+        """Delete complete checkpoints older than the newest ``keep_last`` (after a publish)."""
         if self.keep_last <= 0:
             return
         for _, path in complete_checkpoints(self.root)[: -self.keep_last]:

@@ -14,7 +14,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,9 @@ import torch.distributed as dist
 from megatron_wedlm.config.loading import config_to_yaml, save_config
 from megatron_wedlm.config.schema import ConfigError, TrainConfig, validate_layout
 
-__all__ = ["TrainResult", "NonFiniteLossError", "run_training"]
+__all__ = ["TrainResult", "NonFiniteLossError", "agreed", "bf16_enabled", "run_training"]
+
+T = TypeVar("T")
 
 
 class NonFiniteLossError(RuntimeError):
@@ -40,8 +42,8 @@ class TrainResult:
     output_dir: str = ""
 
 
-def _precision(cfg: TrainConfig, device: torch.device) -> bool:
-    """True for bf16."""
+def bf16_enabled(cfg: TrainConfig, device: torch.device) -> bool:
+    """Whether ``trainer.precision`` means bf16 on ``device`` (both backends resolve it here)."""
     if cfg.trainer.precision == "auto":
         return device.type == "cuda"
     if cfg.trainer.precision == "bf16" and device.type != "cuda":
@@ -66,7 +68,7 @@ def _global_stats(local: list[float], device: torch.device) -> list[float]:
     return tensor.cpu().tolist()
 
 
-def _agreed(compute):
+def agreed(compute: Callable[[], T]) -> T:
     """``compute()`` on rank 0, the same answer everywhere (nodes may list a shared directory
     differently for a moment, e.g. NFS attribute caching)."""
     value = [compute() if not dist.is_initialized() or dist.get_rank() == 0 else None]
@@ -94,7 +96,7 @@ def run_training(cfg: TrainConfig) -> TrainResult:
 
     # ---- layout, data description, model description (all validated before heavy work) ----
     device = resolve_device(cfg.trainer.device)
-    bf16 = _precision(cfg, device)
+    bf16 = bf16_enabled(cfg, device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dp = validate_layout(cfg, world)
     manifest = read_manifest(cfg.data.path)
@@ -121,7 +123,7 @@ def run_training(cfg: TrainConfig) -> TrainResult:
     output_dir = Path(cfg.trainer.output_dir)
     ckpt_root = Path(cfg.checkpointing.dir or output_dir / "checkpoints")
     cfg.checkpointing.dir = str(ckpt_root)
-    resume_path = _agreed(lambda: resolve_resume_path(cfg.checkpointing.resume, ckpt_root))
+    resume_path = agreed(lambda: resolve_resume_path(cfg.checkpointing.resume, ckpt_root))
 
     # ---- model, optimizer, schedule, state ----
     model = build_model_chunk(cfg, model_args, device, torch.bfloat16 if bf16 else torch.float32)
