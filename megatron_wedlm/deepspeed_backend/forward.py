@@ -18,8 +18,8 @@ Logits are computed only for slots that carry a label (masked prediction slots a
 slots with a next-token label), in float32, so the ``[B, S, vocab]`` tensor of a large
 vocabulary is never built for slots that cannot contribute.
 
-The loss is :func:`megatron_wedlm.model.losses.wedlm_loss`, the function the Megatron path
-uses, fed with full-vocabulary per-slot cross entropy instead of the vocab-parallel one.
+The loss is :func:`megatron_wedlm.model.losses.wedlm_loss` (AR mode:
+:func:`~megatron_wedlm.model.losses.ar_mode_loss`), the functions the Megatron path uses, fed with full-vocabulary per-slot cross entropy instead of the vocab-parallel one.
 """
 
 from __future__ import annotations
@@ -31,7 +31,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megatron_wedlm.data.dual_stream import DualStreamBatch, pad_dual_stream_batch
-from megatron_wedlm.model.losses import LossNormalizer, MlmWeighting, WeDLMLoss, wedlm_labels, wedlm_loss
+from megatron_wedlm.model.losses import (
+    LossNormalizer,
+    MlmWeighting,
+    WeDLMLoss,
+    ar_mode_loss,
+    wedlm_labels,
+    wedlm_loss,
+)
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -131,16 +138,12 @@ def training_objective(
     """(differentiated contribution of this micro-batch, its loss report).
 
     WeDLM: ``(mlm + w * ar) / (1 + w)`` with global denominators (``normalizer``). AR mode
-    (``wedlm.enabled=false``; rows hold only the memory stream): the next-token term alone,
-    the objective the Megatron path's AR mode differentiates.
+    (``wedlm.enabled=false``): :func:`ar_mode_loss`, as on the Megatron path.
     """
+    if not wedlm:
+        return ar_mode_loss(per_slot_ce, batch.is_masked, batch.mlm_weights, batch.ar_labels, normalizer=normalizer)
     loss = wedlm_loss(
         per_slot_ce, batch.is_masked, batch.mlm_weights, batch.ar_labels,
         ar_weight=ar_weight, mlm_weighting=mlm_weighting, normalizer=normalizer,
     )
-    if wedlm:
-        return loss.total, loss
-    count = normalizer.ar_token_count if normalizer is not None else float(loss.ar_tokens)
-    ar_mask = (batch.ar_labels >= 0).to(per_slot_ce.device)
-    ar_sum = torch.where(ar_mask, per_slot_ce, torch.zeros_like(per_slot_ce)).sum()
-    return (ar_sum / count if count > 0 else ar_sum * 0.0), loss
+    return loss.total, loss

@@ -46,6 +46,7 @@ __all__ = [
     "MlmWeighting",
     "WeDLMLoss",
     "WeDLMLossSummary",
+    "ar_mode_loss",
     "global_loss_normalizer",
     "reduce_loss_reports",
     "wedlm_forward_step",
@@ -123,11 +124,13 @@ class WeDLMLoss:
     """Loss of one (micro-)batch. ``total`` carries the gradient; the rest are detached reports.
 
     ``total`` is this batch's contribution to the normalised step loss (equal to the batch's
-    own total when the normaliser is the batch's own). ``mlm`` / ``ar`` are this batch's
-    weighted means; the raw sums let reports be combined exactly.
+    own total when the normaliser is the batch's own); ``ar_term`` is its AR part alone
+    (``ar_sum / N_ar``, also with the gradient). ``mlm`` / ``ar`` are this batch's weighted
+    means; the raw sums let reports be combined exactly.
     """
 
     total: Tensor
+    ar_term: Tensor
     mlm: Tensor
     ar: Tensor
     mlm_tokens: Tensor
@@ -176,6 +179,7 @@ def wedlm_loss(
         ar = ar_sum / ar_tokens.clamp(min=1.0)
     return WeDLMLoss(
         total=total,
+        ar_term=ar_term,
         mlm=mlm.detach(),
         ar=ar.detach(),
         mlm_tokens=is_masked.to(ce.device).sum().float(),
@@ -184,6 +188,24 @@ def wedlm_loss(
         mlm_weight_sum=mlm_weight_sum.detach(),
         ar_sum=ar_sum.detach(),
     )
+
+
+def ar_mode_loss(
+    per_slot_ce: Tensor,
+    is_masked: Tensor,
+    mlm_weights: Tensor,
+    ar_labels: Tensor,
+    *,
+    normalizer: LossNormalizer | None = None,
+) -> tuple[Tensor, WeDLMLoss]:
+    """The objective of AR mode (``wedlm.enabled=false``) and the loss report.
+
+    AR rows hold only the memory stream, so the objective is the next-token term alone,
+    ``sum_j ce_j / N_ar`` with the global ``N_ar`` of ``normalizer``. The report is the WeDLM
+    one (its MLM part empty), so both modes log the same fields. Both backends call this.
+    """
+    loss = wedlm_loss(per_slot_ce, is_masked, mlm_weights, ar_labels, ar_weight=1.0, normalizer=normalizer)
+    return loss.ar_term, loss
 
 
 def wedlm_schedule_loss(

@@ -25,17 +25,14 @@ __all__ = ["make_forward_step", "logged_loss"]
 def _ar_schedule_loss(batch: DualStreamBatch, normalizer, num_microbatches: int, output_tensor: Tensor):
     from megatron.core import parallel_state as ps
 
-    from megatron_wedlm.model.losses import wedlm_loss
+    from megatron_wedlm.model.losses import ar_mode_loss
 
-    report = wedlm_loss(
-        output_tensor, batch.is_masked, batch.mlm_weights, batch.ar_labels, ar_weight=1.0, normalizer=normalizer
-    ).report()
-    ar_mask = (batch.ar_labels >= 0).to(output_tensor.device)
-    ar_sum = torch.where(ar_mask, output_tensor.float(), torch.zeros_like(output_tensor, dtype=torch.float32)).sum()
-    contribution = ar_sum / normalizer.ar_token_count if normalizer.ar_token_count > 0 else ar_sum * 0.0
+    contribution, loss = ar_mode_loss(
+        output_tensor, batch.is_masked, batch.mlm_weights, batch.ar_labels, normalizer=normalizer
+    )
     # Megatron divides by the micro-batch count and DDP averages over DP: undo both (see losses.py)
     dp_size = ps.get_data_parallel_world_size(with_context_parallel=True)
-    return contribution * (num_microbatches * dp_size), report
+    return contribution * (num_microbatches * dp_size), loss.report()
 
 
 def _ar_forward_step(normalizer, num_microbatches: int, device) -> Callable:
