@@ -76,3 +76,13 @@ def test_project_export_loads_and_missing_mask_token_is_named(tmp_path):
     with pytest.raises(ValueError, match="mask_token_id"):
         load_wedlm_model(tmp_path / "plain", device="cpu")
     assert load_wedlm_model(tmp_path / "plain", device="cpu", require_mask_token=False) is not None
+
+
+def test_place_false_leaves_the_model_where_it_was_loaded(tmp_path):
+    """A training engine places the model itself (DeepSpeed; ZeRO-3 partitions it at load)."""
+    _source_model("qwen2").save_pretrained(tmp_path)
+    moved = load_wedlm_model(tmp_path, device="meta", dtype=torch.float32)
+    kept = load_wedlm_model(tmp_path, device="meta", dtype=torch.float32, place=False)
+    assert {p.device.type for p in moved.parameters()} == {"meta"}
+    assert {p.device.type for p in kept.parameters()} == {"cpu"}
+    assert not kept.training

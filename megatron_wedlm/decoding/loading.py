@@ -65,10 +65,15 @@ def load_wedlm_model(
     dtype: torch.dtype | None = None,
     attn_implementation: str = "sdpa",
     require_mask_token: bool = True,
+    place: bool = True,
 ):
     """Load ``path`` in eval mode. Defaults: CUDA if available (bf16) else CPU (fp32), SDPA attention.
 
-    ``require_mask_token=False`` allows plain AR checkpoints (for the AR baseline only).
+    ``require_mask_token=False`` allows plain AR checkpoints (for the AR baseline, and for
+    training, which adds the mask token itself). ``place=False`` leaves the model where
+    ``from_pretrained`` put it (``device`` then only picks the default dtype): a training
+    engine such as DeepSpeed places it, and under ZeRO-3 initialisation its parameters are
+    already partitioned, so moving them here would be wrong.
     """
     path = Path(path)
     config_file = path / "config.json"
@@ -88,7 +93,7 @@ def load_wedlm_model(
         model = model_class.from_pretrained(path, config=config, **kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    return model.to(device).eval()
+    return (model.to(device) if place else model).eval()
 
 
 def load_tokenizer(path: str | Path):

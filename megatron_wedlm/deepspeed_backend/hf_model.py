@@ -52,25 +52,19 @@ class MaskTokenPlan:
 def load_hf_causal_lm(path: str | Path, dtype: torch.dtype, attn_implementation: str) -> nn.Module:
     """Load ``path`` in ``dtype`` for training (``train()`` mode, KV cache off), where it lands.
 
-    Not moved afterwards: DeepSpeed places the module, and under ZeRO-3 initialisation
-    (``deepspeed.zero3_init``) the parameters are already partitioned when this returns.
-    Official ``model_type: "wedlm"`` configs are mapped as the decoding loader does.
+    The decoding loader does the loading (official ``model_type: "wedlm"`` configs included),
+    without moving the model: DeepSpeed places it, and under ZeRO-3 initialisation
+    (``deepspeed.zero3_init``) the parameters are already partitioned when this returns. The
+    checkpoint need not know a mask token yet (:func:`apply_mask_token` adds it).
     """
-    from transformers import AutoModelForCausalLM
+    from megatron_wedlm.decoding.loading import load_wedlm_model
 
-    from megatron_wedlm.decoding.loading import wedlm_config_to_hf
-
-    path = Path(path)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"model.init_from={path} is not a HF model directory (no config.json)")
-    raw = json.loads(config_file.read_text())
-    kwargs = {"dtype": dtype, "attn_implementation": attn_implementation}
-    if raw.get("model_type") == "wedlm":
-        model_class, config = wedlm_config_to_hf(raw)
-        model = model_class.from_pretrained(str(path), config=config, **kwargs)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    try:
+        model = load_wedlm_model(
+            path, dtype=dtype, attn_implementation=attn_implementation, require_mask_token=False, place=False
+        )
+    except ValueError as err:
+        raise ValueError(f"model.init_from: {err}") from None
     model.config.use_cache = False
     return model.train()
 
