@@ -1,0 +1,302 @@
+"""The quickstart run, stage by stage, through the project's real entry points.
+
+    corpus -> tokenizer -> prepare_data -> ar_pretrain -> wedlm_pretrain -> export -> eval_base
+    -> eval_wedlm -> report
+
+Only the first two stages and the report run in this process (they have no entry point of
+their own: building text and training a tokenizer are what the quickstart *adds*). Everything
+else is the command a user would run, launched as a subprocess with the arguments printed:
+
+* ``tools/prepare_data.py``              corpus jsonl -> webdataset shards
+* ``torchrun pretrain/pretrain_wedlm.py`` AR pretraining from scratch (``wedlm.enabled=false``),
+  then WeDLM continued pretraining from its last checkpoint (``model.init_from``)
+* ``tools/convert_checkpoint.py megatron-to-hf`` for both checkpoints, each then reloaded with
+  ``AutoModelForCausalLM`` (and its tokenizer checked to encode as the trained one)
+* ``inference/evaluate.py`` AR decoding of the base model; AR, streaming and block-wise
+  decoding of the WeDLM model, on held-out prompts of every built-in task
+
+Layout of the output directory (each stage owns its subdirectory; a rerun replaces them)::
+
+    data/corpus.jsonl  data/shards/  tokenizer/  runs/ar/  runs/wedlm/  hf/ar-base/  hf/wedlm/
+    eval/ar-base/  eval/wedlm/  logs/<stage>.log  stages.json
+    report.json  report.md  speed_accuracy.png
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_wedlm.quickstart.settings import REPO_ROOT, QuickstartSettings, load_settings, preset_path
+from megatron_wedlm.quickstart.stages import Console, StageRunner
+
+#: Subdirectories and files of the output directory that a run writes (and a rerun replaces).
+OWNED_PATHS = ("data", "tokenizer", "runs", "hf", "eval", "logs", "stages.json",
+               "report.json", "report.md", "speed_accuracy.png")
+STAGES = ("corpus", "tokenizer", "prepare_data", "ar_pretrain", "wedlm_pretrain", "export",
+          "eval_base", "eval_wedlm", "report")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where every artefact of a run lives."""
+
+    root: Path
+
+    @property
+    def corpus(self) -> Path:
+        return self.root / "data" / "corpus.jsonl"
+
+    @property
+    def shards(self) -> Path:
+        return self.root / "data" / "shards"
+
+    @property
+    def tokenizer(self) -> Path:
+        return self.root / "tokenizer"
+
+    def run_dir(self, stage: str) -> Path:
+        return self.root / "runs" / {"ar_pretrain": "ar", "wedlm_pretrain": "wedlm"}[stage]
+
+    def hf_dir(self, model: str) -> Path:
+        return self.root / "hf" / model
+
+    def eval_dir(self, model: str) -> Path:
+        return self.root / "eval" / model
+
+
+BASE, WEDLM = "ar-base", "wedlm"
+
+
+def _python() -> list[str]:
+    return [sys.executable]
+
+
+def _subprocess_env() -> dict[str, str]:
+    """Children import this checkout, stay offline and do not oversubscribe the cores."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.setdefault("WANDB_MODE", "offline")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def read_training_result(run_dir: Path) -> dict[str, Any]:
+    """The ``--result-json`` summary a training run wrote: final step, loss per step, checkpoints."""
+    path = run_dir / "result.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"the training run in {run_dir} wrote no result.json")
+    result = json.loads(path.read_text())
+    if not result.get("checkpoints"):
+        raise FileNotFoundError(f"the training run in {run_dir} saved no checkpoint (see its result.json)")
+    return result
+
+
+def clear_outputs(root: Path) -> None:
+    """Remove what an earlier run left in ``root`` (only the paths a run writes)."""
+    for name in OWNED_PATHS:
+        path = root / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+class Quickstart:
+    """One run of the quickstart; ``run()`` executes the stages in order."""
+
+    def __init__(self, out_dir: str | Path, settings: QuickstartSettings, seed: int = 0,
+                 console: Console | None = None, compare_with: str | Path | None = None):
+        self.layout = Layout(Path(out_dir).resolve())
+        self.settings = settings
+        self.seed = seed
+        self.compare_with = Path(compare_with) if compare_with else None
+        self.console = console or Console()
+        self.env = _subprocess_env()
+        self.runner: StageRunner | None = None
+
+    # -- stages ------------------------------------------------------------------------------
+    def corpus(self) -> dict[str, Any]:
+        from megatron_wedlm.quickstart.corpus import CorpusSpec, write_corpus
+
+        c = self.settings.corpus
+        spec = CorpusSpec(task_documents=dict(c.task_documents), record_documents=c.record_documents,
+                          code_chars=c.code_chars)
+        stats = write_corpus(spec, self.layout.corpus, seed=self.seed)
+        self.console.print(
+            f"[corpus] {stats.documents} documents ({stats.task_documents} task, {stats.record_documents} records, "
+            f"{stats.code_documents} stdlib files), {stats.chars / 1e6:.2f} M characters -> {stats.path}"
+        )
+        return asdict(stats)
+
+    def tokenizer(self) -> dict[str, Any]:
+        from megatron_wedlm.eval.builtin_tasks import builtin_task
+        from megatron_wedlm.quickstart.corpus import read_corpus, sample_texts
+        from megatron_wedlm.quickstart.tokenizer import check_reload, save_tokenizer, train_tokenizer
+
+        texts = list(read_corpus(self.layout.corpus))
+        tok = train_tokenizer(texts, self.settings.tokenizer.vocab_size)
+        save_tokenizer(tok, self.layout.tokenizer)
+        prompts = [ex.prompt + " " + ex.reference + "\n" for name in self.settings.eval.tasks
+                   for ex in builtin_task(name, self.settings.eval.num_examples, seed=self.seed).examples]
+        check_reload(self.layout.tokenizer, sample_texts(texts, 200, self.seed) + prompts)
+        n_tokens = sum(len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"])
+        self.console.print(
+            f"[tokenizer] byte-level BPE, {len(tok)} tokens (mask id {tok.mask_token_id}, eos id "
+            f"{tok.eos_token_id}); corpus = {n_tokens / 1e6:.2f} M tokens; reload gives identical ids"
+        )
+        return {"vocab_size": len(tok), "mask_token_id": tok.mask_token_id, "eos_token_id": tok.eos_token_id,
+                "corpus_tokens": n_tokens, "path": str(self.layout.tokenizer)}
+
+    def prepare_data(self) -> dict[str, Any]:
+        self._run([*_python(), "tools/prepare_data.py", "--input", self.layout.corpus,
+                   "--tokenizer", self.layout.tokenizer, "--output", self.layout.shards,
+                   "--samples-per-shard", str(self.settings.corpus.samples_per_shard), "--overwrite"])
+        manifest = json.loads((self.layout.shards / "manifest.json").read_text())
+        return {"path": str(self.layout.shards), "shards": len(manifest.get("shards", [])),
+                "mask_token_id": manifest.get("mask_token_id")}
+
+    def pretrain(self, stage: str, init_from: Path | None = None) -> dict[str, Any]:
+        cfg = self.settings.training_config_path(stage)
+        run_dir = self.layout.run_dir(stage)
+        overrides = [f"data.path={self.layout.shards}", f"trainer.output_dir={run_dir}",
+                     f"trainer.seed={self.seed}", f"data.seed={self.seed}"]
+        if init_from is not None:
+            overrides.append(f"model.init_from={init_from}")
+        nproc = getattr(self.settings, stage).nproc
+        self._run([*_python(), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                   "pretrain/pretrain_wedlm.py", "--config", cfg.relative_to(REPO_ROOT),
+                   "--result-json", run_dir / "result.json", *overrides],
+                  env={"OMP_NUM_THREADS": "1"})
+        result = read_training_result(run_dir)
+        losses = [float(v) for _, v in sorted(result.get("losses", {}).items(), key=lambda kv: int(kv[0]))]
+        checkpoint = result["checkpoints"][-1]
+        detail: dict[str, Any] = {"run_dir": str(run_dir), "checkpoint": checkpoint,
+                                  "steps": result.get("final_step"), "skipped_steps": result.get("skipped_steps", [])}
+        if losses:
+            detail.update(first_loss=losses[0], last_loss=losses[-1])
+            self.console.print(f"[{stage}] loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps; "
+                               f"checkpoint {checkpoint}")
+        return detail
+
+    def export(self, checkpoints: dict[str, Path]) -> dict[str, Any]:
+        detail = {}
+        for model, checkpoint in checkpoints.items():
+            out = self.layout.hf_dir(model)
+            self._run([*_python(), "tools/convert_checkpoint.py", "megatron-to-hf", "--input", checkpoint,
+                       "--output", out, "--tokenizer", self.layout.shards / "tokenizer", "--overwrite"],
+                      log_name=f"export_{model}")
+            detail[model] = self._check_export(out)
+        return detail
+
+    def _check_export(self, hf_dir: Path) -> dict[str, Any]:
+        """Reload the export as a user would, and check it is usable for decoding."""
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # the console shows one line per export instead
+
+        from megatron_wedlm.quickstart.corpus import read_corpus, sample_texts
+        from megatron_wedlm.quickstart.tokenizer import check_reload
+
+        model = AutoModelForCausalLM.from_pretrained(str(hf_dir)).eval()
+        ours = AutoTokenizer.from_pretrained(str(self.layout.tokenizer))
+        exported = AutoTokenizer.from_pretrained(str(hf_dir))
+        texts = sample_texts(list(read_corpus(self.layout.corpus)), 50, self.seed)
+        for text in texts:
+            if exported(text)["input_ids"] != ours(text)["input_ids"]:
+                raise ValueError(f"the tokenizer exported to {hf_dir} encodes {text[:50]!r} differently from "
+                                 f"the trained one in {self.layout.tokenizer}")
+        check_reload(hf_dir, texts)
+        ids = torch.tensor([ours("Count from 3 to 7:")["input_ids"]])
+        with torch.no_grad():
+            logits = model(ids).logits
+        if not torch.isfinite(logits).all():
+            raise ValueError(f"the model exported to {hf_dir} produces non-finite logits")
+        info = {"path": str(hf_dir), "class": type(model).__name__,
+                "parameters": sum(p.numel() for p in model.parameters()),
+                "mask_token_id": getattr(model.config, "mask_token_id", None),
+                "vocab_size": model.config.vocab_size}
+        self.console.print(f"[export] {hf_dir.name}: AutoModelForCausalLM -> {info['class']}, "
+                           f"{info['parameters'] / 1e6:.2f} M parameters, mask_token_id={info['mask_token_id']}")
+        return info
+
+    def evaluate(self, model: str, methods: list[str]) -> dict[str, Any]:
+        """One decoding thread: decoding a tiny model one prompt at a time is latency-bound, a second
+        thread only adds synchronisation (and on a busy machine, spinning threads stall badly)."""
+        e = self.settings.eval
+        out = self.layout.eval_dir(model)
+        self._run([*_python(), "inference/evaluate.py", "--model", self.layout.hf_dir(model),
+                   "--tasks", ",".join(e.tasks), "--methods", ",".join(methods),
+                   "--taus", ",".join(f"{t:g}" for t in e.taus), "--num-examples", str(e.num_examples),
+                   "--seed", str(self.seed), "--window-size", str(e.window_size),
+                   "--distance-penalty", f"{e.distance_penalty:g}", "--device", "cpu", "--dtype", "float32",
+                   "--out", out], log_name=f"eval_{model}", env={"OMP_NUM_THREADS": "1"})
+        return {"report": str(out / "report.json")}
+
+    def report(self, timings: dict[str, Any]) -> dict[str, Any]:
+        from megatron_wedlm.quickstart.summary import build_summary, print_summary, write_summary
+
+        assert self.runner is not None
+        summary = build_summary(
+            base_report=self.layout.eval_dir(BASE) / "report.json",
+            wedlm_report=self.layout.eval_dir(WEDLM) / "report.json",
+            settings=self.settings, seed=self.seed, stages=self.runner.records, timings=timings,
+            training={s: read_training_result(self.layout.run_dir(s)) for s in ("ar_pretrain", "wedlm_pretrain")},
+            compare_with=self.compare_with,
+        )
+        paths = write_summary(summary, self.layout.root)
+        print_summary(summary, self.console.print)
+        self.console.print("wrote " + ", ".join(str(p) for p in paths.values()))
+        return {k: str(v) for k, v in paths.items()}
+
+    # -- driver ------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        root = self.layout.root
+        root.mkdir(parents=True, exist_ok=True)
+        clear_outputs(root)
+        self.runner = runner = StageRunner(root, self.console, env=self.env)
+        s = self.settings
+        self.console.print(f"quickstart preset {s.name!r}, seed {self.seed}, output {root}")
+        with runner.heartbeat():
+            runner.stage("corpus", "build the training text (built-in tasks, records, stdlib source)", self.corpus)
+            runner.stage("tokenizer", f"train a {s.tokenizer.vocab_size}-token byte-level BPE, save as HF",
+                         self.tokenizer)
+            runner.stage("prepare_data", "tokenize into webdataset shards (tools/prepare_data.py)", self.prepare_data)
+            ar = runner.stage("ar_pretrain", f"AR pretraining from scratch, torchrun x{s.ar_pretrain.nproc}",
+                              lambda: self.pretrain("ar_pretrain"))
+            base_ckpt = Path(ar.detail["checkpoint"])
+            we = runner.stage("wedlm_pretrain", f"WeDLM continued pretraining, torchrun x{s.wedlm_pretrain.nproc}",
+                              lambda: self.pretrain("wedlm_pretrain", init_from=base_ckpt))
+            wedlm_ckpt = Path(we.detail["checkpoint"])
+            runner.stage("export", "megatron-to-hf for both models, reload with AutoModelForCausalLM",
+                         lambda: self.export({BASE: base_ckpt, WEDLM: wedlm_ckpt}))
+            runner.stage("eval_base", "AR decoding of the base model (inference/evaluate.py)",
+                         lambda: self.evaluate(BASE, ["ar"]))
+            runner.stage("eval_wedlm", "streaming, block-wise and AR decoding of the WeDLM model",
+                         lambda: self.evaluate(WEDLM, ["streaming", "blockwise", "ar"]))
+            timings = {"total_seconds": self.console.elapsed,
+                       "longest_silence_seconds": self.console.longest_gap}
+            result = runner.stage("report", "accuracy/speed table, targets, report.json/.md/.png",
+                                  lambda: self.report(timings))
+        return result.detail
+
+    def _run(self, command: list[Any], log_name: str | None = None, env: dict[str, str] | None = None) -> None:
+        assert self.runner is not None
+        self.runner.run([str(c) for c in command], log_name=log_name, env=env, cwd=REPO_ROOT)
+
+
+def run_quickstart(out_dir: str | Path, preset: str = "full", seed: int = 0, settings_path: str | Path | None = None,
+                   compare_with: str | Path | None = None, console: Console | None = None) -> dict[str, Any]:
+    """Run every stage; returns the report stage's paths. See the module docstring."""
+    settings = load_settings(settings_path or preset_path(preset))
+    return Quickstart(out_dir, settings, seed=seed, console=console, compare_with=compare_with).run()

@@ -1,0 +1,118 @@
+"""The quickstart's own settings (corpus, tokenizer, stages, evaluation, targets), one YAML per preset.
+
+A preset is ``configs/quickstart/<name>.yaml``. It names the two training configs it hands to
+the real training entry point (``pretrain/pretrain_wedlm.py``); those are ordinary training
+configs (``megatron_wedlm.config``), so everything about the model and the optimiser lives
+there, checked by the training schema, and a user can rerun a stage by hand with them. This
+file holds only what the training entry point does not know about. Like the training config,
+it is a typed schema under omegaconf: unknown keys and wrong types are errors naming the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PRESET_DIR = REPO_ROOT / "configs" / "quickstart"
+PRESETS = ("full", "ci")
+
+
+@dataclass
+class CorpusSettings:
+    # built-in task documents per family (see megatron_wedlm.eval.builtin_tasks)
+    task_documents: Dict[str, int] = field(default_factory=lambda: {"counting": 5000, "copying": 15000,
+                                                                      "arithmetic": 8000})
+    record_documents: int = 1000  # small CSV tables
+    code_chars: int = 400000  # characters of Python standard-library source
+    samples_per_shard: int = 2000  # documents per webdataset shard (tools/prepare_data.py)
+
+
+@dataclass
+class TokenizerSettings:
+    vocab_size: int = 1024
+
+
+@dataclass
+class TrainingStageSettings:
+    config: str = ""  # training config YAML, relative to the repository root
+    nproc: int = 2  # torchrun processes
+
+
+@dataclass
+class EvalSettings:
+    tasks: List[str] = field(default_factory=lambda: ["counting", "copying", "arithmetic"])
+    num_examples: int = 20  # held-out prompts per task
+    taus: List[float] = field(default_factory=lambda: [0.4])  # the first is the one targets use
+    window_size: int = 16
+    distance_penalty: float = 0.02
+
+
+@dataclass
+class TargetSettings:
+    max_total_seconds: float = 900.0
+    max_silence_seconds: float = 30.0  # longest allowed gap between two console lines
+    low_entropy_tasks: List[str] = field(default_factory=lambda: ["counting", "copying"])
+    min_tokens_per_forward: float = 4.0
+
+
+@dataclass
+class QuickstartSettings:
+    name: str = "full"
+    description: str = ""
+    corpus: CorpusSettings = field(default_factory=CorpusSettings)
+    tokenizer: TokenizerSettings = field(default_factory=TokenizerSettings)
+    ar_pretrain: TrainingStageSettings = field(default_factory=TrainingStageSettings)
+    wedlm_pretrain: TrainingStageSettings = field(default_factory=TrainingStageSettings)
+    eval: EvalSettings = field(default_factory=EvalSettings)
+    targets: TargetSettings = field(default_factory=TargetSettings)
+
+    def training_config_path(self, stage: str) -> Path:
+        return REPO_ROOT / getattr(self, stage).config
+
+
+def preset_path(name: str) -> Path:
+    if name not in PRESETS:
+        raise ValueError(f"unknown quickstart preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return PRESET_DIR / f"{name}.yaml"
+
+
+def load_settings(path: str | Path) -> QuickstartSettings:
+    """Settings from a preset YAML (a path, or a preset name via :func:`preset_path`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"quickstart settings file {path} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(QuickstartSettings), OmegaConf.create(data))
+        settings = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise ValueError(f"{path}: {str(err).splitlines()[0]}") from None
+    assert isinstance(settings, QuickstartSettings)
+    _validate(settings, path)
+    return settings
+
+
+def _validate(s: QuickstartSettings, path: Path) -> None:
+    for stage in ("ar_pretrain", "wedlm_pretrain"):
+        cfg = getattr(s, stage)
+        if not cfg.config:
+            raise ValueError(f"{path}: {stage}.config must name a training config YAML")
+        if not s.training_config_path(stage).is_file():
+            raise ValueError(f"{path}: {stage}.config={cfg.config} does not exist under {REPO_ROOT}")
+        if cfg.nproc < 1:
+            raise ValueError(f"{path}: {stage}.nproc must be >= 1, got {cfg.nproc}")
+    if s.eval.num_examples < 1:
+        raise ValueError(f"{path}: eval.num_examples must be >= 1, got {s.eval.num_examples}")
+    if not s.eval.taus:
+        raise ValueError(f"{path}: eval.taus needs at least one entropy threshold")
+    missing = [t for t in s.targets.low_entropy_tasks if t not in s.eval.tasks]
+    if missing:
+        raise ValueError(f"{path}: targets.low_entropy_tasks {missing} are not in eval.tasks {s.eval.tasks}")
+    if s.tokenizer.vocab_size < 259:
+        raise ValueError(f"{path}: tokenizer.vocab_size must be >= 259 (bytes + special tokens)")

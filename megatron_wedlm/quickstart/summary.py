@@ -1,0 +1,246 @@
+"""The quickstart's report: base AR model vs WeDLM model, the targets, the stages.
+
+Input: the two ``report.json`` files written by ``inference/evaluate.py`` (base model: AR
+decoding; WeDLM model: streaming, block-wise and AR decoding), the stage records and the
+training metrics. Output, in the run's directory:
+
+* ``report.json``: the merged evaluation report (loadable with ``EvalReport.load``; the base
+  model's rows have method ``base-ar``) plus a ``quickstart`` section: targets, agreement with
+  the base model's outputs, stage timings, training losses, and a fingerprint;
+* ``report.md``: targets (met / not met, with the measured value), stages, one table per task;
+* ``speed_accuracy.png``: the evaluation package's plot of the merged report.
+
+Speed-ups compare methods of the *same* model in the *same* process, decoded interleaved per
+prompt (see ``megatron_wedlm.eval.runner``), which is what the speed target is about. The
+base model ran in another process, so its tokens/s is shown but not divided into anything.
+
+The fingerprint is a hash of every number that does not depend on timing (training losses,
+token counts, forwards, slots, correct answers, generated text). Two runs with the same seed
+and preset on the same machine must have the same fingerprint; ``--compare-with`` checks it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_wedlm.eval.report import COLUMNS, PLOT_NAME, plot_speed_accuracy
+from megatron_wedlm.eval.results import EvalReport, MethodResult, SampleRecord
+from megatron_wedlm.quickstart.settings import QuickstartSettings
+
+BASE_METHOD = "base-ar"
+REPORT_JSON, REPORT_MD = "report.json", "report.md"
+MET, NOT_MET, NOT_CHECKED = "met", "not met", "not checked"
+
+
+@dataclass
+class TargetCheck:
+    name: str
+    target: str
+    measured: str
+    status: str  # met | not met | not checked
+
+
+def _key(task: str, method: str, tau: float | None) -> str:
+    return f"{task}/{method}" + ("" if tau is None else f"@{tau:g}")
+
+
+def merge_reports(base: EvalReport, wedlm: EvalReport) -> EvalReport:
+    """One report: the base model's AR rows (as ``base-ar``) then the WeDLM model's rows, per task."""
+    def renamed(r: MethodResult) -> MethodResult:
+        return MethodResult(**{**{k: getattr(r, k) for k in MethodResult.__dataclass_fields__},
+                               "method": BASE_METHOD, "speedup_vs_ar": None})
+
+    results = []
+    for task in wedlm.tasks:
+        results += [renamed(r) for r in base.results if r.task == task and r.method == "ar"]
+        results += [r for r in wedlm.results if r.task == task]
+    samples = [SampleRecord(**{**asdict(s), "method": BASE_METHOD}) for s in base.samples if s.method == "ar"]
+    samples += list(wedlm.samples)
+    settings = {"base": base.settings, "wedlm": wedlm.settings}
+    return EvalReport(model=f"{base.model} (base-ar) vs {wedlm.model}", settings=settings,
+                      results=results, samples=samples)
+
+
+def agreement_with_base(report: EvalReport) -> dict[str, float]:
+    """Per WeDLM row: the fraction of prompts whose extracted answer equals the base model's AR answer."""
+    base = {(s.task, s.uid): s.extracted for s in report.samples if s.method == BASE_METHOD}
+    out: dict[str, float] = {}
+    for r in report.results:
+        if r.method == BASE_METHOD:
+            continue
+        pairs = [(s.extracted, base.get((s.task, s.uid))) for s in report.samples
+                 if s.task == r.task and s.method == r.method and s.tau == r.tau]
+        pairs = [p for p in pairs if p[1] is not None]
+        if pairs:
+            out[_key(r.task, r.method, r.tau)] = sum(a == b for a, b in pairs) / len(pairs)
+    return out
+
+
+def fingerprint(report: EvalReport, training: dict[str, dict[str, Any]]) -> str:
+    """SHA-256 over everything a same-seed rerun must reproduce (no timings)."""
+    payload = {
+        "results": [[r.task, r.method, r.tau, r.num_examples, r.num_correct, r.generated_tokens, r.forwards, r.slots]
+                    for r in report.results],
+        "samples": [[s.task, s.method, s.tau, s.uid, s.completion, s.forwards] for s in report.samples],
+        "training": {stage: result.get("losses") for stage, result in sorted(training.items())},
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def check_targets(report: EvalReport, settings: QuickstartSettings, timings: dict[str, Any],
+                  agreement: dict[str, float], current_fingerprint: str,
+                  previous_fingerprint: str | None) -> list[TargetCheck]:
+    """Each target of the quickstart with its measured value; see the issue's target list."""
+    t = settings.targets
+    tau = float(settings.eval.taus[0])
+    checks: list[TargetCheck] = []
+    total = float(timings.get("total_seconds", 0.0))
+    checks.append(TargetCheck("total time", f"whole command < {t.max_total_seconds:.0f} s",
+                              f"{total:.0f} s wall", MET if total < t.max_total_seconds else NOT_MET))
+    gap = float(timings.get("longest_silence_seconds", 0.0))
+    checks.append(TargetCheck("progress visible", f"no console silence > {t.max_silence_seconds:.0f} s",
+                              f"longest silence {gap:.1f} s", MET if gap <= t.max_silence_seconds else NOT_MET))
+    for task in t.low_entropy_tasks:
+        base = report.result(task, BASE_METHOD)
+        stream = report.result(task, "streaming", tau)
+        ar = report.result(task, "ar")
+        agree = agreement.get(_key(task, "streaming", tau))
+        checks.append(TargetCheck(
+            f"{task}: streaming accuracy", f"WeDLM streaming (tau={tau:g}) exact match >= base AR",
+            f"{_pct(stream.accuracy)} vs {_pct(base.accuracy)}; same answer as base AR on "
+            f"{'-' if agree is None else _pct(agree)} of prompts",
+            MET if stream.accuracy >= base.accuracy else NOT_MET))
+        tpf = stream.tokens_per_forward or 0.0
+        checks.append(TargetCheck(
+            f"{task}: tokens per forward", f">= {t.min_tokens_per_forward:g} tokens/forward (streaming)",
+            f"{tpf:.2f}", MET if tpf >= t.min_tokens_per_forward else NOT_MET))
+        speedup = stream.speedup_vs_ar
+        checks.append(TargetCheck(
+            f"{task}: wall-clock speed-up", "streaming tokens/s > AR tokens/s of the same model",
+            "-" if speedup is None else f"{speedup:.2f}x ({stream.tokens_per_second or 0:.1f} vs "
+            f"{ar.tokens_per_second or 0:.1f} tokens/s)",
+            MET if speedup is not None and speedup > 1.0 else NOT_MET))
+    speedups = {task: report.result(task, "streaming", tau).speedup_vs_ar for task in report.tasks}
+    checks.append(TargetCheck(
+        "speed-up on every task", "streaming / AR tokens/s of the same model, stated for every task",
+        ", ".join(f"{task} {'-' if s is None else f'{s:.2f}x'}" for task, s in speedups.items()),
+        MET if all(s is not None for s in speedups.values()) else NOT_MET))
+    if previous_fingerprint is None:
+        checks.append(TargetCheck("same seed, same numbers", "a rerun reproduces every non-timing number",
+                                  f"fingerprint {current_fingerprint} (rerun with --compare-with to check)", NOT_CHECKED))
+    else:
+        same = previous_fingerprint == current_fingerprint
+        checks.append(TargetCheck("same seed, same numbers", "a rerun reproduces every non-timing number",
+                                  f"fingerprint {current_fingerprint} vs {previous_fingerprint}", MET if same else NOT_MET))
+    return checks
+
+
+def _training_summary(training: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    out = {}
+    for stage, result in training.items():
+        losses = [v for _, v in sorted(result.get("losses", {}).items(), key=lambda kv: int(kv[0]))]
+        out[stage] = {"steps": result.get("final_step"), "first_loss": losses[0] if losses else None,
+                      "last_loss": losses[-1] if losses else None, "checkpoint": (result.get("checkpoints") or [None])[-1],
+                      "skipped_steps": result.get("skipped_steps", [])}
+    return out
+
+
+def build_summary(base_report: str | Path, wedlm_report: str | Path, settings: QuickstartSettings, seed: int,
+                  stages: Sequence[Any], timings: dict[str, Any],
+                  training: dict[str, dict[str, Any]],
+                  compare_with: str | Path | None = None) -> dict[str, Any]:
+    """The full report as a dict (``report.json``); see the module docstring."""
+    merged = merge_reports(EvalReport.load(str(base_report)), EvalReport.load(str(wedlm_report)))
+    agreement = agreement_with_base(merged)
+    fp = fingerprint(merged, training)
+    previous = None
+    if compare_with is not None:
+        previous = json.loads(Path(compare_with).read_text())["quickstart"]["fingerprint"]
+    targets = check_targets(merged, settings, timings, agreement, fp, previous)
+    data = merged.to_dict()
+    data["quickstart"] = {
+        "preset": settings.name,
+        "seed": seed,
+        "settings": asdict(settings),
+        "timings": timings,
+        "stages": [asdict(s) for s in stages if s.status != "running"],  # not the report being written
+        "training": _training_summary(training),
+        "agreement_with_base_ar": agreement,
+        "targets": [asdict(c) for c in targets],
+        "fingerprint": fp,
+    }
+    return data
+
+
+def _rows(data: dict[str, Any]) -> list[tuple[str, MethodResult, float | None]]:
+    report = EvalReport.from_dict(data)
+    agreement = data["quickstart"]["agreement_with_base_ar"]
+    return [(r.task, r, agreement.get(_key(r.task, r.method, r.tau))) for r in report.results]
+
+
+def markdown(data: dict[str, Any]) -> str:
+    q = data["quickstart"]
+    lines = [f"# WeDLM quickstart (preset {q['preset']}, seed {q['seed']})", "",
+             "Base model: a small Qwen-style model pretrained from scratch with next-token prediction. "
+             "WeDLM model: the same model after WeDLM continued pretraining. Both exported to HF and "
+             "evaluated on held-out prompts of the built-in tasks. Speed-up = tokens/s of a method over "
+             "AR tokens/s of the same model, decoded side by side in one process.", "",
+             "## Targets", "", "| target | wanted | measured | status |", "|---|---|---|---|"]
+    lines += [f"| {t['name']} | {t['target']} | {t['measured']} | **{t['status']}** |" for t in q["targets"]]
+    lines += ["", "## Stages", "", "| stage | status | wall s | CPU s | command |", "|---|---|---|---|---|"]
+    for s in q["stages"]:
+        cmd = "<br>".join(f"`{c}`" for c in s["commands"]) or "(in process)"
+        lines.append(f"| {s['name']} | {s['status']} | {s['wall_seconds']:.1f} | {s['cpu_seconds']:.1f} | {cmd} |")
+    lines += ["", "CPU seconds are those of the stage's processes; on a shared machine wall time also "
+              "counts other users' work.", ""]
+    for stage, t in q["training"].items():
+        if t["first_loss"] is not None:
+            lines.append(f"* {stage}: loss {t['first_loss']:.3f} -> {t['last_loss']:.3f} over {t['steps']} steps")
+    headers = ["model"] + [h for h, _ in COLUMNS] + ["same answer as base AR"]
+    for task in dict.fromkeys(task for task, _, _ in _rows(data)):
+        lines += ["", f"## {task}", "", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+        for t, r, agree in _rows(data):
+            if t == task:
+                model = "base" if r.method == BASE_METHOD else "WeDLM"
+                cells = [model] + [cell(r) for _, cell in COLUMNS] + ["-" if agree is None else _pct(agree)]
+                lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"Fingerprint of all non-timing numbers: `{q['fingerprint']}`.", ""]
+    return "\n".join(lines)
+
+
+def write_summary(data: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
+    out_dir = Path(out_dir)
+    paths = {"json": out_dir / REPORT_JSON, "markdown": out_dir / REPORT_MD, "plot": out_dir / PLOT_NAME}
+    paths["json"].write_text(json.dumps(data, indent=2))
+    paths["markdown"].write_text(markdown(data))
+    plot_speed_accuracy(EvalReport.from_dict(data), str(paths["plot"]))
+    return paths
+
+
+def print_summary(data: dict[str, Any], emit: Callable[[str], None]) -> None:
+    """The table a user came for, then the targets, on the console."""
+    def f(x: float | None, spec: str) -> str:
+        return "-" if x is None else format(x, spec)
+
+    head = f"{'task':<11} {'model':<6} {'method':<20} {'acc':>6} {'tok/fwd':>7} {'p_cache':>7} " \
+           f"{'tok/s':>7} {'vs AR':>6} {'=base':>6}"
+    lines = [head, "-" * len(head)]
+    for task, r, agree in _rows(data):
+        model = "base" if r.method == BASE_METHOD else "WeDLM"
+        label = "ar" if r.method == BASE_METHOD else r.label
+        lines.append(f"{task:<11} {model:<6} {label:<20} {100 * r.accuracy:5.1f}% {f(r.tokens_per_forward, '.2f'):>7} "
+                     f"{f(r.p_cache, '.3f'):>7} {f(r.tokens_per_second, '.1f'):>7} "
+                     f"{f(r.speedup_vs_ar, '.2f'):>6} {'-' if agree is None else _pct(agree):>6}")
+    lines += ["", "targets:"]
+    lines += [f"  [{t['status']:^11}] {t['name']}: {t['measured']}  (wanted: {t['target']})"
+              for t in data["quickstart"]["targets"]]
+    emit("\n".join(lines))

@@ -1,0 +1,106 @@
+"""Training the quickstart tokenizer: byte-level BPE on the local corpus, saved as a HF tokenizer.
+
+Why this pipeline: the model is exported as an ordinary ``qwen2``/``qwen3`` checkpoint, and
+transformers 5 loads the tokenizer of such a checkpoint as ``Qwen2Tokenizer``, which rebuilds
+Qwen2's normalizer, pre-tokenizer and decoder around the saved vocabulary and merges. A
+tokenizer trained with any other pre-tokenization would silently encode differently after the
+export. So the BPE is trained under Qwen2's own pipeline (NFC; split on the regex below, digits
+one by one; byte-level), and :func:`check_reload` proves the ids survive a save and reload next
+to a qwen2 config. Byte-level means any text round-trips exactly, which exact-match scoring
+relies on.
+
+Special tokens: ``<|endoftext|>`` (EOS, ends every training document), ``<|pad|>`` and the
+WeDLM ``<|mask|>`` token, in fixed ids 0, 1, 2 so every run and preset agrees on them.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+MASK_TOKEN = "<|mask|>"
+SPECIAL_TOKENS = (EOS_TOKEN, PAD_TOKEN, MASK_TOKEN)
+
+#: Qwen2's pre-tokenization regex (what ``Qwen2Tokenizer`` applies on reload).
+QWEN2_SPLIT_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte plus the special tokens
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE with ``vocab_size`` entries (special tokens included) learnt from ``texts``."""
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 bytes + special tokens), got {vocab_size}")
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        mask_token=MASK_TOKEN,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerBase, out_dir: str | Path) -> Path:
+    """Save as a standard HF tokenizer directory (``tokenizer.json`` + ``tokenizer_config.json``)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(out_dir))
+    return out_dir
+
+
+def check_reload(
+    tokenizer_dir: str | Path, texts: Sequence[str], model_type: str = "qwen2"
+) -> PreTrainedTokenizerBase:
+    """Reload ``tokenizer_dir`` as it will be after the export and require identical ids.
+
+    The reload happens twice: from the directory itself and from a copy next to a minimal
+    ``config.json`` of ``model_type`` (which is what makes transformers pick a model-specific
+    tokenizer class). Returns the directory's tokenizer; raises ValueError naming the first text
+    that encodes differently, or one that does not decode back to itself.
+    """
+    original = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    with tempfile.TemporaryDirectory() as tmp:
+        for f in Path(tokenizer_dir).iterdir():
+            if f.is_file():
+                (Path(tmp) / f.name).write_bytes(f.read_bytes())
+        (Path(tmp) / "config.json").write_text(json.dumps({"model_type": model_type}))
+        reloaded = AutoTokenizer.from_pretrained(tmp)
+    for name, tok in (("reloaded", original), (f"reloaded next to a {model_type} config", reloaded)):
+        if tok.mask_token_id != original.mask_token_id or tok.eos_token_id != original.eos_token_id:
+            raise ValueError(f"{name} tokenizer changed the special-token ids (mask/eos)")
+    for text in texts:
+        ids = original(text, add_special_tokens=False)["input_ids"]
+        again = reloaded(text, add_special_tokens=False)["input_ids"]
+        if ids != again:
+            raise ValueError(
+                f"tokenizer in {tokenizer_dir} encodes {text[:60]!r} differently after a reload as "
+                f"{type(reloaded).__name__}; it must use Qwen2's pre-tokenization (see this module)"
+            )
+        if original.decode(ids) != text:
+            raise ValueError(f"tokenizer does not decode {text[:60]!r} back to itself")
+    return original

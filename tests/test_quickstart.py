@@ -1,0 +1,133 @@
+"""The quickstart's ``ci`` preset end to end: every stage runs through its real entry point.
+
+One run of ``tools/quickstart.py --preset ci`` (a tiny model, a few steps: it checks that the
+machinery works, not that the model learns). The checks: every stage ran and is recorded,
+every artefact exists and parses, both exported models load with ``AutoModelForCausalLM`` and
+carry the tokenizer's mask token, and the numbers in the report come from those models (the
+exported WeDLM model, decoded greedily with HF ``generate``, reproduces the report's AR
+answers; the report's totals add up from its samples).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from megatron_wedlm.eval.results import EvalReport
+from megatron_wedlm.quickstart.pipeline import STAGES
+from megatron_wedlm.quickstart.summary import BASE_METHOD
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("quickstart")
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "quickstart.py"), "--preset", "ci", "--out", str(out),
+                           "--seed", "1"], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+def test_every_stage_ran_in_order_with_visible_progress(run):
+    out, stdout = run
+    stages = json.loads((out / "stages.json").read_text())
+    assert [s["name"] for s in stages] == list(STAGES)
+    assert all(s["status"] == "done" and s["wall_seconds"] > 0 for s in stages)
+    for i, name in enumerate(STAGES, 1):
+        assert f"=== stage {i}: {name} done in" in stdout
+    by_name = {s["name"]: s for s in stages}
+    # the real entry points, with the commands recorded
+    assert "tools/prepare_data.py" in by_name["prepare_data"]["commands"][0]
+    for stage in ("ar_pretrain", "wedlm_pretrain"):
+        assert "torch.distributed.run" in by_name[stage]["commands"][0]
+        assert "--nproc_per_node=2 pretrain/pretrain_wedlm.py" in by_name[stage]["commands"][0]
+    assert "model.init_from=" in by_name["wedlm_pretrain"]["commands"][0]
+    assert all("convert_checkpoint.py megatron-to-hf" in c for c in by_name["export"]["commands"])
+    assert all("inference/evaluate.py" in c for c in by_name["eval_base"]["commands"] + by_name["eval_wedlm"]["commands"])
+    for stage in stages:
+        if stage["log"]:
+            assert (out / stage["log"]).stat().st_size > 0
+
+
+def test_data_artefacts_parse(run):
+    out, _ = run
+    lines = (out / "data" / "corpus.jsonl").read_text().splitlines()
+    assert lines and all(json.loads(x)["text"] for x in lines)
+    manifest = json.loads((out / "data" / "shards" / "manifest.json").read_text())
+    tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
+    assert manifest["mask_token_id"] == tok.mask_token_id
+    shards = sorted((out / "data" / "shards").glob("*.tar"))
+    assert shards and all(tarfile.is_tarfile(s) for s in shards)
+
+
+def test_training_runs_wrote_losses_and_checkpoints(run):
+    out, _ = run
+    for name, wedlm in (("ar", False), ("wedlm", True)):
+        result = json.loads((out / "runs" / name / "result.json").read_text())
+        assert result["final_step"] > 0 and len(result["losses"]) == result["final_step"]
+        assert Path(result["checkpoints"][-1]).is_dir()
+        metrics = [json.loads(x) for x in (out / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+        assert metrics and all("loss" in m for m in metrics)
+        # plain AR training has no masked-token loss; WeDLM training has both losses
+        assert any(m["masked_tokens"] > 0 for m in metrics) == wedlm
+        assert all(m["ar_loss"] > 0 for m in metrics)
+
+
+def test_exported_models_load_and_reproduce_the_reported_ar_answers(run):
+    out, _ = run
+    tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
+    report = EvalReport.load(str(out / "report.json"))
+    for name in ("ar-base", "wedlm"):
+        model = AutoModelForCausalLM.from_pretrained(str(out / "hf" / name)).eval()
+        assert model.config.mask_token_id == tok.mask_token_id
+        exported_tok = AutoTokenizer.from_pretrained(str(out / "hf" / name))
+        method = BASE_METHOD if name == "ar-base" else "ar"
+        sample = next(s for s in report.samples if s.method == method and s.task == "copying")
+        prompt = next(ex.prompt for ex in _task("copying", out).examples if ex.uid == sample.uid)
+        ids = exported_tok(prompt, return_tensors="pt")["input_ids"]
+        assert ids[0].tolist() == tok(prompt)["input_ids"]
+        with torch.no_grad():
+            gen = model.generate(ids, max_new_tokens=sample.new_tokens, do_sample=False,
+                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        text = exported_tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)
+        assert text.split("\n", 1)[0] == sample.completion
+
+
+def _task(name, out):
+    from megatron_wedlm.eval.builtin_tasks import builtin_task
+
+    q = json.loads((out / "report.json").read_text())["quickstart"]
+    return builtin_task(name, num_examples=q["settings"]["eval"]["num_examples"], seed=q["seed"])
+
+
+def test_report_parses_and_its_totals_add_up(run):
+    out, stdout = run
+    data = json.loads((out / "report.json").read_text())
+    report = EvalReport.from_dict(data)
+    q = data["quickstart"]
+    assert q["preset"] == "ci" and q["seed"] == 1
+    methods = {(r.task, r.method) for r in report.results}
+    for task in q["settings"]["eval"]["tasks"]:
+        assert {(task, m) for m in (BASE_METHOD, "ar", "streaming", "blockwise")} <= methods
+    for r in report.results:
+        mine = [s for s in report.samples if (s.task, s.method, s.tau) == (r.task, r.method, r.tau)]
+        assert len(mine) == r.num_examples
+        assert sum(s.correct for s in mine) == r.num_correct
+        assert sum(s.new_tokens for s in mine) == r.generated_tokens
+        assert sum(s.forwards for s in mine) == r.forwards
+    names = [t["name"] for t in q["targets"]]
+    assert {"total time", "progress visible", "counting: tokens per forward", "copying: wall-clock speed-up",
+            "same seed, same numbers"} <= set(names)
+    assert all(t["status"] in ("met", "not met", "not checked") for t in q["targets"])
+    md = (out / "report.md").read_text()
+    assert "## Targets" in md and all(f"| {n} |" in md for n in names)
+    assert (out / "speed_accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "targets:" in stdout and f"report: {out / 'report.md'}" in stdout

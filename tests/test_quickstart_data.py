@@ -1,0 +1,96 @@
+"""Quickstart corpus and tokenizer: deterministic, held-out prompts stay out, ids survive the export reload."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from megatron_wedlm.eval.builtin_tasks import FAMILIES, builtin_task
+from megatron_wedlm.quickstart.corpus import CorpusSpec, read_corpus, stdlib_dir, stdlib_documents, write_corpus
+from megatron_wedlm.quickstart.tokenizer import MASK_TOKEN, check_reload, save_tokenizer, train_tokenizer
+
+SPEC = CorpusSpec(task_documents={"counting": 100, "copying": 150, "arithmetic": 50}, record_documents=20,
+                  code_chars=20000)
+
+
+def test_corpus_is_deterministic_and_seeded(tmp_path):
+    a = write_corpus(SPEC, tmp_path / "a.jsonl", seed=3)
+    b = write_corpus(SPEC, tmp_path / "b.jsonl", seed=3)
+    c = write_corpus(SPEC, tmp_path / "c.jsonl", seed=4)
+    assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
+    assert (tmp_path / "a.jsonl").read_bytes() != (tmp_path / "c.jsonl").read_bytes()
+    assert (a.task_documents, a.record_documents) == (300, 20)
+    assert a.documents == a.task_documents + a.record_documents + a.code_documents == c.documents
+    lines = (tmp_path / "a.jsonl").read_text().splitlines()
+    assert len(lines) == a.documents and all(set(json.loads(x)) == {"text"} for x in lines)
+
+
+def test_corpus_never_contains_an_evaluation_prompt(tmp_path):
+    spec = CorpusSpec(task_documents={f: 1000 for f in FAMILIES}, record_documents=0, code_chars=0)
+    write_corpus(spec, tmp_path / "c.jsonl", seed=0)
+    texts = set(read_corpus(tmp_path / "c.jsonl"))
+    for family in FAMILIES:
+        for ex in builtin_task(family, num_examples=30, seed=0).examples:
+            assert not any(t.startswith(ex.prompt) for t in texts), ex.prompt
+
+
+def test_stdlib_documents_come_from_the_running_python(tmp_path):
+    docs = stdlib_documents(max_chars=30000, chars_per_file=4000)
+    assert 30000 <= sum(len(d) for d in docs) <= 30000 + len(docs)
+    first = sorted(stdlib_dir().glob("*.py"))[0].read_text(encoding="utf-8", errors="replace")
+    assert first.strip("\n").startswith(docs[0].strip("\n")[:200])
+    assert all(len(d) <= 4001 for d in docs)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"task_documents": {"counting": 0}}, "must hold documents"),
+    ({"task_documents": {"counting": -1}}, "counting must be >= 0"),
+    ({"task_documents": {"poetry": 3}}, "unknown families"),
+    ({"code_chars": -1}, "code_chars"),
+])
+def test_corpus_spec_rejects_bad_sizes(bad, message):
+    with pytest.raises(ValueError, match=message):
+        CorpusSpec(**{"task_documents": {"copying": 10}, "record_documents": 0, "code_chars": 0, **bad})
+
+
+def test_corpus_holds_the_requested_documents_per_family(tmp_path):
+    write_corpus(SPEC, tmp_path / "c.jsonl", seed=0)
+    texts = list(read_corpus(tmp_path / "c.jsonl"))
+    assert sum(t.startswith("Count from") for t in texts) == 100
+    assert sum(t.startswith("Repeat") for t in texts) == 150
+    assert sum(t.startswith("id,item,qty") for t in texts) == 20
+
+
+def test_tokenizer_round_trips_and_survives_reload_next_to_a_qwen2_config(tmp_path):
+    write_corpus(SPEC, tmp_path / "c.jsonl", seed=0)
+    texts = list(read_corpus(tmp_path / "c.jsonl"))
+    tok = train_tokenizer(texts, vocab_size=400)
+    assert len(tok) == 400 and tok.mask_token == MASK_TOKEN and tok.mask_token_id is not None
+    save_tokenizer(tok, tmp_path / "tok")
+    reloaded = check_reload(tmp_path / "tok", texts[:50] + ["Count from 17 to 21: 17 18 19 20 21\n", "ünïcode ✓"])
+    assert reloaded("def f(x):\n    return x\n")["input_ids"] == tok("def f(x):\n    return x\n")["input_ids"]
+    # the same corpus trains the same tokenizer
+    again = train_tokenizer(texts, vocab_size=400)
+    assert again.get_vocab() == tok.get_vocab()
+
+
+def test_check_reload_catches_a_tokenizer_that_changes_after_export(tmp_path):
+    """A BPE with GPT-2 style pre-tokenization (digits grouped) is re-split by Qwen2Tokenizer."""
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", MASK_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    raw.train_from_iterator([" ".join(str(i) for i in range(300))] * 5, trainer=trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>", mask_token=MASK_TOKEN)
+    save_tokenizer(tok, tmp_path / "gpt2_style")
+    with pytest.raises(ValueError, match="differently after a reload"):
+        check_reload(tmp_path / "gpt2_style", ["Count from 117 to 121: 117 118 119 120 121"])
+
+
+def test_train_tokenizer_rejects_a_vocab_smaller_than_the_bytes():
+    with pytest.raises(ValueError, match="vocab_size"):
+        train_tokenizer(["abc"], vocab_size=100)

@@ -1,0 +1,184 @@
+"""Quickstart report logic on real evaluation reports, and the stage runner on real subprocesses."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import pytest
+
+from megatron_wedlm.eval import builtin_task, evaluate
+from megatron_wedlm.eval.results import EvalReport
+from megatron_wedlm.quickstart import summary as S
+from megatron_wedlm.quickstart.settings import load_settings, preset_path
+from megatron_wedlm.quickstart.stages import Console, StageError, StageRunner
+from megatron_wedlm.testing.tiny_models import build_tiny_model, build_tiny_tokenizer
+
+TASKS = ("counting", "copying", "arithmetic")
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    """Real reports of two tiny random models: 'base' (AR only) and 'wedlm' (all methods)."""
+    tok = build_tiny_tokenizer()
+    tasks = [builtin_task(t, num_examples=2, seed=0) for t in TASKS]
+    base = evaluate(build_tiny_model(tok, seed=1), tok, tasks, ["ar"], max_new_tokens=6, model_name="base")
+    wedlm = evaluate(build_tiny_model(tok, seed=2), tok, tasks, ["streaming", "blockwise", "ar"],
+                     taus=(0.4, 0.8), max_new_tokens=6, model_name="wedlm")
+    root = tmp_path_factory.mktemp("reports")
+    (root / "base.json").write_text(base.to_json())
+    (root / "wedlm.json").write_text(wedlm.to_json())
+    return root
+
+
+TRAINING = {"ar_pretrain": {"final_step": 3, "losses": {"1": 5.0, "2": 4.5, "3": 4.0}, "checkpoints": ["c1"]},
+            "wedlm_pretrain": {"final_step": 2, "losses": {"1": 3.0, "2": 2.5}, "checkpoints": ["c2"]}}
+
+
+def _summary(reports, timings=None, training=None, compare_with=None):
+    settings = load_settings(preset_path("ci"))
+    settings.eval.taus = [0.4, 0.8]
+    return S.build_summary(reports / "base.json", reports / "wedlm.json", settings, seed=0, stages=[],
+                           timings=timings or {"total_seconds": 100.0, "longest_silence_seconds": 5.0},
+                           training=training or TRAINING, compare_with=compare_with)
+
+
+def test_merged_report_keeps_every_row_and_renames_the_base_model(reports):
+    base, wedlm = EvalReport.load(str(reports / "base.json")), EvalReport.load(str(reports / "wedlm.json"))
+    merged = S.merge_reports(base, wedlm)
+    assert len(merged.results) == len(base.results) + len(wedlm.results)
+    for task in TASKS:
+        b = merged.result(task, S.BASE_METHOD)
+        assert (b.num_correct, b.generated_tokens, b.forwards) == (
+            base.result(task, "ar").num_correct, base.result(task, "ar").generated_tokens, base.result(task, "ar").forwards)
+        assert merged.result(task, "streaming", 0.8).forwards == wedlm.result(task, "streaming", 0.8).forwards
+    assert {s.method for s in merged.samples} == {S.BASE_METHOD, "streaming", "blockwise", "ar"}
+
+
+def test_agreement_matches_a_direct_comparison_of_the_samples(reports):
+    data = _summary(reports)
+    report = EvalReport.from_dict(data)
+    agreement = data["quickstart"]["agreement_with_base_ar"]
+    for r in report.results:
+        if r.method == S.BASE_METHOD:
+            continue
+        same = 0
+        for s in report.samples:
+            if (s.task, s.method, s.tau) == (r.task, r.method, r.tau):
+                base = next(b for b in report.samples if b.method == S.BASE_METHOD and (b.task, b.uid) == (s.task, s.uid))
+                same += s.extracted == base.extracted
+        assert agreement[S._key(r.task, r.method, r.tau)] == same / r.num_examples
+
+
+def _targets(data):
+    return {t["name"]: t for t in data["quickstart"]["targets"]}
+
+
+def test_target_statuses_follow_the_measured_numbers(reports):
+    data = _summary(reports)
+    report = EvalReport.from_dict(data)
+    targets = _targets(data)
+    for task in ("counting", "copying"):
+        stream, base = report.result(task, "streaming", 0.4), report.result(task, S.BASE_METHOD)
+        assert targets[f"{task}: streaming accuracy"]["status"] == (S.MET if stream.accuracy >= base.accuracy else S.NOT_MET)
+        tpf_ok = stream.tokens_per_forward >= 4.0
+        assert targets[f"{task}: tokens per forward"]["status"] == (S.MET if tpf_ok else S.NOT_MET)
+        assert f"{stream.tokens_per_forward:.2f}" in targets[f"{task}: tokens per forward"]["measured"]
+        fast = stream.speedup_vs_ar > 1.0
+        assert targets[f"{task}: wall-clock speed-up"]["status"] == (S.MET if fast else S.NOT_MET)
+    every = targets["speed-up on every task"]["measured"]
+    assert all(f"{t} {report.result(t, 'streaming', 0.4).speedup_vs_ar:.2f}x" in every for t in TASKS)
+    assert targets["total time"]["status"] == S.MET
+    slow = _targets(_summary(reports, timings={"total_seconds": 901.0, "longest_silence_seconds": 31.0}))
+    assert slow["total time"]["status"] == S.NOT_MET and slow["progress visible"]["status"] == S.NOT_MET
+    assert targets["same seed, same numbers"]["status"] == S.NOT_CHECKED
+
+
+def test_accuracy_target_fails_when_streaming_is_worse_than_the_base_model(reports, tmp_path):
+    base = json.loads((reports / "base.json").read_text())
+    wedlm = json.loads((reports / "wedlm.json").read_text())
+    for r in base["results"]:
+        r["num_correct"] = r["num_examples"]
+    for r in wedlm["results"]:
+        r["num_correct"] = 0
+    (tmp_path / "base.json").write_text(json.dumps(base))
+    (tmp_path / "wedlm.json").write_text(json.dumps(wedlm))
+    targets = _targets(_summary(tmp_path))
+    assert targets["counting: streaming accuracy"]["status"] == S.NOT_MET
+    assert "0.0% vs 100.0%" in targets["counting: streaming accuracy"]["measured"]
+
+
+def test_fingerprint_ignores_timings_and_sees_every_result(reports, tmp_path):
+    data = _summary(reports)
+    (tmp_path / "first.json").write_text(json.dumps(data))
+    retimed = _summary(reports, timings={"total_seconds": 1.0, "longest_silence_seconds": 1.0},
+                       compare_with=tmp_path / "first.json")
+    assert retimed["quickstart"]["fingerprint"] == data["quickstart"]["fingerprint"]
+    assert _targets(retimed)["same seed, same numbers"]["status"] == S.MET
+    other_training = copy.deepcopy(TRAINING)
+    other_training["wedlm_pretrain"]["losses"]["2"] = 2.5000001
+    changed = _summary(reports, training=other_training, compare_with=tmp_path / "first.json")
+    assert changed["quickstart"]["fingerprint"] != data["quickstart"]["fingerprint"]
+    assert _targets(changed)["same seed, same numbers"]["status"] == S.NOT_MET
+
+
+def test_written_report_parses_and_shows_every_target_and_row(reports, tmp_path):
+    data = _summary(reports)
+    paths = S.write_summary(data, tmp_path)
+    loaded = EvalReport.load(str(paths["json"]))
+    assert len(loaded.results) == len(data["results"])
+    assert json.loads(paths["json"].read_text())["quickstart"]["fingerprint"] == data["quickstart"]["fingerprint"]
+    md = paths["markdown"].read_text()
+    for t in data["quickstart"]["targets"]:
+        assert f"| {t['name']} | {t['target']} | {t['measured']} | **{t['status']}** |" in md
+    for r in loaded.results:
+        assert f"| {r.method} | {'-' if r.tau is None else format(r.tau, 'g')} | {r.num_examples} | " in md
+    assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = []
+    S.print_summary(data, lines.append)
+    assert "targets:" in lines[0] and lines[0].count("\n") >= len(loaded.results) + len(data["quickstart"]["targets"])
+
+
+# -- the stage runner ------------------------------------------------------------------------
+
+CHILD = r"""
+import sys, warnings
+for i in range(3):
+    sys.stdout.write(f"bar {i}\r"); sys.stdout.flush()
+warnings.warn("noisy library")
+print("line one")
+print("line two", file=sys.stderr)
+if sys.argv[1] == "fail":
+    raise ValueError("bad thing")
+"""
+
+
+def test_stage_runner_logs_everything_filters_the_console_and_records_stages(tmp_path):
+    out = []
+
+    class Sink:
+        def write(self, text):
+            out.append(text)
+
+        def flush(self):
+            pass
+
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    runner = StageRunner(tmp_path, Console(Sink()))
+    record = runner.stage("child", "a real subprocess",
+                          lambda: runner.run([sys.executable, str(script), "ok"]) or {"ok": 1})
+    log = (tmp_path / "logs" / "child.log").read_text()
+    for text in ("bar 0", "bar 2", "noisy library", "line one", "line two"):
+        assert text in log
+    console = "".join(out)
+    assert "line one" in console and "line two" in console and "noisy library" not in console
+    assert "(1 Python warnings in child.log)" in console
+    assert "bar 0" in console and "bar 1" not in console  # progress-bar updates are collapsed
+    assert record.status == "done" and record.detail == {"ok": 1} and record.cpu_seconds > 0
+    assert record.commands[0].startswith(sys.executable)
+    with pytest.raises(StageError, match=r"exit status 1[\s\S]*reported:\n  ValueError: bad thing\n[\s\S]*line two"):
+        runner.stage("failing", "raises", lambda: runner.run([sys.executable, str(script), "fail"]))
+    stages = json.loads((tmp_path / "stages.json").read_text())
+    assert [(s["name"], s["status"]) for s in stages] == [("child", "done"), ("failing", "failed")]
