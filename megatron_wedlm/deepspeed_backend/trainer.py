@@ -42,13 +42,6 @@ FINAL_EXPORT_DIR = "hf"  # <trainer.output_dir>/hf: the HF export at the end of 
 FLEX_TILE_SIZE = 128  # FlexAttention BlockMask tile; rows are padded to whole tiles
 
 
-def _sum_over_ranks(values: list[float], device: torch.device) -> list[float]:
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor)
-    return tensor.cpu().tolist()
-
-
 def _prepare_deepspeed(device: torch.device) -> None:
     """DeepSpeed picks its accelerator at import: make it the CPU one for CPU runs."""
     if device.type == "cpu":
@@ -127,18 +120,14 @@ def _build_optimizer(cfg: TrainConfig, module, device: torch.device, offload: bo
 
 def run_deepspeed_sft(cfg: TrainConfig):
     """Train as ``cfg`` says in this process; returns the Megatron path's ``TrainResult``."""
-    from omegaconf import OmegaConf
-
-    from megatron_wedlm.config.loading import config_to_yaml, save_config
-    from megatron_wedlm.data.prepare import TOKENIZER_DIR, read_manifest
-    from megatron_wedlm.data.webdataset_loader import TrainDataIterator, loader_spec_from_manifest, merge_data_states
+    from megatron_wedlm.data.prepare import TOKENIZER_DIR
     from megatron_wedlm.model.losses import global_loss_normalizer, reduce_loss_reports
     from megatron_wedlm.runtime.parallel import init_distributed, resolve_device
     from megatron_wedlm.training.checkpointing import resolve_resume_path
-    from megatron_wedlm.training.loop import NonFiniteLossError, TrainResult, agreed, bf16_enabled
-    from megatron_wedlm.training.metrics import MetricsLogger
+    from megatron_wedlm.training.loop import agreed, bf16_enabled
     from megatron_wedlm.training.model_setup import resolve_attention_backend
     from megatron_wedlm.training.optimization import build_scheduler, current_lr
+    from megatron_wedlm.training.step_record import StepRecorder, build_train_data, read_run_manifest, sum_over_ranks
 
     from .checkpoint import DeepSpeedCheckpointManager, export_hf_model
     from .forward import model_inputs, pad_to_tiles, training_objective
@@ -150,12 +139,7 @@ def run_deepspeed_sft(cfg: TrainConfig):
     bf16 = bf16_enabled(cfg, device)
     dtype = torch.bfloat16 if bf16 else torch.float32
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    manifest = read_manifest(cfg.data.path)  # type: ignore[arg-type]
-    if manifest["task"] != cfg.trainer.task:
-        raise ConfigError(
-            f"data.path={cfg.data.path} holds '{manifest['task']}' data but this is a {cfg.trainer.task} run; "
-            f"prepare it with tools/prepare_data.py --task {cfg.trainer.task}"
-        )
+    manifest = read_run_manifest(cfg)
     if cfg.wedlm.mask_token_id is None:
         cfg.wedlm.mask_token_id = int(manifest["mask_token_id"])
     ds_config = build_ds_config(cfg, world, bf16)
@@ -190,80 +174,32 @@ def run_deepspeed_sft(cfg: TrainConfig):
         scheduler.load_state_dict(state["scheduler"])
     start_step = int(state.get("step", 0))
 
-    # ---- data (the Megatron path's loader: same rows, masks and resume positions) ----
+    # ---- data (the Megatron path's loader: same rows, masks and resume positions), log, counters ----
     micro_batch = cfg.data.micro_batch_size
-    spec = loader_spec_from_manifest(
-        cfg.data.path,  # type: ignore[arg-type]
-        num_streams=cfg.data.num_streams,
-        seq_length=cfg.data.seq_length,
-        wedlm=cfg.wedlm.enabled,
-        block_size=cfg.wedlm.block_size,
-        mask_token_id=cfg.wedlm.mask_token_id,
-        ratio_mode=cfg.wedlm.ratio_mode,
-        mask_eps=cfg.wedlm.mask_eps,
-        seed=cfg.data.seed,
-        shuffle=cfg.data.shuffle,
-        task=cfg.trainer.task,
-    )
-    data_state = state.get("data") if cfg.checkpointing.load_data_state else None
-    data = TrainDataIterator(
-        spec, rank, world, micro_batch, num_workers=cfg.data.num_workers,
-        prefetch_factor=cfg.data.prefetch_factor, state=data_state,
-    )
+    data = build_train_data(cfg, state, rank, world)
     tokenizer_dir = Path(cfg.data.path) / manifest.get("tokenizer", TOKENIZER_DIR)  # type: ignore[arg-type]
-
-    # ---- bookkeeping ----
-    config_yaml = config_to_yaml(cfg)
-    if is_logger:
-        save_config(cfg, output_dir / "config.yaml")
-    logger = MetricsLogger(
-        cfg, OmegaConf.to_container(OmegaConf.create(config_yaml)), start_step, is_logger,  # type: ignore[arg-type]
-        wandb_run_id=state.get("wandb_run_id"),
-    )
-    result = TrainResult(final_step=start_step, start_step=start_step, output_dir=str(output_dir))
-    consumed_tokens = int(state.get("consumed_tokens", 0))
-    skipped_total = int(state.get("skipped_steps", 0))
-    nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
-    end_step = cfg.trainer.exit_at_step or cfg.trainer.train_steps
-    if resume_path is not None:
-        logger.message(f"resumed from {resume_path} at step {start_step}")
+    recorder = StepRecorder(cfg, state, is_logger, resume_path)
+    logger, result = recorder.logger, recorder.result
     offload = [k for k, v in (("optimizer", ds.offload_optimizer), ("params", ds.offload_params)) if v != "none"]
     logger.message(
         f"{cfg.trainer.task} (DeepSpeed ZeRO-{ds.zero_stage}{', offload ' + '+'.join(offload) if offload else ''}): "
         f"{'WeDLM' if cfg.wedlm.enabled else 'AR'} training of {cfg.model.init_from}, world {world}, "
         f"{num_microbatches} micro-batches of {micro_batch} x {cfg.data.seq_length}, steps {start_step + 1}.."
-        f"{end_step}, device {device.type}, {'bf16' if bf16 else 'fp32'}, attention {backend}"
+        f"{recorder.end_step}, device {device.type}, {'bf16' if bf16 else 'fp32'}, attention {backend}"
     )
 
     def export(directory: Path) -> None:
         export_hf_model(engine, hf_model, directory, tokenizer_dir)
 
     def save(step: int) -> None:
-        local = data.state_dict()
-        states: list[Any] = [None] * world
-        if world > 1:
-            dist.all_gather_object(states, local)
-        else:
-            states = [local]
-        trainer_state = {
-            "scheduler": scheduler.state_dict(),
-            "data": merge_data_states(states),
-            "consumed_tokens": consumed_tokens,
-            "skipped_steps": skipped_total,
-            "nonfinite_in_a_row": nonfinite_in_a_row,
-            "wandb_run_id": logger.wandb_run_id,
-            "train_steps": cfg.trainer.train_steps,
-            "init_from": cfg.model.init_from,
-        }
-        path = manager.save(step, engine, trainer_state, {"config.yaml": config_yaml},
+        trainer_state = {**recorder.trainer_state(scheduler, data), "init_from": cfg.model.init_from}
+        path = manager.save(step, engine, trainer_state, {"config.yaml": recorder.config_yaml},
                             export=export if ds.export_hf else None)
-        result.checkpoints.append(str(path))
-        logger.message(f"saved checkpoint {path}")
+        recorder.saved(path)
 
     group = dist.group.WORLD if world > 1 else None
-    result.wandb_run_dir = logger.wandb_run_dir
     try:
-        for step in range(start_step + 1, end_step + 1):
+        for step in recorder.steps():
             started = time.perf_counter()
             micro = [data.next_microbatch() for _ in range(num_microbatches)]
             batches = [b for b, _ in micro]
@@ -286,54 +222,24 @@ def run_deepspeed_sft(cfg: TrainConfig):
             summary = reduce_loss_reports(reports, cfg.wedlm.ar_weight, group=group)
             loss_value = float(summary.total) if cfg.wedlm.enabled else float(summary.ar)
             applied = bool(engine.was_step_applied())
-            (tokens,) = _sum_over_ranks([float(sum(n for _, n in micro))], device)
+            (tokens,) = sum_over_ranks([float(sum(n for _, n in micro))], device)
             finite = applied and math.isfinite(loss_value)
             grad_norm = float("nan")
             if finite:
                 norm = engine.get_global_grad_norm()
                 grad_norm = float(norm) if norm is not None else float("nan")
                 scheduler.step(increment=1)
-                nonfinite_in_a_row = 0
-            else:
-                skipped_total += 1
-                nonfinite_in_a_row += 1
-                result.skipped_steps.append(step)
-                logger.message(
-                    f"step {step}: non-finite {'loss' if not math.isfinite(loss_value) else 'gradient'} "
-                    f"(loss={loss_value}), update skipped ({nonfinite_in_a_row} in a row)"
-                )
-            consumed_tokens += int(tokens)
-            elapsed = time.perf_counter() - started
-            record = {
-                "step": step,
-                "loss": loss_value,
-                "mlm_loss": summary.mlm,
-                "ar_loss": summary.ar,
-                "masked_tokens": summary.mlm_tokens,
-                "ar_tokens": summary.ar_tokens,
-                "lr": lr,
-                "grad_norm": grad_norm,
-                "tokens_per_sec": tokens / elapsed if elapsed > 0 else 0.0,
-                "tokens": int(tokens),
-                "consumed_tokens": consumed_tokens,
-                "step_time_s": elapsed,
-                "skipped": not finite,
-            }
-            result.losses[step] = loss_value
-            result.final_step = step
-            logger.log_step(record)
-            if nonfinite_in_a_row >= cfg.trainer.max_consecutive_nonfinite:
-                raise NonFiniteLossError(
-                    f"{nonfinite_in_a_row} consecutive steps (last: {step}) had a non-finite loss or gradient; "
-                    "stopping. Lower optimizer.lr, check the data, or resume from an earlier checkpoint"
-                )
-            interval = cfg.checkpointing.save_interval
-            if (interval and step % interval == 0) or (step == end_step and cfg.checkpointing.save_at_end):
+            due = recorder.record(
+                step, started=started, finite=finite, loss=loss_value, mlm=summary.mlm, ar=summary.ar,
+                masked_tokens=summary.mlm_tokens, ar_tokens=summary.ar_tokens, lr=lr, grad_norm=grad_norm,
+                tokens=tokens,
+            )
+            if due:
                 save(step)
         if result.final_step == cfg.trainer.train_steps:
             final = export_hf_model(engine, hf_model, output_dir / FINAL_EXPORT_DIR, tokenizer_dir)
             logger.message(f"exported the trained model to {final}")
     finally:
-        logger.close()
+        recorder.close()
     return result
 

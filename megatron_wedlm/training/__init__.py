@@ -2,6 +2,8 @@
 
 * :mod:`.cli`            -- command line of ``pretrain/pretrain_wedlm.py`` and ``sft/sft_wedlm.py``.
 * :mod:`.loop`           -- ``run_training(cfg)``: the step loop (Megatron schedules, skip non-finite).
+* :mod:`.step_record`    -- what both backends do around a step: data, metrics record, non-finite
+                            stop, save schedule, trainer state.
 * :mod:`.model_setup`    -- ``ModelArgs`` from config / ``model.init_from``, the WeDLM model chunk.
 * :mod:`.optimization`   -- Megatron DDP, distributed optimizer, lr schedule.
 * :mod:`.checkpointing`  -- atomic torch_dist checkpoints, resume, keep-last-K.

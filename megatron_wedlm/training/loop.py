@@ -12,34 +12,19 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from megatron_wedlm.config.loading import config_to_yaml, save_config
 from megatron_wedlm.config.schema import ConfigError, TrainConfig, validate_layout
 
-__all__ = ["TrainResult", "NonFiniteLossError", "agreed", "bf16_enabled", "run_training"]
+from .step_record import NonFiniteLossError, TrainResult, result_dict, sum_over_ranks
+
+__all__ = ["TrainResult", "NonFiniteLossError", "agreed", "bf16_enabled", "result_dict", "run_training"]
 
 T = TypeVar("T")
-
-
-class NonFiniteLossError(RuntimeError):
-    """Too many consecutive steps had a non-finite loss or gradient."""
-
-
-@dataclass
-class TrainResult:
-    final_step: int
-    start_step: int
-    losses: dict[int, float] = field(default_factory=dict)  # step -> logged loss (all steps run)
-    skipped_steps: list[int] = field(default_factory=list)
-    checkpoints: list[str] = field(default_factory=list)
-    wandb_run_dir: str | None = None
-    output_dir: str = ""
 
 
 def bf16_enabled(cfg: TrainConfig, device: torch.device) -> bool:
@@ -60,14 +45,6 @@ def _grads_nonfinite(ddp_model) -> bool:
     return False
 
 
-def _global_stats(local: list[float], device: torch.device) -> list[float]:
-    """Sum a small float vector over all ranks (each slot has one contributor or is a count)."""
-    tensor = torch.tensor(local, dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor)
-    return tensor.cpu().tolist()
-
-
 def agreed(compute: Callable[[], T]) -> T:
     """``compute()`` on rank 0, the same answer everywhere (nodes may list a shared directory
     differently for a moment, e.g. NFS attribute caching)."""
@@ -82,16 +59,14 @@ def run_training(cfg: TrainConfig) -> TrainResult:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_wedlm.data.prepare import read_manifest
-    from megatron_wedlm.data.webdataset_loader import TrainDataIterator, loader_spec_from_manifest, merge_data_states
     from megatron_wedlm.model.hf_config import MODEL_ARGS_FILE
     from megatron_wedlm.model.losses import global_loss_normalizer, reduce_loss_reports
     from megatron_wedlm.runtime.parallel import ParallelConfig, init_distributed, initialize_parallel_state, resolve_device
 
     from .checkpointing import CheckpointManager, resolve_resume_path
-    from .metrics import MetricsLogger
     from .model_setup import build_model_chunk, load_init_weights, resolve_model_args
     from .optimization import build_optimizer, build_scheduler, current_lr, wrap_ddp
+    from .step_record import StepRecorder, build_train_data, read_run_manifest
     from .steps import logged_loss, make_forward_step
 
     # ---- layout, data description, model description (all validated before heavy work) ----
@@ -99,12 +74,7 @@ def run_training(cfg: TrainConfig) -> TrainResult:
     bf16 = bf16_enabled(cfg, device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dp = validate_layout(cfg, world)
-    manifest = read_manifest(cfg.data.path)
-    if manifest["task"] != cfg.trainer.task:
-        raise ConfigError(
-            f"data.path={cfg.data.path} holds '{manifest['task']}' data but this is a {cfg.trainer.task} run; "
-            f"prepare it with tools/prepare_data.py --task {cfg.trainer.task}"
-        )
+    manifest = read_run_manifest(cfg)
     model_args = resolve_model_args(cfg, manifest, "bfloat16" if bf16 else "float32")
     if cfg.wedlm.mask_token_id is None:
         cfg.wedlm.mask_token_id = int(manifest["mask_token_id"])
@@ -139,82 +109,31 @@ def run_training(cfg: TrainConfig) -> TrainResult:
         scheduler.load_state_dict(state["scheduler"])
     start_step = int(state.get("step", 0))
 
-    # ---- data ----
+    # ---- data, log, counters ----
     micro_batch = cfg.data.micro_batch_size
     num_microbatches = cfg.data.global_batch_size // (micro_batch * dp)
-    spec = loader_spec_from_manifest(
-        cfg.data.path,
-        num_streams=cfg.data.num_streams,
-        seq_length=cfg.data.seq_length,
-        wedlm=cfg.wedlm.enabled,
-        block_size=cfg.wedlm.block_size,
-        mask_token_id=cfg.wedlm.mask_token_id,
-        ratio_mode=cfg.wedlm.ratio_mode,
-        mask_eps=cfg.wedlm.mask_eps,
-        seed=cfg.data.seed,
-        shuffle=cfg.data.shuffle,
-        task=cfg.trainer.task,
-    )
-    data_state = state.get("data") if cfg.checkpointing.load_data_state else None
-    data = TrainDataIterator(
-        spec, layout.dp_rank, dp, micro_batch, num_workers=cfg.data.num_workers,
-        prefetch_factor=cfg.data.prefetch_factor, state=data_state,
-    )
-
-    # ---- bookkeeping ----
-    config_yaml = config_to_yaml(cfg)
-    if is_logger:
-        save_config(cfg, output_dir / "config.yaml")
-    from omegaconf import OmegaConf
-
-    logger = MetricsLogger(
-        cfg, OmegaConf.to_container(OmegaConf.create(config_yaml)), start_step, is_logger,  # type: ignore[arg-type]
-        wandb_run_id=state.get("wandb_run_id"),
-    )
-    result = TrainResult(final_step=start_step, start_step=start_step, output_dir=str(output_dir))
-    consumed_tokens = int(state.get("consumed_tokens", 0))
-    skipped_total = int(state.get("skipped_steps", 0))
-    nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
-    end_step = cfg.trainer.exit_at_step or cfg.trainer.train_steps
-    if resume_path is not None:
-        logger.message(f"resumed from {resume_path} at step {start_step}")
+    data = build_train_data(cfg, state, layout.dp_rank, dp)
+    recorder = StepRecorder(cfg, state, is_logger, resume_path)
+    logger, result = recorder.logger, recorder.result
     logger.message(
         f"{cfg.trainer.task}: {'WeDLM' if cfg.wedlm.enabled else 'AR'} training, world {world} = "
         f"tp {cfg.parallelism.tp} x pp {cfg.parallelism.pp} x dp {dp}, {num_microbatches} micro-batches of "
-        f"{micro_batch} x {cfg.data.seq_length}, steps {start_step + 1}..{end_step}, device {device.type}, "
+        f"{micro_batch} x {cfg.data.seq_length}, steps {start_step + 1}..{recorder.end_step}, device {device.type}, "
         f"{'bf16' if bf16 else 'fp32'}"
     )
 
     def save(step: int) -> None:
-        data_states: list[Any] = [None] * world
-        local = data.state_dict()
-        if dist.is_initialized() and world > 1:
-            dist.all_gather_object(data_states, local)
-        else:
-            data_states = [local]
-        trainer_state = {
-            "scheduler": scheduler.state_dict(),
-            "data": merge_data_states(data_states),
-            "consumed_tokens": consumed_tokens,
-            "skipped_steps": skipped_total,
-            "nonfinite_in_a_row": nonfinite_in_a_row,
-            "wandb_run_id": logger.wandb_run_id,
-            "train_steps": cfg.trainer.train_steps,
-        }
         path = manager.save(
-            step, model, optimizer, trainer_state,
-            files={"config.yaml": config_yaml, MODEL_ARGS_FILE: _model_args_json(model_args)},
+            step, model, optimizer, recorder.trainer_state(scheduler, data),
+            files={"config.yaml": recorder.config_yaml, MODEL_ARGS_FILE: _model_args_json(model_args)},
         )
-        result.checkpoints.append(str(path))
-        logger.message(f"saved checkpoint {path}")
+        recorder.saved(path)
 
     forward_backward = get_forward_backward_func()
     is_stats_rank = ps.is_pipeline_last_stage() and layout.tp_rank == 0 and layout.dp_rank == 0
     counts_tokens = layout.tp_rank == 0 and layout.pp_rank == 0
-    result.wandb_run_dir = logger.wandb_run_dir
-    step = start_step
     try:
-        for step in range(start_step + 1, end_step + 1):
+        for step in recorder.steps():
             started = time.perf_counter()
             micro = [data.next_microbatch() for _ in range(num_microbatches)]
             batches = [b for b, _ in micro]
@@ -238,7 +157,7 @@ def run_training(cfg: TrainConfig) -> TrainResult:
             if counts_tokens:
                 stats[5] = float(local_tokens)
             stats[6] = 1.0 if _grads_nonfinite(ddp) else 0.0
-            loss, mlm, ar, masked, ar_tokens, tokens, bad_grads = _global_stats(stats, device)
+            loss, mlm, ar, masked, ar_tokens, tokens, bad_grads = sum_over_ranks(stats, device)
             finite = math.isfinite(loss) and math.isfinite(mlm) and math.isfinite(ar) and bad_grads == 0
             grad_norm = float("nan")
             lr = current_lr(optimizer)  # the lr this update uses
@@ -247,47 +166,16 @@ def run_training(cfg: TrainConfig) -> TrainResult:
                 grad_norm = float(grad_norm_value) if grad_norm_value is not None else float("nan")
                 if updated:
                     scheduler.step(increment=1)
-                nonfinite_in_a_row = 0
             else:
                 optimizer.zero_grad()
-                skipped_total += 1
-                nonfinite_in_a_row += 1
-                result.skipped_steps.append(step)
-                logger.message(
-                    f"step {step}: non-finite {'loss' if not math.isfinite(loss) else 'gradient'} "
-                    f"(loss={loss}), update skipped ({nonfinite_in_a_row} in a row)"
-                )
-            consumed_tokens += int(tokens)
-            elapsed = time.perf_counter() - started
-            record = {
-                "step": step,
-                "loss": loss,
-                "mlm_loss": mlm,
-                "ar_loss": ar,
-                "masked_tokens": int(masked),
-                "ar_tokens": int(ar_tokens),
-                "lr": lr,
-                "grad_norm": grad_norm,
-                "tokens_per_sec": tokens / elapsed if elapsed > 0 else 0.0,
-                "tokens": int(tokens),
-                "consumed_tokens": consumed_tokens,
-                "step_time_s": elapsed,
-                "skipped": not finite,
-            }
-            result.losses[step] = loss
-            result.final_step = step
-            logger.log_step(record)
-            if nonfinite_in_a_row >= cfg.trainer.max_consecutive_nonfinite:
-                raise NonFiniteLossError(
-                    f"{nonfinite_in_a_row} consecutive steps (last: {step}) had a non-finite loss or gradient; "
-                    "stopping. Lower optimizer.lr, check the data, or resume from an earlier checkpoint"
-                )
-            interval = cfg.checkpointing.save_interval
-            last = step == end_step
-            if (interval and step % interval == 0) or (last and cfg.checkpointing.save_at_end):
+            due = recorder.record(
+                step, started=started, finite=finite, loss=loss, mlm=mlm, ar=ar, masked_tokens=masked,
+                ar_tokens=ar_tokens, lr=lr, grad_norm=grad_norm, tokens=tokens,
+            )
+            if due:
                 save(step)
     finally:
-        logger.close()
+        recorder.close()
     return result
 
 
@@ -296,6 +184,3 @@ def _model_args_json(model_args) -> str:
 
     return json.dumps(model_args.to_dict(), indent=2, sort_keys=True) + "\n"
 
-
-def result_dict(result: TrainResult) -> dict[str, Any]:
-    return asdict(result)
