@@ -15,9 +15,12 @@ import json
 import os
 import sys
 import traceback
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-__all__ = ["main", "parse_args", "requested_backend"]
+if TYPE_CHECKING:
+    from megatron_wedlm.config.schema import TrainConfig
+
+__all__ = ["main", "parse_args", "requested_backend", "run_entry_point"]
 
 
 def parse_args(argv: Sequence[str] | None, task: str) -> tuple[argparse.Namespace, list[str]]:
@@ -57,7 +60,17 @@ def requested_backend(argv: Sequence[str]) -> str:
     return "megatron"
 
 
-def main(argv: Sequence[str] | None = None, task: str = "pretrain") -> int:
+def run_entry_point(
+    argv: Sequence[str] | None,
+    task: str,
+    check: Callable[[TrainConfig], None],
+    train: Callable[[TrainConfig], Any],
+) -> int:
+    """Load the config, ``check(cfg)`` it (raise ConfigError to refuse), ``train(cfg)``, report.
+
+    Every backend's command line goes through here, so they share the arguments and the exit
+    codes: 0 ok, 1 crash, 2 config error, 3 non-finite stop.
+    """
     from megatron_wedlm.config.loading import config_to_yaml, load_config
     from megatron_wedlm.config.schema import ConfigError
 
@@ -69,11 +82,7 @@ def main(argv: Sequence[str] | None = None, task: str = "pretrain") -> int:
         cfg = load_config(args.config, overrides, defaults={"trainer": {"task": task}})
         if cfg.trainer.task != task:
             raise ConfigError(f"trainer.task={cfg.trainer.task!r} but this is the {task} entry point")
-        if cfg.trainer.backend != "megatron":
-            raise ConfigError(
-                f"trainer.backend={cfg.trainer.backend!r}: this entry point trains with Megatron-Core "
-                "(the DeepSpeed backend is for SFT: sft/sft_wedlm.py ... trainer.backend=deepspeed)"
-            )
+        check(cfg)
     except (ConfigError, FileNotFoundError) as err:
         if rank == 0:
             print(f"config error: {err}", file=sys.stderr)
@@ -84,10 +93,10 @@ def main(argv: Sequence[str] | None = None, task: str = "pretrain") -> int:
         return 0
     from megatron_wedlm.runtime.parallel import destroy_parallel_state
 
-    from .loop import NonFiniteLossError, result_dict, run_training
+    from .step_record import NonFiniteLossError, result_dict
 
     try:
-        result = run_training(cfg)
+        result = train(cfg)
     except (ConfigError, FileNotFoundError) as err:
         print(f"[rank {rank}] error: {err}", file=sys.stderr)
         return 2
@@ -103,3 +112,24 @@ def main(argv: Sequence[str] | None = None, task: str = "pretrain") -> int:
         with open(args.result_json, "w") as handle:
             json.dump(result_dict(result), handle, indent=1)
     return 0
+
+
+def _require_megatron_backend(cfg: TrainConfig) -> None:
+    from megatron_wedlm.config.schema import ConfigError
+
+    if cfg.trainer.backend != "megatron":
+        raise ConfigError(
+            f"trainer.backend={cfg.trainer.backend!r}: this entry point trains with Megatron-Core "
+            "(the DeepSpeed backend is for SFT: sft/sft_wedlm.py ... trainer.backend=deepspeed)"
+        )
+
+
+def _run_megatron(cfg: TrainConfig):
+    from .loop import run_training
+
+    return run_training(cfg)
+
+
+def main(argv: Sequence[str] | None = None, task: str = "pretrain") -> int:
+    """The Megatron-Core entry point (``trainer.backend=megatron``)."""
+    return run_entry_point(argv, task, _require_megatron_backend, _run_megatron)
