@@ -19,23 +19,19 @@ as it is. Under ZeRO-3 the weights are gathered one layer at a time to rank 0.
 
 from __future__ import annotations
 
-import json
-import random
 import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megatron_wedlm.training.checkpointing import (
-    PARTIAL_SUFFIX,
-    TRAINER_STATE_FILE,
     CheckpointManager,
-    checkpoint_name,
+    host_rng_state,
     read_trainer_state,
+    set_host_rng_state,
 )
 
 __all__ = ["DEEPSPEED_TAG", "HF_EXPORT_DIR", "DeepSpeedCheckpointManager", "export_hf_model", "full_state_dict"]
@@ -53,21 +49,6 @@ def _rank() -> int:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 def full_state_dict(engine) -> dict[str, torch.Tensor] | None:
@@ -116,29 +97,15 @@ class DeepSpeedCheckpointManager(CheckpointManager):
         export: Callable[[Path], Any] | None = None,
     ) -> Path:
         """Collective. ``export(dir)`` (collective too) writes the HF export into the checkpoint."""
-        final = self.root / checkpoint_name(step)
-        partial = final.with_name(final.name + PARTIAL_SUFFIX)
-        if self.is_writer:
-            self.root.mkdir(parents=True, exist_ok=True)
-            for stale in self.root.glob(f"*{PARTIAL_SUFFIX}"):
-                shutil.rmtree(stale, ignore_errors=True)  # left by a save that was killed
-            (partial / _RNG_DIR).mkdir(parents=True)
-        _barrier()
+        final, partial = self.begin_save(step)
+        (partial / _RNG_DIR).mkdir(exist_ok=True)  # every rank writes its own file here; they race to create it
         engine.save_checkpoint(str(partial), tag=DEEPSPEED_TAG, client_state={}, save_latest=False)
-        torch.save(_rng_state(), partial / _RNG_DIR / f"rank{_rank()}.pt")
+        torch.save(host_rng_state(), partial / _RNG_DIR / f"rank{_rank()}.pt")
         if export is not None:
             export(partial / HF_EXPORT_DIR)
-        _barrier()
-        if self.is_writer:
-            world = dist.get_world_size() if dist.is_initialized() else 1
-            state = {**trainer_state, "step": step, "layout": {"backend": "deepspeed", "world_size": world}}
-            for name, content in files.items():
-                (partial / name).write_text(content)
-            (partial / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True) + "\n")
-            self.publish(partial, final)
-            self.prune()
-        _barrier()
-        return final
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        state = {**trainer_state, "step": step, "layout": {"backend": "deepspeed", "world_size": world}}
+        return self.finish_save(partial, final, state, files)
 
     def load(self, path: str | Path, engine, load_optimizer: bool = True) -> dict[str, Any]:  # type: ignore[override]
         """Load weights (and optimizer states and RNG when asked) into ``engine``; return the trainer state.
@@ -174,5 +141,5 @@ class DeepSpeedCheckpointManager(CheckpointManager):
             raise FileNotFoundError(f"DeepSpeed found no checkpoint in {path / DEEPSPEED_TAG}")
         rng_file = path / _RNG_DIR / f"rank{_rank()}.pt"
         if same_world and rng_file.is_file():
-            _set_rng_state(torch.load(rng_file, weights_only=False))
+            set_host_rng_state(torch.load(rng_file, weights_only=False))
         return state

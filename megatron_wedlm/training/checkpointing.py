@@ -38,8 +38,10 @@ __all__ = [
     "checkpoint_name",
     "complete_checkpoints",
     "find_latest_checkpoint",
+    "host_rng_state",
     "is_complete_checkpoint",
     "resolve_resume_path",
+    "set_host_rng_state",
 ]
 
 TRAINER_STATE_FILE = "trainer_state.json"
@@ -100,28 +102,33 @@ def resolve_resume_path(resume: str, root: str | Path) -> Path | None:
     return path
 
 
-def _rng_state() -> dict[str, Any]:
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "tracker": get_cuda_rng_tracker().get_states(),
-    }
+def host_rng_state() -> dict[str, Any]:
+    """The process's python, numpy, torch (and CUDA) generators: what exact resume restores
+    under either backend (the Megatron path adds its model-parallel tracker)."""
+    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
+def set_host_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def _rng_state() -> dict[str, Any]:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return {**host_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    set_host_rng_state(state)
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
@@ -176,6 +183,20 @@ class CheckpointManager:
         extra text files (name -> content) written by rank 0, e.g. config.yaml."""
         from megatron.core import dist_checkpointing
 
+        final, partial = self.begin_save(step)
+        model_sd = model.sharded_state_dict()
+        optimizer_sd = optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=OPTIMIZER_METADATA)
+        if optimizer_sd.get("param_state", ...) is None:
+            # the memory-efficient format gathers parameter state on DP rank 0; the others hold None
+            del optimizer_sd["param_state"]
+        sharded = {"model": model_sd, "optimizer": optimizer_sd, "rng_state": _rng_sharded_object(_rng_state())}
+        dist_checkpointing.save(sharded, str(partial))
+        state = {**trainer_state, "step": step, "layout": _layout(), "optimizer_metadata": OPTIMIZER_METADATA}
+        return self.finish_save(partial, final, state, files)
+
+    def begin_save(self, step: int) -> tuple[Path, Path]:
+        """Collective: ``(final, partial)`` for ``step``, with ``partial`` freshly created (and the
+        leftovers of killed saves removed) before any rank writes into it."""
         final = self.root / checkpoint_name(step)
         partial = final.with_name(final.name + PARTIAL_SUFFIX)
         if self.is_writer:
@@ -184,16 +205,13 @@ class CheckpointManager:
                 shutil.rmtree(stale, ignore_errors=True)  # left by a save that was killed
             partial.mkdir()
         _barrier()
-        model_sd = model.sharded_state_dict()
-        optimizer_sd = optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=OPTIMIZER_METADATA)
-        if optimizer_sd.get("param_state", ...) is None:
-            # the memory-efficient format gathers parameter state on DP rank 0; the others hold None
-            del optimizer_sd["param_state"]
-        sharded = {"model": model_sd, "optimizer": optimizer_sd, "rng_state": _rng_sharded_object(_rng_state())}
-        dist_checkpointing.save(sharded, str(partial))
+        return final, partial
+
+    def finish_save(self, partial: Path, final: Path, state: dict[str, Any], files: dict[str, str]) -> Path:
+        """Collective, after every rank wrote its tensors: rank 0 writes ``files`` and the trainer
+        state (last, it marks the checkpoint complete), publishes and prunes."""
         _barrier()
         if self.is_writer:
-            state = {**trainer_state, "step": step, "layout": _layout(), "optimizer_metadata": OPTIMIZER_METADATA}
             for name, content in files.items():
                 (partial / name).write_text(content)
             (partial / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True) + "\n")
