@@ -14,9 +14,10 @@ The recipe, run through :func:`megatron_wedlm.runtime.multiprocess.run_distribut
 Using dist_checkpointing for both directions avoids a hand-written gather with per-parameter
 layout rules (GLU halves, QKV groups) that could share a bug with the code under test.
 
-The model-agnostic pieces (:func:`init_layout`, :func:`save_sharded`, :func:`load_sharded`,
-:func:`grads_into_params`) are shared with :mod:`.wedlm_equivalence`, which runs the same
-recipe for the WeDLM model on the full training path (DDP, finalize_model_grads).
+The model-agnostic pieces (:class:`TinyShape`, :func:`init_layout`, :func:`run_schedule`,
+:func:`save_sharded`, :func:`load_sharded`, :func:`grads_into_params`, :func:`gather_full`) are
+the base of :mod:`.wedlm_equivalence`, which runs the same recipe for the WeDLM model on the
+full training path (DDP, finalize_model_grads).
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ from functools import partial
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass
-class TinyGPTSpec:
-    """A small Qwen/Llama-shaped GPT: RMSNorm, SwiGLU, RoPE, GQA, untied output layer."""
+class TinyShape:
+    """The transformer dimensions every equivalence model shares: small, but with GQA and a
+    TP=2 split of heads, groups and FFN that leaves more than one of each per rank."""
 
     num_layers: int = 4
     hidden_size: int = 64
@@ -39,6 +40,17 @@ class TinyGPTSpec:
     num_query_groups: int = 2
     ffn_hidden_size: int = 128
     vocab_size: int = 128
+
+    def transformer_dims(self) -> dict[str, int]:
+        """The ``wedlm_transformer_config`` arguments of this shape."""
+        names = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size")
+        return {name: getattr(self, name) for name in names}
+
+
+@dataclass
+class TinyGPTSpec(TinyShape):
+    """A small Qwen/Llama-shaped GPT: RMSNorm, SwiGLU, RoPE, GQA, untied output layer."""
+
     seq_length: int = 32
     micro_batch_size: int = 2
     num_microbatches: int = 2
@@ -50,30 +62,15 @@ def build_gpt(spec: TinyGPTSpec, sequence_parallel: bool = False):
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
 
-    config = TransformerConfig(
-        num_layers=spec.num_layers,
-        hidden_size=spec.hidden_size,
-        num_attention_heads=spec.num_attention_heads,
-        num_query_groups=spec.num_query_groups,
-        ffn_hidden_size=spec.ffn_hidden_size,
-        normalization="RMSNorm",
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
-        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+    from megatron_wedlm.model import wedlm_transformer_config
+
+    # the WeDLM model's config builder: the same Qwen/Llama shape, so both harnesses test one config
+    config = wedlm_transformer_config(
+        **spec.transformer_dims(),
         sequence_parallel=sequence_parallel,
         use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
         bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
     )
     return GPTModel(
         config=config,
@@ -115,22 +112,28 @@ def _forward_step(data_iterator, model):
     return output, partial(_loss_func, batch["loss_mask"])
 
 
-def forward_backward(model, spec: TinyGPTSpec, forward_step: Callable = _forward_step) -> float | None:
-    """One real Megatron schedule step (no optimizer); the mean loss on the last stage, else None."""
+def run_schedule(model, forward_step: Callable, batches: list, seq_length: int, micro_batch_size: int) -> list | None:
+    """Forward and backward of ``batches`` through Megatron's real (pipeline-aware) schedule, no
+    optimizer; the per-micro-batch reports on the last pipeline stage, None on the others."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    fwd_bwd = get_forward_backward_func()
-    losses = fwd_bwd(
+    reports = get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=iter(make_batches(spec)),
+        data_iterator=iter(batches),
         model=[model],
-        num_microbatches=spec.num_microbatches,
-        seq_length=spec.seq_length,
-        micro_batch_size=spec.micro_batch_size,
+        num_microbatches=len(batches),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
         forward_only=False,
     )
-    if not ps.is_pipeline_last_stage():
+    return reports if ps.is_pipeline_last_stage() else None
+
+
+def forward_backward(model, spec: TinyGPTSpec, forward_step: Callable = _forward_step) -> float | None:
+    """One schedule step of the GPT batches; the mean loss on the last stage, else None."""
+    losses = run_schedule(model, forward_step, make_batches(spec), spec.seq_length, spec.micro_batch_size)
+    if losses is None:
         return None
     return float(torch.stack([d["lm loss"] for d in losses]).mean())
 
@@ -146,9 +149,6 @@ def grads_into_params(model, use_main_grad: bool = False) -> None:
         param.data.copy_(grad if grad is not None else torch.zeros_like(param))
 
 
-_grads_into_params = grads_into_params
-
-
 def save_sharded(model, directory: str) -> None:
     """Save ``model.sharded_state_dict()`` as a ``torch_dist`` checkpoint (all ranks call)."""
     import os
@@ -157,9 +157,6 @@ def save_sharded(model, directory: str) -> None:
 
     os.makedirs(directory, exist_ok=True)
     dist_checkpointing.save(model.sharded_state_dict(), directory)
-
-
-_save = save_sharded
 
 
 def load_sharded(model, directory: str) -> None:
@@ -184,16 +181,20 @@ def init_layout(tp: int, pp: int, seed: int, sequence_parallel: bool = False):
     )
 
 
-_init = init_layout
+def gather_full(build: Callable[[], Any], seed: int, directory: str) -> dict[str, torch.Tensor]:
+    """Load a ``torch_dist`` checkpoint into a TP=PP=1 model from ``build()`` (re-creating that
+    layout first), which reassembles the shards as Megatron does; the full tensors by name."""
+    init_layout(1, 1, seed)
+    model = build()
+    load_sharded(model, directory)
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 def save_reference(spec_dict: dict, weights_dir: str) -> dict[str, Any]:
-    from megatron.core import dist_checkpointing
-
     spec = TinyGPTSpec(**spec_dict)
-    _init(1, 1, spec.seed)
+    init_layout(1, 1, spec.seed)
     model = build_gpt(spec)
-    _save(model, weights_dir)
+    save_sharded(model, weights_dir)
     loss = forward_backward(model, spec)
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
     return {"loss": loss, "grads": grads}
@@ -202,26 +203,19 @@ def save_reference(spec_dict: dict, weights_dir: str) -> dict[str, Any]:
 def run_layout(
     spec_dict: dict, weights_dir: str, grads_dir: str, tp: int, pp: int, sequence_parallel: bool = False
 ) -> dict[str, Any]:
-    from megatron.core import dist_checkpointing
-
     spec = TinyGPTSpec(**spec_dict)
-    _init(tp, pp, spec.seed, sequence_parallel)
+    init_layout(tp, pp, spec.seed, sequence_parallel)
     model = build_gpt(spec, sequence_parallel=sequence_parallel)
-    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), weights_dir))
+    load_sharded(model, weights_dir)
     loss = forward_backward(model, spec)
-    _grads_into_params(model)
-    _save(model, grads_dir)
+    grads_into_params(model)
+    save_sharded(model, grads_dir)
     return {"loss": loss}
 
 
 def gather_checkpoint(spec_dict: dict, ckpt_dir: str) -> dict[str, torch.Tensor]:
-    from megatron.core import dist_checkpointing
-
     spec = TinyGPTSpec(**spec_dict)
-    _init(1, 1, spec.seed)
-    model = build_gpt(spec)
-    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), ckpt_dir))
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+    return gather_full(lambda: build_gpt(spec), spec.seed, ckpt_dir)
 
 
 def spec_to_dict(spec: TinyGPTSpec) -> dict:

@@ -1,6 +1,7 @@
 """Does a parallel layout train the WeDLM model exactly as one process does? Workers that answer.
 
-Same recipe as :mod:`.gpt_equivalence` (whose checkpoint helpers are reused), on the real
+Same recipe as :mod:`.gpt_equivalence`, built on its pieces (shape, layouts, schedule,
+checkpoint round-trips), on the real
 training path: the WeDLM model wrapped in Megatron's ``DistributedDataParallel``, Megatron's
 pipeline schedule with :func:`megatron_wedlm.model.wedlm_forward_step`, globally normalised
 losses, and ``finalize_model_grads`` (which all-reduces sequence-parallel norm and QK-norm
@@ -25,11 +26,11 @@ from typing import Any
 
 import torch
 
-from .gpt_equivalence import grads_into_params, init_layout, load_sharded, save_sharded
+from .gpt_equivalence import TinyShape, gather_full, grads_into_params, init_layout, load_sharded, run_schedule, save_sharded
 
 
 @dataclass
-class TinyWeDLMSpec:
+class TinyWeDLMSpec(TinyShape):
     """A small Qwen-shaped WeDLM model and the dual-stream data it is tested on.
 
     Defaults switch on every feature at once: GQA, QK-norm (Qwen3), QKV bias (Qwen2),
@@ -37,12 +38,6 @@ class TinyWeDLMSpec:
     and padding slots.
     """
 
-    num_layers: int = 4
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    num_query_groups: int = 2
-    ffn_hidden_size: int = 128
-    vocab_size: int = 128
     mask_token_id: int = 127
     qk_layernorm: bool = True
     add_qkv_bias: bool = True
@@ -95,11 +90,7 @@ def build_model(spec: TinyWeDLMSpec, sequence_parallel: bool = False, recompute:
     elif recompute is not None:
         raise ValueError(f"recompute must be None, 'full' or 'selective', got {recompute!r}")
     config = wedlm_transformer_config(
-        num_layers=spec.num_layers,
-        hidden_size=spec.hidden_size,
-        num_attention_heads=spec.num_attention_heads,
-        num_query_groups=spec.num_query_groups,
-        ffn_hidden_size=spec.ffn_hidden_size,
+        **spec.transformer_dims(),
         qk_layernorm=spec.qk_layernorm,
         add_qkv_bias=spec.add_qkv_bias,
         sequence_parallel=sequence_parallel,
@@ -138,9 +129,6 @@ def wrap_ddp(model, distributed_optimizer: bool = False):
 
 def train_step(ddp_model, spec: TinyWeDLMSpec, batches: list):
     """One forward/backward over this rank's micro-batches; the global loss summary (last stage)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     from megatron_wedlm.model import global_loss_normalizer, reduce_loss_reports, wedlm_forward_step
 
     normalizer = global_loss_normalizer(batches, spec.mlm_weighting)
@@ -148,16 +136,8 @@ def train_step(ddp_model, spec: TinyWeDLMSpec, batches: list):
         normalizer, len(batches), ar_weight=spec.ar_weight, mlm_weighting=spec.mlm_weighting
     )
     ddp_model.zero_grad_buffer()
-    reports = get_forward_backward_func()(
-        forward_step_func=step,
-        data_iterator=iter(batches),
-        model=[ddp_model],
-        num_microbatches=len(batches),
-        seq_length=spec.row_length,
-        micro_batch_size=spec.micro_batch_size,
-        forward_only=False,
-    )
-    if not ps.is_pipeline_last_stage():
+    reports = run_schedule(ddp_model, step, batches, spec.row_length, spec.micro_batch_size)
+    if reports is None:
         return None
     return asdict(reduce_loss_reports(reports, spec.ar_weight))
 
@@ -212,11 +192,8 @@ def layouts_worker(specs: dict[str, dict], root: str, layouts: list[dict]) -> di
         grads_into_params(model, use_main_grad=True)
         save_sharded(model, grads_dir)
         dist.barrier()
-        init_layout(1, 1, spec.seed)
-        full = build_model(spec)
-        load_sharded(full, grads_dir)
-        grads = {n: p.detach().clone() for n, p in full.named_parameters()} if dist.get_rank() == 0 else None
-        out[layout["name"]] = {"summary": summary, "grads": grads}
+        full = gather_full(lambda: build_model(spec), spec.seed, grads_dir)
+        out[layout["name"]] = {"summary": summary, "grads": full if dist.get_rank() == 0 else None}
         dist.barrier()
     return out
 
