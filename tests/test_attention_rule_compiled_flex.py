@@ -33,7 +33,9 @@ def test_compiled_flex_attention_uses_tiles_correctly():
     block_mask = build_block_mask(meta, 128, padding_attends_self=True)
     assert block_mask.full_kv_num_blocks.sum() > 0 and block_mask.kv_num_blocks.sum() > 0
     q, k, v = (torch.randn(3, 2, 512, 16, generator=gen) for _ in range(3))
-    compiled = torch.compile(flex_attention)
+    # dynamic=False as in the model's flex backend: a dynamic-shape recompile here would leave
+    # dynamo's automatic-dynamic state behind for later compiled tests in the same process.
+    compiled = torch.compile(flex_attention, dynamic=False)
     out = compiled(q, k, v, block_mask=block_mask)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=stacked.dense_attention_mask(True).unsqueeze(1))
     assert torch.allclose(out, ref, atol=2e-5), (out - ref).abs().max()

@@ -101,7 +101,10 @@ def test_flex_block_mask_through_transformers_equals_dense():
     """The GPU path (FlexAttention BlockMask via attn_implementation='flex_attention'), run on CPU.
 
     FlexAttention has no CPU backward, so only the forward is checked here (~30 s: one compile).
+    Dynamo is reset first: compiled-flex state left by earlier tests in the same process (other
+    shapes, automatic dynamic shapes) made inductor's CPU flex template emit invalid C++.
     """
+    torch._dynamo.reset()
     model = _model()
     batch = pad_to_tiles(_batch(seed=2, block_size=8), 128)
     with torch.no_grad():
