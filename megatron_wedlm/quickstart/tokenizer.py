@@ -36,10 +36,14 @@ QWEN2_SPLIT_PATTERN = (
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte plus the special tokens
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """A byte-level BPE with ``vocab_size`` entries (special tokens included) learnt from ``texts``."""
-    if vocab_size < MIN_VOCAB_SIZE:
-        raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 bytes + special tokens), got {vocab_size}")
+def train_byte_level_bpe(
+    texts: Iterable[str], vocab_size: int, special_tokens: Iterable[str] = SPECIAL_TOKENS
+) -> Tokenizer:
+    """The raw ``tokenizers`` BPE (Qwen2 normalizer, pre-tokenizer and decoder) learnt from ``texts``.
+
+    Shared by the quickstart and the tiny test tokenizers, so both survive a save and reload next to
+    a qwen2/qwen3 config unchanged.
+    """
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -51,18 +55,27 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def as_hf_tokenizer(tok: Tokenizer, mask_token: str | None = MASK_TOKEN) -> PreTrainedTokenizerFast:
+    """Wrap a trained ``tokenizers`` object as a normal HF fast tokenizer with our special tokens."""
+    extra = {"mask_token": mask_token} if mask_token is not None else {}
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token=EOS_TOKEN,
-        pad_token=PAD_TOKEN,
-        mask_token=MASK_TOKEN,
-        clean_up_tokenization_spaces=False,
+        tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, clean_up_tokenization_spaces=False, **extra
     )
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE with ``vocab_size`` entries (special tokens included) learnt from ``texts``."""
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 bytes + special tokens), got {vocab_size}")
+    return as_hf_tokenizer(train_byte_level_bpe(texts, vocab_size))
 
 
 def save_tokenizer(tokenizer: PreTrainedTokenizerBase, out_dir: str | Path) -> Path:

@@ -13,13 +13,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-EOS_TOKEN = "<|endoftext|>"
-PAD_TOKEN = "<|pad|>"
-MASK_TOKEN = "<|mask|>"
-SPECIAL_TOKENS = (EOS_TOKEN, PAD_TOKEN, MASK_TOKEN)
+# One tokenizer recipe for the tests and the quickstart.
+from megatron_wedlm.quickstart.tokenizer import EOS_TOKEN, PAD_TOKEN, as_hf_tokenizer, train_byte_level_bpe
 
 # Text the BPE merges are learnt from: digits/counting, letters, arithmetic, a little Python and
 # English, so common test strings become multi-byte tokens rather than all single bytes.
@@ -35,52 +32,16 @@ _BASE_TEXTS = (
 )
 
 
-# Qwen2's pre-tokenization (digits one by one, byte-level). transformers 5 loads the tokenizer
-# of any qwen2/qwen3 checkpoint as ``Qwen2Tokenizer``, which rebuilds this pipeline around the
-# saved vocabulary; using the same pipeline here makes a saved tiny checkpoint tokenize exactly
-# as the in-memory tokenizer did after ``AutoTokenizer.from_pretrained``.
-_QWEN2_SPLIT = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
-
-
 def build_tiny_tokenizer(
     extra_texts: Iterable[str] = (), vocab_size: int = 400
 ) -> PreTrainedTokenizerFast:
     """A deterministic byte-level BPE tokenizer with EOS, PAD and MASK special tokens.
 
-    Its normalizer, pre-tokenizer and decoder are Qwen2's, so it survives a save and reload
-    next to a qwen2/qwen3 model unchanged (see ``_QWEN2_SPLIT``).
+    Its normalizer, pre-tokenizer and decoder are Qwen2's (transformers 5 reloads the tokenizer of
+    any qwen2/qwen3 checkpoint as ``Qwen2Tokenizer``), so it survives a save and reload next to a
+    qwen2/qwen3 model unchanged.
     """
-    tok = _train_byte_level_bpe(SPECIAL_TOKENS, extra_texts, vocab_size)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token=EOS_TOKEN,
-        pad_token=PAD_TOKEN,
-        mask_token=MASK_TOKEN,
-        clean_up_tokenization_spaces=False,
-    )
-
-
-def _train_byte_level_bpe(special_tokens: Iterable[str], extra_texts: Iterable[str], vocab_size: int) -> Tokenizer:
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(special_tokens),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(list(_BASE_TEXTS) + list(extra_texts), trainer=trainer)
-    return tok
+    return as_hf_tokenizer(train_byte_level_bpe(list(_BASE_TEXTS) + list(extra_texts), vocab_size))
 
 
 def build_tiny_model(
@@ -123,10 +84,8 @@ def build_tiny_model(
 def build_tiny_ar_tokenizer(extra_texts: Iterable[str] = (), vocab_size: int = 400) -> PreTrainedTokenizerFast:
     """Like :func:`build_tiny_tokenizer` but without a mask token anywhere in the vocabulary,
     as the tokenizer of a plain AR checkpoint (conversion must add one)."""
-    tok = _train_byte_level_bpe((EOS_TOKEN, PAD_TOKEN), extra_texts, vocab_size)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, clean_up_tokenization_spaces=False
-    )
+    tok = train_byte_level_bpe(list(_BASE_TEXTS) + list(extra_texts), vocab_size, (EOS_TOKEN, PAD_TOKEN))
+    return as_hf_tokenizer(tok, mask_token=None)
 
 
 def build_tiny_causal_lm(
