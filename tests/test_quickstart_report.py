@@ -11,6 +11,7 @@ import pytest
 from megatron_wedlm.eval import builtin_task, evaluate
 from megatron_wedlm.eval.results import EvalReport
 from megatron_wedlm.quickstart import summary as S
+from megatron_wedlm.quickstart.pipeline import previous_fingerprint
 from megatron_wedlm.quickstart.settings import load_settings, preset_path
 from megatron_wedlm.quickstart.stages import Console, StageError, StageRunner
 from megatron_wedlm.testing.tiny_models import build_tiny_model, build_tiny_tokenizer
@@ -36,12 +37,12 @@ TRAINING = {"ar_pretrain": {"final_step": 3, "losses": {"1": 5.0, "2": 4.5, "3":
             "wedlm_pretrain": {"final_step": 2, "losses": {"1": 3.0, "2": 2.5}, "checkpoints": ["c2"]}}
 
 
-def _summary(reports, timings=None, training=None, compare_with=None):
+def _summary(reports, timings=None, training=None, previous=None):
     settings = load_settings(preset_path("ci"))
     settings.eval.taus = [0.4, 0.8]
     return S.build_summary(reports / "base.json", reports / "wedlm.json", settings, seed=0, stages=[],
                            timings=timings or {"total_seconds": 100.0, "longest_silence_seconds": 5.0},
-                           training=training or TRAINING, compare_with=compare_with)
+                           training=training or TRAINING, previous_fingerprint=previous)
 
 
 def test_merged_report_keeps_every_row_and_renames_the_base_model(reports):
@@ -112,13 +113,15 @@ def test_accuracy_target_fails_when_streaming_is_worse_than_the_base_model(repor
 def test_fingerprint_ignores_timings_and_sees_every_result(reports, tmp_path):
     data = _summary(reports)
     (tmp_path / "first.json").write_text(json.dumps(data))
-    retimed = _summary(reports, timings={"total_seconds": 1.0, "longest_silence_seconds": 1.0},
-                       compare_with=tmp_path / "first.json")
+    first = previous_fingerprint(tmp_path / "first.json", "ci", 0)
+    with pytest.raises(ValueError, match="seed 1"):
+        previous_fingerprint(tmp_path / "first.json", "ci", 1)
+    retimed = _summary(reports, timings={"total_seconds": 1.0, "longest_silence_seconds": 1.0}, previous=first)
     assert retimed["quickstart"]["fingerprint"] == data["quickstart"]["fingerprint"]
     assert _targets(retimed)["same seed, same numbers"]["status"] == S.MET
     other_training = copy.deepcopy(TRAINING)
     other_training["wedlm_pretrain"]["losses"]["2"] = 2.5000001
-    changed = _summary(reports, training=other_training, compare_with=tmp_path / "first.json")
+    changed = _summary(reports, training=other_training, previous=first)
     assert changed["quickstart"]["fingerprint"] != data["quickstart"]["fingerprint"]
     assert _targets(changed)["same seed, same numbers"]["status"] == S.NOT_MET
 

@@ -100,6 +100,20 @@ def read_training_result(run_dir: Path) -> dict[str, Any]:
     return result
 
 
+def previous_fingerprint(report_json: str | Path, preset: str, seed: int) -> str:
+    """The fingerprint of an earlier run's report.json, which must be of the same preset and seed."""
+    path = Path(report_json)
+    if not path.is_file():
+        raise ValueError(f"--compare-with {path}: no such report.json")
+    q = json.loads(path.read_text()).get("quickstart")
+    if not q or "fingerprint" not in q:
+        raise ValueError(f"--compare-with {path}: not a quickstart report (no 'quickstart.fingerprint')")
+    if (q.get("preset"), q.get("seed")) != (preset, seed):
+        raise ValueError(f"--compare-with {path}: that run used preset {q.get('preset')!r} and seed {q.get('seed')}, "
+                         f"this one preset {preset!r} and seed {seed}; only a same-seed rerun must match")
+    return q["fingerprint"]
+
+
 def clear_outputs(root: Path) -> None:
     """Remove what an earlier run left in ``root`` (only the paths a run writes)."""
     for name in OWNED_PATHS:
@@ -118,7 +132,9 @@ class Quickstart:
         self.layout = Layout(Path(out_dir).resolve())
         self.settings = settings
         self.seed = seed
-        self.compare_with = Path(compare_with) if compare_with else None
+        # read now: the earlier report may live in out_dir, which the run clears
+        self.previous_fingerprint = None if compare_with is None else previous_fingerprint(
+            compare_with, settings.name, seed)
         self.console = console or Console()
         self.env = _subprocess_env()
         self.runner: StageRunner | None = None
@@ -252,7 +268,7 @@ class Quickstart:
             wedlm_report=self.layout.eval_dir(WEDLM) / "report.json",
             settings=self.settings, seed=self.seed, stages=self.runner.records, timings=timings,
             training={s: read_training_result(self.layout.run_dir(s)) for s in ("ar_pretrain", "wedlm_pretrain")},
-            compare_with=self.compare_with,
+            previous_fingerprint=self.previous_fingerprint,
         )
         paths = write_summary(summary, self.layout.root)
         print_summary(summary, self.console.print)

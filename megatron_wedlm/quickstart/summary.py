@@ -157,15 +157,12 @@ def _training_summary(training: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def build_summary(base_report: str | Path, wedlm_report: str | Path, settings: QuickstartSettings, seed: int,
                   stages: Sequence[Any], timings: dict[str, Any],
                   training: dict[str, dict[str, Any]],
-                  compare_with: str | Path | None = None) -> dict[str, Any]:
-    """The full report as a dict (``report.json``); see the module docstring."""
+                  previous_fingerprint: str | None = None) -> dict[str, Any]:
+    """The full report as a dict (``report.json``); ``previous_fingerprint``: of a same-seed earlier run."""
     merged = merge_reports(EvalReport.load(str(base_report)), EvalReport.load(str(wedlm_report)))
     agreement = agreement_with_base(merged)
     fp = fingerprint(merged, training)
-    previous = None
-    if compare_with is not None:
-        previous = json.loads(Path(compare_with).read_text())["quickstart"]["fingerprint"]
-    targets = check_targets(merged, settings, timings, agreement, fp, previous)
+    targets = check_targets(merged, settings, timings, agreement, fp, previous_fingerprint)
     data = merged.to_dict()
     data["quickstart"] = {
         "preset": settings.name,
