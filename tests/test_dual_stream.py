@@ -256,24 +256,30 @@ def test_max_length_accepts_rows_that_fit():
     assert batch.seq_len == 8
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     lengths=st.lists(st.integers(1, 90), min_size=1, max_size=6),
     block_size=st.integers(1, 8),
     max_length=st.integers(16, 80),
     prompt_fracs=st.lists(st.floats(0, 1), min_size=6, max_size=6),
+    fill=st.booleans(),
 )
-def test_packing_splits_block_aligned_and_keeps_every_token(lengths, block_size, max_length, prompt_fracs):
-    chunk = (max_length // 2) // block_size * block_size
+def test_packing_splits_block_aligned_and_keeps_every_token(lengths, block_size, max_length, prompt_fracs, fill):
+    capacity = (max_length // 2) // block_size * block_size
     documents = [torch.arange(1, n + 1) + 1000 * i for i, n in enumerate(lengths)]
-    prompts = [min(int(f * n), n - 1, chunk - 1) for f, n in zip(prompt_fracs, lengths)]
-    rows = pack_documents_into_rows(documents, max_length, block_size, prompt_lengths=prompts)
+    prompts = None if fill else [min(int(f * n), n - 1, capacity - 1) for f, n in zip(prompt_fracs, lengths)]
+    rows = pack_documents_into_rows(documents, max_length, block_size, prompt_lengths=prompts, fill=fill)
     pieces: dict[int, list] = {i: [] for i in range(len(documents))}
-    for row in rows:
-        assert 0 < row.row_length <= max_length
+    for number, row in enumerate(rows):
+        assert 0 < row.num_tokens <= capacity
+        if fill and number < len(rows) - 1:
+            assert row.num_tokens > capacity - block_size  # padded only when less than a block is left
         for piece, prompt, (index, start) in zip(row.documents, row.prompt_lengths, row.sources):
             assert start % block_size == 0
-            assert prompt == min(max(prompts[index] - start, 0), len(piece)) and prompt < len(piece)
+            expected_prompt = 0 if prompts is None else min(max(prompts[index] - start, 0), len(piece))
+            assert prompt == expected_prompt and prompt < len(piece)
+            if not fill:  # next-fit: only a document longer than a row is cut, into row-sized pieces
+                assert start % capacity == 0 and (len(piece) == capacity or start + len(piece) == lengths[index])
             pieces[index].append((start, piece))
         batch = build_dual_stream_batch(
             row.documents, block_size, MASK, torch.Generator().manual_seed(0),
@@ -286,6 +292,9 @@ def test_packing_splits_block_aligned_and_keeps_every_token(lengths, block_size,
     # order is preserved: sources are increasing across rows
     flat = [s for row in rows for s in row.sources]
     assert flat == sorted(flat)
+    if not fill:  # a row closes only when the next piece does not fit
+        for row, following in zip(rows, rows[1:]):
+            assert row.num_tokens + following.documents[0].numel() > capacity
 
 
 def test_packing_errors():
@@ -299,3 +308,5 @@ def test_packing_errors():
         pack_documents_into_rows([torch.arange(1, 5)], 32, 8, prompt_lengths=[4])
     with pytest.raises(ValueError, match="document 1 is empty"):
         pack_documents_into_rows([torch.arange(1, 5), torch.arange(0)], 32, 8)
+    with pytest.raises(ValueError, match="fill=False"):
+        pack_documents_into_rows([torch.arange(1, 50)], 32, 8, prompt_lengths=[3], fill=True)

@@ -1,4 +1,4 @@
-"""Streaming webdataset loader: coverage per epoch, layout independence, exact resume, SFT rows."""
+"""Streaming webdataset loader: filled rows covering each epoch, layout independence, exact resume, SFT rows."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megatron_wedlm.data.dual_stream import IGNORE_INDEX
+from megatron_wedlm.data.packing import pack_documents_into_rows
 from megatron_wedlm.data.prepare import prepare_dataset
 from megatron_wedlm.data.webdataset_loader import (
     StreamPosition,
@@ -21,7 +22,7 @@ from megatron_wedlm.data.webdataset_loader import (
     row_capacity,
     stream_rows,
 )
-from megatron_wedlm.data.webdataset_loader import _chunks, _read_shard, _sample_order, _shard_order
+from megatron_wedlm.data.webdataset_loader import _read_shard, _sample_order, _shard_order
 from megatron_wedlm.testing.tiny_models import build_tiny_tokenizer
 
 SEQ = 64
@@ -91,42 +92,96 @@ def _global_rows(dp: int, workers: int, microbatches: int, spec, state=None, mb:
     return rows, merge_data_states([it.state_dict() for it in iterators])
 
 
-def _epoch_chunks(spec, stream: int) -> list:
-    """The stream's chunks (and skip markers) of epoch 0, in order."""
+def _epoch_samples(spec, stream: int, epoch: int) -> list[tuple[list[int], int]]:
+    """(tokens, prompt length) of every sample the stream reads in ``epoch``, in reading order,
+    taken straight from the shards and the shuffles."""
     out = []
-    for item in _chunks(spec, stream, StreamPosition()):
-        position = item if isinstance(item, StreamPosition) else item.position
-        if position.epoch > 0:
-            return out
-        out.append(item)
-    raise AssertionError("unreachable")
+    for shard in _shard_order(spec, stream, epoch):
+        samples = _read_shard(Path(spec.data_dir) / spec.shard_paths[shard])
+        for i in _sample_order(spec, shard, epoch, len(samples)):
+            out.append((samples[i][0].tolist(), samples[i][1]))
+    return out
 
 
-def test_one_epoch_covers_every_sample_once(pretrain_dir):
-    """Each sample is read exactly once per epoch (by exactly one stream), cut into chunks that
-    reassemble it, and rows carry those chunks in order without loss or duplication."""
-    spec = _spec(pretrain_dir, wedlm=False)
-    samples = _shard_tokens(spec)
-    seen: dict[str, list[int]] = {}
+def _row_documents(batch) -> list[list[int]]:
+    """The documents (pieces) of a row, in order: memory-stream tokens per document id."""
+    real = batch.is_memory & ~batch.is_padding
+    return [batch.target_ids[real & (batch.doc_ids == d)].tolist() for d in range(int(batch.doc_ids[real].max()) + 1)]
+
+
+@pytest.mark.parametrize("wedlm", [False, True], ids=["ar", "wedlm"])
+def test_pretrain_rows_are_filled_and_cover_the_epoch_in_order(pretrain_dir, wedlm):
+    """Rows hold the stream's samples concatenated in reading order (nothing dropped or
+    duplicated, the next epoch follows), every row is full but for less than a block, pieces
+    never cross a sample and are cut at block multiples, and the rows are the ones
+    ``pack_documents_into_rows(fill=True)`` makes of the same samples."""
+    spec = _spec(pretrain_dir, wedlm=wedlm)
+    capacity = row_capacity(spec)
+    assert capacity == (SEQ // 2 if wedlm else SEQ)
+    seen: dict[str, int] = {}
+    continued = 0  # pieces that go on with a sample cut at the end of the previous row
     for stream in range(spec.num_streams):
-        chunks = [c for c in _epoch_chunks(spec, stream) if not isinstance(c, StreamPosition)]
-        for chunk in chunks:
-            pos = chunk.position
-            shard = _shard_order(spec, stream, 0)[pos.shard_cursor]
-            count = sum(1 for key in samples if key.startswith(f"{shard}:"))
-            key = f"{shard}:{_sample_order(spec, shard, 0, count)[pos.sample_cursor]}"
-            assert len(seen.get(key, [])) == pos.token_offset  # chunks arrive in order, none twice
-            seen.setdefault(key, []).extend(chunk.tokens.tolist())
-        # rows hold exactly this chunk sequence (the last, unfinished row is still pending)
-        row_tokens: list[int] = []
+        epoch0 = [tokens for tokens, _ in _epoch_samples(spec, stream, 0)]
+        epoch1 = [tokens for tokens, _ in _epoch_samples(spec, stream, 1)]
+        target = sum(map(len, epoch0))
+        flat: list[int] = []
+        pieces: list[list[int]] = []
         for item in stream_rows(spec, stream, StreamPosition()):
-            if item.position.epoch > 0:
+            documents = _row_documents(item.batch)
+            assert item.num_tokens == sum(map(len, documents)) >= capacity - spec.block_size + 1
+            pieces.extend(documents)
+            flat.extend(t for d in documents for t in d)
+            if len(flat) >= target:
                 break
-            row_tokens.extend(item.batch.input_ids[~item.batch.is_padding].tolist())
-        flat = [t for c in chunks for t in c.tokens.tolist()]
-        assert row_tokens == flat[: len(row_tokens)]
-        assert len(flat) - len(row_tokens) <= row_capacity(spec)
-    assert seen == samples
+        expected = [t for d in epoch0 + epoch1 for t in d]
+        assert flat == expected[: len(flat)]
+        # each piece lies inside one sample and starts a multiple of block_size into it
+        bounds, start = [], 0
+        for d in epoch0 + epoch1:
+            bounds.append((start, start + len(d)))
+            start += len(d)
+        cursor = 0
+        for piece in pieces:
+            sample_start, sample_end = next(b for b in bounds if b[0] <= cursor < b[1])
+            assert cursor + len(piece) <= sample_end and (cursor - sample_start) % spec.block_size == 0
+            continued += cursor > sample_start
+            cursor += len(piece)
+        # the loader and pack_documents_into_rows share one rule
+        reference = pack_documents_into_rows(
+            [torch.tensor(d) for d in epoch0], 2 * capacity, spec.block_size, fill=True
+        )
+        full_rows = [[d.tolist() for d in row.documents] for row in reference[:-1]]
+        loader_rows = []
+        for item in stream_rows(spec, stream, StreamPosition()):
+            if len(loader_rows) == len(full_rows):
+                break
+            loader_rows.append(_row_documents(item.batch))
+        assert loader_rows == full_rows
+        for shard in _shard_order(spec, stream, 0):
+            seen[spec.shard_paths[shard]] = seen.get(spec.shard_paths[shard], 0) + 1
+    assert sorted(seen) == sorted(spec.shard_paths) and set(seen.values()) == {1}  # each shard: one stream
+    assert continued > spec.num_streams
+
+
+@pytest.mark.parametrize("wedlm", [False, True], ids=["ar", "wedlm"])
+def test_resume_inside_a_sample_continues_exactly(pretrain_dir, wedlm):
+    """A stream re-opened at a row boundary that cut a sample yields the same following rows
+    (tokens, masks, positions, documents) as the uninterrupted stream."""
+    spec = _spec(pretrain_dir, wedlm=wedlm)
+    uninterrupted = []
+    for item in stream_rows(spec, 3, StreamPosition()):
+        uninterrupted.append(item)
+        if len(uninterrupted) == 24:
+            break
+    cuts = [i for i, item in enumerate(uninterrupted[:-4]) if item.position.token_offset > 0]
+    assert len(cuts) >= 2  # documents longer than the space left are continued in the next row
+    for i in cuts[:3]:
+        resumed = stream_rows(spec, 3, uninterrupted[i].position)
+        for expected in uninterrupted[i + 1 : i + 4]:
+            got = next(resumed)
+            assert got.row_index == expected.row_index and got.position == expected.position
+            for field in ("input_ids", "target_ids", "is_masked", "position_ids", "doc_ids", "is_padding"):
+                assert torch.equal(getattr(got.batch, field), getattr(expected.batch, field)), field
 
 
 def test_rows_do_not_depend_on_dp_or_workers(pretrain_dir):
@@ -167,25 +222,34 @@ def test_masks_differ_across_streams_and_repeat_for_the_same_row(pretrain_dir):
     assert a.seq_len == SEQ and int((~a.is_padding).sum()) % 2 == 0
 
 
-def test_sft_rows_never_mask_or_learn_prompts(sft_dir):
+def test_sft_rows_are_next_fit_and_never_mask_or_learn_prompts(sft_dir):
     spec = _spec(sft_dir, num_streams=4, seq_length=96)
+    capacity = row_capacity(spec)
     masked_total = skipped = 0
     for stream in range(spec.num_streams):
-        items = _epoch_chunks(spec, stream)
-        skipped += sum(isinstance(c, StreamPosition) for c in items)
-        chunks = iter([c for c in items if not isinstance(c, StreamPosition)])
+        samples = _epoch_samples(spec, stream, 0)
+        kept = [(t, p) for t, p in samples if p < min(capacity, len(t))]
+        skipped += len(samples) - len(kept)
+        # next-fit, written out: a sample that does not fit closes the row; only a sample longer
+        # than a row is cut (into row-sized pieces), so a prompt stays with its response
+        expected_rows: list[list[tuple[list[int], int]]] = [[]]
+        for tokens, prompt in kept:
+            for start in range(0, len(tokens), capacity):
+                piece = tokens[start : start + capacity]
+                if sum(len(d) for d, _ in expected_rows[-1]) + len(piece) > capacity:
+                    expected_rows.append([])
+                expected_rows[-1].append((piece, min(max(prompt - start, 0), len(piece))))
         rows = stream_rows(spec, stream, StreamPosition())
-        for _ in range(3):
+        for expected in expected_rows[:3]:
             batch = next(rows).batch
-            for doc in range(int(batch.doc_ids.max()) + 1):
-                chunk = next(chunks)
-                assert 0 <= chunk.prompt_length < chunk.tokens.numel()  # something left to learn
+            assert _row_documents(batch) == [d for d, _ in expected]
+            for doc, (_, prompt_length) in enumerate(expected):
+                assert 0 <= prompt_length < capacity  # something left to learn
                 slots = batch.doc_ids == doc
-                assert torch.equal(batch.target_ids[slots & batch.is_memory], chunk.tokens)
-                prompt = batch.position_ids < chunk.prompt_length
+                prompt = batch.position_ids < prompt_length
                 assert not (slots & prompt & batch.is_masked).any()  # prompts stay observed
                 labelled = slots & batch.is_memory & (batch.ar_labels != IGNORE_INDEX)
-                assert (batch.position_ids[labelled] + 1 >= chunk.prompt_length).all()  # no prompt target
+                assert (batch.position_ids[labelled] + 1 >= prompt_length).all()  # no prompt target
                 masked_total += int((slots & batch.is_masked).sum())
     assert masked_total > 0
     assert skipped > 0  # samples whose prompt fills a whole row are skipped (and counted)
