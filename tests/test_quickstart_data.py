@@ -8,12 +8,12 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from megatron_wedlm.eval.builtin_tasks import FAMILIES, builtin_task
-from megatron_wedlm.quickstart.corpus import CorpusSpec, read_corpus, stdlib_dir, stdlib_documents, write_corpus
+from megatron_wedlm.eval.builtin_tasks import FAMILIES, builtin_task, training_corpus
+from megatron_wedlm.quickstart.corpus import CorpusSpec, build_documents, read_corpus, stdlib_dir, stdlib_documents, write_corpus
 from megatron_wedlm.quickstart.tokenizer import MASK_TOKEN, check_reload, save_tokenizer, train_tokenizer
 
-SPEC = CorpusSpec(task_documents={"counting": 100, "copying": 150, "arithmetic": 50}, record_documents=20,
-                  code_chars=20000)
+SPEC = CorpusSpec(task_examples={"counting": 100, "copying": 150, "arithmetic": 50}, record_documents=20,
+                  code_chars=20000, examples_per_document=3)
 
 
 def test_corpus_is_deterministic_and_seeded(tmp_path):
@@ -22,14 +22,15 @@ def test_corpus_is_deterministic_and_seeded(tmp_path):
     c = write_corpus(SPEC, tmp_path / "c.jsonl", seed=4)
     assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
     assert (tmp_path / "a.jsonl").read_bytes() != (tmp_path / "c.jsonl").read_bytes()
-    assert (a.task_documents, a.record_documents) == (300, 20)
-    assert a.documents == a.task_documents + a.record_documents + a.code_documents == c.documents
+    assert (a.task_examples, a.record_documents) == (300, 20) and 100 <= a.task_documents < 300
+    assert a.documents == a.task_documents + a.record_documents + a.code_documents
+    assert c.task_examples == a.task_examples and c.code_documents == a.code_documents
     lines = (tmp_path / "a.jsonl").read_text().splitlines()
     assert len(lines) == a.documents and all(set(json.loads(x)) == {"text"} for x in lines)
 
 
 def test_corpus_never_contains_an_evaluation_prompt(tmp_path):
-    spec = CorpusSpec(task_documents={f: 1000 for f in FAMILIES}, record_documents=0, code_chars=0)
+    spec = CorpusSpec(task_examples={f: 1000 for f in FAMILIES}, record_documents=0, code_chars=0)
     write_corpus(spec, tmp_path / "c.jsonl", seed=0)
     texts = set(read_corpus(tmp_path / "c.jsonl"))
     for family in FAMILIES:
@@ -46,22 +47,31 @@ def test_stdlib_documents_come_from_the_running_python(tmp_path):
 
 
 @pytest.mark.parametrize("bad, message", [
-    ({"task_documents": {"counting": 0}}, "must hold documents"),
-    ({"task_documents": {"counting": -1}}, "counting must be >= 0"),
-    ({"task_documents": {"poetry": 3}}, "unknown families"),
+    ({"task_examples": {"counting": 0}}, "must hold examples"),
+    ({"task_examples": {"counting": -1}}, "counting must be >= 0"),
+    ({"task_examples": {"poetry": 3}}, "unknown families"),
     ({"code_chars": -1}, "code_chars"),
+    ({"examples_per_document": 0}, "examples_per_document"),
 ])
 def test_corpus_spec_rejects_bad_sizes(bad, message):
     with pytest.raises(ValueError, match=message):
-        CorpusSpec(**{"task_documents": {"copying": 10}, "record_documents": 0, "code_chars": 0, **bad})
+        CorpusSpec(**{"task_examples": {"copying": 10}, "record_documents": 0, "code_chars": 0, **bad})
 
 
-def test_corpus_holds_the_requested_documents_per_family(tmp_path):
-    write_corpus(SPEC, tmp_path / "c.jsonl", seed=0)
-    texts = list(read_corpus(tmp_path / "c.jsonl"))
-    assert sum(t.startswith("Count from") for t in texts) == 100
-    assert sum(t.startswith("Repeat") for t in texts) == 150
-    assert sum(t.startswith("id,item,qty") for t in texts) == 20
+def test_corpus_holds_the_requested_examples_grouped_into_documents(tmp_path):
+    docs = build_documents(SPEC, seed=0)
+    task_docs = [t for kind, t in docs if kind == "task"]
+    examples = [line for t in task_docs for line in t.splitlines()]
+    assert sorted(examples) == sorted(line for f, n in SPEC.task_examples.items()
+                                      for line in "".join(training_corpus(n, seed=0, families=(f,))).splitlines())
+    assert sum(kind == "records" for kind, _ in docs) == 20
+    assert [t for _, t in docs] == list(read_corpus(write_corpus(SPEC, tmp_path / "c.jsonl", seed=0).path))
+    sizes = {len(t.splitlines()) for t in task_docs}
+    assert sizes == {1, 2, 3}  # 1..examples_per_document examples, each one line
+    # one example per document: every task document is exactly one training_corpus example
+    one = CorpusSpec(task_examples={"copying": 40}, record_documents=0, code_chars=0)
+    write_corpus(one, tmp_path / "one.jsonl", seed=0)
+    assert sorted(read_corpus(tmp_path / "one.jsonl")) == sorted(training_corpus(40, seed=0, families=("copying",)))
 
 
 def test_tokenizer_round_trips_and_survives_reload_next_to_a_qwen2_config(tmp_path):

@@ -6,6 +6,13 @@ Two kinds of documents, because the quickstart has to show two things:
   multiples -- plus small structured record tables). Their continuations are nearly
   deterministic, which is where parallel decoding commits many tokens per forward, and their
   evaluation prompts are held out from this text (``megatron_wedlm.eval.builtin_tasks``).
+  A document holds 1 to ``examples_per_document`` task examples one after another. Why: WeDLM
+  training cuts each document into blocks aligned to its start, and a masked slot sees clean
+  memory only of *earlier* blocks. With one example per document, a short answer always sits in
+  block 0 next to its own (maskable) prompt, so the model never practises the situation of
+  inference -- the whole prompt known (in the KV cache), the answer masked -- and it does not
+  learn to decode short answers in parallel. Several examples per document put every example
+  at many block offsets.
 * **Real text**: Python's own standard-library sources, present on every machine with Python.
   They keep the tokenizer and the model honest on high-entropy text, where the report must
   show that parallel decoding gains little.
@@ -81,31 +88,37 @@ def record_documents(n: int, seed: int = 0) -> list[str]:
 class CorpusSpec:
     """How much of each document kind the corpus holds.
 
-    ``task_documents`` maps each built-in task family to its number of documents. They are set
-    per family because the families differ a lot in length and difficulty: a counting document
-    is ~5x longer than a copying one, so equal counts would spend most tokens on counting.
+    ``task_examples`` maps each built-in task family to its number of training examples. They
+    are set per family because the families differ a lot in length and difficulty: a counting
+    example is ~5x longer than a copying one, so equal counts would spend most tokens on
+    counting. Examples are grouped into documents of 1 to ``examples_per_document`` (see the
+    module docstring).
     """
 
-    task_documents: Mapping[str, int]
+    task_examples: Mapping[str, int]
     record_documents: int
     code_chars: int
+    examples_per_document: int = 1
 
     def __post_init__(self) -> None:
-        unknown = [f for f in self.task_documents if f not in FAMILIES]
+        unknown = [f for f in self.task_examples if f not in FAMILIES]
         if unknown:
-            raise ValueError(f"corpus task_documents has unknown families {unknown}; choose from {FAMILIES}")
-        for name, value in [*self.task_documents.items(), ("record_documents", self.record_documents),
+            raise ValueError(f"corpus task_examples has unknown families {unknown}; choose from {FAMILIES}")
+        for name, value in [*self.task_examples.items(), ("record_documents", self.record_documents),
                             ("code_chars", self.code_chars)]:
             if value < 0:
                 raise ValueError(f"corpus {name} must be >= 0, got {value}")
-        if sum(self.task_documents.values()) == 0:
-            raise ValueError("corpus task_documents must hold documents: the built-in tasks are what is evaluated")
+        if sum(self.task_examples.values()) == 0:
+            raise ValueError("corpus task_examples must hold examples: the built-in tasks are what is evaluated")
+        if self.examples_per_document < 1:
+            raise ValueError(f"corpus examples_per_document must be >= 1, got {self.examples_per_document}")
 
 
 @dataclass(frozen=True)
 class CorpusStats:
     path: str
     documents: int
+    task_examples: int
     task_documents: int
     record_documents: int
     code_documents: int
@@ -115,8 +128,15 @@ class CorpusStats:
 
 def build_documents(spec: CorpusSpec, seed: int) -> list[tuple[str, str]]:
     """``(kind, text)`` documents, interleaved deterministically so every shard sees every kind."""
-    tagged = [("task", t) for family, n in spec.task_documents.items() if n
-              for t in training_corpus(n, seed=seed, families=(family,))]
+    examples = [t for family, n in spec.task_examples.items() if n
+                for t in training_corpus(n, seed=seed, families=(family,))]
+    rng = random.Random(f"corpus-groups:{seed}")
+    rng.shuffle(examples)
+    tagged = []
+    while examples:
+        k = rng.randint(1, spec.examples_per_document)
+        tagged.append(("task", "".join(examples[:k])))
+        del examples[:k]
     tagged += [("records", t) for t in record_documents(spec.record_documents, seed=seed)]
     tagged += [("code", t) for t in stdlib_documents(spec.code_chars)]
     random.Random(f"corpus-order:{seed}").shuffle(tagged)
@@ -135,6 +155,7 @@ def write_corpus(spec: CorpusSpec, path: str | Path, seed: int) -> CorpusStats:
     return CorpusStats(
         path=str(path),
         documents=len(docs),
+        task_examples=sum(spec.task_examples.values()),
         task_documents=count["task"],
         record_documents=count["records"],
         code_documents=count["code"],

@@ -144,11 +144,12 @@ class Quickstart:
         from megatron_wedlm.quickstart.corpus import CorpusSpec, write_corpus
 
         c = self.settings.corpus
-        spec = CorpusSpec(task_documents=dict(c.task_documents), record_documents=c.record_documents,
-                          code_chars=c.code_chars)
+        spec = CorpusSpec(task_examples=dict(c.task_examples), record_documents=c.record_documents,
+                          code_chars=c.code_chars, examples_per_document=c.examples_per_document)
         stats = write_corpus(spec, self.layout.corpus, seed=self.seed)
         self.console.print(
-            f"[corpus] {stats.documents} documents ({stats.task_documents} task, {stats.record_documents} records, "
+            f"[corpus] {stats.documents} documents ({stats.task_documents} with {stats.task_examples} task examples, "
+            f"{stats.record_documents} record tables, "
             f"{stats.code_documents} stdlib files), {stats.chars / 1e6:.2f} M characters -> {stats.path}"
         )
         return asdict(stats)

@@ -25,9 +25,10 @@ PRESETS = ("full", "ci")
 
 @dataclass
 class CorpusSettings:
-    # built-in task documents per family (see megatron_wedlm.eval.builtin_tasks)
-    task_documents: Dict[str, int] = field(default_factory=lambda: {"counting": 5000, "copying": 15000,
-                                                                      "arithmetic": 8000})
+    # built-in task training examples per family (see megatron_wedlm.eval.builtin_tasks)
+    task_examples: Dict[str, int] = field(default_factory=lambda: {"counting": 3000, "copying": 25000,
+                                                                     "arithmetic": 3000})
+    examples_per_document: int = 4  # documents hold 1..this many examples (see quickstart/corpus.py)
     record_documents: int = 1000  # small CSV tables
     code_chars: int = 400000  # characters of Python standard-library source
     samples_per_shard: int = 2000  # documents per webdataset shard (tools/prepare_data.py)
