@@ -5,8 +5,10 @@
 * :mod:`.attention_rule` -- the rule :func:`may_attend`, written once, and its forms:
   dense bool mask, FlexAttention ``mask_mod`` / ``BlockMask`` (no ``S x S`` memory),
   :class:`AttentionMetadata` (what attention modules and pipeline stages carry).
-* :mod:`.packing`        -- ``pack_documents_into_rows``: split long documents into
-  block-aligned chunks and pack rows under a length cap.
+* :mod:`.packing`        -- ``pack_documents_into_rows``: cut documents at block-aligned
+  points and pack rows under a length cap (``fill=True``, pretraining: rows are filled and a
+  document continues in the next row; otherwise next-fit). ``next_piece_length`` is the one
+  cutting rule, shared with the webdataset loader.
 * :mod:`.seeding`        -- ``rank_generator(seed, dp_rank, step)``: per-rank mask streams.
 
 Mask convention everywhere: True = may attend. Megatron-Core's ``attention_mask`` is the
