@@ -90,7 +90,7 @@ class CorpusSpec:
 
     ``task_examples`` maps each built-in task family to its number of training examples. They
     are set per family because the families differ a lot in length and difficulty: a counting
-    example is ~5x longer than a copying one, so equal counts would spend most tokens on
+    example has ~2x the tokens of a copying one, so equal counts would spend most tokens on
     counting. Examples are grouped into documents of 1 to ``examples_per_document`` (see the
     module docstring).
     """
@@ -133,10 +133,11 @@ def build_documents(spec: CorpusSpec, seed: int) -> list[tuple[str, str]]:
     rng = random.Random(f"corpus-groups:{seed}")
     rng.shuffle(examples)
     tagged = []
-    while examples:
+    start = 0
+    while start < len(examples):
         k = rng.randint(1, spec.examples_per_document)
-        tagged.append(("task", "".join(examples[:k])))
-        del examples[:k]
+        tagged.append(("task", "".join(examples[start : start + k])))
+        start += k
     tagged += [("records", t) for t in record_documents(spec.record_documents, seed=seed)]
     tagged += [("code", t) for t in stdlib_documents(spec.code_chars)]
     random.Random(f"corpus-order:{seed}").shuffle(tagged)
