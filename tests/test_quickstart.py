@@ -45,11 +45,17 @@ def test_every_stage_ran_in_order_with_visible_progress(run):
         assert f"=== stage {i}: {name} done in" in stdout
     by_name = {s["name"]: s for s in stages}
     # the real entry points, with the commands recorded
-    assert "tools/prepare_data.py" in by_name["prepare_data"]["commands"][0]
-    for stage in ("ar_pretrain", "wedlm_pretrain"):
+    pretrain_data, sft_data = by_name["prepare_data"]["commands"]
+    assert "tools/prepare_data.py" in pretrain_data and "--task sft --raw-sft" in sft_data
+    for stage, script in (("ar_pretrain", "pretrain/pretrain_wedlm.py"), ("wedlm_pretrain", "pretrain/pretrain_wedlm.py"),
+                          ("sft", "sft/sft_wedlm.py")):
         assert "torch.distributed.run" in by_name[stage]["commands"][0]
-        assert "--nproc_per_node=2 pretrain/pretrain_wedlm.py" in by_name[stage]["commands"][0]
-    assert "model.init_from=" in by_name["wedlm_pretrain"]["commands"][0]
+        assert f"--nproc_per_node=2 {script}" in by_name[stage]["commands"][0]
+    # each stage starts from the previous stage's last checkpoint
+    for stage, previous in (("wedlm_pretrain", "ar"), ("sft", "wedlm")):
+        checkpoint = json.loads((out / "runs" / previous / "result.json").read_text())["checkpoints"][-1]
+        assert f"model.init_from={checkpoint}" in by_name[stage]["commands"][0]
+    assert f"data.path={out / 'data' / 'sft_shards'}" in by_name["sft"]["commands"][0]
     assert all("convert_checkpoint.py megatron-to-hf" in c for c in by_name["export"]["commands"])
     assert all("inference/evaluate.py" in c for c in by_name["eval_base"]["commands"] + by_name["eval_wedlm"]["commands"])
     for stage in stages:
@@ -66,11 +72,15 @@ def test_data_artefacts_parse(run):
     assert manifest["mask_token_id"] == tok.mask_token_id
     shards = sorted((out / "data" / "shards").glob("*.tar"))
     assert shards and all(tarfile.is_tarfile(s) for s in shards)
+    pairs = [json.loads(x) for x in (out / "data" / "sft.jsonl").read_text().splitlines()]
+    assert pairs and all(p["prompt"] and p["response"].endswith("\n") for p in pairs)
+    sft_manifest = json.loads((out / "data" / "sft_shards" / "manifest.json").read_text())
+    assert sft_manifest["num_samples"] == len(pairs) and sft_manifest["mask_token_id"] == tok.mask_token_id
 
 
 def test_training_runs_wrote_losses_and_checkpoints(run):
     out, _ = run
-    for name, wedlm in (("ar", False), ("wedlm", True)):
+    for name, wedlm in (("ar", False), ("wedlm", True), ("sft", True)):
         result = json.loads((out / "runs" / name / "result.json").read_text())
         assert result["final_step"] > 0 and len(result["losses"]) == result["final_step"]
         assert Path(result["checkpoints"][-1]).is_dir()

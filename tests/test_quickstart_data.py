@@ -9,7 +9,15 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from megatron_wedlm.eval.builtin_tasks import FAMILIES, builtin_task, training_corpus
-from megatron_wedlm.quickstart.corpus import CorpusSpec, build_documents, read_corpus, stdlib_dir, stdlib_documents, write_corpus
+from megatron_wedlm.quickstart.corpus import (
+    CorpusSpec,
+    build_documents,
+    read_corpus,
+    stdlib_dir,
+    stdlib_documents,
+    write_corpus,
+    write_sft_pairs,
+)
 from megatron_wedlm.quickstart.tokenizer import MASK_TOKEN, check_reload, save_tokenizer, train_tokenizer
 
 SPEC = CorpusSpec(task_examples={"counting": 100, "copying": 150, "arithmetic": 50}, record_documents=20,
@@ -36,6 +44,40 @@ def test_corpus_never_contains_an_evaluation_prompt(tmp_path):
     for family in FAMILIES:
         for ex in builtin_task(family, num_examples=30, seed=0).examples:
             assert not any(t.startswith(ex.prompt) for t in texts), ex.prompt
+
+
+def _correct_answer(prompt: str) -> str:
+    """The completion a perfect model gives, recomputed from the prompt (counting and copying)."""
+    if prompt.startswith("Count from "):
+        start, end = (int(x) for x in prompt[len("Count from "):-1].split(" to "))
+        return "".join(f" {i}" for i in range(start, end + 1)) + "\n"
+    assert prompt.startswith("Repeat ")
+    return " " + prompt[len("Repeat "):-1] + "\n"
+
+
+def test_sft_pairs_are_seeded_correct_and_held_out_free(tmp_path):
+    counts = {"counting": 300, "copying": 200}
+    n = write_sft_pairs(counts, tmp_path / "a.jsonl", seed=2)
+    write_sft_pairs(counts, tmp_path / "b.jsonl", seed=2)
+    write_sft_pairs(counts, tmp_path / "c.jsonl", seed=3)
+    assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
+    assert (tmp_path / "a.jsonl").read_bytes() != (tmp_path / "c.jsonl").read_bytes()
+    pairs = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()]
+    assert n == len(pairs) == 500 and all(set(p) == {"prompt", "response"} for p in pairs)
+    assert sum(p["prompt"].startswith("Count") for p in pairs) == 300
+    assert all(p["response"] == _correct_answer(p["prompt"]) for p in pairs)
+    # shuffled across families, not one block per family
+    assert any(p["prompt"].startswith("Repeat") for p in pairs[:100])
+    # an independent draw: not the pretraining corpus's examples in the same order
+    corpus_copying = training_corpus(200, seed=2, families=("copying",))
+    sft_copying = [p["prompt"] + p["response"] for p in pairs if p["prompt"].startswith("Repeat")]
+    assert sft_copying != corpus_copying
+    held_out = {ex.prompt for f in counts for ex in builtin_task(f, num_examples=30, seed=2).examples}
+    assert not held_out & {p["prompt"] for p in pairs}
+    with pytest.raises(ValueError, match="unknown families"):
+        write_sft_pairs({"poetry": 3}, tmp_path / "d.jsonl", seed=0)
+    with pytest.raises(ValueError, match="must hold examples"):
+        write_sft_pairs({"counting": 0}, tmp_path / "d.jsonl", seed=0)
 
 
 def test_stdlib_documents_come_from_the_running_python(tmp_path):

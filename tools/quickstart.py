@@ -5,7 +5,8 @@
 
 Builds a corpus (built-in low-entropy tasks + Python standard-library source), trains a
 tokenizer, prepares webdataset shards, pretrains a small Qwen-style model with next-token
-prediction (torchrun, 2 processes), continues it with WeDLM training, exports both models to
+prediction (torchrun, 2 processes), continues it with WeDLM pretraining, WeDLM-fine-tunes it on
+prompt/answer pairs of the built-in tasks (sft/sft_wedlm.py), exports the base and final models to
 HF, decodes held-out prompts with AR, streaming and block-wise decoding, and prints a table
 (accuracy, tokens/forward, p_cache, tokens/s, speed-up vs AR) with the targets, writing
 report.json, report.md and speed_accuracy.png under --out. Each step runs the project's own

@@ -133,13 +133,14 @@ def builtin_task(name: str, num_examples: int = 50, seed: int = 0) -> BuiltinTas
 
 
 def training_pairs(
-    n: int, seed: int = 0, families: Sequence[str] = FAMILIES
+    n: int, seed: int | str = 0, families: Sequence[str] = FAMILIES
 ) -> list[tuple[str, str]]:
     """``n`` (prompt, completion) pairs from the training split, families in rotation.
 
     The completion starts with a space and ends with a newline, exactly as a correct model
     answer to the evaluation prompt would (useful for SFT with unmaskable prompts). Instances
-    may repeat (the training split of a family is finite); held-out ones never appear.
+    may repeat (the training split of a family is finite); held-out ones never appear. A string
+    ``seed`` names an independent draw (e.g. SFT pairs next to a pretraining corpus).
     """
     _check_families(families)
     rng = random.Random(f"train:{seed}")

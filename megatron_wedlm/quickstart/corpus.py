@@ -17,6 +17,9 @@ Two kinds of documents, because the quickstart has to show two things:
   They keep the tokenizer and the model honest on high-entropy text, where the report must
   show that parallel decoding gains little.
 
+Next to the pretraining corpus, :func:`write_sft_pairs` writes the prompt/response pairs of the
+quickstart's WeDLM SFT stage.
+
 Everything is a pure function of the seed and of the Python installation (the stdlib files
 are taken in sorted order), so a re-run builds byte-identical files.
 """
@@ -30,7 +33,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_wedlm.eval.builtin_tasks import FAMILIES, training_corpus
+from megatron_wedlm.eval.builtin_tasks import FAMILIES, training_corpus, training_pairs
 
 _RECORD_ITEMS = ("apple", "pear", "plum", "fig", "lime", "kiwi", "date", "melon")
 
@@ -163,6 +166,34 @@ def write_corpus(spec: CorpusSpec, path: str | Path, seed: int) -> CorpusStats:
         chars=sum(len(t) for _, t in docs),
         code_chars=sum(len(t) for kind, t in docs if kind == "code"),
     )
+
+
+def write_sft_pairs(task_examples: Mapping[str, int], path: str | Path, seed: int) -> int:
+    """Write ``{"prompt", "response"}`` lines of the built-in tasks; returns how many.
+
+    The input of ``tools/prepare_data.py --task sft --raw-sft``. Why an SFT stage in the
+    quickstart: in continued pretraining a masked slot right after the end of a counting range
+    rarely has the whole prompt and answer before it in view, so a minutes-trained model does not
+    learn where to stop (measured on a 6-layer quickstart model: P(newline) 0.46 there, streaming
+    counting 10%). SFT keeps every prompt observed and masks only answers, which is the decoding
+    situation; 1000 SFT steps took the same model to P(newline) 0.91 and streaming counting to
+    50%. Pairs are an independent draw of the training split
+    (held-out prompts never appear), in a seeded shuffled order.
+    """
+    unknown = [f for f in task_examples if f not in FAMILIES]
+    if unknown:
+        raise ValueError(f"sft task_examples has unknown families {unknown}; choose from {FAMILIES}")
+    pairs = [pair for family, n in task_examples.items() if n > 0
+             for pair in training_pairs(n, seed=f"sft:{seed}", families=(family,))]
+    if not pairs:
+        raise ValueError("sft task_examples must hold examples")
+    random.Random(f"sft-order:{seed}").shuffle(pairs)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for prompt, response in pairs:
+            f.write(json.dumps({"prompt": prompt, "response": response}, ensure_ascii=False) + "\n")
+    return len(pairs)
 
 
 def read_corpus(path: str | Path) -> Iterator[str]:

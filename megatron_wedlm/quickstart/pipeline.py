@@ -1,25 +1,27 @@
 """The quickstart run, stage by stage, through the project's real entry points.
 
-    corpus -> tokenizer -> prepare_data -> ar_pretrain -> wedlm_pretrain -> export -> eval_base
-    -> eval_wedlm -> report
+    corpus -> tokenizer -> prepare_data -> ar_pretrain -> wedlm_pretrain -> sft -> export
+    -> eval_base -> eval_wedlm -> report
 
 Only the first two stages and the report run in this process (they have no entry point of
 their own: building text and training a tokenizer are what the quickstart *adds*). Everything
 else is the command a user would run, launched as a subprocess with the arguments printed:
 
-* ``tools/prepare_data.py``              corpus jsonl -> webdataset shards
+* ``tools/prepare_data.py``              corpus jsonl -> webdataset shards; SFT pairs -> shards
+  (``--task sft --raw-sft``: prompts unmaskable, no loss on them)
 * ``torchrun pretrain/pretrain_wedlm.py`` AR pretraining from scratch (``wedlm.enabled=false``),
   then WeDLM continued pretraining from its last checkpoint (``model.init_from``)
-* ``tools/convert_checkpoint.py megatron-to-hf`` for both checkpoints, each then reloaded with
-  ``AutoModelForCausalLM`` (and its tokenizer checked to encode as the trained one)
+* ``torchrun sft/sft_wedlm.py``          WeDLM SFT on the task pairs from the WeDLM checkpoint
+* ``tools/convert_checkpoint.py megatron-to-hf`` for the base and the final (SFT) checkpoint,
+  each then reloaded with ``AutoModelForCausalLM`` (its tokenizer checked to encode as ours)
 * ``inference/evaluate.py`` AR decoding of the base model; AR, streaming and block-wise
   decoding of the WeDLM model, on held-out prompts of every built-in task
 
 Layout of the output directory (each stage owns its subdirectory; a rerun replaces them)::
 
-    data/corpus.jsonl  data/shards/  tokenizer/  runs/ar/  runs/wedlm/  hf/ar-base/  hf/wedlm/
-    eval/ar-base/  eval/wedlm/  logs/<stage>.log  stages.json
-    report.json  report.md  speed_accuracy.png
+    data/corpus.jsonl  data/shards/  data/sft.jsonl  data/sft_shards/  tokenizer/
+    runs/ar/  runs/wedlm/  runs/sft/  hf/ar-base/  hf/wedlm/  eval/ar-base/  eval/wedlm/
+    logs/<stage>.log  stages.json  report.json  report.md  speed_accuracy.png
 """
 
 from __future__ import annotations
@@ -32,14 +34,23 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_wedlm.quickstart.settings import REPO_ROOT, QuickstartSettings, load_settings, preset_path
+from megatron_wedlm.quickstart.settings import (
+    REPO_ROOT,
+    TRAINING_STAGES,
+    QuickstartSettings,
+    load_settings,
+    preset_path,
+)
 from megatron_wedlm.quickstart.stages import Console, StageRunner
 
 #: Subdirectories and files of the output directory that a run writes (and a rerun replaces).
 OWNED_PATHS = ("data", "tokenizer", "runs", "hf", "eval", "logs", "stages.json",
                "report.json", "report.md", "speed_accuracy.png")
-STAGES = ("corpus", "tokenizer", "prepare_data", "ar_pretrain", "wedlm_pretrain", "export",
+STAGES = ("corpus", "tokenizer", "prepare_data", "ar_pretrain", "wedlm_pretrain", "sft", "export",
           "eval_base", "eval_wedlm", "report")
+#: Entry point of each training stage.
+TRAINING_SCRIPTS = {"ar_pretrain": "pretrain/pretrain_wedlm.py", "wedlm_pretrain": "pretrain/pretrain_wedlm.py",
+                    "sft": "sft/sft_wedlm.py"}
 
 
 @dataclass(frozen=True)
@@ -57,11 +68,22 @@ class Layout:
         return self.root / "data" / "shards"
 
     @property
+    def sft_pairs(self) -> Path:
+        return self.root / "data" / "sft.jsonl"
+
+    @property
+    def sft_shards(self) -> Path:
+        return self.root / "data" / "sft_shards"
+
+    @property
     def tokenizer(self) -> Path:
         return self.root / "tokenizer"
 
     def run_dir(self, stage: str) -> Path:
-        return self.root / "runs" / {"ar_pretrain": "ar", "wedlm_pretrain": "wedlm"}[stage]
+        return self.root / "runs" / {"ar_pretrain": "ar", "wedlm_pretrain": "wedlm", "sft": "sft"}[stage]
+
+    def training_data(self, stage: str) -> Path:
+        return self.sft_shards if stage == "sft" else self.shards
 
     def hf_dir(self, model: str) -> Path:
         return self.root / "hf" / model
@@ -141,7 +163,7 @@ class Quickstart:
 
     # -- stages ------------------------------------------------------------------------------
     def corpus(self) -> dict[str, Any]:
-        from megatron_wedlm.quickstart.corpus import CorpusSpec, write_corpus
+        from megatron_wedlm.quickstart.corpus import CorpusSpec, write_corpus, write_sft_pairs
 
         c = self.settings.corpus
         spec = CorpusSpec(task_examples=dict(c.task_examples), record_documents=c.record_documents,
@@ -152,7 +174,9 @@ class Quickstart:
             f"{stats.record_documents} record tables, "
             f"{stats.code_documents} stdlib files), {stats.chars / 1e6:.2f} M characters -> {stats.path}"
         )
-        return asdict(stats)
+        n_pairs = write_sft_pairs(self.settings.sft.task_examples, self.layout.sft_pairs, seed=self.seed)
+        self.console.print(f"[corpus] {n_pairs} SFT prompt/response pairs -> {self.layout.sft_pairs}")
+        return {**asdict(stats), "sft_pairs": n_pairs, "sft_path": str(self.layout.sft_pairs)}
 
     def tokenizer(self) -> dict[str, Any]:
         from megatron_wedlm.eval.builtin_tasks import builtin_task
@@ -174,23 +198,28 @@ class Quickstart:
                 "corpus_tokens": n_tokens, "path": str(self.layout.tokenizer)}
 
     def prepare_data(self) -> dict[str, Any]:
-        self._run([*_python(), "tools/prepare_data.py", "--input", self.layout.corpus,
-                   "--tokenizer", self.layout.tokenizer, "--output", self.layout.shards,
-                   "--samples-per-shard", str(self.settings.corpus.samples_per_shard), "--overwrite"])
-        manifest = json.loads((self.layout.shards / "manifest.json").read_text())
-        return {"path": str(self.layout.shards), "shards": len(manifest.get("shards", [])),
-                "mask_token_id": manifest.get("mask_token_id")}
+        detail = {}
+        for name, source, out, extra in (("pretrain", self.layout.corpus, self.layout.shards, []),
+                                         ("sft", self.layout.sft_pairs, self.layout.sft_shards,
+                                          ["--task", "sft", "--raw-sft"])):
+            self._run([*_python(), "tools/prepare_data.py", "--input", source, "--tokenizer", self.layout.tokenizer,
+                       "--output", out, *extra, "--samples-per-shard", str(self.settings.corpus.samples_per_shard),
+                       "--overwrite"], log_name=f"prepare_data_{name}")
+            manifest = json.loads((out / "manifest.json").read_text())
+            detail[name] = {"path": str(out), "shards": len(manifest.get("shards", [])),
+                            "mask_token_id": manifest.get("mask_token_id")}
+        return detail
 
-    def pretrain(self, stage: str, init_from: Path | None = None) -> dict[str, Any]:
+    def train(self, stage: str, init_from: Path | None = None) -> dict[str, Any]:
         cfg = self.settings.training_config_path(stage)
         run_dir = self.layout.run_dir(stage)
-        overrides = [f"data.path={self.layout.shards}", f"trainer.output_dir={run_dir}",
+        overrides = [f"data.path={self.layout.training_data(stage)}", f"trainer.output_dir={run_dir}",
                      f"trainer.seed={self.seed}", f"data.seed={self.seed}"]
         if init_from is not None:
             overrides.append(f"model.init_from={init_from}")
         nproc = getattr(self.settings, stage).nproc
         self._run([*_python(), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                   "pretrain/pretrain_wedlm.py", "--config", cfg.relative_to(REPO_ROOT),
+                   TRAINING_SCRIPTS[stage], "--config", cfg.relative_to(REPO_ROOT),
                    "--result-json", run_dir / "result.json", *overrides],
                   env={"OMP_NUM_THREADS": "1"})
         result = read_training_result(run_dir)
@@ -268,7 +297,7 @@ class Quickstart:
             base_report=self.layout.eval_dir(BASE) / "report.json",
             wedlm_report=self.layout.eval_dir(WEDLM) / "report.json",
             settings=self.settings, seed=self.seed, stages=self.runner.records, timings=timings,
-            training={s: read_training_result(self.layout.run_dir(s)) for s in ("ar_pretrain", "wedlm_pretrain")},
+            training={s: read_training_result(self.layout.run_dir(s)) for s in TRAINING_STAGES},
             previous_fingerprint=self.previous_fingerprint,
         )
         paths = write_summary(summary, self.layout.root)
@@ -290,12 +319,14 @@ class Quickstart:
                          self.tokenizer)
             runner.stage("prepare_data", "tokenize into webdataset shards (tools/prepare_data.py)", self.prepare_data)
             ar = runner.stage("ar_pretrain", f"AR pretraining from scratch, torchrun x{s.ar_pretrain.nproc}",
-                              lambda: self.pretrain("ar_pretrain"))
+                              lambda: self.train("ar_pretrain"))
             base_ckpt = Path(ar.detail["checkpoint"])
             we = runner.stage("wedlm_pretrain", f"WeDLM continued pretraining, torchrun x{s.wedlm_pretrain.nproc}",
-                              lambda: self.pretrain("wedlm_pretrain", init_from=base_ckpt))
-            wedlm_ckpt = Path(we.detail["checkpoint"])
-            runner.stage("export", "megatron-to-hf for both models, reload with AutoModelForCausalLM",
+                              lambda: self.train("wedlm_pretrain", init_from=base_ckpt))
+            sft = runner.stage("sft", f"WeDLM SFT on the task pairs (sft/sft_wedlm.py), torchrun x{s.sft.nproc}",
+                               lambda: self.train("sft", init_from=Path(we.detail["checkpoint"])))
+            wedlm_ckpt = Path(sft.detail["checkpoint"])
+            runner.stage("export", "megatron-to-hf for the base and the WeDLM model, reload with AutoModelForCausalLM",
                          lambda: self.export({BASE: base_ckpt, WEDLM: wedlm_ckpt}))
             runner.stage("eval_base", "AR decoding of the base model (inference/evaluate.py)",
                          lambda: self.evaluate(BASE, ["ar"]))

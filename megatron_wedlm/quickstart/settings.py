@@ -1,11 +1,12 @@
 """The quickstart's own settings (corpus, tokenizer, stages, evaluation, targets), one YAML per preset.
 
-A preset is ``configs/quickstart/<name>.yaml``. It names the two training configs it hands to
-the real training entry point (``pretrain/pretrain_wedlm.py``); those are ordinary training
-configs (``megatron_wedlm.config``), so everything about the model and the optimiser lives
-there, checked by the training schema, and a user can rerun a stage by hand with them. This
-file holds only what the training entry point does not know about. Like the training config,
-it is a typed schema under omegaconf: unknown keys and wrong types are errors naming the key.
+A preset is ``configs/quickstart/<name>.yaml``. It names the three training configs it hands to
+the real training entry points (``pretrain/pretrain_wedlm.py`` for the AR and WeDLM stages,
+``sft/sft_wedlm.py`` for SFT); those are ordinary training configs (``megatron_wedlm.config``),
+so everything about the model and the optimiser lives there, checked by the training schema,
+and a user can rerun a stage by hand with them. This file holds only what the training entry
+points do not know about. Like the training config, it is a typed schema under omegaconf:
+unknown keys and wrong types are errors naming the key.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PRESET_DIR = REPO_ROOT / "configs" / "quickstart"
 PRESETS = ("full", "ci")
+TRAINING_STAGES = ("ar_pretrain", "wedlm_pretrain", "sft")
 
 
 @dataclass
@@ -43,6 +45,13 @@ class TokenizerSettings:
 class TrainingStageSettings:
     config: str = ""  # training config YAML, relative to the repository root
     nproc: int = 2  # torchrun processes
+
+
+@dataclass
+class SftStageSettings(TrainingStageSettings):
+    # prompt/response pairs per built-in task family (an independent draw of the training split)
+    task_examples: Dict[str, int] = field(default_factory=lambda: {"counting": 6000, "copying": 3000,
+                                                                     "arithmetic": 1000})
 
 
 @dataclass
@@ -70,6 +79,7 @@ class QuickstartSettings:
     tokenizer: TokenizerSettings = field(default_factory=TokenizerSettings)
     ar_pretrain: TrainingStageSettings = field(default_factory=TrainingStageSettings)
     wedlm_pretrain: TrainingStageSettings = field(default_factory=TrainingStageSettings)
+    sft: SftStageSettings = field(default_factory=SftStageSettings)
     eval: EvalSettings = field(default_factory=EvalSettings)
     targets: TargetSettings = field(default_factory=TargetSettings)
 
@@ -100,7 +110,7 @@ def load_settings(path: str | Path) -> QuickstartSettings:
 
 
 def _validate(s: QuickstartSettings, path: Path) -> None:
-    for stage in ("ar_pretrain", "wedlm_pretrain"):
+    for stage in TRAINING_STAGES:
         cfg = getattr(s, stage)
         if not cfg.config:
             raise ValueError(f"{path}: {stage}.config must name a training config YAML")
@@ -108,6 +118,10 @@ def _validate(s: QuickstartSettings, path: Path) -> None:
             raise ValueError(f"{path}: {stage}.config={cfg.config} does not exist under {REPO_ROOT}")
         if cfg.nproc < 1:
             raise ValueError(f"{path}: {stage}.nproc must be >= 1, got {cfg.nproc}")
+    examples = s.sft.task_examples
+    if any(n < 0 for n in examples.values()) or sum(examples.values()) == 0:
+        raise ValueError(f"{path}: sft.task_examples needs counts >= 0 that are not all 0 "
+                         f"(prompt/response pairs per task family), got {dict(examples)}")
     if s.eval.num_examples < 1:
         raise ValueError(f"{path}: eval.num_examples must be >= 1, got {s.eval.num_examples}")
     if not s.eval.taus:

@@ -188,7 +188,8 @@ def markdown(data: dict[str, Any]) -> str:
     q = data["quickstart"]
     lines = [f"# WeDLM quickstart (preset {q['preset']}, seed {q['seed']})", "",
              "Base model: a small Qwen-style model pretrained from scratch with next-token prediction. "
-             "WeDLM model: the same model after WeDLM continued pretraining. Both exported to HF and "
+             "WeDLM model: the same model after WeDLM continued pretraining and WeDLM SFT on the task "
+             "pairs. Both exported to HF and "
              "evaluated on held-out prompts of the built-in tasks. Speed-up = tokens/s of a method over "
              "AR tokens/s of the same model, decoded side by side in one process.", "",
              "## Targets", "", "| target | wanted | measured | status |", "|---|---|---|---|"]
