@@ -78,6 +78,8 @@ def test_sft_pairs_are_seeded_correct_and_held_out_free(tmp_path):
         write_sft_pairs({"poetry": 3}, tmp_path / "d.jsonl", seed=0)
     with pytest.raises(ValueError, match="must hold examples"):
         write_sft_pairs({"counting": 0}, tmp_path / "d.jsonl", seed=0)
+    with pytest.raises(ValueError, match="counting must be >= 0"):
+        write_sft_pairs({"counting": -1, "copying": 5}, tmp_path / "d.jsonl", seed=0)
 
 
 def test_stdlib_documents_come_from_the_running_python(tmp_path):

@@ -87,6 +87,22 @@ def record_documents(n: int, seed: int = 0) -> list[str]:
     return docs
 
 
+def check_task_examples(task_examples: Mapping[str, int], what: str) -> None:
+    """Reject examples-per-family maps with unknown families, negative counts or nothing in them.
+
+    Shared by the corpus and the SFT pairs, whose ``task_examples`` a preset sets; ``what`` names
+    which one in the message.
+    """
+    unknown = [f for f in task_examples if f not in FAMILIES]
+    if unknown:
+        raise ValueError(f"{what} task_examples has unknown families {unknown}; choose from {FAMILIES}")
+    for family, n in task_examples.items():
+        if n < 0:
+            raise ValueError(f"{what} {family} must be >= 0, got {n}")
+    if sum(task_examples.values()) == 0:
+        raise ValueError(f"{what} task_examples must hold examples: the built-in tasks are what is evaluated")
+
+
 @dataclass(frozen=True)
 class CorpusSpec:
     """How much of each document kind the corpus holds.
@@ -104,15 +120,10 @@ class CorpusSpec:
     examples_per_document: int = 1
 
     def __post_init__(self) -> None:
-        unknown = [f for f in self.task_examples if f not in FAMILIES]
-        if unknown:
-            raise ValueError(f"corpus task_examples has unknown families {unknown}; choose from {FAMILIES}")
-        for name, value in [*self.task_examples.items(), ("record_documents", self.record_documents),
-                            ("code_chars", self.code_chars)]:
+        check_task_examples(self.task_examples, "corpus")
+        for name, value in (("record_documents", self.record_documents), ("code_chars", self.code_chars)):
             if value < 0:
                 raise ValueError(f"corpus {name} must be >= 0, got {value}")
-        if sum(self.task_examples.values()) == 0:
-            raise ValueError("corpus task_examples must hold examples: the built-in tasks are what is evaluated")
         if self.examples_per_document < 1:
             raise ValueError(f"corpus examples_per_document must be >= 1, got {self.examples_per_document}")
 
@@ -180,13 +191,9 @@ def write_sft_pairs(task_examples: Mapping[str, int], path: str | Path, seed: in
     50%. Pairs are an independent draw of the training split
     (held-out prompts never appear), in a seeded shuffled order.
     """
-    unknown = [f for f in task_examples if f not in FAMILIES]
-    if unknown:
-        raise ValueError(f"sft task_examples has unknown families {unknown}; choose from {FAMILIES}")
+    check_task_examples(task_examples, "sft")
     pairs = [pair for family, n in task_examples.items() if n > 0
              for pair in training_pairs(n, seed=f"sft:{seed}", families=(family,))]
-    if not pairs:
-        raise ValueError("sft task_examples must hold examples")
     random.Random(f"sft-order:{seed}").shuffle(pairs)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
