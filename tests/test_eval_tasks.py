@@ -11,6 +11,7 @@ from megatron_wedlm.eval import answer_extraction as ax
 from megatron_wedlm.eval.builtin_tasks import (
     FAMILIES,
     builtin_task,
+    held_out_split,
     is_held_out,
     training_corpus,
     training_pairs,
@@ -52,6 +53,19 @@ def test_builtin_references_are_correct_and_deterministic(family):
     for ex in task.examples:
         assert ex.reference == _solve(ex.prompt)
         assert is_held_out(ex.uid)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_calibration_and_test_prompts_are_disjoint_for_any_seeds(family):
+    """Tau is chosen on the calibration split and reported on the test split: no prompt may be in both."""
+    test = {e.prompt for s in range(3) for e in builtin_task(family, 100, seed=s).examples}
+    calibration = {e.prompt for s in range(3) for e in builtin_task(family, 50, seed=s, split="calibration").examples}
+    assert len(calibration) >= 50 and len(test) >= 100
+    assert not test & calibration
+    for ex in builtin_task(family, 50, seed=0, split="calibration").examples:
+        assert held_out_split(ex.uid) == "calibration" and is_held_out(ex.uid) and ex.reference == _solve(ex.prompt)
+    with pytest.raises(ValueError, match="unknown split 'train'"):
+        builtin_task(family, 5, split="train")
 
 
 def test_builtin_scorer_right_and_wrong_answers():
@@ -255,6 +269,9 @@ def test_task_specs(tmp_path):
         parse_task_spec("gsm8k")
     with pytest.raises(ValueError, match="no path"):
         parse_task_spec("counting:/tmp/x")
+    calibration = load_task("copying:calibration", num_examples=4, seed=2)
+    assert calibration.split == "calibration" and calibration.name == "copying"
+    assert [e.uid for e in calibration.examples] == [e.uid for e in builtin_task("copying", 4, 2, "calibration").examples]
     path = write_jsonl(tmp_path / "g.jsonl", _gsm8k_records(9))
     tasks = load_tasks(f"counting,gsm8k:{path}", shots={"gsm8k": 2}, limit=3, num_examples=10)
     assert [t.name for t in tasks] == ["counting", "gsm8k"]

