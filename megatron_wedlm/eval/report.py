@@ -20,12 +20,18 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def format_interval(interval: tuple[float, float] | None) -> str:
+    """A proportion's interval in percent, e.g. ``49.0-94.3``."""
+    return "-" if interval is None else f"{100 * interval[0]:.1f}-{100 * interval[1]:.1f}"
+
+
 #: (header, cell formatter) in table order.
 COLUMNS: list[tuple[str, Callable[[MethodResult], str]]] = [
     ("method", lambda r: r.method),
     ("tau", lambda r: _fmt(r.tau, "g")),
     ("n", lambda r: str(r.num_examples)),
     ("accuracy (%)", lambda r: _fmt(100 * r.accuracy, ".1f")),
+    ("95% CI (%)", lambda r: format_interval(r.accuracy_ci95)),
     ("tokens/forward", lambda r: _fmt(r.tokens_per_forward, ".2f")),
     ("p_cache", lambda r: _fmt(r.p_cache, ".3f")),
     ("tokens/s", lambda r: _fmt(r.tokens_per_second, ".1f")),

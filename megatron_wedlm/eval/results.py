@@ -7,15 +7,35 @@ emitted / generated-token slots processed, ``tokens_per_second`` = tokens emitte
 of the decode calls (prefill included, alike for every method). Sums are taken over the task's
 examples *before* dividing, so long answers weigh by their length, as in a throughput
 measurement. ``speedup_vs_ar`` is tokens/s over the AR baseline's tokens/s on the same task.
+
+Accuracy comes with its 95% Wilson score interval (``wilson_interval``): on 20 or 100 prompts the
+sampling error is several points, and a reader comparing two rows needs to see it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 REPORT_VERSION = 1
+Z_95 = 1.959963984540054  # two-sided 95% quantile of the standard normal
+
+
+def wilson_interval(successes: int, n: int, z: float = Z_95) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion (default: 95%).
+
+    Unlike the normal approximation ``p +- z*sqrt(p(1-p)/n)`` it stays inside [0, 1] and does not
+    collapse to a point at 0 or n successes, which is where small evaluations often land.
+    """
+    if n < 1 or not 0 <= successes <= n:
+        raise ValueError(f"Wilson interval needs 0 <= successes <= n and n >= 1, got {successes} of {n}")
+    p = successes / n
+    denominator = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denominator
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 @dataclass
@@ -56,6 +76,11 @@ class MethodResult:
         return self.num_correct / self.num_examples if self.num_examples else 0.0
 
     @property
+    def accuracy_ci95(self) -> tuple[float, float] | None:
+        """95% Wilson interval of the accuracy (``None`` without examples)."""
+        return wilson_interval(self.num_correct, self.num_examples) if self.num_examples else None
+
+    @property
     def tokens_per_forward(self) -> float | None:
         return self.generated_tokens / self.forwards if self.forwards else None
 
@@ -75,6 +100,7 @@ class MethodResult:
         d = asdict(self)
         d.update(
             accuracy=self.accuracy,
+            accuracy_ci95=self.accuracy_ci95,
             tokens_per_forward=self.tokens_per_forward,
             p_cache=self.p_cache,
             tokens_per_second=self.tokens_per_second,
