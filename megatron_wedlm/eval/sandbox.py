@@ -3,131 +3,252 @@
 Each program runs in a fresh interpreter (``python -I``: no user site, no PYTHON* variables) in
 its own empty temporary directory and its own session, with a minimal environment and:
 
-* ``RLIMIT_AS`` (address space) = ``memory_mb``: an allocation beyond it raises MemoryError;
-* ``RLIMIT_CPU`` = the timeout (rounded up) + 1 s, a backstop for the wall-clock timeout;
-* ``RLIMIT_FSIZE`` = 16 MiB per written file, ``RLIMIT_CORE`` = 0;
-* a wall-clock timeout after which the whole process group is killed (so children it forked,
-  or an endless loop waiting on input, die too).
+* ``RLIMIT_AS`` (address space) = ``memory_mb`` per process: an allocation beyond it raises
+  MemoryError; ``RLIMIT_CPU`` = the timeout (rounded up) + 1 s, a backstop for the wall clock;
+  ``RLIMIT_FSIZE`` = 16 MiB per written file, ``RLIMIT_CORE`` = 0;
+* where the host allows (see ``eval/isolation.py``): a cgroup capping the *total* memory
+  (``memory_mb``) and process count (``max_processes``) of the program and all it forks, and
+  PID, network and mount namespaces (no network, read-only filesystem, private ``/tmp``); else
+  ``RLIMIT_NPROC`` bounds forks, counted against everything the user runs;
+* a wall-clock timeout after which everything the program started is killed: its session, its
+  cgroup or PID namespace where there is one, and otherwise every descendant found in /proc
+  (only a double-forked daemon whose parent already exited escapes that last fallback). If a
+  process still survives, ``SandboxError`` is raised rather than leaving it running.
+
+A program passes only when it **ran to its end**: after the program the launcher writes a
+random nonce to a pipe only the sandbox reads, and a run without it (``sys.exit(0)`` or
+``os._exit(0)`` before the asserts) is ``exited_early``, whatever the exit code. This defends
+against programs that stop early by mistake, not against one written to find the nonce.
 
 The limits are set by a small launcher *inside* the child before the program is run, instead
-of a ``preexec_fn``, which is unsafe when the parent is multi-threaded (parallel scoring).
+of a ``preexec_fn``, which is unsafe when the parent is multi-threaded (parallel scoring). The
+program's source and the nonce reach it through stdin, which is then replaced by /dev/null.
 
-This is a resource fence, not a security boundary: the program can still read files and use
-the network if the host allows it. Run untrusted model output in a container or VM without
-network, as HumanEval's authors advise.
+Without namespaces this is a resource fence, not a security boundary: the program can read and
+write the user's files and use the network. ``ExecutionResult.isolation`` says which fences
+were in force; run untrusted model output where ``network_namespace`` and
+``readonly_filesystem`` are listed, or in a container or VM, as HumanEval's authors advise.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import secrets
+import shlex
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
+
+from megatron_wedlm.eval import isolation
+from megatron_wedlm.eval.isolation import CGROUP, NAMESPACES, RLIMITS, SESSION, ProgramCgroup
 
 PASSED = "passed"
 FAILED = "failed"
+EXITED_EARLY = "exited_early"
 TIMEOUT = "timeout"
 MEMORY = "memory_exceeded"
 
 _LAUNCHER = """
-import resource, runpy, sys
-mem, cpu, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+import os, resource, runpy, sys
+mem, cpu, nproc, done_fd = map(int, sys.argv[1:5])
+nonce, _, source = sys.stdin.buffer.read().partition(b"\\n")
+null = os.open(os.devnull, os.O_RDONLY)
+os.dup2(null, 0)
+os.close(null)
+os.environ["HOME"] = os.environ["TMPDIR"] = os.getcwd()
+with open("program.py", "wb") as f:
+    f.write(source)
 resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
 resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
 resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 20, 16 << 20))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-sys.argv = [path]
-runpy.run_path(path, run_name="__main__")
+if nproc > 0:
+    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+sys.argv = ["program.py"]
+runpy.run_path("program.py", run_name="__main__")
+os.write(done_fd, nonce)
 """
+
+
+class SandboxError(RuntimeError):
+    """A process the sandbox started could not be killed."""
 
 
 @dataclass(frozen=True)
 class ExecutionResult:
-    """Outcome of one program: ``status`` is one of passed/failed/timeout/memory_exceeded."""
+    """Outcome of one program.
+
+    ``status`` is one of passed/failed/exited_early/timeout/memory_exceeded; ``isolation``
+    names the fences that were in force (``eval/isolation.py``).
+    """
 
     status: str
     returncode: int | None
     seconds: float
     stderr_tail: str
+    isolation: tuple[str, ...] = ()
 
     @property
     def passed(self) -> bool:
         return self.status == PASSED
 
 
-def run_python(program: str, timeout_s: float = 10.0, memory_mb: int = 1024) -> ExecutionResult:
-    """Run ``program`` as ``__main__``; it passes when it exits with status 0."""
-    if timeout_s <= 0 or memory_mb <= 0:
-        raise ValueError(f"timeout_s and memory_mb must be positive, got {timeout_s}, {memory_mb}")
-    with tempfile.TemporaryDirectory(prefix="wedlm_sandbox_") as workdir:
-        path = os.path.join(workdir, "program.py")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(program)
-        env = {
-            "PATH": "/usr/bin:/bin",
-            "HOME": workdir,
-            "TMPDIR": workdir,
-            "LANG": "C.UTF-8",
-            "PYTHONHASHSEED": "0",
-            "OMP_NUM_THREADS": "1",
-        }
+def run_python(
+    program: str,
+    timeout_s: float = 10.0,
+    memory_mb: int = 1024,
+    max_processes: int = 64,
+    isolation_allowed: Collection[str] = isolation.ALL,
+) -> ExecutionResult:
+    """Run ``program`` as ``__main__``; it passes when it runs to its end and exits with 0.
+
+    ``isolation_allowed`` restricts the fences to those named (``session`` and ``rlimits`` are
+    always used); by default every fence the host offers is used.
+    """
+    if timeout_s <= 0 or memory_mb <= 0 or max_processes <= 0:
+        raise ValueError(
+            f"timeout_s, memory_mb and max_processes must be positive, got {timeout_s}, "
+            f"{memory_mb}, {max_processes}"
+        )
+    unknown = set(isolation_allowed) - set(isolation.ALL)
+    if unknown:
+        raise ValueError(f"unknown isolation {sorted(unknown)}; choose from {list(isolation.ALL)}")
+    with tempfile.TemporaryDirectory(prefix="wedlm_sandbox_") as scratch:
+        workdir = os.path.join(scratch, "work")
+        os.mkdir(workdir)
+        cgroup = ProgramCgroup.create(memory_mb << 20, max_processes) if CGROUP in isolation_allowed else None
+        namespaces = set(NAMESPACES) <= set(isolation_allowed) and isolation.namespaces_available(sys.executable)
+        in_force = (SESSION, RLIMITS) + ((CGROUP,) if cgroup else ()) + (NAMESPACES if namespaces else ())
+        # Without a cgroup, RLIMIT_NPROC bounds forks; it counts every process of the user.
+        nproc = 0 if cgroup else isolation.processes_of_user(os.getuid()) + max_processes
+        done_read, done_write = os.pipe()
         cmd = [
             sys.executable, "-I", "-B", "-c", _LAUNCHER,
-            str(memory_mb << 20), str(math.ceil(timeout_s) + 1), path,
+            str(memory_mb << 20), str(math.ceil(timeout_s) + 1), str(nproc), str(done_write),
         ]
-        stderr_path = os.path.join(workdir, "stderr.txt")
+        if namespaces:
+            cmd = isolation.namespace_command(cmd, tmp_mb=memory_mb)
+        if cgroup:  # join before anything else runs, so every later fork is inside
+            join = "".join(f"echo $$ > {shlex.quote(f)}\n" for f in cgroup.procs_files)
+            cmd = ["sh", "-ec", join + 'exec "$@"', "sh", *cmd]
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
+        stderr_path = os.path.join(scratch, "stderr.txt")
         start = time.perf_counter()
-        with open(stderr_path, "wb") as stderr:
-            proc = subprocess.Popen(
-                cmd, cwd=workdir, env=env, stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True,
-            )
+        try:
+            with open(stderr_path, "wb") as stderr:
+                proc = subprocess.Popen(
+                    cmd, cwd=workdir, env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                    stderr=stderr, start_new_session=True, pass_fds=(done_write,),
+                )
+            os.close(done_write)
+            nonce = secrets.token_hex(16).encode()
             try:
-                returncode: int | None = proc.wait(timeout=timeout_s)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                timed_out, returncode = True, None
+                returncode, timed_out = _feed_and_wait(proc, nonce + b"\n" + program.encode(), timeout_s)
             finally:
-                _kill_group(proc)
-        seconds = time.perf_counter() - start
+                _kill_everything(proc, cgroup)
+            seconds = time.perf_counter() - start
+            os.set_blocking(done_read, False)
+            try:
+                ran_to_end = os.read(done_read, 64) == nonce
+            except BlockingIOError:
+                ran_to_end = False
+            oom = cgroup is not None and cgroup.oom_killed()
+        finally:
+            os.close(done_read)
+            if cgroup:
+                cgroup.remove()
         with open(stderr_path, "rb") as f:
             f.seek(max(0, os.path.getsize(stderr_path) - 4000))
             stderr_tail = f.read().decode("utf-8", "replace")
-    return ExecutionResult(_classify(timed_out, returncode, stderr_tail), returncode, seconds, stderr_tail)
+    status = _classify(timed_out, returncode, ran_to_end, oom, stderr_tail)
+    if status == EXITED_EARLY:
+        stderr_tail += "\n[sandbox] the program exited before its end (sys.exit/os._exit before the tests ran)"
+    return ExecutionResult(status, returncode, seconds, stderr_tail, in_force)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """Kill the program and everything it spawned, then reap it."""
+def _feed_and_wait(proc: subprocess.Popen, data: bytes, timeout_s: float) -> tuple[int | None, bool]:
+    """Send the nonce and source on stdin, then wait; (returncode, timed out)."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        proc.stdin.write(data)
+        proc.stdin.close()
+    except BrokenPipeError:  # the wrapper died before reading (its stderr says why)
+        pass
+    try:
+        return proc.wait(timeout=max(0.0, deadline - time.monotonic())), False
+    except subprocess.TimeoutExpired:
+        return None, True
+
+
+def _kill_everything(proc: subprocess.Popen, cgroup: ProgramCgroup | None) -> None:
+    """Kill the program and everything it spawned, reap it, and check that nothing survived.
+
+    The cgroup (or the PID namespace, whose first process is killed here) catches every
+    process; the session and /proc descendants catch the rest where neither exists.
+    """
+    tree = isolation.descendants(proc.pid)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    isolation.kill_all(tree | isolation.descendants(proc.pid))
+    proc.kill()
     proc.wait()
+    survivors = cgroup.kill() if cgroup else set()
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        survivors |= {pid for pid in tree if _alive(pid)}
+        if not survivors:
+            return
+        isolation.kill_all(survivors)
+        time.sleep(0.05)
+        survivors = {pid for pid in survivors if _alive(pid)}
+        if not survivors:
+            return
+    raise SandboxError(f"sandboxed processes {sorted(survivors)} survived SIGKILL; kill them by hand")
 
 
-def _classify(timed_out: bool, returncode: int | None, stderr: str) -> str:
-    if timed_out or returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+def _alive(pid: int) -> bool:
+    """True for a running process; a zombie (dead, not yet reaped) counts as gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _classify(timed_out: bool, returncode: int | None, ran_to_end: bool, oom: bool, stderr: str) -> str:
+    if timed_out:
+        return TIMEOUT
+    if returncode == 0 and ran_to_end:
+        return PASSED
+    if oom or "MemoryError" in stderr or returncode == -signal.SIGSEGV:
+        # Under RLIMIT_AS a failed allocation raises MemoryError, or crashes C code that does
+        # not check malloc's result; over the cgroup cap the kernel kills a member.
+        return MEMORY
+    if returncode in (-signal.SIGXCPU, -signal.SIGKILL):
         return TIMEOUT
     if returncode == 0:
-        return PASSED
-    if "MemoryError" in stderr or returncode == -signal.SIGSEGV:
-        # Under RLIMIT_AS a failed allocation raises MemoryError, or crashes C code that does
-        # not check malloc's result.
-        return MEMORY
+        return EXITED_EARLY
     return FAILED
 
 
 def run_many(
-    programs: Sequence[str], timeout_s: float = 10.0, memory_mb: int = 1024, workers: int = 4
+    programs: Sequence[str], timeout_s: float = 10.0, memory_mb: int = 1024, workers: int = 4,
+    **limits: Any,
 ) -> list[ExecutionResult]:
-    """``run_python`` over many programs in parallel, results in input order."""
+    """``run_python`` over many programs in parallel, results in input order.
+
+    ``limits`` are passed on to ``run_python`` (``max_processes``, ``isolation_allowed``).
+    """
     if not programs:
         return []
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(programs)))) as pool:
-        return list(pool.map(lambda p: run_python(p, timeout_s, memory_mb), programs))
+        return list(pool.map(lambda p: run_python(p, timeout_s, memory_mb, **limits), programs))
