@@ -7,7 +7,9 @@ Example::
         --tasks counting,copying,arithmetic,humaneval,gsm8k:/data/gsm8k_test.jsonl \\
         --methods streaming,blockwise,ar --taus 0.2,0.4,0.6 --limit 50 --out runs/eval
 
-Writes ``report.json``, ``report.md`` and ``speed_accuracy.png`` into ``--out``. Task specs and
+Writes ``report.json``, ``report.md`` and ``speed_accuracy.png`` into ``--out``; the settings in
+``report.json`` record the refill schedule used (``--refill fused``, the reference engine's, by
+default; ``paper`` for Algorithm 1's step order) and whether EOS stopped generation. Task specs and
 jsonl fields are documented in ``megatron_wedlm.eval`` (``registry``, ``jsonl_tasks``,
 ``code_tasks``). Generated code (humaneval, mbpp) is executed in a resource-limited subprocess
 that is *not* a security sandbox: run on a machine without network or valuable data.
@@ -60,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="few-shot source per task, e.g. gsm8k=/data/gsm8k_train.jsonl")
     p.add_argument("--window-size", type=int, default=16)
     p.add_argument("--distance-penalty", type=float, default=0.02)
+    p.add_argument("--refill", choices=("fused", "paper"), default="fused",
+                   help="fused: the reference engine's schedule (default); paper: Algorithm 1's step order")
+    p.add_argument("--stop-at-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="end generation at the tokenizer's / model's EOS token(s) (default, as the engine)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="cap on every task's budget")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -98,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     report = evaluate(
         model, tokenizer, tasks, methods, taus=args.taus, mask_token_id=args.mask_token_id,
         window_size=args.window_size, distance_penalty=args.distance_penalty,
+        fused_refill=args.refill == "fused", stop_at_eos=args.stop_at_eos,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, seed=args.seed, chat=args.chat, keep_samples=not args.no_samples,
         progress=not args.quiet, model_name=args.model,

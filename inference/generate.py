@@ -8,8 +8,13 @@ Example::
 
 Prints the generated text, or with ``--json`` one JSON object: ``text``, ``token_ids``,
 ``forwards``, ``tokens_per_forward``, ``p_cache``, ``tokens_per_sec`` (plus the other fields of
-``GenerationResult.metrics()``). Generation stops at the tokenizer's / model's
-EOS token(s), at ``--stop`` strings, or after ``--max-new-tokens``.
+``GenerationResult.metrics()``, and ``refill``: the schedule used). Generation stops at the
+tokenizer's / model's EOS token(s) (as the reference WeDLM engine does; ``--no-stop-at-eos``
+decodes past them), at ``--stop`` strings, or after ``--max-new-tokens``.
+
+``--refill fused`` (default) is the reference engine's schedule: the window is refilled before
+the forward, so a forward commits the filled run and predicts the new masks at once;
+``--refill paper`` is Algorithm 1's step order (a fixed window of W slots per forward).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch  # noqa: E402
 
 from megatron_wedlm.decoding import METHODS, generate, load_tokenizer, load_wedlm_model  # noqa: E402
 
+REFILL_ORDERS = ("fused", "paper")
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -39,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--entropy-threshold", type=float, default=0.4,
                    help="fill every slot whose penalised entropy is below this; negative = one slot per step")
     p.add_argument("--distance-penalty", type=float, default=0.02)
+    p.add_argument("--refill", choices=REFILL_ORDERS, default="fused",
+                   help="fused: the reference engine's schedule (default); paper: Algorithm 1's step order")
+    p.add_argument("--stop-at-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="end generation at the tokenizer's / model's EOS token(s) (default, as the engine)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0)
@@ -88,12 +98,14 @@ def main(argv: list[str] | None = None) -> dict:
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
-        stop_token_ids=stop_token_ids(model, tokenizer),
+        stop_token_ids=stop_token_ids(model, tokenizer) if args.stop_at_eos else [],
         stop_strings=args.stop,
         tokenizer=tokenizer,
         generator=generator,
+        fused_refill=args.refill == "fused",
     )
-    report = {"text": result.text, "token_ids": result.token_ids, **result.metrics()}
+    report = {"text": result.text, "token_ids": result.token_ids, **result.metrics(),
+              "refill": None if args.method == "ar" else args.refill}
     print(json.dumps(report) if args.json else result.text)
     return report
 

@@ -62,7 +62,7 @@ def full_forward_logits(model, ids, positions):
 
 
 def reference_decode(
-    model, prompt, *, mask_id, window, tau, lam, max_new, stops=(), schedule="streaming", fused_refill=False
+    model, prompt, *, mask_id, window, tau, lam, max_new, stops=(), schedule="streaming", fused_refill=True
 ):
     """Algorithm 1 (or the block-wise baseline) written plainly, recomputing everything every step."""
     out, forwards, slots = [], 0, 0
@@ -164,18 +164,34 @@ def test_cached_decoder_equals_no_cache_reference(
         assert result.tokens_per_forward <= 1.0
 
 
+def test_engine_schedule_is_the_default_and_halves_forwards_on_confident_output(tokenizer):
+    """SPEC section 3: tau = infinity, W = 4, 40 tokens: the engine's schedule needs 10 forwards,
+    the paper's step order 19 (every other forward only commits)."""
+    model = tiny_model(tokenizer, "qwen2", 200.0)
+    prompt = tokenizer.encode("1 2 3")
+    kw = dict(window_size=4, entropy_threshold=float("inf"), distance_penalty=0.0, max_new_tokens=40)
+    default = generate(model, prompt, **kw)
+    fused = generate(model, prompt, fused_refill=True, **kw)
+    paper = generate(model, prompt, fused_refill=False, **kw)
+    assert (default.num_forwards, fused.num_forwards, paper.num_forwards) == (10, 10, 19)
+    assert default.token_ids == fused.token_ids == paper.token_ids  # tau = inf: same tokens either way
+    assert paper.num_slots == 19 * 4 - 4 + 4 and fused.num_slots == 4 + 9 * 8
+
+
+@pytest.mark.parametrize("fused_refill", [False, True], ids=["spec-refill", "fused-refill"])
 @pytest.mark.parametrize("schedule", ["streaming", "blockwise"])
-def test_stop_token_inside_the_window_matches_reference(tokenizer, schedule):
+def test_stop_token_inside_the_window_matches_reference(tokenizer, schedule, fused_refill):
     model = tiny_model(tokenizer, "qwen2", 200.0, seed=1)
     mask_id = model.config.mask_token_id
     prompt = tokenizer.encode("Repeat: a b c")
     kw = dict(window_size=8, entropy_threshold=0.4, distance_penalty=0.02, max_new_tokens=40)
-    free = generate(model, prompt, method=schedule, **kw).token_ids
+    free = generate(model, prompt, method=schedule, fused_refill=fused_refill, **kw).token_ids
     stop = free[len(free) // 3]  # a token the model does produce, first seen early on
     cut = free.index(stop) + 1
-    result = generate(model, prompt, method=schedule, stop_token_ids=[stop], **kw)
+    result = generate(model, prompt, method=schedule, stop_token_ids=[stop], fused_refill=fused_refill, **kw)
     expected, forwards, slots = reference_decode(
-        model, prompt, mask_id=mask_id, window=8, tau=0.4, lam=0.02, max_new=40, stops=(stop,), schedule=schedule
+        model, prompt, mask_id=mask_id, window=8, tau=0.4, lam=0.02, max_new=40, stops=(stop,), schedule=schedule,
+        fused_refill=fused_refill,
     )
     assert result.token_ids == expected == free[:cut]
     assert (result.num_forwards, result.num_slots) == (forwards, slots)

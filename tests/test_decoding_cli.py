@@ -70,3 +70,26 @@ def test_cli_chat_prompt_uses_the_template(checkpoint, method, capsys):
     expected = generate(model, prompt, method=method, max_new_tokens=6, stop_token_ids=[tokenizer.eos_token_id])
     assert report["token_ids"] == expected.token_ids
     assert json.loads(capsys.readouterr().out)["method"] == method
+
+
+def test_cli_refill_schedule_and_eos_choice_are_reported(checkpoint):
+    """``--refill`` picks the schedule (fused = the reference engine's, the default) and the report
+    names it; ``--no-stop-at-eos`` decodes past EOS."""
+    cli = _load_cli()
+    model, tokenizer = load_wedlm_model(checkpoint, device="cpu"), load_tokenizer(checkpoint)
+    prompt = tokenizer.encode("Count from 3 to 12:")
+    common = ["--model", str(checkpoint), "--prompt", "Count from 3 to 12:", "--device", "cpu",
+              "--window-size", "4", "--max-new-tokens", "24", "--json"]
+    eos = [tokenizer.eos_token_id]
+    for refill, fused in (("fused", True), ("paper", False)):
+        report = cli.main(common + ["--refill", refill])
+        expected = generate(model, prompt, window_size=4, max_new_tokens=24, stop_token_ids=eos, fused_refill=fused)
+        assert report["refill"] == refill
+        assert (report["token_ids"], report["forwards"], report["slots"]) == (
+            expected.token_ids, expected.num_forwards, expected.num_slots)
+    assert cli.main(common)["refill"] == "fused"
+    paper = generate(model, prompt, window_size=4, max_new_tokens=24, stop_token_ids=eos, fused_refill=False)
+    fused = generate(model, prompt, window_size=4, max_new_tokens=24, stop_token_ids=eos)
+    assert paper.num_forwards > fused.num_forwards  # the two schedules really differ on this model
+    no_eos = cli.main(common + ["--no-stop-at-eos"])
+    assert no_eos["token_ids"] == generate(model, prompt, window_size=4, max_new_tokens=24).token_ids

@@ -104,8 +104,9 @@ def test_loglikelihood_rolling_equals_full_sequence_score(model, tokenizer):
     assert short < 0 and short != pytest.approx(expected, abs=1e-6)
 
 
-def test_generate_until_is_streaming_decoding_cut_at_until(model, tokenizer):
-    lm = WeDLMLM(model=model, tokenizer=tokenizer, window_size=4, entropy_threshold=0.5)
+@pytest.mark.parametrize("refill", ["fused", "paper"])
+def test_generate_until_is_streaming_decoding_cut_at_until(model, tokenizer, refill):
+    lm = WeDLMLM(model=model, tokenizer=tokenizer, window_size=4, entropy_threshold=0.5, refill=refill)
     contexts = ["Count from 3 to 9:", "Repeat q w e:"]
     until = ["4", "e"]
     requests = [_request("generate_until", (c, {"until": [u], "max_gen_toks": 12}), i) for i, (c, u) in enumerate(zip(contexts, until))]
@@ -114,7 +115,7 @@ def test_generate_until_is_streaming_decoding_cut_at_until(model, tokenizer):
         direct = generate(model, tokenizer(context, add_special_tokens=False)["input_ids"], method="streaming",
                           mask_token_id=tokenizer.mask_token_id, window_size=4, entropy_threshold=0.5,
                           max_new_tokens=12, stop_token_ids=[tokenizer.eos_token_id], stop_strings=[stop],
-                          tokenizer=tokenizer)
+                          tokenizer=tokenizer, fused_refill=refill == "fused")
         text = tokenizer.decode(direct.token_ids, skip_special_tokens=True)
         assert out == text.split(stop)[0] and stop not in out
 
@@ -135,6 +136,8 @@ def test_constructor_errors(model, tokenizer):
         WeDLMLM(model=model)
     with pytest.raises(ValueError, match="method"):
         WeDLMLM(model=model, tokenizer=tokenizer, method="beam")
+    with pytest.raises(ValueError, match="refill must be fused"):
+        WeDLMLM(model=model, tokenizer=tokenizer, refill="later")
 
 
 def test_registered_and_runs_local_harness_tasks_offline(model, tokenizer, tmp_path, monkeypatch):

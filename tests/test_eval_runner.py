@@ -73,14 +73,18 @@ def test_runner_accounting_with_an_oracle_decoder(model, tokenizer):
     assert sample.completion == " " + sample.reference and sample.correct
 
 
-def test_runner_matches_direct_decoding(model, tokenizer):
+@pytest.mark.parametrize("fused_refill", [True, False], ids=["fused", "paper"])
+def test_runner_matches_direct_decoding(model, tokenizer, fused_refill):
     task = builtin_task("arithmetic", 2, seed=0)
-    report = evaluate(model, tokenizer, [task], ["streaming", "ar"], taus=(0.5,), max_new_tokens=6)
+    report = evaluate(model, tokenizer, [task], ["streaming", "ar"], taus=(0.5,), max_new_tokens=6,
+                      fused_refill=fused_refill)
+    assert report.settings["refill"] == ("fused" if fused_refill else "paper")
     for sample in report.samples:
         ids = tokenizer(next(e.prompt for e in task.examples if e.uid == sample.uid))["input_ids"]
+        refill = {} if sample.method == "ar" else {"fused_refill": fused_refill}
         direct = generate(model, ids, method=sample.method, mask_token_id=tokenizer.mask_token_id,
                           entropy_threshold=0.5, max_new_tokens=6, stop_token_ids=[tokenizer.eos_token_id],
-                          stop_strings=["\n"], tokenizer=tokenizer)
+                          stop_strings=["\n"], tokenizer=tokenizer, **refill)
         assert sample.new_tokens == len(direct.token_ids) and sample.forwards == direct.num_forwards
         text = tokenizer.decode([t for t in direct.token_ids if t != tokenizer.eos_token_id], skip_special_tokens=True)
         assert sample.completion == truncate_at_stop(text, ["\n"])
@@ -196,3 +200,4 @@ def test_evaluate_cli_end_to_end(model, tokenizer, tmp_path):
     assert (out / "report.md").read_text().count("| streaming |") == 4
     assert re.search(r"\| ar \| - \| 2 \|", (out / "report.md").read_text())
     assert report.settings["mask_token_id"] == tokenizer.mask_token_id  # read from the checkpoint config
+    assert report.settings["refill"] == "fused" and report.settings["stop_at_eos"] is True

@@ -7,15 +7,26 @@ One engine runs both schedules; they differ only in what a forward may commit:
 
 Refill order (``fused_refill``):
 
-* ``False`` (default, Algorithm 1 as the paper and SPEC step (e) state it): after a forward
-  commits its leftmost filled run of n slots, n new masks are appended, so every forward carries
-  exactly ``window_size`` slots (the paper's fixed parallel workload). The new masks get their
-  first prediction in the next forward.
-* ``True``: the run the next forward will commit is replaced by new masks *in that same
-  forward*, so a forward carries up to ``2 * window_size`` slots (run to commit + window) and no
-  forward is spent on committing alone. On confident output the default spends every other
-  forward committing a fully filled window; the fused order roughly doubles tokens per forward
-  there, at the price of a wider forward. ``tools/bench_decode.py`` measures both.
+* ``True`` (default; the schedule of the reference engine, Tencent/WeDLM ``wedlm/engine``, which
+  its published speeds come from): the window is refilled *before* the forward. The leftmost
+  filled run of n slots that the next forward commits rides in that forward together with the n
+  new masks appended after the window, so a forward carries W + n <= 2W slots and no forward is
+  spent on committing alone (tau = infinity, W = 4: 10 forwards instead of 19).
+* ``False`` (Algorithm 1 in the paper's step order, SPEC step (e)): after a forward commits its
+  leftmost filled run of n slots, n new masks are appended, so every forward carries exactly
+  ``window_size`` slots (the paper's fixed parallel workload). The new masks get their first
+  prediction in the next forward. ``tools/bench_decode.py`` measures both.
+
+Engine rules followed (SPEC section 3): a slot's confidence is the entropy of its raw logits at
+temperature 1; a slot qualifies when ``H + lambda * d < tau`` (strict), d = its window index
+minus that of the first remaining mask; if none qualifies (or tau is None) exactly the argmin
+is filled (first on ties); greedy = argmax; a stop token is emitted and ends the row.
+``num_forwards`` counts the forwards of a row until it finishes, the prompt's prefill being
+fused into the first one, which is the engine's ``decode_forwards``. Deliberate deviations from
+the engine: the window is capped by the remaining token budget (the engine decodes past it and
+truncates), and the mask token is never emitted (its logit is excluded before entropy and
+sampling). Whether the tokenizer's EOS is a stop token is the caller's choice
+(``stop_token_ids``); the command lines stop at it by default, as the engine does.
 
 Per step and row, the window (filled slots first, then masks, each in ascending logical
 position) goes through one causal forward on top of the row's committed KV cache, with
@@ -84,7 +95,7 @@ class ParallelSettings:
     top_p: float
     stop_token_ids: tuple[int, ...]
     stop_strings: tuple[str, ...]
-    fused_refill: bool = False
+    fused_refill: bool = True
 
     def __post_init__(self):
         if self.schedule not in (STREAMING, BLOCKWISE):
@@ -119,7 +130,7 @@ def streaming_generate(
     stop_strings: Sequence[str] | None = None,
     tokenizer=None,
     generator: torch.Generator | None = None,
-    fused_refill: bool = False,
+    fused_refill: bool = True,
 ) -> GenerationResult:
     """Decode one prompt with Streaming Parallel Decoding (SPEC section 3, Algorithm 1).
 
@@ -129,7 +140,7 @@ def streaming_generate(
     ``stop_strings`` (needs ``tokenizer``): generation ends once the decoded output contains one;
     ``token_ids`` keep the token that completed it and ``text`` is cut just before it.
     ``generator`` (on the model's device) makes sampling reproducible. ``fused_refill`` picks the
-    refill order (module docstring; default: the paper's fixed window). Returns a
+    refill order (module docstring; default: the reference engine's, False: the paper's). Returns a
     :class:`GenerationResult` (metrics defined in :mod:`megatron_wedlm.decoding.result`).
     """
     return parallel_generate_batch(model, [as_token_list(prompt_ids)], schedule=STREAMING, **_collect(locals()))[0]
@@ -151,7 +162,7 @@ def blockwise_generate(
     stop_strings: Sequence[str] | None = None,
     tokenizer=None,
     generator: torch.Generator | None = None,
-    fused_refill: bool = False,
+    fused_refill: bool = True,
 ) -> GenerationResult:
     """Decode one prompt block by block (the baseline): blocks of ``window_size`` masks, same fill rule,
     a block is committed only once all of it is filled. Arguments as :func:`streaming_generate`."""
@@ -179,7 +190,7 @@ def parallel_generate_batch(
     stop_strings: Sequence[str] | None = None,
     tokenizer=None,
     generator: torch.Generator | None = None,
-    fused_refill: bool = False,
+    fused_refill: bool = True,
 ) -> list[GenerationResult]:
     """Decode several prompts (of any lengths) together, one batched forward per step.
 

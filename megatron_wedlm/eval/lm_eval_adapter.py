@@ -1,7 +1,9 @@
 """The ``wedlm`` model for lm-evaluation-harness.
 
 * ``generate_until`` decodes with WeDLM streaming parallel decoding (``method=blockwise`` or
-  ``ar`` in ``--model_args`` switch the decoder, for side-by-side runs);
+  ``ar`` in ``--model_args`` switch the decoder, for side-by-side runs; ``refill=fused``, the
+  reference engine's schedule, is the default, ``refill=paper`` is Algorithm 1's step order;
+  ``stop_at_eos=false`` decodes past the tokenizer's EOS, which by default ends a generation);
 * ``loglikelihood`` / ``loglikelihood_rolling`` use the plain causal forward: a WeDLM checkpoint
   keeps its next-token head (the AR loss trains it), so likelihood tasks score as for any
   causal LM. The mask token is excluded from every distribution, as in decoding: it is never a
@@ -62,6 +64,8 @@ class WeDLMLM(LM):
         window_size: int = 16,
         entropy_threshold: float | None = 0.4,
         distance_penalty: float = 0.02,
+        refill: str = "fused",
+        stop_at_eos: bool | str = True,
         max_gen_toks: int = 256,
         max_length: int | None = None,
         batch_size: int | str = 1,
@@ -86,12 +90,16 @@ class WeDLMLM(LM):
             raise ValueError("model has no mask token: set config.mask_token_id or pass mask_token_id")
         if method not in ("streaming", "blockwise", "ar"):
             raise ValueError(f"method must be streaming, blockwise or ar, got {method!r}")
+        if refill not in ("fused", "paper"):
+            raise ValueError(f"refill must be fused (the reference engine's schedule) or paper, got {refill!r}")
         self.model, self.tokenizer = model.eval(), tokenizer
         self.mask_token_id = None if mask_token_id is None else int(mask_token_id)
         self.method = method
         self.window_size = int(window_size)
         self.entropy_threshold = None if entropy_threshold in (None, "None", "none") else float(entropy_threshold)
         self.distance_penalty = float(distance_penalty)
+        self.refill = refill
+        self.stop_at_eos = _as_bool(stop_at_eos)
         self.max_gen_toks = int(max_gen_toks)
         self.chat = _as_bool(chat)
         self.batch_size = 1 if str(batch_size).startswith("auto") else int(batch_size)
@@ -195,7 +203,8 @@ class WeDLMLM(LM):
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         from megatron_wedlm.decoding import generate
 
-        eos = self.tokenizer.eos_token_id
+        eos = self.tokenizer.eos_token_id if self.stop_at_eos else None
+        parallel = {} if self.method == "ar" else {"fused_refill": self.refill == "fused"}
         outputs = []
         for req in requests:
             context, gen_kwargs = req.args
@@ -215,7 +224,7 @@ class WeDLMLM(LM):
                 temperature=temperature, top_k=int(gen_kwargs.pop("top_k", 0)),
                 top_p=float(gen_kwargs.pop("top_p", 1.0)),
                 stop_token_ids=[eos] if eos is not None else [],
-                stop_strings=[u for u in until if u], tokenizer=self.tokenizer,
+                stop_strings=[u for u in until if u], tokenizer=self.tokenizer, **parallel,
             )
             ids = [int(t) for t in result.token_ids]
             if ids and ids[-1] == eos:

@@ -101,6 +101,8 @@ def evaluate(
     mask_token_id: int | None = None,
     window_size: int = 16,
     distance_penalty: float = 0.02,
+    fused_refill: bool = True,
+    stop_at_eos: bool = True,
     max_new_tokens: int | None = None,
     temperature: float = 0.0,
     top_k: int = 0,
@@ -118,6 +120,9 @@ def evaluate(
     ``tasks`` holds :class:`Task` objects or specs for :func:`load_task` (``"counting"``,
     ``"gsm8k:/data/test.jsonl"``); ``limit`` keeps the first N examples of each task.
     ``max_new_tokens`` caps every task's own budget (``None``: the task's budget).
+    ``fused_refill``: the reference engine's schedule (default) or, False, the paper's step order
+    (see :mod:`megatron_wedlm.decoding.parallel`). ``stop_at_eos``: the tokenizer's / model's EOS
+    ends a generation (default, as the engine); the task's stop strings always do.
     """
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
@@ -135,7 +140,7 @@ def evaluate(
         )
     decode = decode_fn or _default_decode_fn()
     device = next(iter(model.parameters())).device if hasattr(model, "parameters") else torch.device("cpu")
-    stop_ids = _stop_token_ids(model, tokenizer)
+    stop_ids = _stop_token_ids(model, tokenizer) if stop_at_eos else []
     configs = [(m, float(t)) for m in methods if m in PARALLEL_METHODS for t in taus]
     configs += [("ar", None)] if "ar" in methods else []
 
@@ -153,6 +158,7 @@ def evaluate(
                 model, prompts[index], method=method, mask_token_id=mask_token_id,
                 window_size=window_size, entropy_threshold=0.4 if tau is None else tau,
                 distance_penalty=distance_penalty, max_new_tokens=budget,
+                **({} if method == "ar" else {"fused_refill": fused_refill}),
                 temperature=temperature, top_k=top_k, top_p=top_p,
                 stop_token_ids=stop_ids, stop_strings=list(task.stop_strings), tokenizer=tokenizer,
                 generator=generator,
@@ -201,7 +207,8 @@ def evaluate(
 
     settings = dict(
         methods=list(methods), taus=[float(t) for t in taus], window_size=window_size,
-        distance_penalty=distance_penalty, max_new_tokens=max_new_tokens, temperature=temperature,
+        distance_penalty=distance_penalty, refill="fused" if fused_refill else "paper", stop_at_eos=stop_at_eos,
+        max_new_tokens=max_new_tokens, temperature=temperature,
         top_k=top_k, top_p=top_p, seed=seed, chat=chat, mask_token_id=mask_token_id,
         stop_token_ids=stop_ids, tasks={t.name: len(t.examples) for t in tasks},
         device=str(device),
