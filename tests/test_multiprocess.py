@@ -1,7 +1,10 @@
 """The multi-process harness: results by rank, failures surfaced, hangs killed."""
 
 import os
+import signal
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,6 +37,54 @@ def fail_on_rank_one() -> int:
 
 def sleep_forever() -> None:
     time.sleep(3600)
+
+
+def rank_one_killed_with_helpers_running(pid_dir: str) -> None:
+    """Each rank starts Megatron's kind of helpers, then rank 1 is killed with SIGKILL."""
+    import multiprocessing as mp
+
+    import torch.distributed as dist
+
+    from megatron_wedlm.runtime.parallel import init_distributed
+
+    init_distributed(torch.device("cpu"))
+    # The Manager behind Megatron's checkpoint-writer result queue (a spawned server process).
+    manager = mp.get_context("spawn").Manager()
+    manager.Queue()
+    # A helper that ignores SIGTERM and waits on a futex forever.
+    helper = os.fork()
+    if helper == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        lock = threading.Lock()
+        lock.acquire()
+        lock.acquire()  # never returns
+    pids = [os.getpid(), manager._process.pid, helper]
+    Path(pid_dir, f"rank{dist.get_rank()}").write_text(" ".join(map(str, pids)))
+    dist.barrier()
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()  # rank 0 waits here for a rank that is gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_killing_a_rank_leaves_no_process_of_the_launch(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(DistributedLaunchError, match="rank 1: exited with code -9"):
+        run_distributed(rank_one_killed_with_helpers_running, 2, str(tmp_path), timeout_s=120)
+    pids = [int(p) for rank in (0, 1) for p in (tmp_path / f"rank{rank}").read_text().split()]
+    assert len(pids) == 6
+    deadline = time.monotonic() + 5
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [p for p in pids if _alive(p)] == []
+    assert time.monotonic() - start < 90
 
 
 def test_results_come_back_in_rank_order():

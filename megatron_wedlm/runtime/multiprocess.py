@@ -6,13 +6,24 @@ a shell. Each rank gets torchrun's environment variables, its result
 comes back through a file (tensors included), a rank that fails makes the whole launch fail
 with that rank's traceback, and a launch that hangs (a collective waiting forever) is killed
 at the deadline, so CI never hangs.
+
+A launch leaves no process behind. Each rank leads its own process group, which the helpers it
+starts join (Megatron's checkpoint writers and the ``multiprocessing`` Manager behind their
+result queue, DataLoader workers); when the launch ends, for any reason, every rank's group gets
+SIGTERM and, after a grace period, SIGKILL, whether or not the rank itself is still alive (a
+rank killed with ``kill -9`` leaves its helpers running, and a helper waiting on a futex may
+ignore SIGTERM). A rank also dies with the launcher (``PR_SET_PDEATHSIG``), so killing the
+launcher does not leave ranks waiting in a collective forever.
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
+import signal
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -20,6 +31,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+
+#: Seconds between SIGTERM and SIGKILL when a launch's process groups are stopped.
+STOP_GRACE_S = 5.0
+
+_PR_SET_PDEATHSIG = 1
 
 
 class DistributedLaunchError(RuntimeError):
@@ -41,7 +58,9 @@ def _rank_main(
     env: dict[str, str],
     args: tuple,
     kwargs: dict,
+    launcher_pid: int,
 ) -> None:
+    _leave_no_orphans(launcher_pid)
     os.environ.update(env)
     os.environ.update(
         {
@@ -72,6 +91,45 @@ def _rank_main(
                 pass
 
 
+def _leave_no_orphans(launcher_pid: int) -> None:
+    """Lead a process group of our own (for our helpers to join) and die with the launcher."""
+    os.setpgid(0, 0)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != launcher_pid:  # the launcher died before the line above took effect
+        os._exit(1)
+
+
+def stop_process_groups(
+    pgids: list[int], reap: Callable[[], object] = lambda: None, grace_s: float = STOP_GRACE_S
+) -> None:
+    """SIGTERM each process group, then SIGKILL any that still has members after ``grace_s``.
+
+    ``reap`` is called while waiting, so the caller can collect its own exited children (a
+    zombie still counts as a member of its group until it is reaped).
+    """
+    def signal_groups(groups: list[int], sig: int) -> list[int]:
+        alive = []
+        for pgid in groups:
+            try:
+                os.killpg(pgid, sig)
+                alive.append(pgid)
+            except ProcessLookupError:  # the group is empty
+                pass
+            except PermissionError:  # a member we cannot signal: not ours to stop
+                pass
+        return alive
+
+    alive = signal_groups(pgids, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        reap()
+        alive = signal_groups(alive, 0)
+    signal_groups(alive, signal.SIGKILL)
+    reap()
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -94,7 +152,7 @@ def run_distributed(
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(fn, rank, world_size, port, result_dir, child_env, args, kwargs),
+                args=(fn, rank, world_size, port, result_dir, child_env, args, kwargs, os.getpid()),
                 daemon=False,
             )
             for rank in range(world_size)
@@ -112,8 +170,9 @@ def run_distributed(
                     break
                 time.sleep(0.05)
         finally:
+            stop_process_groups([p.pid for p in procs], reap=lambda: [p.is_alive() for p in procs])
             for proc in procs:
-                if proc.is_alive():
+                if proc.is_alive():  # killed before it could lead its own group
                     proc.kill()
             for proc in procs:
                 proc.join(timeout=10)
@@ -126,7 +185,7 @@ def _collect(procs: list, result_dir: str, failed_rank: int | None, timeout_s: f
     for rank, proc in enumerate(procs):
         path = Path(result_dir) / f"rank{rank}.pt"
         if not path.exists():
-            if failed_rank is None and proc.exitcode in (None, -9):
+            if failed_rank is None and proc.exitcode in (None, -signal.SIGKILL, -signal.SIGTERM):
                 errors.append(f"rank {rank}: killed after the {timeout_s:.0f}s deadline")
             else:
                 errors.append(f"rank {rank}: exited with code {proc.exitcode} and no result")
