@@ -39,6 +39,7 @@ from megatron_wedlm.model.hf_config import (
     load_model_args,
     model_args_from_hf_config,
 )
+from megatron_wedlm.runtime.atomic_output import OutputDirError
 from megatron_wedlm.testing.tiny_models import build_tiny_ar_tokenizer, build_tiny_causal_lm, build_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -480,7 +481,7 @@ def test_megatron_to_hf_errors(converted, tmp_path):
         convert_megatron_to_hf(ckpt, tmp_path / "d", model_args=tmp_path / "wrong_shape.json", tokenizer_dir=ckpt)
     (tmp_path / "e").mkdir()
     (tmp_path / "e" / "keep.txt").write_text("x")
-    with pytest.raises(ConversionError, match="not empty"):
+    with pytest.raises(OutputDirError, match="not empty"):
         convert_megatron_to_hf(case["root"] / "megatron", tmp_path / "e")
 
 

@@ -9,6 +9,10 @@ the layout it is written with, using T x P local processes), plus wedlm_model.js
 training entry points build: point ``model.init_from`` at DIR) and the tokenizer, with a mask
 token added if it had none. megatron-to-hf also accepts one iteration directory of a training
 run; wedlm_model.json is looked up there and in its two parents (or give --model-args).
+
+Inputs are checked before anything is written; the output is written next to --output and
+renamed into place at the end, so a failed run leaves an earlier output as it was, and an
+output that is (or holds, or lies inside) an input is refused.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     to_mcore.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     to_mcore.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                           help="dtype of the written weights (default: the HF weights' dtype)")
-    to_mcore.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    to_mcore.add_argument("--overwrite", action="store_true",
+                          help="replace a non-empty output directory (once the new one is complete)")
 
     to_hf = sub.add_parser("megatron-to-hf", help="Megatron torch_dist -> HF safetensors directory")
     to_hf.add_argument("--input", required=True, help="torch_dist checkpoint directory")
@@ -47,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="dtype of the exported weights (default: as recorded in wedlm_model.json)")
     to_hf.add_argument("--allow-no-mask-token", action="store_true",
                        help="export even if the model has no mask token (a plain AR checkpoint)")
-    to_hf.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    to_hf.add_argument("--overwrite", action="store_true",
+                       help="replace a non-empty output directory (once the new one is complete)")
     return parser
 
 
@@ -55,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from megatron_wedlm.conversion import ConversionError, convert_hf_to_megatron, convert_megatron_to_hf
     from megatron_wedlm.model.hf_config import UnsupportedModelError
+    from megatron_wedlm.runtime.atomic_output import DiskFullError, OutputDirError
 
     try:
         if args.command == "hf-to-megatron":
@@ -76,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                 require_mask_token=not args.allow_no_mask_token, overwrite=args.overwrite,
             )
             print(f"wrote {args.output}: {len(files)} safetensors file(s)")
-    except (ConversionError, UnsupportedModelError, FileNotFoundError) as err:
+    except (ConversionError, UnsupportedModelError, OutputDirError, DiskFullError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 SAFE_INDEX = "model.safetensors.index.json"
@@ -35,6 +35,33 @@ class ConversionError(ValueError):
     """Bad input to a checkpoint conversion; the message names the file or tensor and the fix."""
 
 
+def read_json(path: Path) -> dict:
+    """A JSON object from ``path``; a file that is not one is named in the error."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConversionError(f"{path} is not valid JSON ({err}); restore or re-create the file") from err
+    if not isinstance(data, dict):
+        raise ConversionError(f"{path} holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def safetensors_names(path: Path) -> list[str]:
+    """The tensor names in a safetensors file, after checking its header covers the whole file.
+
+    ``safe_open`` parses the header and checks that the tensors it lists end exactly at the end
+    of the file, so a truncated (or padded) file is caught here, before anything is written.
+    """
+    try:
+        with safe_open(path, framework="pt") as f:
+            return list(f.keys())
+    except SafetensorError as err:
+        raise ConversionError(
+            f"{path} ({path.stat().st_size} bytes) is not a readable safetensors file: {err}. It is truncated "
+            "or corrupt (an interrupted download or save?); download or save it again"
+        ) from err
+
+
 class HFSafetensorsReader:
     """Lazy access to the tensors of a HF checkpoint directory (single file or sharded)."""
 
@@ -45,13 +72,18 @@ class HFSafetensorsReader:
     def _index(self) -> dict[str, Path]:
         index = self.directory / SAFE_INDEX
         if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map")
+            weight_map = read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise ConversionError(f"{index} has no 'weight_map'")
             files = {name: self.directory / file for name, file in weight_map.items()}
             missing = sorted({str(p) for p in files.values() if not p.is_file()})
             if missing:
                 raise ConversionError(f"{index} lists shard files that do not exist: {missing}")
+            for shard in sorted(set(files.values())):
+                listed = {name for name, file in files.items() if file == shard}
+                absent = sorted(listed - set(safetensors_names(shard)))
+                if absent:
+                    raise ConversionError(f"{index} places tensors in {shard} that it does not hold: {absent[:8]}")
             return files
         shards = sorted(self.directory.glob("*.safetensors"))
         if not shards:
@@ -67,9 +99,8 @@ class HFSafetensorsReader:
             raise ConversionError(f"no *.safetensors weights in {self.directory}.{hint}")
         files: dict[str, Path] = {}
         for shard in shards:
-            with safe_open(shard, framework="pt") as f:
-                for name in f.keys():
-                    files[name] = shard
+            for name in safetensors_names(shard):
+                files[name] = shard
         return files
 
     def names(self) -> list[str]:

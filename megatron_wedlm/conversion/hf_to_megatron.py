@@ -7,13 +7,15 @@ Output directory::
     tokenizer files, generation_config.json            carried along for export
 
 Every HF tensor is checked (present, shape, nothing left unmapped) before anything is written,
-so a bad input fails in seconds with the tensor's name rather than halfway through.
+so a bad input fails in seconds with the tensor's name rather than halfway through. The output
+is written into a temporary sibling and renamed into place at the end
+(:func:`megatron_wedlm.runtime.atomic_output.atomic_output_dir`), so a failed conversion leaves
+an earlier output as it was.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -27,8 +29,9 @@ from megatron_wedlm.model.hf_config import (
     pad_vocab_size,
     save_model_args,
 )
+from megatron_wedlm.runtime.atomic_output import atomic_output_dir, check_output_dir
 
-from .hf_checkpoint import ConversionError, HFSafetensorsReader
+from .hf_checkpoint import ConversionError, HFSafetensorsReader, read_json
 from .layout import resize_rows
 from .mapping import (
     IGNORED_HF_SUFFIXES,
@@ -120,14 +123,6 @@ def _write_rank(
         save_megatron_checkpoint(model, output_dir, release_model=True)
 
 
-def _prepare_output(output_dir: Path, overwrite: bool) -> None:
-    if output_dir.exists() and any(output_dir.iterdir()):
-        if not overwrite:
-            raise ConversionError(f"output directory {output_dir} is not empty; choose another or pass --overwrite")
-        shutil.rmtree(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-
-
 def convert_hf_to_megatron(
     input_dir: str | Path,
     output_dir: str | Path,
@@ -151,7 +146,8 @@ def convert_hf_to_megatron(
     config_file = input_dir / "config.json"
     if not config_file.is_file():
         raise ConversionError(f"{input_dir} is not a HF model directory: {config_file} does not exist")
-    raw = json.loads(config_file.read_text())
+    check_output_dir(output_dir, [input_dir], overwrite)
+    raw = read_json(config_file)
     source_args = model_args_from_hf_config(
         raw, make_vocab_size_divisible_by=make_vocab_size_divisible_by, tensor_model_parallel_size=tp
     )
@@ -159,7 +155,6 @@ def convert_hf_to_megatron(
     reader = HFSafetensorsReader(input_dir)
     check_hf_checkpoint(reader, source_args)
 
-    _prepare_output(output_dir, overwrite)
     with tempfile.TemporaryDirectory(prefix="wedlm-tokenizer-") as staged_tokenizer:
         # Staged aside: torch_dist warns about (and may clean) a non-empty target directory.
         mask = prepare_tokenizer(
@@ -171,19 +166,20 @@ def convert_hf_to_megatron(
         if mask.added:
             mask_init = MaskRowInit(mask.mask_token_id, min(mask.tokenizer_len, source_args.vocab_size))
 
-        if tp * pp == 1:
-            _write_rank(args.to_dict(), str(input_dir), str(output_dir), 1, 1, mask_init)
-        else:
-            from megatron_wedlm.runtime.multiprocess import run_distributed
+        with atomic_output_dir(output_dir, inputs=[input_dir], overwrite=overwrite) as staging:
+            if tp * pp == 1:
+                _write_rank(args.to_dict(), str(input_dir), str(staging), 1, 1, mask_init)
+            else:
+                from megatron_wedlm.runtime.multiprocess import run_distributed
 
-            run_distributed(
-                _write_rank, tp * pp, args.to_dict(), str(input_dir), str(output_dir), tp, pp, mask_init,
-                timeout_s=timeout_s,
-            )
-        copy_tokenizer_files(staged_tokenizer, output_dir)
-    save_model_args(args, output_dir)
-    if (input_dir / GENERATION_CONFIG).is_file():
-        shutil.copyfile(input_dir / GENERATION_CONFIG, output_dir / GENERATION_CONFIG)
+                run_distributed(
+                    _write_rank, tp * pp, args.to_dict(), str(input_dir), str(staging), tp, pp, mask_init,
+                    timeout_s=timeout_s,
+                )
+            copy_tokenizer_files(staged_tokenizer, staging)
+            save_model_args(args, staging)
+            if (input_dir / GENERATION_CONFIG).is_file():
+                shutil.copyfile(input_dir / GENERATION_CONFIG, staging / GENERATION_CONFIG)
     return args
 
 

@@ -250,6 +250,33 @@ def check_torch_dist_dir(directory: str | Path) -> None:
         raise ConversionError(f"{directory} uses the {backend!r} backend; only torch_dist is supported")
 
 
+def torch_dist_problem(directory: str | Path) -> str | None:
+    """Why the tensor files of a ``torch_dist`` checkpoint cannot all be read, or None.
+
+    Cheap (the index and file sizes, no tensors): every data file the checkpoint's ``.metadata``
+    names must exist and be as long as the index says. A truncated ``*.distcp`` (an interrupted
+    copy or save) otherwise surfaces as a bare EOFError from deep inside
+    torch.distributed.checkpoint, naming neither the file nor the checkpoint.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    directory = Path(directory)
+    try:
+        storage = FileSystemReader(str(directory)).read_metadata().storage_data
+    except Exception as err:  # noqa: BLE001 - any unreadable index means the same thing
+        return f"{directory / '.metadata'} cannot be read ({type(err).__name__}: {err})"
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        path = directory / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size < size:
+            return f"{path} is truncated ({path.stat().st_size} bytes; the checkpoint's index needs {size})"
+    return None
+
+
 class MegatronCheckpointReader:
     """One Megatron tensor (one layer of it) at a time from a ``torch_dist`` checkpoint."""
 
@@ -257,6 +284,12 @@ class MegatronCheckpointReader:
         from megatron.core import dist_checkpointing
 
         check_torch_dist_dir(directory)
+        problem = torch_dist_problem(directory)
+        if problem is not None:
+            raise ConversionError(
+                f"the checkpoint {directory} cannot be read: {problem}. It is incomplete or corrupt (an interrupted "
+                "copy or save?); use another checkpoint"
+            )
         self.directory = str(directory)
         self.args = args
         self.metadata = dist_checkpointing.load_tensors_metadata(self.directory)

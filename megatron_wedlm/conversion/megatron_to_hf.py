@@ -3,7 +3,9 @@
 Written: ``model.safetensors`` (or ``model-*-of-*.safetensors`` + ``model.safetensors.index.json``
 above ``max_shard_size``), ``config.json`` with ``mask_token_id``, ``generation_config.json`` and
 the tokenizer files. Tensors are read one layer at a time and written shard by shard, so memory
-stays near one shard plus one tensor whatever the model size.
+stays near one shard plus one tensor whatever the model size. The export is written into a
+temporary sibling of the output and renamed into place at the end, so a failed export (a corrupt
+checkpoint, a full disk) leaves an earlier export as it was.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import shutil
 from pathlib import Path
 
 from megatron_wedlm.model.hf_config import ModelArgs, find_model_args_file, hf_config_from_model_args, load_model_args
+from megatron_wedlm.runtime.atomic_output import atomic_output_dir, check_output_dir
 
 from .hf_checkpoint import ConversionError, ShardedSafetensorsWriter, parse_size
 from .mapping import EMBEDDING, FINAL_NORM, OUTPUT_LAYER, layer_rules, to_hf
@@ -41,7 +44,8 @@ def convert_megatron_to_hf(
     """
     input_dir, output_dir = Path(input_dir), Path(output_dir)
     check_torch_dist_dir(input_dir)
-    args, args_dir = _resolve_model_args(input_dir, model_args)
+    check_output_dir(output_dir, [input_dir], overwrite)
+    args, args_dir, args_file = _resolve_model_args(input_dir, model_args)
     if dtype is not None:
         args = dataclasses.replace(args, dtype=dtype)
     if require_mask_token and args.mask_token_id is None:
@@ -55,58 +59,57 @@ def convert_megatron_to_hf(
             f"no tokenizer files in {tokenizer_src}; pass --tokenizer DIR with the tokenizer the model was trained with"
         )
     _check_mask_in_tokenizer(tokenizer_src, args)
-    if output_dir.exists() and any(output_dir.iterdir()):
-        if not overwrite:
-            raise ConversionError(f"output directory {output_dir} is not empty; choose another or pass --overwrite")
-        shutil.rmtree(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    inputs = [input_dir, args_file, *tokenizer_files_in(tokenizer_src)]
 
-    writer = ShardedSafetensorsWriter(output_dir, parse_size(max_shard_size))
     with megatron_process_group(1, 1):
-        reader = MegatronCheckpointReader(input_dir, args)
+        reader = MegatronCheckpointReader(input_dir, args)  # reads the checkpoint's metadata
+        with atomic_output_dir(output_dir, inputs=inputs, overwrite=overwrite) as staging:
+            writer = ShardedSafetensorsWriter(staging, parse_size(max_shard_size))
 
-        def put(rule, layer):
-            tensors = to_hf(rule, reader.read(rule, layer), args)
-            for name, tensor in zip(rule.hf_names(layer), tensors):
-                writer.add(name, tensor.to(args.torch_dtype))
+            def put(rule, layer):
+                tensors = to_hf(rule, reader.read(rule, layer), args)
+                for name, tensor in zip(rule.hf_names(layer), tensors):
+                    writer.add(name, tensor.to(args.torch_dtype))
 
-        put(EMBEDDING, None)
-        for layer in range(args.num_layers):
-            for rule in layer_rules(args):
-                put(rule, layer)
-        put(FINAL_NORM, None)
-        if not args.tie_word_embeddings:
-            put(OUTPUT_LAYER, None)
-    files = writer.close()
+            put(EMBEDDING, None)
+            for layer in range(args.num_layers):
+                for rule in layer_rules(args):
+                    put(rule, layer)
+            put(FINAL_NORM, None)
+            if not args.tie_word_embeddings:
+                put(OUTPUT_LAYER, None)
+            files = writer.close()
 
-    config = hf_config_from_model_args(args)
-    config.save_pretrained(str(output_dir))
-    _write_generation_config(config, [input_dir, args_dir], output_dir)
-    copy_tokenizer_files(tokenizer_src, output_dir)
-    return files
+            config = hf_config_from_model_args(args)
+            config.save_pretrained(str(staging))
+            _write_generation_config(config, [input_dir, args_dir], staging)
+            copy_tokenizer_files(tokenizer_src, staging)
+    return [output_dir / file.name for file in files]
 
 
-def _resolve_model_args(input_dir: Path, model_args) -> tuple[ModelArgs, Path | None]:
+def _resolve_model_args(input_dir: Path, model_args) -> tuple[ModelArgs, Path | None, Path | None]:
+    """The model description, the directory it came from and its file (None for ModelArgs given)."""
     if isinstance(model_args, ModelArgs):
-        return model_args, None
+        return model_args, None, None
     if model_args is not None:
         path = Path(model_args)
-        return load_model_args(path), (path if path.is_dir() else path.parent)
+        file = path if path.is_file() else find_model_args_file(path)
+        return load_model_args(path), (path if path.is_dir() else path.parent), file
     found = find_model_args_file(input_dir)
     if found is None:
         raise ConversionError(
             f"no wedlm_model.json in {input_dir} or its parents; pass --model-args PATH (written by hf-to-megatron)"
         )
-    return load_model_args(found), found.parent
+    return load_model_args(found), found.parent, found
 
 
 def _check_mask_in_tokenizer(tokenizer_dir: Path, args: ModelArgs) -> None:
     if args.mask_token_id is None:
         return
-    from transformers import AutoTokenizer
+    from megatron_wedlm.runtime.hf_local import has_token_id, load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    if args.mask_token_id >= len(tokenizer):
+    tokenizer = load_tokenizer(tokenizer_dir)
+    if not has_token_id(tokenizer, args.mask_token_id):
         raise ConversionError(
             f"mask_token_id={args.mask_token_id} is not a token of the tokenizer in {tokenizer_dir} "
             f"({len(tokenizer)} tokens); pass the tokenizer the model was trained with (--tokenizer)"

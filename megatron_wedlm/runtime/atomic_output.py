@@ -1,0 +1,208 @@
+"""An output directory that appears complete or not at all: the one way tools write their results.
+
+Why: a converter, ``prepare_data`` or an export that deleted its old output before reading its
+input lost users' models (``--input X --output X --overwrite`` deleted X; a typo in ``--input``
+left a manifest without shards). :func:`atomic_output_dir` therefore
+
+1. refuses an output that overlaps an input (the same directory, or one inside the other),
+   and a non-empty output unless ``overwrite`` is given -- before anything is written;
+2. hands out a temporary sibling ``<output>.tmp-<host>-<pid>`` to write into (a sibling, so the
+   final rename stays on one file system and is atomic);
+3. on success renames the old output aside, the new one into place, then deletes the old one;
+   on failure deletes the temporary directory, so the previous output is exactly as it was.
+
+Between the two renames of step 3 (microseconds) a crash leaves the old output under
+``<output>.old-<host>-<pid>`` (left for the user: it may be the only copy); temporary
+directories of killed writers on this host are removed by the next writer of the same output.
+
+A full disk is named (:class:`DiskFullError`): torch's zip writer reports a short write as
+``enforce fail at inline_container.cc ... unexpected pos``, which says nothing about space.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import socket
+from pathlib import Path
+from typing import Iterable, Iterator
+
+__all__ = [
+    "DiskFullError",
+    "OutputDirError",
+    "atomic_output_dir",
+    "check_output_dir",
+    "disk_full_is_named",
+    "is_disk_full",
+    "pid_alive",
+]
+
+#: Free bytes below which a failed write whose message says nothing about space is taken for a
+#: full disk (a write that filled the disk leaves less than a file-system block or so free).
+LOW_SPACE_BYTES = 1 << 20
+
+# Messages of write failures that do not carry ENOSPC: torch.save's zip writer (the short write
+# shows as a position mismatch) and safetensors (Rust I/O error text).
+_WRITE_FAILURE_MARKERS = ("inline_container.cc", "file write failed", "PytorchStreamWriter failed")
+_NO_SPACE_MARKERS = ("No space left on device", "os error 28")
+
+
+class OutputDirError(ValueError):
+    """The output directory would destroy an input, or exists and may not be replaced."""
+
+
+class DiskFullError(OSError):
+    """No space left on the device while writing a path; the message names the path."""
+
+    def __init__(self, path: str | Path) -> None:
+        message = f"no space left on device while writing {path}; free some space or write elsewhere"
+        super().__init__(errno.ENOSPC, message)
+        self.path = str(path)
+
+
+def _free_bytes(path: Path) -> int | None:
+    for candidate in (path, *path.parents):
+        try:
+            return shutil.disk_usage(candidate).free
+        except OSError:
+            continue
+    return None
+
+
+def _causes(err: BaseException) -> Iterator[BaseException]:
+    """``err``, its causes and contexts, and the per-rank failures of a distributed checkpoint save."""
+    seen: set[int] = set()
+    stack = [err]
+    while stack:
+        item = stack.pop()
+        if item is None or id(item) in seen:
+            continue
+        seen.add(id(item))
+        yield item
+        stack += [item.__cause__, item.__context__]  # type: ignore[list-item]
+        failures = getattr(item, "failures", None)  # torch.distributed.checkpoint.CheckpointException
+        if isinstance(failures, dict):
+            for failure in failures.values():
+                cause = getattr(failure, "exc", failure)  # a WrappedException holds the rank's exception
+                stack.append(cause if isinstance(cause, BaseException) else None)
+
+
+def is_disk_full(err: BaseException, path: str | Path) -> bool:
+    """Whether ``err``, raised while writing under ``path``, means the device ran out of space."""
+    causes = list(_causes(err))
+    for item in causes:
+        if isinstance(item, OSError) and item.errno == errno.ENOSPC:
+            return True
+        if any(marker in str(item) for marker in _NO_SPACE_MARKERS):
+            return True
+    if any(marker in str(item) for item in causes for marker in _WRITE_FAILURE_MARKERS):
+        free = _free_bytes(Path(path))
+        return free is not None and free < LOW_SPACE_BYTES
+    return False
+
+
+@contextlib.contextmanager
+def disk_full_is_named(path: str | Path) -> Iterator[None]:
+    """Re-raise a write failure caused by a full disk as :class:`DiskFullError` naming ``path``."""
+    try:
+        yield
+    except (DiskFullError, KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as err:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+        if is_disk_full(err, path):
+            raise DiskFullError(path) from err
+        raise
+
+
+def _overlap(output: Path, item: Path) -> str | None:
+    if output == item:
+        return "is"
+    if output in item.parents:
+        return "contains"
+    if item in output.parents:
+        return "is inside"
+    return None
+
+
+def check_output_dir(output: str | Path, inputs: Iterable[str | Path | None] = (), overwrite: bool = False) -> None:
+    """Raise :class:`OutputDirError` if ``output`` is an input, holds one, lies inside one, is not a
+    directory, or is a non-empty directory and ``overwrite`` is false. Nothing is written."""
+    final = Path(output)
+    resolved = final.resolve()
+    for item in inputs:
+        if item is None:
+            continue
+        relation = _overlap(resolved, Path(item).resolve())
+        if relation is not None:
+            raise OutputDirError(
+                f"the output {output} {relation} the input {item}; writing it would destroy or mix with "
+                "the input. Choose an output directory outside every input"
+            )
+    if final.exists() and not final.is_dir():
+        raise OutputDirError(f"the output {final} exists and is not a directory")
+    if final.is_dir() and any(final.iterdir()) and not overwrite:
+        raise OutputDirError(
+            f"the output directory {final} is not empty; choose another or pass --overwrite "
+            "(the old contents are replaced only once the new output is complete)"
+        )
+
+
+def _writer_tag() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _remove_stale_siblings(output: Path) -> None:
+    """Temporary directories of writers of ``output`` on this host that are no longer running."""
+    for stale in output.parent.glob(f"{output.name}.tmp-{socket.gethostname()}-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this host (someone else's counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def atomic_output_dir(
+    output: str | Path,
+    *,
+    inputs: Iterable[str | Path | None] = (),
+    overwrite: bool = False,
+) -> Iterator[Path]:
+    """Yield a fresh temporary directory; on success it becomes ``output`` (see the module docstring).
+
+    ``inputs`` are the files and directories the writer reads. An existing non-empty ``output``
+    is refused unless ``overwrite``; with it, the old contents are replaced only after the body
+    finished without an error.
+    """
+    final = Path(output)
+    check_output_dir(final, inputs, overwrite)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_siblings(final)
+    tag = _writer_tag()
+    staging = final.with_name(f"{final.name}.tmp-{tag}")
+    shutil.rmtree(staging, ignore_errors=True)
+    with disk_full_is_named(final):
+        try:
+            staging.mkdir()
+            yield staging
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    if final.exists():
+        old = final.with_name(f"{final.name}.old-{tag}")
+        os.replace(final, old)
+        os.replace(staging, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staging, final)
