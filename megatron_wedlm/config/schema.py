@@ -252,6 +252,7 @@ def validate_config(cfg: TrainConfig) -> None:
         "optimizer.clip_grad", "wedlm.ar_weight", "data.seed", "trainer.seed",
     ):
         positive(key, allow_zero=True)
+    _check_heads(cfg.model)
     ds = cfg.deepspeed
     if ds.zero_stage not in (1, 2, 3):
         raise ConfigError(f"deepspeed.zero_stage={ds.zero_stage} must be 1, 2 or 3")
@@ -307,6 +308,21 @@ def validate_config(cfg: TrainConfig) -> None:
                 f"{', '.join(missing)} must be set to build a model from scratch "
                 "(or set model.init_from to a converted checkpoint)"
             )
+
+
+def _check_heads(model: ModelConfig) -> None:
+    """Head counts that split the model evenly, refused here rather than deep in RoPE or attention."""
+    heads, hidden, groups = model.num_attention_heads, model.hidden_size, model.num_query_groups
+    if heads is not None and hidden is not None and model.head_dim is None and hidden % heads:
+        raise ConfigError(
+            f"model.num_attention_heads={heads} does not divide model.hidden_size={hidden}; choose a head "
+            "count that divides it (or set model.head_dim)"
+        )
+    if heads is not None and groups is not None and heads % groups:
+        raise ConfigError(
+            f"model.num_query_groups={groups} does not divide model.num_attention_heads={heads}; every "
+            "key/value group must serve the same number of query heads"
+        )
 
 
 def validate_layout(cfg: TrainConfig, world_size: int) -> int:

@@ -195,6 +195,26 @@ def _check_supported_features(config: Any) -> None:
         raise UnsupportedModelError("llama with mlp_bias=true is not supported")
 
 
+def _check_heads(raw: dict[str, Any], config: Any) -> None:
+    """Head counts that split the model evenly, checked here rather than failing deep in RoPE.
+
+    Without ``head_dim`` in config.json the head size is ``hidden_size / num_attention_heads``
+    (a Qwen3-style config may state any head_dim and needs no divisibility).
+    """
+    heads, hidden = int(config.num_attention_heads), int(config.hidden_size)
+    groups = int(getattr(config, "num_key_value_heads", None) or heads)
+    if raw.get("head_dim") is None and hidden % heads:
+        raise UnsupportedModelError(
+            f"num_attention_heads={heads} does not divide hidden_size={hidden} and the config gives no "
+            "head_dim; fix num_attention_heads (or state head_dim) in config.json"
+        )
+    if heads % groups:
+        raise UnsupportedModelError(
+            f"num_key_value_heads={groups} does not divide num_attention_heads={heads}; every key/value "
+            "head must serve the same number of query heads: fix config.json"
+        )
+
+
 def model_args_from_hf_config(
     config: Any,
     *,
@@ -211,6 +231,7 @@ def model_args_from_hf_config(
     raw = _as_config_dict(config)
     hf = _normalised_hf_config(raw)
     _check_supported_features(hf)
+    _check_heads(raw, hf)
     rows = int(vocab_size if vocab_size is not None else hf.vocab_size)
     heads = int(hf.num_attention_heads)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
