@@ -6,7 +6,10 @@
 
 The output directory gets the shards, ``manifest.json`` and the tokenizer (with a mask token
 added if it had none); point ``data.path`` of a training config at it. Bad input lines are
-listed as ``file:line: reason`` on stderr and counted in the summary.
+listed as ``file:line: reason`` on stderr and counted in the summary. Input that is not UTF-8
+stops the run naming file:line unless ``--encoding-errors replace``. Inputs are checked first and
+the output replaces an earlier one only once complete, so a failed run (a mistyped --input, a
+full disk) leaves the earlier shards as they were.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_wedlm.data.prepare import DEFAULT_MASK_TOKEN, prepare_dataset  # noqa: E402
+from megatron_wedlm.data.prepare import DEFAULT_MASK_TOKEN, ENCODING_ERRORS, prepare_dataset  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,11 +40,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chat-template", help="jinja chat template file (SFT; overrides the tokenizer's)")
     parser.add_argument("--raw-sft", action="store_true", help="SFT without a chat template: prompt + response + EOS")
     parser.add_argument("--max-reported", type=int, default=100, help="bad lines listed individually")
-    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument(
+        "--encoding-errors", choices=ENCODING_ERRORS, default="strict",
+        help="input that is not UTF-8: stop naming file:line (strict, default) or replace invalid bytes by "
+        "U+FFFD and count them per file in manifest.json (replace)",
+    )
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing output directory (once the new one is complete)")
     args = parser.parse_args(argv)
 
-    template = Path(args.chat_template).read_text() if args.chat_template else None
     try:
+        template = Path(args.chat_template).read_text() if args.chat_template else None
         summary = prepare_dataset(
             args.input,
             args.output,
@@ -56,8 +65,9 @@ def main(argv: list[str] | None = None) -> int:
             raw_sft=args.raw_sft,
             overwrite=args.overwrite,
             max_reported=args.max_reported,
+            encoding_errors=args.encoding_errors,
         )
-    except (ValueError, FileNotFoundError, FileExistsError) as err:
+    except (ValueError, OSError) as err:
         print(f"prepare_data: error: {err}", file=sys.stderr)
         return 2
     print(summary.describe())

@@ -23,13 +23,24 @@ as ``prompt + response + EOS`` (for base-model tasks that have no chat format).
 Bad input lines (invalid JSON, missing or non-string field, empty text, malformed messages, a
 sample with nothing to learn) are skipped; each is reported as ``file:line: reason`` and the
 summary counts them by reason.
+
+Input that is not valid UTF-8 stops the run by default, naming ``file:line`` (as HF ``datasets``
+and Megatron-LM's ``preprocess_data.py`` do: a silently replaced byte would train the model on
+U+FFFD where the data had other text). ``encoding_errors="replace"`` keeps going with U+FFFD in
+place of each invalid byte sequence and records, per file, how many bytes on how many lines were
+replaced (console, summary and ``manifest.json`` under ``invalid_utf8``).
+
+The output is written into a temporary sibling directory and renamed into place at the end
+(:func:`megatron_wedlm.runtime.atomic_output.atomic_output_dir`): inputs are checked first, an
+output that overlaps an input is refused, and a failed run (a typo in an input path, no usable
+sample, a full disk) leaves an earlier prepared directory exactly as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
-import os
 import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -38,13 +49,17 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from megatron_wedlm.runtime.atomic_output import atomic_output_dir, check_output_dir
+
 __all__ = [
     "BadLine",
+    "InvalidUtf8Error",
     "PrepareSummary",
     "Sample",
     "MANIFEST_FILE",
     "TOKENIZER_DIR",
     "DEFAULT_MASK_TOKEN",
+    "ENCODING_ERRORS",
     "collect_input_files",
     "load_tokenizer_with_mask",
     "prepare_dataset",
@@ -57,6 +72,7 @@ DEFAULT_MASK_TOKEN = "<|mask|>"
 FORMAT_VERSION = 1
 _JSON_SUFFIXES = (".jsonl", ".json")
 _TEXT_UNITS = ("file", "paragraph", "line")
+ENCODING_ERRORS = ("strict", "replace")
 _BATCH = 512  # documents tokenized per call (fast tokenizers batch in Rust)
 
 
@@ -88,6 +104,7 @@ class PrepareSummary:
     mask_token_added: bool = False
     bad_lines: int = 0
     bad_by_reason: dict[str, int] = field(default_factory=dict)
+    invalid_utf8: dict[str, dict[str, int]] = field(default_factory=dict)  # file -> bytes, lines, first_line
 
     def describe(self) -> str:
         lines = [
@@ -97,6 +114,9 @@ class PrepareSummary:
             f"skipped {self.bad_lines} bad lines"
             + (": " + ", ".join(f"{n} {r}" for r, n in sorted(self.bad_by_reason.items())) if self.bad_lines else ""),
         ]
+        if self.invalid_utf8:
+            replaced = sum(entry["bytes"] for entry in self.invalid_utf8.values())
+            lines.append(f"replaced {replaced} invalid UTF-8 bytes by U+FFFD in {len(self.invalid_utf8)} file(s)")
         return "\n".join(lines)
 
 
@@ -112,16 +132,21 @@ def load_tokenizer_with_mask(tokenizer_dir: str | Path, mask_token: str = DEFAUL
     the model's embedding must have that row (conversion pads/initialises it, see
     ``tools/convert_checkpoint.py``; a model trained from scratch sizes itself from the tokenizer).
     """
-    from transformers import AutoTokenizer
+    from megatron_wedlm.runtime.hf_local import load_tokenizer, read_config, reference_mask_token_id
 
     path = Path(tokenizer_dir)
     if not path.is_dir():
         raise FileNotFoundError(f"tokenizer directory {path} does not exist (give a local HF tokenizer directory)")
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer = load_tokenizer(path)
     added = False
     if tokenizer.mask_token is None:
+        # An official WeDLM checkpoint whose config names no mask token: the reference engine's id.
+        config = read_config(path) if (path / "config.json").is_file() else {}
+        reference = reference_mask_token_id(config, tokenizer)
+        added = reference is None
+        if not added:
+            mask_token = tokenizer.convert_ids_to_tokens(reference)
         tokenizer.add_special_tokens({"mask_token": mask_token})
-        added = True
     mask_id = tokenizer.convert_tokens_to_ids(tokenizer.mask_token)
     if mask_id is None or mask_id == tokenizer.unk_token_id:
         raise ValueError(f"tokenizer in {path}: mask token {tokenizer.mask_token!r} has no id")
@@ -131,6 +156,49 @@ def load_tokenizer_with_mask(tokenizer_dir: str | Path, mask_token: str = DEFAUL
 # --------------------------------------------------------------------------------------------
 # Reading inputs
 # --------------------------------------------------------------------------------------------
+
+
+class InvalidUtf8Error(ValueError):
+    """Input bytes that are not UTF-8, under ``encoding_errors="strict"``; names file and line."""
+
+
+class _Utf8Decoder:
+    """Decodes input bytes as UTF-8 under one ``encoding_errors`` policy; counts replacements per file."""
+
+    def __init__(self, errors: str) -> None:
+        if errors not in ENCODING_ERRORS:
+            raise ValueError(f"encoding_errors must be one of {ENCODING_ERRORS}, got {errors!r}")
+        self.errors = errors
+        self.replaced: dict[str, dict[str, int]] = {}
+
+    def decode(self, raw: bytes, path: Path, line: int) -> str:
+        """``raw`` (starting at ``line`` of ``path``) as text; raises or replaces invalid bytes."""
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            first = err
+        if self.errors == "strict":
+            at = line + raw.count(b"\n", 0, first.start)
+            raise InvalidUtf8Error(
+                f"{path}:{at}: invalid UTF-8 (byte 0x{raw[first.start]:02x}): the file is not UTF-8 text. "
+                "Convert it (e.g. iconv -f latin1 -t utf-8) or pass --encoding-errors replace to replace "
+                "invalid bytes by U+FFFD (counted per file in manifest.json)"
+            )
+        parts, start, bad_lines = [], 0, set()
+        entry = self.replaced.setdefault(str(path), {"bytes": 0, "lines": 0, "first_line": 0})
+        while True:
+            try:
+                parts.append(raw[start:].decode("utf-8"))
+                break
+            except UnicodeDecodeError as err:
+                end, stop = start + err.start, start + err.end
+                parts += [raw[start:end].decode("utf-8"), "\ufffd"]
+                bad_lines.add(line + raw.count(b"\n", 0, end))
+                entry["bytes"] += stop - end
+                start = stop
+        entry["lines"] += len(bad_lines)
+        entry["first_line"] = entry["first_line"] or min(bad_lines)
+        return "".join(parts)
 
 
 def collect_input_files(inputs: Sequence[str | Path]) -> list[Path]:
@@ -152,9 +220,10 @@ def collect_input_files(inputs: Sequence[str | Path]) -> list[Path]:
     return files
 
 
-def _json_lines(path: Path) -> Iterator[tuple[int, Any] | BadLine]:
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        for number, line in enumerate(handle, start=1):
+def _json_lines(path: Path, decoder: _Utf8Decoder) -> Iterator[tuple[int, Any] | BadLine]:
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            line = decoder.decode(raw, path, number)
             if not line.strip():
                 continue
             try:
@@ -163,8 +232,8 @@ def _json_lines(path: Path) -> Iterator[tuple[int, Any] | BadLine]:
                 yield BadLine(str(path), number, f"invalid JSON ({err.msg})")
 
 
-def _text_documents(path: Path, unit: str) -> Iterator[tuple[int, str]]:
-    text = path.read_text(encoding="utf-8", errors="replace")
+def _text_documents(path: Path, unit: str, decoder: _Utf8Decoder) -> Iterator[tuple[int, str]]:
+    text = decoder.decode(path.read_bytes(), path, 1).replace("\r\n", "\n").replace("\r", "\n")  # as text mode
     if unit == "file":
         if text.strip():
             yield 1, text
@@ -186,13 +255,15 @@ def _text_documents(path: Path, unit: str) -> Iterator[tuple[int, str]]:
         yield start_line, "".join(buffer).rstrip("\n")
 
 
-def _pretrain_texts(files: Sequence[Path], text_field: str, text_unit: str) -> Iterator[tuple[str, str] | BadLine]:
+def _pretrain_texts(
+    files: Sequence[Path], text_field: str, text_unit: str, decoder: _Utf8Decoder
+) -> Iterator[tuple[str, str] | BadLine]:
     for path in files:
         if path.suffix not in _JSON_SUFFIXES:
-            for line, text in _text_documents(path, text_unit):
+            for line, text in _text_documents(path, text_unit, decoder):
                 yield f"{path}:{line}", text
             continue
-        for item in _json_lines(path):
+        for item in _json_lines(path, decoder):
             if isinstance(item, BadLine):
                 yield item
                 continue
@@ -247,11 +318,11 @@ def _conversation(record: Any) -> list[dict[str, str]] | str:
     return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
 
 
-def _sft_conversations(files: Sequence[Path]) -> Iterator[tuple[str, list[dict[str, str]]] | BadLine]:
-    for path in files:
-        if path.suffix not in _JSON_SUFFIXES:
-            raise ValueError(f"SFT input {path} is not .jsonl: SFT data must be JSON lines with 'messages'")
-        for item in _json_lines(path):
+def _sft_conversations(
+    files: Sequence[Path], decoder: _Utf8Decoder
+) -> Iterator[tuple[str, list[dict[str, str]]] | BadLine]:
+    for path in files:  # all .jsonl/.json: checked by prepare_dataset
+        for item in _json_lines(path, decoder):
             if isinstance(item, BadLine):
                 yield item
                 continue
@@ -395,6 +466,17 @@ class _ShardWriter:
         self._close()
         return self.shards
 
+    def abandon(self) -> None:
+        """Close the open shard after a failure, whether or not its last bytes can still be written
+        (its directory is about to be deleted; a full disk must not raise again at exit)."""
+        if self._writer is not None:
+            with contextlib.suppress(OSError):
+                self._writer.tarstream.close()
+            with contextlib.suppress(OSError):
+                if self._writer.own_fileobj is not None:
+                    self._writer.own_fileobj.close()
+            self._writer = None
+
 
 def prepare_dataset(
     inputs: Sequence[str | Path],
@@ -412,11 +494,14 @@ def prepare_dataset(
     overwrite: bool = False,
     report: Callable[[str], None] | None = None,
     max_reported: int = 100,
+    encoding_errors: str = "strict",
 ) -> PrepareSummary:
     """Tokenize ``inputs`` into webdataset shards under ``output_dir``; see the module docstring.
 
-    ``report`` receives one line per bad input line (the first ``max_reported``) and is
-    stderr by default. Returns the run summary (also stored in ``manifest.json``).
+    ``report`` receives one line per bad input line (the first ``max_reported``) and per file
+    with replaced invalid UTF-8, and is stderr by default. Every input is checked and the
+    tokenizer loaded before anything is written; the output replaces an earlier one only when
+    complete. Returns the run summary (also stored in ``manifest.json``).
     """
     if task not in ("pretrain", "sft"):
         raise ValueError(f"task must be 'pretrain' or 'sft', got {task!r}")
@@ -424,15 +509,16 @@ def prepare_dataset(
         raise ValueError(f"text_unit must be one of {_TEXT_UNITS}, got {text_unit!r}")
     if samples_per_shard < 1:
         raise ValueError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
+    decoder = _Utf8Decoder(encoding_errors)
     report = report or (lambda line: print(line, file=sys.stderr))
     out = Path(output_dir)
-    if (out / MANIFEST_FILE).exists() and not overwrite:
-        raise FileExistsError(f"{out} already holds a prepared dataset ({MANIFEST_FILE}); pass overwrite=True / --overwrite")
-    if out.exists():
-        for old in out.glob("shard-*.tar"):
-            old.unlink()
-    out.mkdir(parents=True, exist_ok=True)
     files = collect_input_files(inputs)
+    if task == "sft":
+        for path in files:
+            if path.suffix not in _JSON_SUFFIXES:
+                raise ValueError(f"SFT input {path} is not .jsonl: SFT data must be JSON lines with 'messages'")
+    read = [*inputs, *files, tokenizer_dir]
+    check_output_dir(out, read, overwrite)
     tokenizer, mask_id, added = load_tokenizer_with_mask(tokenizer_dir, mask_token)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
@@ -442,54 +528,77 @@ def prepare_dataset(
             "or use raw prompt+response concatenation (--raw-sft)"
         )
     if task == "pretrain":
-        samples = _pretrain_samples(tokenizer, _pretrain_texts(files, text_field, text_unit), add_eos)
+        samples = _pretrain_samples(tokenizer, _pretrain_texts(files, text_field, text_unit, decoder), add_eos)
     else:
-        samples = _sft_samples(tokenizer, _sft_conversations(files), raw_sft)
+        samples = _sft_samples(tokenizer, _sft_conversations(files, decoder), raw_sft)
 
     summary = PrepareSummary(task=task, output_dir=str(out), mask_token_id=mask_id, mask_token_added=added)
-    reasons: Counter[str] = Counter()
-    writer = _ShardWriter(out, samples_per_shard)
-    for item in samples:
-        if isinstance(item, Sample) and mask_id in item.tokens:
-            file, _, line = item.source.rpartition(":")
-            item = BadLine(file, int(line), "contains the mask token")
-        if isinstance(item, BadLine):
-            summary.bad_lines += 1
-            reasons[_reason_kind(item.reason)] += 1
-            if summary.bad_lines <= max_reported:
-                report(f"skipped {item}")
-            elif summary.bad_lines == max_reported + 1:
-                report(f"(further bad lines are counted but not listed; max_reported={max_reported})")
-            continue
-        writer.write(item)
-        summary.num_samples += 1
-        summary.num_tokens += len(item.tokens)
-    shards = writer.finish()
-    if summary.num_samples == 0:
-        raise ValueError(f"no usable samples in {len(files)} input file(s); {summary.bad_lines} bad lines")
-    summary.num_shards = len(shards)
-    summary.bad_by_reason = dict(reasons)
-    tokenizer.save_pretrained(str(out / TOKENIZER_DIR))
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "task": task,
-        "tokenizer": TOKENIZER_DIR,
-        "mask_token": tokenizer.mask_token,
-        "mask_token_id": mask_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
-        "tokenizer_length": len(tokenizer),
-        "num_samples": summary.num_samples,
-        "num_tokens": summary.num_tokens,
-        "shards": shards,
-        "inputs": [str(f) for f in files],
-        "bad_lines": summary.bad_lines,
-        "bad_by_reason": summary.bad_by_reason,
-    }
-    tmp = out / (MANIFEST_FILE + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, out / MANIFEST_FILE)
+    with atomic_output_dir(out, inputs=read, overwrite=overwrite) as staging:
+        shards = _write_samples(samples, staging, samples_per_shard, mask_id, summary, report, max_reported)
+        if summary.num_samples == 0:
+            raise ValueError(f"no usable samples in {len(files)} input file(s); {summary.bad_lines} bad lines")
+        summary.num_shards = len(shards)
+        summary.invalid_utf8 = decoder.replaced
+        for file, entry in decoder.replaced.items():
+            report(f"{file}:{entry['first_line']}: replaced {entry['bytes']} invalid UTF-8 byte(s) on "
+                   f"{entry['lines']} line(s) by U+FFFD")
+        tokenizer.save_pretrained(str(staging / TOKENIZER_DIR))
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "task": task,
+            "tokenizer": TOKENIZER_DIR,
+            "mask_token": tokenizer.mask_token,
+            "mask_token_id": mask_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+            "tokenizer_length": len(tokenizer),
+            "num_samples": summary.num_samples,
+            "num_tokens": summary.num_tokens,
+            "shards": shards,
+            "inputs": [str(f) for f in files],
+            "bad_lines": summary.bad_lines,
+            "bad_by_reason": summary.bad_by_reason,
+            "encoding_errors": encoding_errors,
+            "invalid_utf8": summary.invalid_utf8,
+        }
+        (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     return summary
+
+
+def _write_samples(
+    samples: Iterable[Sample | BadLine],
+    directory: Path,
+    samples_per_shard: int,
+    mask_id: int,
+    summary: PrepareSummary,
+    report: Callable[[str], None],
+    max_reported: int,
+) -> list[dict[str, Any]]:
+    """Shard the good samples into ``directory``; count and report the bad ones into ``summary``."""
+    reasons: Counter[str] = Counter()
+    writer = _ShardWriter(directory, samples_per_shard)
+    try:
+        for item in samples:
+            if isinstance(item, Sample) and mask_id in item.tokens:
+                file, _, line = item.source.rpartition(":")
+                item = BadLine(file, int(line), "contains the mask token")
+            if isinstance(item, BadLine):
+                summary.bad_lines += 1
+                reasons[_reason_kind(item.reason)] += 1
+                if summary.bad_lines <= max_reported:
+                    report(f"skipped {item}")
+                elif summary.bad_lines == max_reported + 1:
+                    report(f"(further bad lines are counted but not listed; max_reported={max_reported})")
+                continue
+            writer.write(item)
+            summary.num_samples += 1
+            summary.num_tokens += len(item.tokens)
+        shards = writer.finish()
+    except BaseException:
+        writer.abandon()
+        raise
+    summary.bad_by_reason = dict(reasons)
+    return shards
 
 
 def _reason_kind(reason: str) -> str:
