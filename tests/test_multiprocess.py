@@ -2,6 +2,8 @@
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -85,6 +87,38 @@ def test_killing_a_rank_leaves_no_process_of_the_launch(tmp_path):
         time.sleep(0.1)
     assert [p for p in pids if _alive(p)] == []
     assert time.monotonic() - start < 90
+
+
+_RANK_WITH_CHECKPOINT_MANAGER = """
+import sys, time
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron_wedlm.runtime.multiprocess import make_checkpoint_manager_die_with_rank
+if sys.argv[1] == "patched":
+    assert make_checkpoint_manager_die_with_rank() is not None
+queue = filesystem_async._get_write_results_queue()
+print(queue._manager._process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("patched", [True, False], ids=["patched", "megatron-as-is"])
+def test_megatron_checkpoint_manager_dies_with_a_killed_rank(patched):
+    # A rank outside our launcher (as under torchrun) starts the Manager that Megatron's
+    # checkpoint writers report through, then is killed with -9, its process group untouched.
+    rank = subprocess.Popen(
+        [sys.executable, "-c", _RANK_WITH_CHECKPOINT_MANAGER, "patched" if patched else "as-is"],
+        stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    manager_pid = int(rank.stdout.readline())
+    rank.kill()
+    rank.wait()
+    deadline = time.monotonic() + 3
+    while _alive(manager_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    orphaned = _alive(manager_pid)
+    if orphaned:
+        os.kill(manager_pid, signal.SIGKILL)
+    assert orphaned is not patched  # Megatron's own Manager outlives its rank; ours does not
 
 
 def test_results_come_back_in_rank_order():

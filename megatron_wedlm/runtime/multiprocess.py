@@ -14,6 +14,11 @@ SIGTERM and, after a grace period, SIGKILL, whether or not the rank itself is st
 rank killed with ``kill -9`` leaves its helpers running, and a helper waiting on a futex may
 ignore SIGTERM). A rank also dies with the launcher (``PR_SET_PDEATHSIG``), so killing the
 launcher does not leave ranks waiting in a collective forever.
+
+Under torchrun, which signals only the groups of ranks still alive, a rank killed with ``-9``
+would leave the Manager of Megatron's checkpoint writers behind (it waits for clients forever);
+``make_checkpoint_manager_die_with_rank`` (called by ``init_distributed`` in every rank) starts
+that Manager so that the kernel kills it when its rank dies.
 """
 
 from __future__ import annotations
@@ -91,13 +96,58 @@ def _rank_main(
                 pass
 
 
+def die_with_parent(parent_pid: int) -> None:
+    """Have the kernel SIGKILL this process when its parent exits (Linux; elsewhere a no-op).
+
+    The signal follows the parent *thread* that started us, so the parent must start helpers
+    from a thread that lives as long as they should (the main thread, here).
+    """
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before the line above took effect
+        os._exit(1)
+
+
 def _leave_no_orphans(launcher_pid: int) -> None:
     """Lead a process group of our own (for our helpers to join) and die with the launcher."""
     os.setpgid(0, 0)
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != launcher_pid:  # the launcher died before the line above took effect
-        os._exit(1)
+    die_with_parent(launcher_pid)
+
+
+#: The Megatron-Core releases whose ``_get_write_results_queue`` the replacement below mirrors.
+_CHECKED_MCORE_WRITER_QUEUE = ("0.16.1",)
+
+
+def _checkpoint_results_queue() -> Any:
+    """Megatron's ``filesystem_async._get_write_results_queue`` (0.16.1, lines 51-56), except
+    that the Manager's server process is started with ``die_with_parent``: same spawn context,
+    same queue, cached in the same module global."""
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        manager = SyncManager(ctx=mp.get_context("spawn"))
+        manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+        filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
+    return filesystem_async._results_queue
+
+
+def make_checkpoint_manager_die_with_rank() -> Callable[[], None] | None:
+    """Replace Megatron's writer-queue factory by ``_checkpoint_results_queue``; return an undo.
+
+    Left alone (None returned) on a Megatron-Core release it was not checked on.
+    """
+    import megatron.core
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(megatron.core, "__version__", None) not in _CHECKED_MCORE_WRITER_QUEUE:
+        return None
+    original = filesystem_async._get_write_results_queue
+    if original is _checkpoint_results_queue:
+        return lambda: None
+    filesystem_async._get_write_results_queue = _checkpoint_results_queue
+    return lambda: setattr(filesystem_async, "_get_write_results_queue", original)
 
 
 def stop_process_groups(

@@ -76,6 +76,9 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
         from megatron_wedlm.runtime.multiprocess import find_free_port
 
         os.environ["MASTER_PORT"] = str(find_free_port())
+    from megatron_wedlm.runtime.multiprocess import make_checkpoint_manager_die_with_rank
+
+    make_checkpoint_manager_die_with_rank()  # a rank killed with -9 must not leave it behind
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
         backend=backend,
