@@ -158,7 +158,7 @@ def convert_hf_to_megatron(
     with tempfile.TemporaryDirectory(prefix="wedlm-tokenizer-") as staged_tokenizer:
         # Staged aside: torch_dist warns about (and may clean) a non-empty target directory.
         mask = prepare_tokenizer(
-            input_dir, staged_tokenizer, config_mask_token_id=raw.get("mask_token_id"),
+            input_dir, staged_tokenizer, config=raw,
             mask_token=mask_token, add_mask_token=add_mask_token,
         )
         args = _target_args(source_args, mask, reader, dtype, make_vocab_size_divisible_by, tp)

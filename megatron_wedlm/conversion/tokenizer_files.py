@@ -13,22 +13,16 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_wedlm.runtime.hf_local import (
+    TOKENIZER_FILES,
+    load_tokenizer,
+    reference_mask_token_id,
+    tokenizer_files_in,
+)
+
 from .hf_checkpoint import ConversionError
 
 DEFAULT_MASK_TOKEN = "<|mask|>"
-
-#: Files that make up a HF tokenizer (whichever of them exist are copied).
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 
 
 @dataclass(frozen=True)
@@ -36,11 +30,6 @@ class MaskTokenSetup:
     mask_token_id: int
     added: bool  # the token was added to the tokenizer by this conversion
     tokenizer_len: int  # tokens in the tokenizer before the addition
-
-
-def tokenizer_files_in(directory: str | Path) -> list[Path]:
-    directory = Path(directory)
-    return [directory / name for name in TOKENIZER_FILES if (directory / name).is_file()]
 
 
 def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[Path]:
@@ -58,11 +47,17 @@ def prepare_tokenizer(
     src: str | Path,
     dst: str | Path,
     *,
-    config_mask_token_id: int | None = None,
+    config: dict,
     mask_token: str = DEFAULT_MASK_TOKEN,
     add_mask_token: bool = True,
 ) -> MaskTokenSetup:
-    """Put the tokenizer of ``src`` into ``dst`` with a mask token, and say which id it has."""
+    """Put the tokenizer of ``src`` into ``dst`` with a mask token, and say which id it has.
+
+    ``config`` is ``src``'s ``config.json``: its ``mask_token_id``, else the tokenizer's mask
+    token, else (an official ``wedlm`` config) the reference engine's id when the tokenizer has
+    it; only then is a token added.
+    """
+    config_mask_token_id = config.get("mask_token_id")
     if not tokenizer_files_in(src):
         if config_mask_token_id is not None:
             return MaskTokenSetup(config_mask_token_id, added=False, tokenizer_len=-1)
@@ -70,9 +65,7 @@ def prepare_tokenizer(
             f"{src} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...) and its config.json has "
             "no mask_token_id, so the mask token cannot be found or added; put the tokenizer next to the weights"
         )
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(src))
+    tokenizer = load_tokenizer(src)
     length = len(tokenizer)
     own_id = tokenizer.mask_token_id if tokenizer.mask_token is not None else None
     if own_id is not None:
@@ -83,6 +76,8 @@ def prepare_tokenizer(
             )
         copy_tokenizer_files(src, dst)
         return MaskTokenSetup(own_id, added=False, tokenizer_len=length)
+    if config_mask_token_id is None:
+        config_mask_token_id = reference_mask_token_id(config, tokenizer)
     if config_mask_token_id is not None:
         copy_tokenizer_files(src, dst)
         return MaskTokenSetup(config_mask_token_id, added=False, tokenizer_len=length)

@@ -23,13 +23,11 @@ Two kinds of directories are accepted:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from transformers import (
     AutoModelForCausalLM,
-    AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen2Config,
@@ -37,6 +35,17 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+
+from megatron_wedlm.runtime.hf_local import (
+    WEDLM_MODEL_TYPE,
+    checkpoint_mask_token_id,
+    checkpoint_tokenizer,
+    load_pretrained,
+    load_tokenizer,
+    read_config,
+)
+
+__all__ = ["load_tokenizer", "load_wedlm_model", "wedlm_config_to_hf"]  # load_tokenizer lives in runtime.hf_local
 
 _NOT_CONFIG_FIELDS = ("model_type", "architectures", "auto_map", "transformers_version")
 
@@ -76,26 +85,26 @@ def load_wedlm_model(
     already partitioned, so moving them here would be wrong.
     """
     path = Path(path)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"{path} is not a HF model directory (no config.json)")
-    raw = json.loads(config_file.read_text())
-    if require_mask_token and raw.get("mask_token_id") is None:
+    raw = read_config(path)
+    mask_token_id = raw.get("mask_token_id")
+    if mask_token_id is None and raw.get("model_type") == WEDLM_MODEL_TYPE:
+        # An official checkpoint: its tokenizer may name the mask token (or hold the reference engine's id).
+        mask_token_id = checkpoint_mask_token_id(raw, checkpoint_tokenizer(path))
+    if require_mask_token and mask_token_id is None:
         raise ValueError(
-            f"{config_file} has no `mask_token_id`: this is not a WeDLM checkpoint, or its config lacks the id "
-            "of the mask token it was trained with. Add \"mask_token_id\": <id> to config.json."
+            f"{path / 'config.json'} has no `mask_token_id`: this is not a WeDLM checkpoint, or its config lacks "
+            "the id of the mask token it was trained with (and, for a `wedlm` config, its tokenizer has no mask "
+            "token nor the reference engine's default id). Add \"mask_token_id\": <id> to config.json."
         )
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     kwargs = {"dtype": dtype, "attn_implementation": attn_implementation}
-    if raw.get("model_type") == "wedlm":
+    if raw.get("model_type") == WEDLM_MODEL_TYPE:
         model_class, config = wedlm_config_to_hf(raw)
-        model = model_class.from_pretrained(path, config=config, **kwargs)
+        model = load_pretrained(model_class, path, config=config, **kwargs)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model = load_pretrained(AutoModelForCausalLM, path, **kwargs)
+    if mask_token_id is not None:
+        model.config.mask_token_id = int(mask_token_id)
     return (model.to(device) if place else model).eval()
 
-
-def load_tokenizer(path: str | Path):
-    """The tokenizer saved next to the model (no remote code)."""
-    return AutoTokenizer.from_pretrained(str(path))

@@ -22,13 +22,14 @@ In every case ``config.mask_token_id`` records the id, so exports are WeDLM chec
 from __future__ import annotations
 
 import contextlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import torch
 from torch import nn
+
+from megatron_wedlm.runtime.hf_local import checkpoint_mask_token_id, checkpoint_tokenizer, read_config
 
 __all__ = [
     "MaskTokenPlan",
@@ -69,30 +70,11 @@ def load_hf_causal_lm(path: str | Path, dtype: torch.dtype, attn_implementation:
     return model.train()
 
 
-def _checkpoint_mask_token_id(path: Path) -> int | None:
-    raw = json.loads((path / "config.json").read_text())
-    if raw.get("mask_token_id") is not None:
-        return int(raw["mask_token_id"])
-    tokenizer = _checkpoint_tokenizer(path)
-    if tokenizer is not None and tokenizer.mask_token is not None:
-        return int(tokenizer.mask_token_id)
-    return None
-
-
-def _checkpoint_tokenizer(path: Path):
-    from megatron_wedlm.conversion.tokenizer_files import tokenizer_files_in
-
-    if not tokenizer_files_in(path):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
-
-
 def plan_mask_token(init_from: str | Path, mask_token_id: int, vocab_rows: int) -> MaskTokenPlan:
     """Decide how checkpoint ``init_from`` (with ``vocab_rows`` embedding rows) gets the data's mask id."""
     path = Path(init_from)
-    known = _checkpoint_mask_token_id(path)
+    tokenizer = checkpoint_tokenizer(path)
+    known = checkpoint_mask_token_id(read_config(path), tokenizer)
     if known is not None:
         if known != mask_token_id:
             raise ValueError(
@@ -105,7 +87,6 @@ def plan_mask_token(init_from: str | Path, mask_token_id: int, vocab_rows: int) 
                 f"{path}: mask_token_id {known} has no embedding row (the embedding has {vocab_rows} rows)"
             )
         return MaskTokenPlan(mask_token_id, initialise_row=False, mean_over_rows=0, min_rows=vocab_rows)
-    tokenizer = _checkpoint_tokenizer(path)
     # Without the checkpoint's tokenizer only a row beyond the embedding is known to be new.
     real_tokens = len(tokenizer) if tokenizer is not None else vocab_rows
     if mask_token_id < real_tokens:

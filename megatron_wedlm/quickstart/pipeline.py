@@ -246,17 +246,18 @@ class Quickstart:
     def _check_export(self, hf_dir: Path) -> dict[str, Any]:
         """Reload the export as a user would, and check it is usable for decoding."""
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # the console shows one line per export instead
 
         from megatron_wedlm.quickstart.corpus import read_corpus, sample_texts
         from megatron_wedlm.quickstart.tokenizer import check_reload
+        from megatron_wedlm.runtime.hf_local import load_pretrained, load_tokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(str(hf_dir)).eval()
-        ours = AutoTokenizer.from_pretrained(str(self.layout.tokenizer))
-        exported = AutoTokenizer.from_pretrained(str(hf_dir))
+        model = load_pretrained(AutoModelForCausalLM, hf_dir).eval()
+        ours = load_tokenizer(self.layout.tokenizer)
+        exported = load_tokenizer(hf_dir)
         texts = sample_texts(list(read_corpus(self.layout.corpus)), 50, self.seed)
         for text in texts:
             if exported(text)["input_ids"] != ours(text)["input_ids"]:

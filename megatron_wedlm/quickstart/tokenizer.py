@@ -21,7 +21,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from megatron_wedlm.runtime.hf_local import load_tokenizer
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -96,13 +98,13 @@ def check_reload(
     tokenizer class). Returns the directory's tokenizer; raises ValueError naming the first text
     that encodes differently, or one that does not decode back to itself.
     """
-    original = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    original = load_tokenizer(tokenizer_dir)
     with tempfile.TemporaryDirectory() as tmp:
         for f in Path(tokenizer_dir).iterdir():
             if f.is_file():
                 (Path(tmp) / f.name).write_bytes(f.read_bytes())
         (Path(tmp) / "config.json").write_text(json.dumps({"model_type": model_type}))
-        reloaded = AutoTokenizer.from_pretrained(tmp)
+        reloaded = load_tokenizer(tmp)
     for name, tok in (("reloaded", original), (f"reloaded next to a {model_type} config", reloaded)):
         if tok.mask_token_id != original.mask_token_id or tok.eos_token_id != original.eos_token_id:
             raise ValueError(f"{name} tokenizer changed the special-token ids (mask/eos)")

@@ -151,3 +151,89 @@ def build_tiny_causal_lm(
             else:
                 param.normal_(0.0, 0.2 if param.dim() > 1 else 0.1)
     return model.eval()
+
+
+#: Files an official checkpoint's ``auto_map`` points at; the test copies record and refuse any import.
+REMOTE_CODE_FILES = ("configuration_wedlm", "modeling_wedlm", "tokenization_wedlm")
+#: Written into the checkpoint directory by any of those files if it is ever imported.
+REMOTE_CODE_MARKER = "REMOTE_CODE_RAN"
+
+_REMOTE_CODE = """# A stand-in for the checkpoint's own code: importing it is the bug the tests look for.
+# (transformers imports a copy from its module cache, so the marker path is absolute.)
+with open({marker_path!r}, "a") as _f:
+    _f.write({name!r} + "\\n")
+raise RuntimeError("remote code ran: {name}")
+"""
+
+
+def write_official_checkpoint(
+    directory,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerFast | None = None,
+    *,
+    qk_norm: bool,
+    attention_bias: bool,
+    mask_token_id: int | None = None,
+) -> None:
+    """Save ``model`` (a Qwen2 / Qwen3 / Llama model) as a published ``tencent/WeDLM-*`` directory looks.
+
+    ``config.json`` has ``model_type: "wedlm"``, the transformers-4 field names and an ``auto_map``
+    (config, model and tokenizer) pointing at Python files placed beside it; those files append
+    their name to :data:`REMOTE_CODE_MARKER` in ``directory`` and raise if ever imported. The
+    tokenizer (if given) is saved with an ``auto_map`` of its own, as remote-code checkpoints have.
+    """
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    c = model.config
+    config = {
+        "architectures": ["WeDLMForCausalLM"],
+        "model_type": "wedlm",
+        "auto_map": {
+            "AutoConfig": "configuration_wedlm.WeDLMConfig",
+            "AutoModel": "modeling_wedlm.WeDLMModel",
+            "AutoModelForCausalLM": "modeling_wedlm.WeDLMForCausalLM",
+        },
+        "qk_norm": qk_norm,
+        "attention_bias": attention_bias,
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "max_position_embeddings": c.max_position_embeddings,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_parameters["rope_theta"],
+        "hidden_act": "silu",
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "eos_token_id": c.eos_token_id,
+        "pad_token_id": c.pad_token_id,
+        "torch_dtype": "float32",
+        "transformers_version": "4.56.0",
+    }
+    if mask_token_id is not None:
+        config["mask_token_id"] = mask_token_id
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(directory / "model.safetensors"))
+    for name in REMOTE_CODE_FILES:
+        marker = str(directory.resolve() / REMOTE_CODE_MARKER)
+        (directory / f"{name}.py").write_text(_REMOTE_CODE.format(name=name, marker_path=marker))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+        tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
+        tokenizer_config["auto_map"] = {"AutoTokenizer": ["tokenization_wedlm.WeDLMTokenizer", None]}
+        (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+
+
+def remote_code_ran(directory) -> list[str]:
+    """Names of the remote-code files of :func:`write_official_checkpoint` that were imported (should be none)."""
+    from pathlib import Path
+
+    marker = Path(directory) / REMOTE_CODE_MARKER
+    return marker.read_text().split() if marker.is_file() else []

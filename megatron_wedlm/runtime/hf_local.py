@@ -1,0 +1,147 @@
+"""Read HF checkpoint directories from local disk, and never run code that came with them.
+
+The published WeDLM checkpoints (``tencent/WeDLM-*``) carry ``auto_map`` in their config and
+the Python files it points at, because their README loads them with ``trust_remote_code=True``.
+transformers' ``Auto*`` classes, given no ``trust_remote_code``, *ask* on such a directory ("Do
+you wish to run the custom code? [y/N]", waiting 15 s on a terminal) and run the files on "y";
+``AutoTokenizer`` asks even for a tokenizer, because it reads the model config first. This
+project promises to load those checkpoints without their code: the architecture is the AR model
+they came from (``decoding.loading.wedlm_config_to_hf``) and the tokenizer is an ordinary one.
+So every ``from_pretrained`` of this project goes through :func:`load_pretrained`, which passes
+``trust_remote_code=False`` and ``local_files_only=True``; that rule lives here only.
+
+The module also holds the one rule for which mask token a checkpoint names
+(:func:`checkpoint_mask_token_id`), which the decoder, the DeepSpeed backend and the HF ->
+Megatron conversion all need before they touch the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: The id the reference engine (Tencent/WeDLM ``wedlm/engine``) uses when neither the config nor
+#: the tokenizer names a mask token: the first token Qwen2.5's tokenizer does not have.
+REFERENCE_MASK_TOKEN_ID = 151665
+
+#: ``model_type`` of the published WeDLM checkpoints.
+WEDLM_MODEL_TYPE = "wedlm"
+
+
+def _local_dir(path: str | Path, what: str) -> Path:
+    directory = Path(path)
+    if not directory.is_dir():
+        raise FileNotFoundError(
+            f"{what} directory {directory} does not exist; give a local directory (download a Hub model first, "
+            "e.g. `huggingface-cli download tencent/WeDLM-8B-Instruct --local-dir DIR`)"
+        )
+    return directory
+
+
+def load_pretrained(cls: Any, path: str | Path, **kwargs: Any) -> Any:
+    """``cls.from_pretrained(path, **kwargs)`` from a local directory, with remote code refused.
+
+    transformers then never asks about and never imports the directory's ``auto_map`` files;
+    a directory that *only* works with them fails with transformers' error, named here.
+    """
+    directory = _local_dir(path, cls.__name__)
+    try:
+        return cls.from_pretrained(str(directory), trust_remote_code=False, local_files_only=True, **kwargs)
+    except ValueError as err:
+        if "trust_remote_code" not in str(err):
+            raise
+        raise ValueError(
+            f"{directory}: {cls.__name__} would need the Python files named by `auto_map` in its config; this project "
+            f"never runs checkpoint code. transformers said: {err}"
+        ) from None
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """``config.json`` of a HF model directory as a dict (nothing in it is executed)."""
+    config_file = _local_dir(path, "model") / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{Path(path)} is not a HF model directory (no config.json)")
+    return json.loads(config_file.read_text())
+
+
+def load_tokenizer(path: str | Path):
+    """The HF tokenizer saved in ``path``, without remote code.
+
+    ``AutoTokenizer`` reads the model config first to choose a class; for a ``model_type``
+    transformers does not know (``wedlm``) that step is what would consult ``auto_map``, so it
+    is skipped here with an empty config and the class comes from ``tokenizer_config.json``
+    (the published checkpoints name Qwen2's there).
+    """
+    from transformers import AutoTokenizer, PreTrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    directory = _local_dir(path, "tokenizer")
+    config_file = directory / "config.json"
+    model_type = json.loads(config_file.read_text()).get("model_type") if config_file.is_file() else None
+    kwargs = {} if model_type is None or model_type in CONFIG_MAPPING else {"config": PreTrainedConfig()}
+    return load_pretrained(AutoTokenizer, directory, **kwargs)
+
+
+#: Files that make up a HF tokenizer (whichever of them exist).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def tokenizer_files_in(directory: str | Path) -> list[Path]:
+    directory = Path(directory)
+    return [directory / name for name in TOKENIZER_FILES if (directory / name).is_file()]
+
+
+def checkpoint_tokenizer(path: str | Path):
+    """The tokenizer saved next to a checkpoint's weights, or None when there is none."""
+    return load_tokenizer(path) if tokenizer_files_in(path) else None
+
+
+def has_token_id(tokenizer, token_id: int) -> bool:
+    """Whether ``token_id`` is a token of ``tokenizer`` (ids may be sparse: ``len`` is not enough)."""
+    return token_id in tokenizer.added_tokens_decoder or tokenizer.convert_ids_to_tokens(int(token_id)) is not None
+
+
+def reference_mask_token_id(config: dict[str, Any], tokenizer) -> int | None:
+    """:data:`REFERENCE_MASK_TOKEN_ID` for a ``wedlm`` config that names no mask token, when the tokenizer agrees.
+
+    The reference engine falls back to that id; this project does so only when the id is an
+    added token of the checkpoint's own tokenizer (as WeDLM's appended mask token is), so a
+    wrong guess cannot silently turn an ordinary word into the mask. Logs the id and why.
+    """
+    if config.get("model_type") != WEDLM_MODEL_TYPE or config.get("mask_token_id") is not None:
+        return None
+    if tokenizer is None or getattr(tokenizer, "mask_token", None) is not None:
+        return None
+    token = tokenizer.added_tokens_decoder.get(REFERENCE_MASK_TOKEN_ID)
+    if token is None:
+        return None
+    logger.warning(
+        "mask token: id %d (%r) -- the config has no mask_token_id and the tokenizer no mask token, so the "
+        "reference engine's default id is used; the tokenizer has it as an added%s token",
+        REFERENCE_MASK_TOKEN_ID, str(token), " special" if token.special else "",
+    )
+    return REFERENCE_MASK_TOKEN_ID
+
+
+def checkpoint_mask_token_id(config: dict[str, Any], tokenizer) -> int | None:
+    """The mask token a checkpoint names: ``config.json``'s ``mask_token_id``, else its tokenizer's
+    mask token, else (``wedlm`` configs) :func:`reference_mask_token_id`; None when nothing names one."""
+    if config.get("mask_token_id") is not None:
+        return int(config["mask_token_id"])
+    if tokenizer is not None and getattr(tokenizer, "mask_token", None) is not None:
+        return int(tokenizer.mask_token_id)
+    return reference_mask_token_id(config, tokenizer)
