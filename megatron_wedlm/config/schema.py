@@ -147,6 +147,9 @@ class CheckpointingConfig:
     resume: str = "none"  # none | auto (latest complete checkpoint in dir, if any) | <path>
     load_optimizer: bool = True  # false: fresh optimizer moments (weights, schedule, data resume)
     load_data_state: bool = True  # false: restart the data streams from the beginning
+    # true: resume the saved stream positions although the shard set's fingerprint (names, sizes,
+    # sample and token counts) changed; only when every shard still holds the same samples
+    allow_data_change: bool = False
 
 
 @dataclass
@@ -173,6 +176,9 @@ class TrainerConfig:
     task: str = "pretrain"  # pretrain | sft (set by the entry point)
     backend: str = "megatron"  # megatron | deepspeed (SFT of HF checkpoints, megatron_wedlm.deepspeed_backend)
     output_dir: str = "outputs/run"
+    # a fresh run (no --resume) into an output_dir holding checkpoints: refused when false; when
+    # true the earlier run is moved aside to <output_dir>.replaced-<run id> (nothing is deleted)
+    overwrite: bool = False
     train_steps: int = 1000
     exit_at_step: Optional[int] = None  # stop (and save) here, keeping the schedule of train_steps
     seed: int = 1234

@@ -34,6 +34,11 @@ How samples reach a rank (and why it is done this way):
   streams) and ``seq_length`` tokens for AR (``wedlm.enabled=false``, memory stream only),
   rounded down to whole blocks. SFT samples whose prompt fills a whole row cannot be learnt
   and are skipped (counted in the position's ``skipped``).
+* **Same data.** A position only means something for the shards it was taken in. The state
+  records a fingerprint of the shard set (every shard's name, size, sample and token count, in
+  manifest order); a resume on a different shard set is refused, unless the run sets
+  ``checkpointing.allow_data_change=true`` (the same samples in rewritten shards) or restarts
+  the data with ``checkpointing.load_data_state=false``.
 * **Masks.** Dual-stream rows are built in the workers with a generator seeded by
   ``rank_seed(seed, stream, row number)``: different ranks draw different masks, and a resumed
   run redraws the same masks for the same rows.
@@ -41,6 +46,7 @@ How samples reach a rank (and why it is done this way):
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import random
@@ -67,6 +73,7 @@ __all__ = [
     "loader_spec_from_manifest",
     "merge_data_states",
     "row_capacity",
+    "shards_fingerprint",
     "stream_rows",
 ]
 
@@ -104,6 +111,7 @@ class LoaderSpec:
     mask_eps: float = 1e-8
     seed: int = 1234
     shuffle: bool = True
+    shards_fingerprint: str = ""  # see shards_fingerprint(); empty: not known (no check)
 
     def __post_init__(self) -> None:
         if self.num_streams < 1:
@@ -136,6 +144,17 @@ def row_capacity(spec: LoaderSpec) -> int:
             "wedlm.block_size"
         )
     return capacity
+
+
+def shards_fingerprint(data_dir: str | Path, shards: Sequence[dict[str, Any]]) -> str:
+    """A hash of the shard set a stream position refers to: each manifest shard's name, sample and
+    token count and its file size, in manifest order (cheap: no shard is read)."""
+    entries = []
+    for shard in shards:
+        file = Path(data_dir) / shard["path"]
+        size = file.stat().st_size if file.is_file() else None
+        entries.append([shard["path"], size, shard.get("samples"), shard.get("tokens")])
+    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()[:16]
 
 
 def loader_spec_from_manifest(
@@ -184,6 +203,7 @@ def loader_spec_from_manifest(
         mask_eps=mask_eps,
         seed=seed,
         shuffle=shuffle,
+        shards_fingerprint=shards_fingerprint(data_dir, manifest["shards"]),
     )
 
 
@@ -438,6 +458,7 @@ class TrainDataIterator:
         num_workers: int = 1,
         prefetch_factor: int = 4,
         state: dict[str, Any] | None = None,
+        allow_data_change: bool = False,
     ) -> None:
         self.spec = spec
         self.dp_rank = dp_rank
@@ -446,7 +467,7 @@ class TrainDataIterator:
         positions: dict[int, StreamPosition] = {}
         rows_consumed = 0
         if state is not None:
-            _check_state_matches(state, spec)
+            _check_state_matches(state, spec, allow_data_change)
             rows_consumed = int(state["rows_consumed"])
             if rows_consumed % dp_size:
                 raise ValueError(f"rows_consumed={rows_consumed} is not a multiple of dp={dp_size}")
@@ -482,6 +503,7 @@ class TrainDataIterator:
             "block_size": self.spec.block_size,
             "shuffle": self.spec.shuffle,
             "num_shards": len(self.spec.shard_paths),
+            "shards_fingerprint": self.spec.shards_fingerprint,
             "rows_consumed": self.rows_consumed,
             "positions": {str(k): asdict(v) for k, v in sorted(self.positions.items())},
             "dp_rank": self.dp_rank,
@@ -501,8 +523,8 @@ def _fork_ok() -> bool:
 _STATE_KEYS = ("num_streams", "seed", "seq_length", "wedlm", "block_size", "shuffle", "num_shards")
 
 
-def _check_state_matches(state: dict[str, Any], spec: LoaderSpec) -> None:
-    """A saved data position only means something for the same stream layout and row format."""
+def _check_state_matches(state: dict[str, Any], spec: LoaderSpec, allow_data_change: bool = False) -> None:
+    """A saved data position only means something for the same stream layout, row format and shards."""
     current = {
         "num_streams": spec.num_streams,
         "seed": spec.seed,
@@ -520,6 +542,15 @@ def _check_state_matches(state: dict[str, Any], spec: LoaderSpec) -> None:
                 "data.seq_length, data.shuffle, wedlm.block_size/enabled, same shards), or set "
                 "checkpointing.load_data_state=false to restart the data from the beginning"
             )
+    saved = state.get("shards_fingerprint")
+    if saved and spec.shards_fingerprint and saved != spec.shards_fingerprint and not allow_data_change:
+        raise ValueError(
+            f"the checkpoint's data position was saved on another shard set than {spec.data_dir} holds now "
+            f"(fingerprint {saved}, now {spec.shards_fingerprint}: shard names, sizes or sample/token counts "
+            "differ); its stream positions would land in unrelated data. Point data.path at the data the run "
+            "trained on, set checkpointing.load_data_state=false to start the new data from its beginning, "
+            "or checkpointing.allow_data_change=true if every shard still holds the same samples"
+        )
 
 
 def merge_data_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -532,7 +563,7 @@ def merge_data_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
         raise ValueError("no data states to merge")
     first = states[0]
     dp = int(first["dp_size"])
-    merged = {k: first[k] for k in (*_STATE_KEYS, "rows_consumed")}
+    merged = {k: first[k] for k in (*_STATE_KEYS, "rows_consumed", "shards_fingerprint") if k in first}
     positions: dict[str, Any] = {}
     for state in states:
         if state["rows_consumed"] != first["rows_consumed"]:

@@ -19,7 +19,6 @@ as it is. Under ZeRO-3 the weights are gathered one layer at a time to rank 0.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,8 +26,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_wedlm.runtime.atomic_output import atomic_output_dir, disk_full_is_named
 from megatron_wedlm.training.checkpointing import (
     CheckpointManager,
+    CheckpointReadError,
     host_rng_state,
     read_trainer_state,
     set_host_rng_state,
@@ -67,20 +68,23 @@ def full_state_dict(engine) -> dict[str, torch.Tensor] | None:
 
 
 def export_hf_model(engine, hf_model: nn.Module, directory: str | Path, tokenizer_dir: str | Path | None) -> Path:
-    """Collective: write a HF export of the engine's current weights to ``directory`` (rank 0 writes)."""
-    from megatron_wedlm.conversion.tokenizer_files import copy_tokenizer_files
+    """Collective: write a HF export of the engine's current weights to ``directory`` (rank 0 writes).
+
+    An earlier export in ``directory`` is replaced only once the new one is complete.
+    """
+    from megatron_wedlm.conversion.tokenizer_files import copy_tokenizer_files, tokenizer_files_in
 
     directory = Path(directory)
     state = full_state_dict(engine)
     if _rank() == 0:
         assert state is not None
-        if directory.exists():
-            shutil.rmtree(directory)
         if getattr(hf_model.config, "mask_token_id", None) is None:
             raise ValueError("the model's config has no mask_token_id; refusing to export a non-WeDLM checkpoint")
-        hf_model.save_pretrained(str(directory), state_dict=state)
-        if tokenizer_dir is not None:
-            copy_tokenizer_files(tokenizer_dir, directory)
+        tokenizer_files = tokenizer_files_in(tokenizer_dir) if tokenizer_dir is not None else []
+        with atomic_output_dir(directory, inputs=tokenizer_files, overwrite=True) as staging:
+            hf_model.save_pretrained(str(staging), state_dict=state)
+            if tokenizer_dir is not None:
+                copy_tokenizer_files(tokenizer_dir, staging)
     _barrier()
     return directory
 
@@ -99,8 +103,9 @@ class DeepSpeedCheckpointManager(CheckpointManager):
         """Collective. ``export(dir)`` (collective too) writes the HF export into the checkpoint."""
         final, partial = self.begin_save(step)
         (partial / _RNG_DIR).mkdir(exist_ok=True)  # every rank writes its own file here; they race to create it
-        engine.save_checkpoint(str(partial), tag=DEEPSPEED_TAG, client_state={}, save_latest=False)
-        torch.save(host_rng_state(), partial / _RNG_DIR / f"rank{_rank()}.pt")
+        with disk_full_is_named(partial):
+            engine.save_checkpoint(str(partial), tag=DEEPSPEED_TAG, client_state={}, save_latest=False)
+            torch.save(host_rng_state(), partial / _RNG_DIR / f"rank{_rank()}.pt")
         if export is not None:
             export(partial / HF_EXPORT_DIR)
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -130,13 +135,16 @@ class DeepSpeedCheckpointManager(CheckpointManager):
                 "partitions reload only under the same world size. Relaunch with that many ranks, or "
                 "set checkpointing.load_optimizer=false (ZeRO-1/2: weights only, fresh Adam moments)"
             )
-        load_path, _ = engine.load_checkpoint(
-            str(path),
-            tag=DEEPSPEED_TAG,
-            load_optimizer_states=load_optimizer,
-            load_lr_scheduler_states=False,
-            load_module_only=not load_optimizer,
-        )
+        try:
+            load_path, _ = engine.load_checkpoint(
+                str(path),
+                tag=DEEPSPEED_TAG,
+                load_optimizer_states=load_optimizer,
+                load_lr_scheduler_states=False,
+                load_module_only=not load_optimizer,
+            )
+        except Exception as err:  # noqa: BLE001 - name the checkpoint whatever DeepSpeed raised
+            raise CheckpointReadError(f"checkpoint {path} cannot be loaded ({type(err).__name__}: {err})") from err
         if load_path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint in {path / DEEPSPEED_TAG}")
         rng_file = path / _RNG_DIR / f"rank{_rank()}.pt"

@@ -27,7 +27,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,9 @@ import torch.distributed as dist
 from megatron_wedlm.config.schema import ConfigError, TrainConfig
 
 from .settings import validate_deepspeed_run
+
+if TYPE_CHECKING:
+    from megatron_wedlm.training.run_dir import RunClaim
 
 __all__ = ["run_deepspeed_sft", "FINAL_EXPORT_DIR"]
 
@@ -120,21 +123,15 @@ def _build_optimizer(cfg: TrainConfig, module, device: torch.device, offload: bo
 
 def run_deepspeed_sft(cfg: TrainConfig):
     """Train as ``cfg`` says in this process; returns the Megatron path's ``TrainResult``."""
-    from megatron_wedlm.data.prepare import TOKENIZER_DIR
-    from megatron_wedlm.model.losses import global_loss_normalizer, reduce_loss_reports
     from megatron_wedlm.runtime.parallel import init_distributed, resolve_device
-    from megatron_wedlm.training.checkpointing import resolve_resume_path
-    from megatron_wedlm.training.loop import agreed, bf16_enabled
+    from megatron_wedlm.training.loop import bf16_enabled
     from megatron_wedlm.training.model_setup import resolve_attention_backend
-    from megatron_wedlm.training.optimization import build_scheduler, current_lr
-    from megatron_wedlm.training.step_record import StepRecorder, build_train_data, read_run_manifest, sum_over_ranks
+    from megatron_wedlm.training.run_dir import claim_output_dir
+    from megatron_wedlm.training.step_record import read_run_manifest
 
-    from .checkpoint import DeepSpeedCheckpointManager, export_hf_model
-    from .forward import model_inputs, pad_to_tiles, training_objective
     from .settings import build_ds_config
 
     validate_deepspeed_run(cfg)
-    ds = cfg.deepspeed
     device = resolve_device(cfg.trainer.device)
     bf16 = bf16_enabled(cfg, device)
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -153,13 +150,33 @@ def run_deepspeed_sft(cfg: TrainConfig):
 
     deepspeed.init_distributed(dist_backend=dist.get_backend())
     rank = dist.get_rank()
-    is_logger = rank == 0
     torch.manual_seed(cfg.trainer.seed)
 
+    claim = claim_output_dir(cfg)  # the lock, the resume decision, the lineage (as on the Megatron path)
+    try:
+        return _train(cfg, claim, manifest, ds_config, num_microbatches, backend, device, bf16, dtype, world, rank)
+    finally:
+        claim.release()
+
+
+def _train(cfg: TrainConfig, claim: RunClaim, manifest: dict[str, Any], ds_config: dict[str, Any],
+           num_microbatches: int, backend: str, device: torch.device, bf16: bool, dtype: torch.dtype, world: int,
+           rank: int):
+    """The run proper, once ``claim`` owns the output directory."""
+    import deepspeed
+
+    from megatron_wedlm.data.prepare import TOKENIZER_DIR
+    from megatron_wedlm.model.losses import global_loss_normalizer, reduce_loss_reports
+    from megatron_wedlm.training.optimization import build_scheduler, current_lr
+    from megatron_wedlm.training.step_record import StepRecorder, build_train_data, sum_over_ranks
+
+    from .checkpoint import DeepSpeedCheckpointManager, export_hf_model
+    from .forward import model_inputs, pad_to_tiles, training_objective
+
+    ds = cfg.deepspeed
+    is_logger = rank == 0
     output_dir = Path(cfg.trainer.output_dir)
-    ckpt_root = Path(cfg.checkpointing.dir or output_dir / "checkpoints")
-    cfg.checkpointing.dir = str(ckpt_root)
-    resume_path = agreed(lambda: resolve_resume_path(cfg.checkpointing.resume, ckpt_root))
+    resume_path = claim.resume_path
 
     # ---- model, engine, schedule, state ----
     zero3_init = ds.zero_stage == 3 and ds.zero3_init
@@ -167,7 +184,7 @@ def run_deepspeed_sft(cfg: TrainConfig):
     optimizer = _build_optimizer(cfg, module, device, offload=ds.offload_optimizer != "none")
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config)
     scheduler = build_scheduler(cfg, engine.optimizer)
-    manager = DeepSpeedCheckpointManager(ckpt_root, cfg.checkpointing.keep_last)
+    manager = DeepSpeedCheckpointManager(cfg.checkpointing.dir, cfg.checkpointing.keep_last)
     state: dict[str, Any] = {}
     if resume_path is not None:
         state = manager.load(resume_path, engine, cfg.checkpointing.load_optimizer)
@@ -178,7 +195,7 @@ def run_deepspeed_sft(cfg: TrainConfig):
     micro_batch = cfg.data.micro_batch_size
     data = build_train_data(cfg, state, rank, world)
     tokenizer_dir = Path(cfg.data.path) / manifest.get("tokenizer", TOKENIZER_DIR)  # type: ignore[arg-type]
-    recorder = StepRecorder(cfg, state, is_logger, resume_path)
+    recorder = StepRecorder(cfg, state, is_logger, claim)
     logger, result = recorder.logger, recorder.result
     offload = [k for k, v in (("optimizer", ds.offload_optimizer), ("params", ds.offload_params)) if v != "none"]
     logger.message(

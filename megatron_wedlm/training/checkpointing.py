@@ -14,6 +14,20 @@ Atomicity: everything is written into ``iter_N.partial`` and the directory is re
 mid-save leaves a ``.partial`` directory that resume ignores and the next save removes, so the
 newest *complete* checkpoint is always loadable. ``latest_checkpointed_iteration.txt`` is a
 convenience for humans and Megatron-LM tools; resume scans the directories instead.
+
+Lineage: every run gets an id, and ``trainer_state.json`` records ``run_id``, ``parent`` (the
+checkpoint the run resumed from) and ``lineage``, the chain of runs that led to it, each with the
+step it started from. Resuming an older checkpoint by path starts a new branch; the checkpoints
+past the branch point belong to an abandoned future. ``<dir>/lineage.json`` holds the lineage of
+the run that started last, and ``--resume auto`` and pruning follow it only: an abandoned newer
+checkpoint is never loaded by ``auto``, and pruning never deletes the checkpoint just saved
+because an abandoned one sorts newer (abandoned ones are left in place until a save of the same
+step replaces them).
+
+Readability: :func:`checkpoint_problem` checks, without loading tensors, that the trainer state
+parses and that every tensor file is as long as the checkpoint's own index says. A checkpoint
+that fails is named in the error; ``--resume auto`` then falls back to the newest readable one
+of the lineage, with a warning.
 """
 
 from __future__ import annotations
@@ -23,30 +37,44 @@ import os
 import random
 import re
 import shutil
+import sys
+import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_wedlm.runtime.atomic_output import disk_full_is_named
+
 from .megatron_compat import prepare_optimizer_for_load, separate_adam_step_counters
 
 __all__ = [
     "CheckpointManager",
+    "CheckpointReadError",
+    "LINEAGE_FILE",
     "TRAINER_STATE_FILE",
     "checkpoint_name",
+    "checkpoint_problem",
     "complete_checkpoints",
+    "current_lineage",
     "find_latest_checkpoint",
     "host_rng_state",
     "is_complete_checkpoint",
+    "on_lineage",
+    "read_trainer_state",
+    "record_lineage",
     "resolve_resume_path",
     "set_host_rng_state",
 ]
 
+Lineage = list[dict[str, Any]]  # [{"run_id": ..., "from_step": ...}, ...], oldest run first
+
 TRAINER_STATE_FILE = "trainer_state.json"
 CONFIG_FILE = "config.yaml"
 LATEST_FILE = "latest_checkpointed_iteration.txt"
+LINEAGE_FILE = "lineage.json"
 PARTIAL_SUFFIX = ".partial"
 _NAME = re.compile(r"^iter_(\d{7,})$")
 OPTIMIZER_METADATA = {
@@ -77,27 +105,142 @@ def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def find_latest_checkpoint(root: str | Path) -> Path | None:
+class CheckpointReadError(RuntimeError):
+    """A checkpoint exists but cannot be read; the message names the file and what is wrong."""
+
+
+def _stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def on_lineage(run_id: str | None, step: int, lineage: Lineage) -> bool:
+    """Whether what run ``run_id`` saved (or logged) at ``step`` is part of the history ``lineage``.
+
+    A run's output belongs to the history up to the step the next run of the chain started
+    from; later output of that run is an abandoned future. ``run_id`` None stands for output
+    written before runs had ids: it is history only when the lineage began from such a checkpoint.
+    """
+    ids = [entry["run_id"] for entry in lineage]
+    if run_id not in ids:
+        return False
+    index = ids.index(run_id)
+    return index == len(ids) - 1 or step <= int(lineage[index + 1]["from_step"])
+
+
+def _state_on_lineage(state: dict[str, Any], lineage: Lineage) -> bool:
+    own = state.get("lineage")
+    return on_lineage(own[-1]["run_id"] if own else None, int(state["step"]), lineage)
+
+
+def current_lineage(root: str | Path) -> Lineage | None:
+    """The lineage of the run that started last under ``root`` (None: none recorded)."""
+    file = Path(root) / LINEAGE_FILE
+    if not file.is_file():
+        return None
+    try:
+        return list(json.loads(file.read_text())["lineage"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        _stderr(f"warning: {file} cannot be read ({err}); --resume auto considers every checkpoint")
+        return None
+
+
+def record_lineage(root: str | Path, lineage: Lineage) -> None:
+    """Make ``lineage`` the current one under ``root`` (atomically; rank 0, at the start of a run)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / (LINEAGE_FILE + ".tmp")
+    tmp.write_text(json.dumps({"lineage": lineage}, indent=1) + "\n")
+    os.replace(tmp, root / LINEAGE_FILE)
+
+
+def checkpoint_problem(path: str | Path) -> str | None:
+    """Why the checkpoint at ``path`` cannot be loaded, or None when it looks whole.
+
+    Cheap (file sizes and indexes, no tensors), so ``--resume auto`` can test candidates before
+    any rank starts loading: the trainer state parses; every ``.distcp`` file is as long as the
+    torch_dist index (``.metadata``) says; every ``torch.save`` file (``*.pt``: Megatron's
+    ``common.pt``, DeepSpeed's states) is a complete zip archive.
+    """
+    path = Path(path)
+    try:
+        read_trainer_state(path)
+    except CheckpointReadError as err:
+        return str(err)
+    index = path / ".metadata"
+    if index.is_file():
+        from torch.distributed.checkpoint import FileSystemReader
+
+        try:
+            storage = FileSystemReader(str(path)).read_metadata().storage_data
+        except Exception as err:  # noqa: BLE001 - any unpickling failure means the same thing
+            return f"{index} cannot be read ({type(err).__name__}: {err})"
+        needed: dict[str, int] = {}
+        for info in storage.values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        for name, size in sorted(needed.items()):
+            file = path / name
+            if not file.is_file():
+                return f"{file} is missing"
+            if file.stat().st_size < size:
+                return f"{file} is truncated ({file.stat().st_size} bytes; the checkpoint's index needs {size})"
+    for file in sorted(path.rglob("*.pt")):
+        if not zipfile.is_zipfile(file):
+            return f"{file} is not a complete torch.save archive (truncated?)"
+    return None
+
+
+def find_latest_checkpoint(root: str | Path, warn: Callable[[str], None] = _stderr) -> Path | None:
+    """The newest readable checkpoint of the current lineage under ``root`` (None if there is none).
+
+    Checkpoints of an abandoned branch are passed over; an unreadable one is named in a
+    warning and the previous one is tried. Raises :class:`CheckpointReadError` when checkpoints
+    exist but none of the lineage can be read (starting from scratch would silently mix runs).
+    """
     found = complete_checkpoints(root)
-    return found[-1][1] if found else None
+    lineage = current_lineage(root)
+    problems = []
+    for _, path in reversed(found):
+        problem = checkpoint_problem(path)
+        if problem is not None:
+            problems.append(f"{path.name}: {problem}")
+            warn(f"warning: checkpoint {path} cannot be read ({problem}); trying the previous one")
+            continue
+        if lineage is not None and not _state_on_lineage(read_trainer_state(path), lineage):
+            warn(f"note: {path.name} belongs to an abandoned branch (the last run resumed from an earlier "
+                 "checkpoint); not loaded, pass it by path to resume it")
+            continue
+        return path
+    if problems:
+        raise CheckpointReadError(
+            f"no checkpoint under {root} can be read ({'; '.join(problems)}); resume one by path after "
+            "repairing it, or move the directory aside to start fresh"
+        )
+    return None
 
 
-def resolve_resume_path(resume: str, root: str | Path) -> Path | None:
-    """``none`` -> None; ``auto`` -> the newest complete checkpoint under ``root`` (or None);
-    anything else is a checkpoint directory that must be complete."""
+def resolve_resume_path(resume: str, root: str | Path, warn: Callable[[str], None] = _stderr) -> Path | None:
+    """``none`` -> None; ``auto`` -> the newest readable checkpoint of the current lineage under
+    ``root`` (or None); anything else is a checkpoint directory (or a checkpoints root) that
+    must be complete and readable."""
     if resume == "none":
         return None
     if resume == "auto":
-        return find_latest_checkpoint(root)
+        return find_latest_checkpoint(root, warn)
     path = Path(resume)
     if path.is_dir() and not _NAME.match(path.name):
-        latest = find_latest_checkpoint(path)  # a checkpoints root was given
+        latest = find_latest_checkpoint(path, warn)  # a checkpoints root was given
         if latest is not None:
             return latest
     if not is_complete_checkpoint(path):
         raise FileNotFoundError(
             f"checkpointing.resume={resume!r} is not a complete checkpoint (an iter_NNNNNNN directory "
             f"holding {TRAINER_STATE_FILE}); use 'auto' to pick the newest complete one"
+        )
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise CheckpointReadError(
+            f"checkpointing.resume={resume}: this checkpoint cannot be read ({problem}); resume an earlier "
+            "one by path, or use 'auto' to fall back to the newest readable one"
         )
     return path
 
@@ -190,7 +333,8 @@ class CheckpointManager:
             # the memory-efficient format gathers parameter state on DP rank 0; the others hold None
             del optimizer_sd["param_state"]
         sharded = {"model": model_sd, "optimizer": optimizer_sd, "rng_state": _rng_sharded_object(_rng_state())}
-        dist_checkpointing.save(sharded, str(partial))
+        with disk_full_is_named(partial):
+            dist_checkpointing.save(sharded, str(partial))
         state = {**trainer_state, "step": step, "layout": _layout(), "optimizer_metadata": OPTIMIZER_METADATA}
         return self.finish_save(partial, final, state, files)
 
@@ -216,7 +360,7 @@ class CheckpointManager:
                 (partial / name).write_text(content)
             (partial / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True) + "\n")
             self.publish(partial, final)
-            self.prune()
+            self.prune(state.get("lineage"))
         _barrier()
         return final
 
@@ -235,11 +379,22 @@ class CheckpointManager:
         latest_tmp.write_text(f"{_NAME.match(final.name).group(1).lstrip('0') or '0'}\n")  # type: ignore[union-attr]
         os.replace(latest_tmp, self.root / LATEST_FILE)
 
-    def prune(self) -> None:
-        """Delete complete checkpoints older than the newest ``keep_last`` (after a publish)."""
+    def prune(self, lineage: Lineage | None = None) -> None:
+        """Keep the newest ``keep_last`` complete checkpoints of ``lineage`` (the one just saved
+        is its newest), delete its older ones; other branches and checkpoints whose state cannot
+        be read are not touched. ``lineage`` None: every checkpoint counts (no lineages)."""
         if self.keep_last <= 0:
             return
-        for _, path in complete_checkpoints(self.root)[: -self.keep_last]:
+        ours = []
+        for step, path in complete_checkpoints(self.root):
+            if lineage is not None:
+                try:
+                    if not _state_on_lineage(read_trainer_state(path), lineage):
+                        continue
+                except CheckpointReadError:
+                    continue
+            ours.append(path)
+        for path in ours[: -self.keep_last]:
             shutil.rmtree(path, ignore_errors=True)
 
     # -- loading -----------------------------------------------------------------------------
@@ -262,7 +417,10 @@ class CheckpointManager:
         if same_layout:
             # RNG streams belong to (pp, tp) ranks; under another layout they have no counterpart
             request["rng_state"] = _rng_sharded_object(None)
-        loaded = dist_checkpointing.load(request, str(path))
+        try:
+            loaded = dist_checkpointing.load(request, str(path))
+        except Exception as err:  # noqa: BLE001 - name the checkpoint whatever the reader raised
+            raise CheckpointReadError(f"checkpoint {path} cannot be loaded ({type(err).__name__}: {err})") from err
         model.load_state_dict(loaded["model"])
         if load_optimizer:
             optimizer.load_state_dict(loaded["optimizer"])
@@ -275,10 +433,18 @@ class CheckpointManager:
 
 
 def read_trainer_state(path: str | Path) -> dict[str, Any]:
+    """The checkpoint's ``trainer_state.json``; :class:`CheckpointReadError` naming the file when
+    it is missing, empty or not a trainer state."""
     file = Path(path) / TRAINER_STATE_FILE
     if not file.is_file():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {TRAINER_STATE_FILE})")
-    return json.loads(file.read_text())
+        raise CheckpointReadError(f"{path} is not a complete checkpoint (no {TRAINER_STATE_FILE})")
+    try:
+        state = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointReadError(f"{file} cannot be read ({type(err).__name__}: {err})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise CheckpointReadError(f"{file} is not a trainer state (no integer 'step')")
+    return state
 
 
 def _fsync_dir(path: Path) -> None:

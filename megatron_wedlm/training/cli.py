@@ -93,11 +93,12 @@ def run_entry_point(
         return 0
     from megatron_wedlm.runtime.parallel import destroy_parallel_state
 
+    from .checkpointing import CheckpointReadError
     from .step_record import NonFiniteLossError, result_dict
 
     try:
         result = train(cfg)
-    except (ConfigError, FileNotFoundError) as err:
+    except (ConfigError, FileNotFoundError, CheckpointReadError) as err:
         print(f"[rank {rank}] error: {err}", file=sys.stderr)
         return 2
     except NonFiniteLossError as err:

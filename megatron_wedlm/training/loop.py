@@ -12,8 +12,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -21,6 +20,9 @@ import torch.distributed as dist
 from megatron_wedlm.config.schema import ConfigError, TrainConfig, validate_layout
 
 from .step_record import NonFiniteLossError, TrainResult, result_dict, sum_over_ranks
+
+if TYPE_CHECKING:
+    from .run_dir import RunClaim
 
 __all__ = ["TrainResult", "NonFiniteLossError", "agreed", "bf16_enabled", "result_dict", "run_training"]
 
@@ -47,27 +49,29 @@ def _grads_nonfinite(ddp_model) -> bool:
 
 def agreed(compute: Callable[[], T]) -> T:
     """``compute()`` on rank 0, the same answer everywhere (nodes may list a shared directory
-    differently for a moment, e.g. NFS attribute caching)."""
-    value = [compute() if not dist.is_initialized() or dist.get_rank() == 0 else None]
+    differently for a moment, e.g. NFS attribute caching). When rank 0 raises, every rank
+    raises that error (the others would otherwise wait in the broadcast until the timeout)."""
+    outcome: list[Any] = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            outcome = [(True, compute())]
+        except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
+            outcome = [(False, err)]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(value, src=0)
-    return value[0]
+        dist.broadcast_object_list(outcome, src=0)
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 def run_training(cfg: TrainConfig) -> TrainResult:
     """Train as described by ``cfg`` in this process (one rank of a torchrun launch)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from megatron_wedlm.model.hf_config import MODEL_ARGS_FILE
-    from megatron_wedlm.model.losses import global_loss_normalizer, reduce_loss_reports
     from megatron_wedlm.runtime.parallel import ParallelConfig, init_distributed, initialize_parallel_state, resolve_device
 
-    from .checkpointing import CheckpointManager, resolve_resume_path
-    from .model_setup import build_model_chunk, load_init_weights, resolve_model_args
-    from .optimization import build_optimizer, build_scheduler, current_lr, wrap_ddp
-    from .step_record import StepRecorder, build_train_data, read_run_manifest
-    from .steps import logged_loss, make_forward_step
+    from .model_setup import resolve_model_args
+    from .run_dir import claim_output_dir
+    from .step_record import read_run_manifest
 
     # ---- layout, data description, model description (all validated before heavy work) ----
     device = resolve_device(cfg.trainer.device)
@@ -90,22 +94,39 @@ def run_training(cfg: TrainConfig) -> TrainResult:
         seed=cfg.trainer.seed,
     )
     is_logger = layout.rank == 0
-    output_dir = Path(cfg.trainer.output_dir)
-    ckpt_root = Path(cfg.checkpointing.dir or output_dir / "checkpoints")
-    cfg.checkpointing.dir = str(ckpt_root)
-    resume_path = agreed(lambda: resolve_resume_path(cfg.checkpointing.resume, ckpt_root))
+    claim = claim_output_dir(cfg)  # the lock, the resume decision, the lineage
+    try:
+        return _train(cfg, claim, device, bf16, world, dp, model_args, layout, is_logger)
+    finally:
+        claim.release()
+
+
+def _train(cfg: TrainConfig, claim: RunClaim, device: torch.device, bf16: bool, world: int, dp: int, model_args, layout,
+           is_logger: bool) -> TrainResult:
+    """The run proper, once ``claim`` owns the output directory."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_wedlm.model.hf_config import MODEL_ARGS_FILE
+    from megatron_wedlm.model.losses import global_loss_normalizer, reduce_loss_reports
+
+    from .checkpointing import CheckpointManager
+    from .model_setup import build_model_chunk, load_init_weights
+    from .optimization import build_optimizer, build_scheduler, current_lr, wrap_ddp
+    from .step_record import StepRecorder, build_train_data
+    from .steps import logged_loss, make_forward_step
 
     # ---- model, optimizer, schedule, state ----
     model = build_model_chunk(cfg, model_args, device, torch.bfloat16 if bf16 else torch.float32)
-    if cfg.model.init_from is not None and resume_path is None:
+    if cfg.model.init_from is not None and claim.resume_path is None:
         load_init_weights(model, cfg.model.init_from)
     ddp = wrap_ddp(model, cfg)
     optimizer = build_optimizer(cfg, ddp, bf16)
     scheduler = build_scheduler(cfg, optimizer)
-    manager = CheckpointManager(ckpt_root, cfg.checkpointing.keep_last)
+    manager = CheckpointManager(cfg.checkpointing.dir, cfg.checkpointing.keep_last)
     state: dict[str, Any] = {}
-    if resume_path is not None:
-        state = manager.load(resume_path, model, optimizer, cfg.checkpointing.load_optimizer)
+    if claim.resume_path is not None:
+        state = manager.load(claim.resume_path, model, optimizer, cfg.checkpointing.load_optimizer)
         scheduler.load_state_dict(state["scheduler"])
     start_step = int(state.get("step", 0))
 
@@ -113,7 +134,7 @@ def run_training(cfg: TrainConfig) -> TrainResult:
     micro_batch = cfg.data.micro_batch_size
     num_microbatches = cfg.data.global_batch_size // (micro_batch * dp)
     data = build_train_data(cfg, state, layout.dp_rank, dp)
-    recorder = StepRecorder(cfg, state, is_logger, resume_path)
+    recorder = StepRecorder(cfg, state, is_logger, claim)
     logger, result = recorder.logger, recorder.result
     logger.message(
         f"{cfg.trainer.task}: {'WeDLM' if cfg.wedlm.enabled else 'AR'} training, world {world} = "

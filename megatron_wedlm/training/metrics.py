@@ -2,9 +2,15 @@
 
 Only the logging rank (global rank 0) writes; the loop hands it step records that are already
 global (reduced over all ranks). ``metrics.jsonl`` has one JSON object per logged step with at
-least: step, loss, mlm_loss, ar_loss, masked_tokens, lr, grad_norm, tokens_per_sec. A resumed
-run first drops records past its start step (they belong to the abandoned future of the
-checkpoint) and appends from there, so the file always describes one consistent history.
+least: step, loss, mlm_loss, ar_loss, masked_tokens, lr, grad_norm, tokens_per_sec, and the
+``run_id`` of the run that logged it.
+
+``metrics.jsonl`` always describes one consistent history: the lineage of the running run (see
+:mod:`.checkpointing`). It is appended to, never cut silently: when a run starts, the records that
+are not part of its history (the steps a crashed run logged after its last checkpoint, the
+abandoned future of a rollback, an earlier run in the directory) are first appended to
+``metrics.abandoned.jsonl``, each tagged ``abandoned_by`` with the new run's id, and a message
+says how many moved.
 """
 
 from __future__ import annotations
@@ -18,9 +24,10 @@ from typing import Any
 
 from megatron_wedlm.config.schema import TrainConfig
 
-__all__ = ["MetricsLogger", "METRICS_FILE", "read_metrics"]
+__all__ = ["MetricsLogger", "METRICS_ABANDONED_FILE", "METRICS_FILE", "read_metrics"]
 
 METRICS_FILE = "metrics.jsonl"
+METRICS_ABANDONED_FILE = "metrics.abandoned.jsonl"
 REQUIRED_KEYS = ("step", "loss", "mlm_loss", "ar_loss", "masked_tokens", "lr", "grad_norm", "tokens_per_sec")
 
 
@@ -47,6 +54,8 @@ class MetricsLogger:
         start_step: int,
         enabled: bool,
         wandb_run_id: str | None = None,
+        run_id: str | None = None,
+        lineage: list[dict[str, Any]] | None = None,
     ) -> None:
         self.cfg = cfg
         self.enabled = enabled
@@ -58,7 +67,7 @@ class MetricsLogger:
         if not enabled:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self._truncate_after(start_step)
+        self._set_aside_other_history(run_id, lineage or [{"run_id": run_id, "from_step": start_step}])
         if cfg.logging.wandb.enabled:
             self._start_wandb(config_dict)
         if cfg.logging.progress_bar:
@@ -70,13 +79,34 @@ class MetricsLogger:
                 file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
             )
 
-    def _truncate_after(self, start_step: int) -> None:
+    def _set_aside_other_history(self, run_id: str | None, lineage: list[dict[str, Any]]) -> None:
+        """Move the records that are not on ``lineage`` to ``metrics.abandoned.jsonl`` (appended and
+        synced first, so a kill in between duplicates records rather than losing them)."""
+        from .checkpointing import on_lineage
+
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= start_step]
+        kept, moved = [], []
+        for line in self.path.read_text().splitlines():
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            history = on_lineage(record.get("run_id"), int(record["step"]), lineage)
+            (kept if history else moved).append(line if history else {**record, "abandoned_by": run_id})
+        if not moved:
+            return
+        with open(self.output_dir / METRICS_ABANDONED_FILE, "a") as handle:
+            handle.write("".join(json.dumps(record) + "\n" for record in moved))
+            handle.flush()
+            os.fsync(handle.fileno())
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, self.path)
+        steps = [record["step"] for record in moved]
+        self.message(
+            f"{len(moved)} records of {self.path} (steps {min(steps)}..{max(steps)}) are not part of this run's "
+            f"history; moved to {METRICS_ABANDONED_FILE}"
+        )
 
     def _start_wandb(self, config_dict: dict[str, Any]) -> None:
         import wandb

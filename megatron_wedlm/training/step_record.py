@@ -13,12 +13,15 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_wedlm.config.schema import ConfigError, TrainConfig
+
+if TYPE_CHECKING:
+    from .run_dir import RunClaim
 
 __all__ = [
     "NonFiniteLossError",
@@ -93,6 +96,7 @@ def build_train_data(cfg: TrainConfig, state: dict[str, Any], dp_rank: int, dp_s
     return TrainDataIterator(
         spec, dp_rank, dp_size, cfg.data.micro_batch_size, num_workers=cfg.data.num_workers,
         prefetch_factor=cfg.data.prefetch_factor, state=data_state,
+        allow_data_change=cfg.checkpointing.allow_data_change,
     )
 
 
@@ -101,8 +105,7 @@ class StepRecorder:
     stops after too many non-finite steps in a row, decides when to save and what the
     checkpoint's trainer state holds besides the engine's tensors."""
 
-    def __init__(self, cfg: TrainConfig, state: dict[str, Any], is_logger: bool,
-                 resume_path: Path | None) -> None:
+    def __init__(self, cfg: TrainConfig, state: dict[str, Any], is_logger: bool, claim: RunClaim) -> None:
         from omegaconf import OmegaConf
 
         from megatron_wedlm.config.loading import config_to_yaml, save_config
@@ -110,6 +113,7 @@ class StepRecorder:
         from .metrics import MetricsLogger
 
         self.cfg = cfg
+        self.claim = claim
         self.output_dir = Path(cfg.trainer.output_dir)
         self.start_step = int(state.get("step", 0))
         self.end_step = cfg.trainer.exit_at_step or cfg.trainer.train_steps
@@ -118,7 +122,7 @@ class StepRecorder:
             save_config(cfg, self.output_dir / "config.yaml")
         self.logger = MetricsLogger(
             cfg, OmegaConf.to_container(OmegaConf.create(self.config_yaml)), self.start_step, is_logger,  # type: ignore[arg-type]
-            wandb_run_id=state.get("wandb_run_id"),
+            wandb_run_id=state.get("wandb_run_id"), run_id=claim.run_id, lineage=claim.lineage,
         )
         self.result = TrainResult(final_step=self.start_step, start_step=self.start_step,
                                   output_dir=str(self.output_dir))
@@ -126,8 +130,8 @@ class StepRecorder:
         self.consumed_tokens = int(state.get("consumed_tokens", 0))
         self.skipped_total = int(state.get("skipped_steps", 0))
         self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
-        if resume_path is not None:
-            self.logger.message(f"resumed from {resume_path} at step {self.start_step}")
+        if claim.resume_path is not None:
+            self.logger.message(f"resumed from {claim.resume_path} at step {self.start_step} (run {claim.run_id})")
 
     def steps(self) -> range:
         return range(self.start_step + 1, self.end_step + 1)
@@ -176,6 +180,7 @@ class StepRecorder:
             "consumed_tokens": self.consumed_tokens,
             "step_time_s": elapsed,
             "skipped": not finite,
+            "run_id": self.claim.run_id,
         })
         self.result.losses[step] = loss
         self.result.final_step = step
@@ -207,6 +212,7 @@ class StepRecorder:
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
             "wandb_run_id": self.logger.wandb_run_id,
             "train_steps": self.cfg.trainer.train_steps,
+            **self.claim.checkpoint_fields(),
         }
 
     def saved(self, path: Path) -> None:
