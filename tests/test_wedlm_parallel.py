@@ -1,4 +1,4 @@
-"""The WeDLM model trains identically under TP, PP, TP x PP, SP, recompute and DP + distributed optimizer.
+"""The WeDLM model trains identically under TP, PP, CP, their products, SP, recompute and DP + distributed optimizer.
 
 Real gloo processes on CPU, Megatron's pipeline schedule, DDP and finalize_model_grads, the
 same weights and the same dual-stream global batch (packed documents, SFT prompt, padding).
@@ -8,9 +8,12 @@ Tolerance: fp32; TP changes reduction order in row-parallel matmuls and the voca
 cross entropy, so results agree to rounding (~1e-7 on gradients of magnitude ~1e-1). 1e-5
 catches any real layout error (a missing TP reduction of norm gradients moves them by ~1e-2).
 
+Context parallelism (CP) splits every row over the ranks by the mask-balanced split and
+gathers keys/values in attention; its layouts must match one process just as closely.
+
 Launches (to stay fast on two cores): one reference rank; one 2-rank launch running several
-layouts and the distributed-optimizer run; ``tools/verify_parallel.py --tp 2 --pp 2`` as a
-subprocess for TP x PP (which also tests the tool).
+layouts and the distributed-optimizer run; ``tools/verify_parallel.py`` as a subprocess for
+the 4-rank layouts TP x PP, TP x CP and PP x CP (which also tests the tool).
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ LAYOUTS = [
     {"name": "tp2-sp-recompute-full", "spec": "main", "tp": 2, "sp": True, "recompute": "full"},
     {"name": "tp2-recompute-selective", "spec": "main", "tp": 2, "recompute": "selective"},
     {"name": "pp2-tied", "spec": "tied", "pp": 2},
+    {"name": "cp2", "spec": "main", "cp": 2},
+    {"name": "cp2-recompute-selective", "spec": "main", "cp": 2, "recompute": "selective"},
 ]
 
 
@@ -102,16 +107,18 @@ def test_distributed_optimizer_on_two_ranks_matches_single_process_optimizer(run
     assert single[2]["total"] < single[0]["total"] and single[3]["total"] < single[1]["total"]
 
 
-def test_verify_parallel_tool_tp2_pp2():
+@pytest.mark.parametrize("tp,pp,cp", [(2, 2, 1), (2, 1, 2), (1, 2, 2)], ids=["tp2-pp2", "tp2-cp2", "pp2-cp2"])
+def test_verify_parallel_tool_four_rank_layouts(tp, pp, cp):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "verify_parallel.py"), "--tp", "2", "--pp", "2"],
+        [sys.executable, str(ROOT / "tools" / "verify_parallel.py"), "--tp", str(tp), "--pp", str(pp), "--cp", str(cp)],
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     report = json.loads(proc.stdout)
     assert report["ok"] is True
-    assert report["layout"]["tp"] == 2 and report["layout"]["pp"] == 2 and report["world_size"] == 4
+    layout = report["layout"]
+    assert (layout["tp"], layout["pp"], layout["cp"], report["world_size"]) == (tp, pp, cp, 4)
     assert max(report["max_loss_abs_diff"].values()) <= ATOL
     assert report["max_grad_abs_diff"] <= ATOL
     assert report["max_grad_abs"] > 1e-3  # the comparison is over real, non-zero gradients

@@ -1,9 +1,9 @@
-"""Check that a TP / PP / SP layout trains a tiny WeDLM model exactly like a single process.
+"""Check that a TP / PP / CP / SP layout trains a tiny WeDLM model exactly like a single process.
 
-    python tools/verify_parallel.py --tp 2 --pp 2 [--sp] [--recompute full] [--tied]
+    python tools/verify_parallel.py --tp 2 --pp 2 [--cp 2] [--sp] [--recompute full] [--tied]
 
 Launches real worker processes (gloo, CPU): one at TP=PP=1 that saves random weights and
-runs one training step, then TP x PP ranks that load the same weights and run the same
+runs one training step, then TP x PP x CP ranks that load the same weights and run the same
 dual-stream global batch through Megatron's pipeline schedule, DDP and finalize_model_grads.
 Prints JSON with the largest loss and gradient differences; exit status 1 when a difference
 exceeds ``--tolerance``. Use it to trust a layout (and this code base's WeDLM pieces in it)
@@ -30,6 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size (each rank holds 1/CP of every row)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     p.add_argument("--recompute", choices=["full", "selective"], default=None, help="activation recomputation")
     p.add_argument("--tied", action="store_true", help="tie input embeddings and output layer")
@@ -38,8 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tolerance", type=float, default=1e-5, help="max allowed absolute difference")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
     args = p.parse_args(argv)
-    if args.tp < 1 or args.pp < 1:
-        p.error("--tp and --pp must be >= 1")
+    if args.tp < 1 or args.pp < 1 or args.cp < 1:
+        p.error("--tp, --pp and --cp must be >= 1")
     if args.sp and args.tp == 1:
         p.error("--sp needs --tp > 1")
     if args.layers % args.pp:
@@ -58,12 +59,16 @@ def main(argv: list[str] | None = None) -> int:
         global_microbatches=args.microbatches,
     )
     specs = {"spec": spec.to_dict()}
-    name = f"tp{args.tp}-pp{args.pp}" + ("-sp" if args.sp else "") + (f"-{args.recompute}" if args.recompute else "")
-    layout = {"name": name, "spec": "spec", "tp": args.tp, "pp": args.pp, "sp": args.sp, "recompute": args.recompute}
+    name = f"tp{args.tp}-pp{args.pp}-cp{args.cp}" + ("-sp" if args.sp else "") + (f"-{args.recompute}" if args.recompute else "")
+    layout = {
+        "name": name, "spec": "spec", "tp": args.tp, "pp": args.pp, "cp": args.cp,
+        "sp": args.sp, "recompute": args.recompute,
+    }
+    world_size = args.tp * args.pp * args.cp
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="wedlm-verify-") as root:
         ref = run_distributed(we.reference_worker, 1, specs, root, timeout_s=args.timeout)[0]["spec"]
-        results = run_distributed(we.layouts_worker, args.tp * args.pp, specs, root, [layout], timeout_s=args.timeout)
+        results = run_distributed(we.layouts_worker, world_size, specs, root, [layout], timeout_s=args.timeout)
     got = [r[name] for r in results]
     summaries = [g["summary"] for g in got if g["summary"] is not None]
     grads = got[0]["grads"]
@@ -74,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     worst = max(grad_diffs, key=grad_diffs.get)
     report = {
         "layout": layout,
-        "world_size": args.tp * args.pp,
+        "world_size": world_size,
         "reference_loss": {k: ref["summary"][k] for k in ("total", "mlm", "ar", "mlm_tokens", "ar_tokens")},
         "max_loss_abs_diff": loss_diffs,
         "max_grad_abs_diff": grad_diffs[worst],

@@ -42,6 +42,8 @@ Forms provided:
   metadata; never materialises an ``S x S`` tensor (only a tile grid of ``(S/T)^2``).
 * :func:`classify_tiles` -- the empty/partial/full tile classification behind the BlockMask.
 * :func:`count_allowed_pairs` -- exact number of allowed (q, k) pairs without ``S x S`` memory.
+* :func:`allowed_pairs_per_query_tile` -- the same count per tile of queries (context-parallel
+  balancing).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ __all__ = [
     "classify_tiles",
     "build_block_mask",
     "count_allowed_pairs",
+    "allowed_pairs_per_query_tile",
 ]
 
 
@@ -135,36 +138,63 @@ class AttentionMetadata:
         return cls(**{f.name: tensors[f.name] for f in fields(cls)})
 
 
-def dense_attention_mask(metadata: AttentionMetadata, padding_attends_self: bool = False) -> Tensor:
+def dense_attention_mask(
+    metadata: AttentionMetadata,
+    padding_attends_self: bool = False,
+    query_slots: Tensor | None = None,
+    key_slots: Tensor | None = None,
+) -> Tensor:
     """Bool mask ``[S, S]`` (or ``[B, S, S]``), True = query (row) may attend key (column).
 
-    Memory is O(S^2): fine for CPU training and tests, not for 32k-token rows (use
+    ``query_slots`` / ``key_slots`` (``[S_q]`` / ``[S_k]`` physical slot indices, default all
+    slots in order) pick the rows and columns: context parallelism asks for its local queries
+    against the gathered keys of the whole row, in the order the ranks hold them, and gets a
+    ``[S_q, S_k]`` mask of the same rule on global indices.
+
+    Memory is O(S_q x S_k): fine for CPU training and tests, not for 32k-token rows (use
     :func:`build_block_mask` there).
     """
-    idx = torch.arange(metadata.seq_len, device=metadata.doc_ids.device)
-    q = lambda t: t.unsqueeze(-1)  # noqa: E731  -- query along rows
-    k = lambda t: t.unsqueeze(-2)  # noqa: E731  -- key along columns
+    device = metadata.doc_ids.device
+    all_slots = torch.arange(metadata.seq_len, device=device)
+    q_slots = all_slots if query_slots is None else query_slots.to(device)
+    k_slots = all_slots if key_slots is None else key_slots.to(device)
+
+    def pick(t: Tensor, slots: Tensor) -> Tensor:
+        return t if slots is all_slots else t.index_select(-1, slots)
+
+    q = lambda t: pick(t, q_slots).unsqueeze(-1)  # noqa: E731  -- query along rows
+    k = lambda t: pick(t, k_slots).unsqueeze(-2)  # noqa: E731  -- key along columns
     return may_attend(
-        q(metadata.doc_ids), q(metadata.is_memory), q(metadata.block_ids), q(idx),
-        k(metadata.doc_ids), k(metadata.is_memory), k(metadata.block_ids), k(idx),
+        q(metadata.doc_ids), q(metadata.is_memory), q(metadata.block_ids), q_slots.unsqueeze(-1),
+        k(metadata.doc_ids), k(metadata.is_memory), k(metadata.block_ids), k_slots.unsqueeze(-2),
         padding_attends_self=padding_attends_self,
     )
 
 
 def flex_mask_mod(
-    metadata: AttentionMetadata, padding_attends_self: bool = False
+    metadata: AttentionMetadata,
+    padding_attends_self: bool = False,
+    query_slots: Tensor | None = None,
+    key_slots: Tensor | None = None,
 ) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
     """A FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` closing over ``[B, S]`` metadata.
 
-    The metadata tensors must live on the device the attention runs on.
+    ``query_slots`` / ``key_slots``: physical slot of each query / key index (see
+    :func:`dense_attention_mask`); default: the index is the slot. The metadata tensors must
+    live on the device the attention runs on.
     """
     meta = metadata.batched()
     doc, mem, blk = meta.doc_ids, meta.is_memory, meta.block_ids
+    device = doc.device
+    q_map = None if query_slots is None else query_slots.to(device)
+    k_map = None if key_slots is None else key_slots.to(device)
 
     def wedlm_mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        q = q_idx if q_map is None else q_map[q_idx]
+        k = kv_idx if k_map is None else k_map[kv_idx]
         return may_attend(
-            doc[b, q_idx], mem[b, q_idx], blk[b, q_idx], q_idx,
-            doc[b, kv_idx], mem[b, kv_idx], blk[b, kv_idx], kv_idx,
+            doc[b, q], mem[b, q], blk[b, q], q,
+            doc[b, k], mem[b, k], blk[b, k], k,
             padding_attends_self=padding_attends_self,
         )
 
@@ -313,13 +343,24 @@ def count_allowed_pairs(
 ) -> Tensor:
     """Exact number of allowed (q, k) pairs per row (``[B]``), in O(partial tiles x T^2) memory.
 
-    Full tiles count T^2; partial tiles are evaluated with :func:`may_attend` a chunk at a
-    time. Used to report how much work a block-sparse kernel does, and as a cross-check of
-    the tile classification.
+    Used to report how much work a block-sparse kernel does, and as a cross-check of the tile
+    classification.
+    """
+    return allowed_pairs_per_query_tile(metadata, tile_size, tiles_per_chunk).sum(-1)
+
+
+def allowed_pairs_per_query_tile(
+    metadata: AttentionMetadata, tile_size: int = 128, tiles_per_chunk: int = 256
+) -> Tensor:
+    """Allowed (q, k) pairs whose query lies in each ``tile_size`` tile of slots: int64 ``[B, S / T]``.
+
+    The attention work a tile of queries brings, which context parallelism balances across
+    ranks. Full tiles count T^2; partial tiles are evaluated with :func:`may_attend` a chunk at
+    a time, so the cost is O(partial tiles x T^2), about O(S x T) for dual-stream rows.
     """
     meta = metadata.batched()
     tiles = classify_tiles(meta, tile_size)
-    counts = tiles.full.sum(dim=(-1, -2)).long() * tile_size * tile_size
+    counts = tiles.full.sum(dim=-1).long() * tile_size * tile_size
     b, s = meta.doc_ids.shape
     n = s // tile_size
     doc = meta.doc_ids.reshape(b, n, tile_size)
@@ -327,6 +368,7 @@ def count_allowed_pairs(
     blk = meta.block_ids.reshape(b, n, tile_size)
     offsets = torch.arange(tile_size, device=doc.device)
     where = tiles.partial.nonzero()
+    flat = counts.view(-1)
     for chunk in where.split(tiles_per_chunk):
         rb, qi, kj = chunk.unbind(-1)
         q_idx = (qi * tile_size).unsqueeze(-1) + offsets
@@ -337,5 +379,5 @@ def count_allowed_pairs(
             doc[rb, kj].unsqueeze(-2), mem[rb, kj].unsqueeze(-2), blk[rb, kj].unsqueeze(-2),
             k_idx.unsqueeze(-2),
         )
-        counts.index_add_(0, rb, allowed.sum(dim=(-1, -2)))
+        flat.index_add_(0, rb * n + qi, allowed.sum(dim=(-1, -2)))
     return counts

@@ -110,9 +110,21 @@ class DualStreamBatch:
         return build_block_mask(self.attention_metadata(), tile_size, padding_attends_self)
 
     def to(self, device: torch.device | str) -> "DualStreamBatch":
-        moved = {name: getattr(self, name).to(device) for name in self.tensor_field_names()}
+        return self._with_tensors(lambda t: t.to(device))
+
+    def select_slots(self, slots: Tensor) -> "DualStreamBatch":
+        """The same rows restricted to physical slots ``slots`` (``[n]``, in that order).
+
+        Context parallelism hands each rank its slots this way; the slots keep their fields
+        (logical positions, labels, weights) but no longer their physical index, so the mask
+        of a selection is built from the full row's metadata (see :mod:`.attention_rule`).
+        """
+        return self._with_tensors(lambda t: t.index_select(-1, slots.to(t.device)))
+
+    def _with_tensors(self, change) -> "DualStreamBatch":
+        changed = {name: change(getattr(self, name)) for name in self.tensor_field_names()}
         return DualStreamBatch(
-            **moved, block_size=self.block_size, mask_token_id=self.mask_token_id, pad_token_id=self.pad_token_id
+            **changed, block_size=self.block_size, mask_token_id=self.mask_token_id, pad_token_id=self.pad_token_id
         )
 
 

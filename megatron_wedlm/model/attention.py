@@ -34,7 +34,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from megatron_wedlm.data.attention_rule import AttentionMetadata, build_block_mask, dense_attention_mask
+from megatron_wedlm.data.attention_rule import (
+    AttentionMetadata,
+    build_block_mask,
+    dense_attention_mask,
+    flex_mask_mod,
+)
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -42,6 +47,7 @@ __all__ = [
     "WeDLMFlexAttention",
     "causal_packed_metadata",
     "pack_attention_metadata",
+    "packed_slot_order",
     "te_attention_class",
     "unpack_attention_metadata",
 ]
@@ -54,18 +60,31 @@ ATTENTION_BACKENDS = ("dense", "flex", "te")
 # --------------------------------------------------------------------------------------------
 
 
-def pack_attention_metadata(metadata: AttentionMetadata) -> Tensor:
-    """``AttentionMetadata`` (``[S]`` or ``[B, S]``) -> int32 ``[B, 3, S]`` for ``attention_mask``."""
+def pack_attention_metadata(metadata: AttentionMetadata, slot_order: Tensor | None = None) -> Tensor:
+    """``AttentionMetadata`` (``[S]`` or ``[B, S]``) -> int32 ``[B, 3, S]`` for ``attention_mask``.
+
+    ``slot_order`` (context parallelism, :mod:`.context_parallel`): the physical slots in the
+    order the CP ranks hold them, stored as a fourth row (``[B, 4, S]``); the first three rows
+    stay the whole row's metadata in physical order.
+    """
     meta = metadata.batched()
-    return torch.stack(
-        [meta.doc_ids.to(torch.int32), meta.is_memory.to(torch.int32), meta.block_ids.to(torch.int32)], dim=1
-    ).contiguous()
+    rows = [meta.doc_ids.to(torch.int32), meta.is_memory.to(torch.int32), meta.block_ids.to(torch.int32)]
+    if slot_order is not None:
+        if slot_order.shape != (meta.seq_len,):
+            raise ValueError(f"slot_order must be [S] = [{meta.seq_len}], got {tuple(slot_order.shape)}")
+        rows.append(slot_order.to(device=meta.doc_ids.device, dtype=torch.int32).expand_as(rows[0]))
+    return torch.stack(rows, dim=1).contiguous()
 
 
 def unpack_attention_metadata(packed: Tensor) -> AttentionMetadata:
-    if packed.dim() != 3 or packed.shape[1] != 3:
-        raise ValueError(f"packed attention metadata must be [B, 3, S], got shape {tuple(packed.shape)}")
+    if packed.dim() != 3 or packed.shape[1] not in (3, 4):
+        raise ValueError(f"packed attention metadata must be [B, 3, S] (or [B, 4, S] under CP), got {tuple(packed.shape)}")
     return AttentionMetadata(doc_ids=packed[:, 0], is_memory=packed[:, 1].bool(), block_ids=packed[:, 2])
+
+
+def packed_slot_order(packed: Tensor) -> Tensor | None:
+    """The context-parallel slot order of packed metadata (``[S]`` int64), None without CP."""
+    return packed[0, 3].long() if packed.shape[1] == 4 else None
 
 
 def causal_packed_metadata(batch_size: int, seq_len: int, device: torch.device | str) -> Tensor:
@@ -76,7 +95,7 @@ def causal_packed_metadata(batch_size: int, seq_len: int, device: torch.device |
 
 
 def _is_packed_metadata(mask: Tensor) -> bool:
-    return mask.dim() == 3 and mask.shape[1] == 3 and not mask.dtype.is_floating_point and mask.dtype != torch.bool
+    return mask.dim() == 3 and mask.shape[1] in (3, 4) and not mask.dtype.is_floating_point and mask.dtype != torch.bool
 
 
 def _is_megatron_dense_mask(mask: Tensor) -> bool:
@@ -173,13 +192,44 @@ class _WeDLMCoreAttentionBase(torch.nn.Module):
         **_ignored: Any,
     ) -> None:
         super().__init__()
-        if config.context_parallel_size != 1:
-            raise ValueError("WeDLM attention does not support context parallelism (context_parallel_size must be 1)")
         self.config = config
+        self.cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+        if self.cp_group is None and config.context_parallel_size > 1:
+            from megatron.core import parallel_state as ps
+
+            self.cp_group = ps.get_context_parallel_group()
         self.layer_number = layer_number
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+
+    def _context_parallel(self, attention_mask: Tensor | None, key: Tensor, value: Tensor):
+        """``(keys, values, query_slots, key_slots)``: the whole row's keys/values under CP.
+
+        Without CP (no slot order in the metadata) keys and values are returned unchanged and
+        the slot maps are None (query i and key j are slots i and j).
+        """
+        order = packed_slot_order(attention_mask) if attention_mask is not None and _is_packed_metadata(attention_mask) else None
+        cp_size = 1 if self.cp_group is None else self.cp_group.size()
+        if order is None:
+            if cp_size > 1:
+                raise ValueError(
+                    "context parallelism needs the slot order in the packed metadata ([B, 4, S]); "
+                    "shard batches with megatron_wedlm.model.context_parallel.shard_batch"
+                )
+            return key, value, None, None
+        from .context_parallel import gather_along_sequence
+
+        local = key.shape[0]
+        if local * cp_size != order.numel():
+            raise ValueError(
+                f"this rank holds {local} slots but the row has {order.numel()} over a context-parallel "
+                f"group of {cp_size}; every rank must hold S / CP slots"
+            )
+        rank = 0 if self.cp_group is None else self.cp_group.rank()
+        if cp_size > 1:
+            key, value = gather_along_sequence(key, self.cp_group), gather_along_sequence(value, self.cp_group)
+        return key, value, order[rank * local:(rank + 1) * local], order
 
     @staticmethod
     def _to_bhsd(x: Tensor) -> Tensor:
@@ -231,10 +281,9 @@ def _dense_plan(allowed: Tensor, tile: int) -> list[_QueryTile] | None:
     masked for the tile's queries, so the softmax is unchanged.
     """
     b, _, s, s_k = allowed.shape
-    if tile < 1 or s != s_k or s % tile or s < 4 * tile:
+    if tile < 1 or s % tile or s_k % tile or s < 4 * tile:
         return None
-    n = s // tile
-    tiles = allowed.reshape(b, n, tile, n, tile).any(dim=2).any(dim=-1).any(dim=0)  # [n, n]
+    tiles = allowed.reshape(b, s // tile, tile, s_k // tile, tile).any(dim=2).any(dim=-1).any(dim=0)  # [n_q, n_k]
     if tiles.float().mean().item() > 0.75:
         return None
     plan = []
@@ -251,15 +300,23 @@ def _dense_plan(allowed: Tensor, tile: int) -> list[_QueryTile] | None:
     return plan
 
 
-def _dense_mask_and_plan(attention_mask: Tensor | None, query: Tensor, tile: int):
-    """``(allowed [B|1, 1, S, S], plan or None)``, built once per micro-batch (cached)."""
+def _dense_mask_and_plan(
+    attention_mask: Tensor | None, query: Tensor, tile: int,
+    query_slots: Tensor | None = None, key_slots: Tensor | None = None,
+):
+    """``(allowed [B|1, 1, S_q, S_k], plan or None)``, built once per micro-batch (cached).
+
+    ``query_slots`` / ``key_slots``: the physical slots of the queries and keys under context
+    parallelism (the mask is the rule on those global indices); None = slot i is index i.
+    """
     if attention_mask is None:
         attention_mask = causal_packed_metadata(query.shape[1], query.shape[0], query.device)
     if _is_megatron_dense_mask(attention_mask):
         build_allowed = lambda: ~attention_mask  # noqa: E731
     elif _is_packed_metadata(attention_mask):
         build_allowed = lambda: dense_attention_mask(  # noqa: E731
-            unpack_attention_metadata(attention_mask), padding_attends_self=True
+            unpack_attention_metadata(attention_mask), padding_attends_self=True,
+            query_slots=query_slots, key_slots=key_slots,
         ).unsqueeze(1)
     else:
         raise ValueError(
@@ -271,7 +328,8 @@ def _dense_mask_and_plan(attention_mask: Tensor | None, query: Tensor, tile: int
         allowed = build_allowed()
         return allowed, _dense_plan(allowed, tile)
 
-    return _MASK_CACHE.get(("dense-plan", tile), attention_mask, build)
+    first_query = -1 if query_slots is None else int(query_slots[0])
+    return _MASK_CACHE.get(("dense-plan", tile, query.shape[0], first_query), attention_mask, build)
 
 
 class WeDLMSDPAttention(_WeDLMCoreAttentionBase):
@@ -300,7 +358,8 @@ class WeDLMSDPAttention(_WeDLMCoreAttentionBase):
         packed_seq_params=None,
     ) -> Tensor:
         self._check_unsupported(attention_bias, packed_seq_params)
-        allowed, plan = _dense_mask_and_plan(attention_mask, query, self.tile_size)
+        key, value, query_slots, key_slots = self._context_parallel(attention_mask, key, value)
+        allowed, plan = _dense_mask_and_plan(attention_mask, query, self.tile_size, query_slots, key_slots)
         _check_shapes(query, key, tuple(allowed.shape))
         q, k, v = self._to_bhsd(query), self._to_bhsd(key), self._to_bhsd(value)
         dropout_p = self.dropout_p if self.training else 0.0
@@ -388,19 +447,44 @@ class WeDLMFlexAttention(_WeDLMCoreAttentionBase):
                 "the flex backend needs packed metadata [B, 3, S] (pack_attention_metadata), not a dense "
                 f"mask; got {attention_mask.dtype} {tuple(attention_mask.shape)}"
             )
-        if attention_mask.shape[-1] != query.shape[0]:
-            raise ValueError(f"metadata covers {attention_mask.shape[-1]} slots, the layer sees {query.shape[0]}")
+        key, value, query_slots, key_slots = self._context_parallel(attention_mask, key, value)
+        if attention_mask.shape[-1] != key.shape[0]:
+            raise ValueError(f"metadata covers {attention_mask.shape[-1]} slots, the layer sees {key.shape[0]} keys")
         tile = self.tile_size
-        block_mask = _MASK_CACHE.get(
-            ("flex", tile),
-            attention_mask,
-            lambda: build_block_mask(unpack_attention_metadata(attention_mask), tile, padding_attends_self=True),
-        )
+        if query_slots is None:
+            block_mask = _MASK_CACHE.get(
+                ("flex", tile),
+                attention_mask,
+                lambda: build_block_mask(unpack_attention_metadata(attention_mask), tile, padding_attends_self=True),
+            )
+        else:
+            block_mask = _MASK_CACHE.get(
+                ("flex-cp", tile, int(query_slots[0])),
+                attention_mask,
+                lambda: _context_parallel_block_mask(attention_mask, query_slots, key_slots, tile),
+            )
         compile_kernel = self.compile_kernel if self.compile_kernel is not None else query.is_cuda
         kernel = _flex_kernel(compile_kernel)
         q, k, v = self._to_bhsd(query), self._to_bhsd(key), self._to_bhsd(value)
         out = kernel(q, k, v, block_mask=block_mask, scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
         return self._to_sbh(out)
+
+
+def _context_parallel_block_mask(attention_mask: Tensor, query_slots: Tensor, key_slots: Tensor, tile: int):
+    """BlockMask of local queries x gathered keys under CP, from the rule's ``mask_mod``.
+
+    The tile-summary builder assumes keys in physical order; the gathered keys are in rank
+    order, so this evaluates the ``mask_mod`` per tile with FlexAttention's own
+    ``create_block_mask`` (O(S_q x S_k / tile) work per micro-batch, once: it is cached).
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    meta = unpack_attention_metadata(attention_mask)
+    mask_mod = flex_mask_mod(meta, padding_attends_self=True, query_slots=query_slots, key_slots=key_slots)
+    return create_block_mask(
+        mask_mod, meta.doc_ids.shape[0], None, query_slots.numel(), key_slots.numel(),
+        device=attention_mask.device, BLOCK_SIZE=tile,
+    )
 
 
 def te_attention_class() -> type:
@@ -421,7 +505,11 @@ def te_attention_class() -> type:
     class WeDLMTEAttention(TEDotProductAttention):  # pragma: no cover - needs TE
         def __init__(self, config, layer_number, attn_mask_type, attention_type, **kwargs: Any) -> None:
             if config.context_parallel_size != 1:
-                raise ValueError("WeDLM attention does not support context parallelism")
+                raise ValueError(
+                    "attention_backend='te' does not support context parallelism for WeDLM rows "
+                    "(TE's CP kernels take a causal/padding mask, not the dual-stream mask); use "
+                    "attention_backend='flex' or 'dense' with parallelism.cp > 1"
+                )
             super().__init__(config, layer_number, AttnMaskType.arbitrary, attention_type, **kwargs)
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,

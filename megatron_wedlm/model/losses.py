@@ -20,12 +20,15 @@ all-reduced over the data-parallel group. Each micro-batch then contributes
 up to exactly ``total``.
 
 Megatron's schedule contract (``schedules.forward_step_calc_loss``): a loss function
-returning ``(loss, report)`` has ``loss`` divided by the number of micro-batches, and DDP
-averages gradients over data-parallel ranks. :func:`wedlm_schedule_loss` therefore returns
-``contribution * num_microbatches * dp_size``, so the gradient Megatron applies is the
-gradient of ``total``. This needs ``config.calculate_per_token_loss=False`` (checked).
-The report carries raw sums; :func:`reduce_loss_reports` turns the reports of a step into
-the global total / MLM / AR losses and token counts.
+returning ``(loss, report)`` has ``loss`` multiplied by the context-parallel size and divided
+by the number of micro-batches, and DDP averages gradients over the DP x CP ranks.
+:func:`wedlm_schedule_loss` therefore returns ``contribution * num_microbatches * dp_size``
+(:func:`schedule_loss_scale`; DP without CP, the CP factors cancel), so the gradient Megatron
+applies is the gradient of ``total`` -- under context parallelism each rank's contribution
+covers its own slots and the contributions add up. This needs
+``config.calculate_per_token_loss=False`` (checked). The report carries raw sums;
+:func:`reduce_loss_reports` turns the reports of a step (over DP x CP) into the global total /
+MLM / AR losses and token counts.
 """
 
 from __future__ import annotations
@@ -39,7 +42,6 @@ from torch import Tensor
 
 from megatron_wedlm.data.dual_stream import IGNORE_INDEX, DualStreamBatch
 
-from .attention import pack_attention_metadata
 
 __all__ = [
     "LossNormalizer",
@@ -49,6 +51,7 @@ __all__ = [
     "ar_mode_loss",
     "global_loss_normalizer",
     "reduce_loss_reports",
+    "schedule_loss_scale",
     "wedlm_forward_step",
     "wedlm_labels",
     "wedlm_loss",
@@ -208,6 +211,18 @@ def ar_mode_loss(
     return loss.ar_term, loss
 
 
+def schedule_loss_scale(num_microbatches: int) -> int:
+    """What a micro-batch's share of the step loss is multiplied by before Megatron sees it.
+
+    Megatron divides the returned loss by ``num_microbatches`` and multiplies it by the CP
+    size; DDP divides the gradients by DP x CP. Multiplying by ``num_microbatches x DP`` leaves
+    the sum of the contributions -- the step loss -- as what is differentiated.
+    """
+    from megatron.core import parallel_state as ps
+
+    return num_microbatches * ps.get_data_parallel_world_size(with_context_parallel=False)
+
+
 def wedlm_schedule_loss(
     batch: DualStreamBatch,
     normalizer: LossNormalizer,
@@ -221,14 +236,30 @@ def wedlm_schedule_loss(
 
     Returns the 2-tuple ``(loss, report)``; see the module docstring for the scaling.
     """
-    from megatron.core import parallel_state as ps
-
     loss = wedlm_loss(
         output_tensor, batch.is_masked, batch.mlm_weights, batch.ar_labels,
         ar_weight=ar_weight, mlm_weighting=mlm_weighting, normalizer=normalizer,
     )
-    dp_size = ps.get_data_parallel_world_size(with_context_parallel=True)
-    return loss.total * (num_microbatches * dp_size), loss.report()
+    return loss.total * schedule_loss_scale(num_microbatches), loss.report()
+
+
+def run_model_on_shard(model, batch: DualStreamBatch) -> tuple[DualStreamBatch, Tensor]:
+    """Run ``model`` on this rank's part of ``batch`` with the one-label-row objective.
+
+    Returns the part (the whole batch without context parallelism) -- the loss must read its
+    labels and weights -- and the model's output (per-slot CE on the last stage).
+    """
+    from .context_parallel import shard_batch
+
+    shard = shard_batch(batch)
+    local = shard.batch
+    output = model(
+        input_ids=local.input_ids,
+        position_ids=local.position_ids,
+        attention_mask=shard.attention_mask,
+        labels=wedlm_labels(local.is_masked, local.target_ids, local.ar_labels),
+    )
+    return local, output
 
 
 def wedlm_forward_step(
@@ -243,8 +274,9 @@ def wedlm_forward_step(
 
     The data iterator yields stacked :class:`DualStreamBatch` micro-batches ``[B, S]`` on
     *every* pipeline stage (all stages need position ids and mask metadata; the first also
-    uses ``input_ids``, the last the labels and weights). The model must have been built with
-    ``config.calculate_per_token_loss=False``.
+    uses ``input_ids``, the last the labels and weights); under context parallelism every CP
+    rank gets the whole micro-batch and keeps its slots (:func:`.context_parallel.shard_batch`).
+    The model must have been built with ``config.calculate_per_token_loss=False``.
     """
     _check_weighting(mlm_weighting)
 
@@ -257,12 +289,7 @@ def wedlm_forward_step(
         batch: DualStreamBatch = next(data_iterator)
         if device is not None:
             batch = batch.to(device)
-        output = model(
-            input_ids=batch.input_ids,
-            position_ids=batch.position_ids,
-            attention_mask=pack_attention_metadata(batch.attention_metadata()),
-            labels=wedlm_labels(batch.is_masked, batch.target_ids, batch.ar_labels),
-        )
+        batch, output = run_model_on_shard(model, batch)
         loss_func = partial(
             wedlm_schedule_loss, batch, normalizer, num_microbatches,
             ar_weight=ar_weight, mlm_weighting=mlm_weighting,
@@ -293,7 +320,8 @@ def reduce_loss_reports(
 
     Call on the last pipeline stage (the only one with reports). With the normaliser from
     :func:`global_loss_normalizer` the returned ``total`` is exactly the loss that was
-    differentiated.
+    differentiated. ``"data_parallel"`` means DP x CP: under context parallelism each rank's
+    reports cover only its own slots.
     """
     sums = torch.zeros(len(REPORT_KEYS), dtype=torch.float64)
     for report in reports:
@@ -301,7 +329,7 @@ def reduce_loss_reports(
     if group == "data_parallel":
         from megatron.core import parallel_state as ps
 
-        group = ps.get_data_parallel_group() if ps.model_parallel_is_initialized() else None
+        group = ps.get_data_parallel_group(with_context_parallel=True) if ps.model_parallel_is_initialized() else None
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
         reduced = sums.to(device)

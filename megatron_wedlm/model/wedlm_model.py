@@ -198,8 +198,6 @@ def _check_config(config) -> None:
         )
     if config.multi_latent_attention:
         raise ValueError("multi_latent_attention is not supported by the WeDLM model")
-    if config.context_parallel_size != 1:
-        raise ValueError("context parallelism is not supported by the WeDLM model (context_parallel_size=1)")
     if getattr(config, "mtp_num_layers", None):
         raise ValueError("multi-token prediction layers are not supported by the WeDLM model")
     if config.num_moe_experts:
@@ -264,7 +262,7 @@ def wedlm_transformer_config(
     """A ``TransformerConfig`` for a Qwen2/Qwen3/Llama-shaped WeDLM model on this rank's layout.
 
     Fixed choices: SwiGLU MLP without linear biases, no dropout, unfused RoPE (required for
-    logical positions); CPU-safe fusions off when there is no GPU. TP/PP sizes come from
+    logical positions); CPU-safe fusions off when there is no GPU. TP/PP/CP sizes come from
     Megatron's parallel state. ``overrides`` go straight to ``TransformerConfig`` (e.g.
     ``recompute_granularity='full'``, ``bf16=True``).
     """
@@ -290,6 +288,7 @@ def wedlm_transformer_config(
         attention_dropout=0.0,
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        context_parallel_size=ps.get_context_parallel_world_size(),
         sequence_parallel=sequence_parallel,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,

@@ -166,8 +166,8 @@ def load_sharded(model, directory: str) -> None:
     model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), directory))
 
 
-def init_layout(tp: int, pp: int, seed: int, sequence_parallel: bool = False):
-    """(Re-)create Megatron's groups for TP x PP on CPU; DP is what the world size leaves."""
+def init_layout(tp: int, pp: int, seed: int, sequence_parallel: bool = False, cp: int = 1):
+    """(Re-)create Megatron's groups for TP x PP x CP on CPU; DP is what the world size leaves."""
     from megatron_wedlm.runtime.parallel import ParallelConfig, initialize_parallel_state
 
     return initialize_parallel_state(
@@ -175,6 +175,7 @@ def init_layout(tp: int, pp: int, seed: int, sequence_parallel: bool = False):
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             sequence_parallel=sequence_parallel,
+            context_parallel_size=cp,
         ),
         device="cpu",
         seed=seed,

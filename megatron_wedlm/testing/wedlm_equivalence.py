@@ -172,7 +172,7 @@ def reference_worker(specs: dict[str, dict], root: str) -> dict[str, dict]:
 
 
 def layouts_worker(specs: dict[str, dict], root: str, layouts: list[dict]) -> dict[str, dict]:
-    """Run each layout ``{name, spec, tp, pp, sp, recompute}`` on this launch's ranks.
+    """Run each layout ``{name, spec, tp, pp, cp, sp, recompute}`` on this launch's ranks.
 
     Returns, per layout, this rank's loss summary (None off the last stage) and, on global
     rank 0, the full gradients reassembled at TP=PP=1.
@@ -183,7 +183,7 @@ def layouts_worker(specs: dict[str, dict], root: str, layouts: list[dict]) -> di
     for layout in layouts:
         spec = TinyWeDLMSpec(**specs[layout["spec"]])
         tp, pp, sp = layout.get("tp", 1), layout.get("pp", 1), layout.get("sp", False)
-        init_layout(tp, pp, spec.seed, sp)
+        init_layout(tp, pp, spec.seed, sp, cp=layout.get("cp", 1))
         model = build_model(spec, sequence_parallel=sp, recompute=layout.get("recompute"))
         load_sharded(model, os.path.join(root, layout["spec"], "weights"))
         ddp = wrap_ddp(model)

@@ -23,30 +23,19 @@ __all__ = ["make_forward_step", "logged_loss"]
 
 
 def _ar_schedule_loss(batch: DualStreamBatch, normalizer, num_microbatches: int, output_tensor: Tensor):
-    from megatron.core import parallel_state as ps
-
-    from megatron_wedlm.model.losses import ar_mode_loss
+    from megatron_wedlm.model.losses import ar_mode_loss, schedule_loss_scale
 
     contribution, loss = ar_mode_loss(
         output_tensor, batch.is_masked, batch.mlm_weights, batch.ar_labels, normalizer=normalizer
     )
-    # Megatron divides by the micro-batch count and DDP averages over DP: undo both (see losses.py)
-    dp_size = ps.get_data_parallel_world_size(with_context_parallel=True)
-    return contribution * (num_microbatches * dp_size), loss.report()
+    return contribution * schedule_loss_scale(num_microbatches), loss.report()
 
 
 def _ar_forward_step(normalizer, num_microbatches: int, device) -> Callable:
-    from megatron_wedlm.model.attention import pack_attention_metadata
-    from megatron_wedlm.model.losses import wedlm_labels
+    from megatron_wedlm.model.losses import run_model_on_shard
 
     def forward_step(data_iterator, model):
-        batch: DualStreamBatch = next(data_iterator).to(device)
-        output = model(
-            input_ids=batch.input_ids,
-            position_ids=batch.position_ids,
-            attention_mask=pack_attention_metadata(batch.attention_metadata()),
-            labels=wedlm_labels(batch.is_masked, batch.target_ids, batch.ar_labels),
-        )
+        batch, output = run_model_on_shard(model, next(data_iterator).to(device))
         return output, partial(_ar_schedule_loss, batch, normalizer, num_microbatches)
 
     return forward_step
