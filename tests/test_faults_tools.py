@@ -1,10 +1,11 @@
 """Tools that write (converter, export, prepare_data) under faults: issue 19, items 4, 5 and 9.
 
 Each case is a probe that lost a user's work before: an output that overlaps its input, a
-failing run over a good earlier output, a mistyped --input with --overwrite, a full disk,
-truncated input files, non-UTF-8 text, head counts that do not split the model. Everything is
-real: tiny HF checkpoints converted by the real converter, real prepare_data runs, a real
-1 MiB-class tmpfs for the full disk (skipped where mounting is not allowed).
+failing run over a good earlier output, a mistyped --input with --overwrite, a full disk (while
+converting, exporting, preparing data and saving a training checkpoint), truncated input files,
+non-UTF-8 text, head counts that do not split the model. Everything is real: tiny HF checkpoints
+converted by the real converter, real prepare_data runs, a real training rank, and a real 64 KiB
+tmpfs for the full disk (skipped where mounting is not allowed).
 """
 
 from __future__ import annotations
@@ -260,6 +261,31 @@ def test_full_disk_during_prepare_data_is_named(small_disk, tmp_path, tokenizer_
     assert code == 2
     assert f"no space left on device while writing {output}" in capsys.readouterr().err
     assert sorted(p.name for p in small_disk.iterdir()) == []
+
+
+def full_disk_training_worker(data_dir: str, out_dir: str, checkpoint_dir: str) -> str:
+    """One training rank whose checkpoints go to the small disk; returns the error it stopped with."""
+    from megatron_wedlm.training.loop import run_training
+
+    overrides = [f"data.path={data_dir}", f"trainer.output_dir={out_dir}", f"checkpointing.dir={checkpoint_dir}",
+                 "trainer.train_steps=2", "optimizer.warmup_steps=0", "logging.progress_bar=false"]
+    try:
+        run_training(load_config(TINY_CONFIG, overrides))
+    except DiskFullError as err:
+        return str(err)
+    return "no error"
+
+
+def test_full_disk_during_a_training_save_is_named(small_disk, tmp_path, tokenizer_dir):  # noqa: F811
+    from megatron_wedlm.runtime.multiprocess import run_distributed
+
+    corpus = tmp_path / "corpus.jsonl"
+    counts = [" ".join(str(n) for n in range(i, i + 10)) for i in range(64)]
+    corpus.write_text("".join(json.dumps({"text": f"Count: {text}"}) + "\n" for text in counts))
+    prepare_dataset([corpus], tmp_path / "data", tokenizer_dir, samples_per_shard=8)
+    [message] = run_distributed(full_disk_training_worker, 1, str(tmp_path / "data"), str(tmp_path / "run"),
+                                str(small_disk / "checkpoints"), timeout_s=300)
+    assert message.startswith(f"[Errno 28] no space left on device while writing {small_disk / 'checkpoints'}")
 
 
 @pytest.mark.parametrize(
