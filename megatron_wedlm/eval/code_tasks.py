@@ -14,7 +14,7 @@ common choice of shots is MBPP task ids 2, 3 and 4 (the "prompt" split): pass th
 ``shots_path``, else the first 3 records of the file serve as shots.
 
 With greedy decoding there is one sample per problem, so pass@1 is the fraction of problems
-whose program exits cleanly.
+whose program runs to its end and exits cleanly (``sys.exit(0)`` before the tests is no pass).
 """
 
 from __future__ import annotations

@@ -237,28 +237,38 @@ def kill_all(pids: Iterable[int]) -> None:
             pass
 
 
+def _state_and_parent(pid: int | str) -> tuple[str, int] | None:
+    """(state letter, parent pid) from /proc/PID/stat; None for a process that is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after it.
+    fields = stat.rsplit(")", 1)[1].split()
+    return fields[0], int(fields[1])
+
+
+def is_running(pid: int) -> bool:
+    """True for a live process; a zombie (dead, not yet reaped) counts as gone."""
+    found = _state_and_parent(pid)
+    return found is not None and found[0] != "Z"
+
+
 def descendants(root: int) -> set[int]:
     """Every live process below ``root`` (children, theirs, ...), from one scan of /proc."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after it.
-        fields = stat.rsplit(")", 1)[1].split()
-        if fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(entry))
-    found, todo = set(), [root]
+        found = _state_and_parent(entry) if entry.isdigit() else None
+        if found and found[0] != "Z":
+            children.setdefault(found[1], []).append(int(entry))
+    found_pids, todo = set(), [root]
     while todo:
         for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
+            if child not in found_pids:
+                found_pids.add(child)
                 todo.append(child)
-    return found
+    return found_pids
 
 
 def processes_of_user(uid: int) -> int:

@@ -120,37 +120,30 @@ def run_python(
     unknown = set(isolation_allowed) - set(isolation.ALL)
     if unknown:
         raise ValueError(f"unknown isolation {sorted(unknown)}; choose from {list(isolation.ALL)}")
+    allowed = set(isolation_allowed)
     with tempfile.TemporaryDirectory(prefix="wedlm_sandbox_") as scratch:
         workdir = os.path.join(scratch, "work")
         os.mkdir(workdir)
-        cgroup = ProgramCgroup.create(memory_mb << 20, max_processes) if CGROUP in isolation_allowed else None
-        namespaces = set(NAMESPACES) <= set(isolation_allowed) and isolation.namespaces_available(sys.executable)
-        in_force = (SESSION, RLIMITS) + ((CGROUP,) if cgroup else ()) + (NAMESPACES if namespaces else ())
-        # Without a cgroup, RLIMIT_NPROC bounds forks; it counts every process of the user.
-        nproc = 0 if cgroup else isolation.processes_of_user(os.getuid()) + max_processes
+        cgroup = ProgramCgroup.create(memory_mb << 20, max_processes) if CGROUP in allowed else None
+        namespaces = set(NAMESPACES) <= allowed and isolation.namespaces_available(sys.executable)
+        in_force = (SESSION, RLIMITS) + ((CGROUP,) if cgroup else ())
+        in_force += NAMESPACES if namespaces else ()
         done_read, done_write = os.pipe()
-        cmd = [
-            sys.executable, "-I", "-B", "-c", _LAUNCHER,
-            str(memory_mb << 20), str(math.ceil(timeout_s) + 1), str(nproc), str(done_write),
-        ]
-        if namespaces:
-            cmd = isolation.namespace_command(cmd, tmp_mb=memory_mb)
-        if cgroup:  # join before anything else runs, so every later fork is inside
-            join = "".join(f"echo $$ > {shlex.quote(f)}\n" for f in cgroup.procs_files)
-            cmd = ["sh", "-ec", join + 'exec "$@"', "sh", *cmd]
-        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
+        nonce = secrets.token_hex(16).encode()
         stderr_path = os.path.join(scratch, "stderr.txt")
         start = time.perf_counter()
         try:
+            cmd = _command(timeout_s, memory_mb, max_processes, done_write, cgroup, namespaces)
             with open(stderr_path, "wb") as stderr:
                 proc = subprocess.Popen(
-                    cmd, cwd=workdir, env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                    cmd, cwd=workdir, env=_ENV, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                     stderr=stderr, start_new_session=True, pass_fds=(done_write,),
                 )
             os.close(done_write)
-            nonce = secrets.token_hex(16).encode()
+            done_write = -1
             try:
-                returncode, timed_out = _feed_and_wait(proc, nonce + b"\n" + program.encode(), timeout_s)
+                source = nonce + b"\n" + program.encode()
+                returncode, timed_out = _feed_and_wait(proc, source, timeout_s)
             finally:
                 _kill_everything(proc, cgroup)
             seconds = time.perf_counter() - start
@@ -161,7 +154,9 @@ def run_python(
                 ran_to_end = False
             oom = cgroup is not None and cgroup.oom_killed()
         finally:
-            os.close(done_read)
+            for fd in (done_read, done_write):
+                if fd >= 0:
+                    os.close(fd)
             if cgroup:
                 cgroup.remove()
         with open(stderr_path, "rb") as f:
@@ -169,11 +164,35 @@ def run_python(
             stderr_tail = f.read().decode("utf-8", "replace")
     status = _classify(timed_out, returncode, ran_to_end, oom, stderr_tail)
     if status == EXITED_EARLY:
-        stderr_tail += "\n[sandbox] the program exited before its end (sys.exit/os._exit before the tests ran)"
+        stderr_tail += "\n[sandbox] the program exited before its end (sys.exit/os._exit early)"
     return ExecutionResult(status, returncode, seconds, stderr_tail, in_force)
 
 
-def _feed_and_wait(proc: subprocess.Popen, data: bytes, timeout_s: float) -> tuple[int | None, bool]:
+_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
+
+
+def _command(
+    timeout_s: float, memory_mb: int, max_processes: int, done_fd: int,
+    cgroup: ProgramCgroup | None, namespaces: bool,
+) -> list[str]:
+    """The launcher's command line, inside the namespaces and the cgroup when there are."""
+    # Without a cgroup, RLIMIT_NPROC bounds forks; it counts every process of the user.
+    nproc = 0 if cgroup else isolation.processes_of_user(os.getuid()) + max_processes
+    cmd = [
+        sys.executable, "-I", "-B", "-c", _LAUNCHER,
+        str(memory_mb << 20), str(math.ceil(timeout_s) + 1), str(nproc), str(done_fd),
+    ]
+    if namespaces:
+        cmd = isolation.namespace_command(cmd, tmp_mb=memory_mb)
+    if cgroup:  # join before anything else runs, so every later fork is inside
+        join = "".join(f"echo $$ > {shlex.quote(f)}\n" for f in cgroup.procs_files)
+        cmd = ["sh", "-ec", join + 'exec "$@"', "sh", *cmd]
+    return cmd
+
+
+def _feed_and_wait(
+    proc: subprocess.Popen, data: bytes, timeout_s: float
+) -> tuple[int | None, bool]:
     """Send the nonce and source on stdin, then wait; (returncode, timed out)."""
     deadline = time.monotonic() + timeout_s
     try:
@@ -201,30 +220,20 @@ def _kill_everything(proc: subprocess.Popen, cgroup: ProgramCgroup | None) -> No
     isolation.kill_all(tree | isolation.descendants(proc.pid))
     proc.kill()
     proc.wait()
-    survivors = cgroup.kill() if cgroup else set()
+    survivors = (cgroup.kill() if cgroup else set()) | tree
     deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline:
-        survivors |= {pid for pid in tree if _alive(pid)}
-        if not survivors:
-            return
+    while survivors := {pid for pid in survivors if isolation.is_running(pid)}:
+        if time.monotonic() > deadline:
+            raise SandboxError(
+                f"sandboxed processes {sorted(survivors)} survived SIGKILL; kill them by hand"
+            )
         isolation.kill_all(survivors)
         time.sleep(0.05)
-        survivors = {pid for pid in survivors if _alive(pid)}
-        if not survivors:
-            return
-    raise SandboxError(f"sandboxed processes {sorted(survivors)} survived SIGKILL; kill them by hand")
 
 
-def _alive(pid: int) -> bool:
-    """True for a running process; a zombie (dead, not yet reaped) counts as gone."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def _classify(timed_out: bool, returncode: int | None, ran_to_end: bool, oom: bool, stderr: str) -> str:
+def _classify(
+    timed_out: bool, returncode: int | None, ran_to_end: bool, oom: bool, stderr: str
+) -> str:
     if timed_out:
         return TIMEOUT
     if returncode == 0 and ran_to_end:
