@@ -166,23 +166,12 @@ def checkpoint_problem(path: str | Path) -> str | None:
         read_trainer_state(path)
     except CheckpointReadError as err:
         return str(err)
-    index = path / ".metadata"
-    if index.is_file():
-        from torch.distributed.checkpoint import FileSystemReader
+    if (path / ".metadata").is_file():
+        from megatron_wedlm.conversion.megatron_checkpoint import torch_dist_problem
 
-        try:
-            storage = FileSystemReader(str(path)).read_metadata().storage_data
-        except Exception as err:  # noqa: BLE001 - any unpickling failure means the same thing
-            return f"{index} cannot be read ({type(err).__name__}: {err})"
-        needed: dict[str, int] = {}
-        for info in storage.values():
-            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-        for name, size in sorted(needed.items()):
-            file = path / name
-            if not file.is_file():
-                return f"{file} is missing"
-            if file.stat().st_size < size:
-                return f"{file} is truncated ({file.stat().st_size} bytes; the checkpoint's index needs {size})"
+        problem = torch_dist_problem(path)
+        if problem is not None:
+            return problem
     for file in sorted(path.rglob("*.pt")):
         if not zipfile.is_zipfile(file):
             return f"{file} is not a complete torch.save archive (truncated?)"
