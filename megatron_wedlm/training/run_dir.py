@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 
 from megatron_wedlm.config.schema import ConfigError, TrainConfig
+from megatron_wedlm.runtime.atomic_output import pid_alive
 
 from .checkpointing import (
     Lineage,
@@ -63,16 +64,6 @@ def _process_start(pid: int) -> str | None:
     except OSError:
         return None
     return stat.rsplit(")", 1)[1].split()[19]  # field 22, counted after the command name
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    return True
 
 
 class RunLock:
@@ -138,7 +129,7 @@ class RunLock:
         if holder.get("host") != self.holder["host"]:
             return False
         pid = int(holder["pid"])
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             return True
         start = holder.get("process_start")
         return start is not None and _process_start(pid) not in (None, start)  # pid reused
