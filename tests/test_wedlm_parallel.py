@@ -1,4 +1,5 @@
-"""The WeDLM model trains identically under TP, PP, CP, their products, SP, recompute and DP + distributed optimizer.
+"""The WeDLM model trains identically under TP, PP, interleaved PP, CP, their products, SP, recompute and DP +
+distributed optimizer.
 
 Real gloo processes on CPU, Megatron's pipeline schedule, DDP and finalize_model_grads, the
 same weights and the same dual-stream global batch (packed documents, SFT prompt, padding).
@@ -9,7 +10,8 @@ cross entropy, so results agree to rounding (~1e-7 on gradients of magnitude ~1e
 catches any real layout error (a missing TP reduction of norm gradients moves them by ~1e-2).
 
 Context parallelism (CP) splits every row over the ranks by the mask-balanced split and
-gathers keys/values in attention; its layouts must match one process just as closely.
+gathers keys/values in attention; the interleaved schedule (VPP) runs two model chunks per
+stage, each reading the micro-batch's mask metadata; both must match one process as closely.
 
 Launches (to stay fast on two cores): one reference rank; one 2-rank launch running several
 layouts and the distributed-optimizer run; ``tools/verify_parallel.py`` as a subprocess for
@@ -47,6 +49,8 @@ LAYOUTS = [
     {"name": "pp2-tied", "spec": "tied", "pp": 2},
     {"name": "cp2", "spec": "main", "cp": 2},
     {"name": "cp2-recompute-selective", "spec": "main", "cp": 2, "recompute": "selective"},
+    {"name": "pp2-vpp2", "spec": "main", "pp": 2, "vpp": 2},
+    {"name": "pp2-vpp2-tied", "spec": "tied", "pp": 2, "vpp": 2},
 ]
 
 

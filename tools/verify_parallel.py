@@ -1,6 +1,6 @@
 """Check that a TP / PP / CP / SP layout trains a tiny WeDLM model exactly like a single process.
 
-    python tools/verify_parallel.py --tp 2 --pp 2 [--cp 2] [--sp] [--recompute full] [--tied]
+    python tools/verify_parallel.py --tp 2 --pp 2 [--vpp 2] [--cp 2] [--sp] [--recompute full] [--tied]
 
 Launches real worker processes (gloo, CPU): one at TP=PP=1 that saves random weights and
 runs one training step, then TP x PP x CP ranks that load the same weights and run the same
@@ -30,6 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage (interleaved schedule)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (each rank holds 1/CP of every row)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     p.add_argument("--recompute", choices=["full", "selective"], default=None, help="activation recomputation")
@@ -43,8 +44,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--tp, --pp and --cp must be >= 1")
     if args.sp and args.tp == 1:
         p.error("--sp needs --tp > 1")
-    if args.layers % args.pp:
-        p.error(f"--layers {args.layers} must be a multiple of --pp {args.pp}")
+    if args.vpp is not None and (args.vpp < 2 or args.pp < 2):
+        p.error("--vpp needs --pp > 1 and at least 2 chunks per stage")
+    if args.layers % (args.pp * (args.vpp or 1)):
+        p.error(f"--layers {args.layers} must be a multiple of --pp x --vpp = {args.pp} x {args.vpp or 1}")
     return args
 
 
@@ -59,9 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         global_microbatches=args.microbatches,
     )
     specs = {"spec": spec.to_dict()}
-    name = f"tp{args.tp}-pp{args.pp}-cp{args.cp}" + ("-sp" if args.sp else "") + (f"-{args.recompute}" if args.recompute else "")
+    name = f"tp{args.tp}-pp{args.pp}" + (f"-vpp{args.vpp}" if args.vpp else "") + f"-cp{args.cp}" + ("-sp" if args.sp else "") + (f"-{args.recompute}" if args.recompute else "")
     layout = {
-        "name": name, "spec": "spec", "tp": args.tp, "pp": args.pp, "cp": args.cp,
+        "name": name, "spec": "spec", "tp": args.tp, "pp": args.pp, "vpp": args.vpp, "cp": args.cp,
         "sp": args.sp, "recompute": args.recompute,
     }
     world_size = args.tp * args.pp * args.cp

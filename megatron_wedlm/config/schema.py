@@ -83,10 +83,12 @@ class WeDLMConfig:
 
 @dataclass
 class ParallelismConfig:
-    """Model parallel layout; the data-parallel size is world_size / (tp * pp)."""
+    """Model parallel layout; the data-parallel size is world_size / (tp * pp * cp)."""
 
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallel: every row split over cp ranks (mask-balanced), keys/values gathered
+    virtual_pp: Optional[int] = None  # model chunks per pipeline stage (interleaved schedule); needs pp > 1
     dp: Optional[int] = None  # derived; if set, it must equal the derived value
     sequence_parallel: bool = False
     recompute: str = "none"  # none | selective | full
@@ -242,7 +244,7 @@ def validate_config(cfg: TrainConfig) -> None:
             raise ConfigError(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
 
     for key in (
-        "wedlm.block_size", "parallelism.tp", "parallelism.pp", "parallelism.dp",
+        "wedlm.block_size", "parallelism.tp", "parallelism.pp", "parallelism.cp", "parallelism.dp",
         "parallelism.recompute_num_layers", "data.seq_length", "data.micro_batch_size",
         "data.global_batch_size", "data.num_streams", "data.prefetch_factor",
         "trainer.train_steps", "trainer.max_consecutive_nonfinite", "logging.log_interval",
@@ -284,6 +286,7 @@ def validate_config(cfg: TrainConfig) -> None:
             f"data.seq_length={cfg.data.seq_length} must be a multiple of parallelism.tp={cfg.parallelism.tp} "
             "with sequence parallelism (rows are split along the sequence)"
         )
+    _validate_context_and_virtual_pipeline(cfg)
     if cfg.data.path is None:
         raise ConfigError("data.path is required: the directory written by tools/prepare_data.py")
     if cfg.wedlm.enabled and cfg.data.seq_length < 2 * cfg.wedlm.block_size:
@@ -331,19 +334,60 @@ def _check_heads(model: ModelConfig) -> None:
         )
 
 
+def _validate_context_and_virtual_pipeline(cfg: TrainConfig) -> None:
+    """``parallelism.cp`` and ``parallelism.virtual_pp``: the combinations that cannot run."""
+    par, seq = cfg.parallelism, cfg.data.seq_length
+    if par.cp > 1:
+        if cfg.trainer.backend != "megatron":
+            raise ConfigError(
+                f"parallelism.cp={par.cp} needs trainer.backend=megatron (the {cfg.trainer.backend} backend "
+                "has no context parallelism); set parallelism.cp=1"
+            )
+        if cfg.model.attention_backend == "te":
+            raise ConfigError(
+                f"parallelism.cp={par.cp} does not work with model.attention_backend=te (TE's context-parallel "
+                "kernels take causal/padding masks, not the dual-stream mask); use auto, flex or dense"
+            )
+        if seq % (2 * par.cp):
+            raise ConfigError(
+                f"data.seq_length={seq} must be a multiple of 2 x parallelism.cp = {2 * par.cp}: rows are cut "
+                "into equal chunks that the context-parallel ranks share"
+            )
+        if par.sequence_parallel and seq % (par.cp * par.tp):
+            raise ConfigError(
+                f"data.seq_length={seq} must be a multiple of parallelism.cp x parallelism.tp = {par.cp * par.tp} "
+                "with sequence parallelism (each context-parallel part is split again over tp)"
+            )
+    if par.virtual_pp is not None:
+        if par.virtual_pp < 2 or par.pp < 2:
+            raise ConfigError(
+                f"parallelism.virtual_pp={par.virtual_pp} needs parallelism.pp > 1 (got {par.pp}) and at least 2 "
+                "chunks per stage; remove parallelism.virtual_pp for a plain pipeline"
+            )
+        if cfg.trainer.backend != "megatron":
+            raise ConfigError("parallelism.virtual_pp needs trainer.backend=megatron")
+        layers = cfg.model.num_layers
+        if layers is not None and layers % (par.pp * par.virtual_pp):
+            raise ConfigError(
+                f"model.num_layers={layers} must be a multiple of parallelism.pp x parallelism.virtual_pp = "
+                f"{par.pp} x {par.virtual_pp} (every model chunk gets the same number of layers)"
+            )
+
+
 def validate_layout(cfg: TrainConfig, world_size: int) -> int:
     """The data-parallel size for ``world_size`` processes; ConfigError if the layout cannot work."""
-    model_parallel = cfg.parallelism.tp * cfg.parallelism.pp
+    model_parallel = cfg.parallelism.tp * cfg.parallelism.pp * cfg.parallelism.cp
     if world_size % model_parallel:
         raise ConfigError(
-            f"world size {world_size} is not divisible by parallelism.tp x parallelism.pp = "
-            f"{cfg.parallelism.tp} x {cfg.parallelism.pp}; launch a multiple of {model_parallel} processes"
+            f"world size {world_size} is not divisible by parallelism.tp x parallelism.pp x parallelism.cp = "
+            f"{cfg.parallelism.tp} x {cfg.parallelism.pp} x {cfg.parallelism.cp}; launch a multiple of "
+            f"{model_parallel} processes"
         )
     dp = world_size // model_parallel
     if cfg.parallelism.dp is not None and cfg.parallelism.dp != dp:
         raise ConfigError(
             f"parallelism.dp={cfg.parallelism.dp} but {world_size} processes with tp={cfg.parallelism.tp}, "
-            f"pp={cfg.parallelism.pp} give dp={dp}; remove parallelism.dp or change the launch"
+            f"pp={cfg.parallelism.pp}, cp={cfg.parallelism.cp} give dp={dp}; remove parallelism.dp or change the launch"
         )
     rows_per_step = cfg.data.micro_batch_size * dp
     if cfg.data.global_batch_size % rows_per_step:

@@ -262,7 +262,7 @@ def wedlm_transformer_config(
     """A ``TransformerConfig`` for a Qwen2/Qwen3/Llama-shaped WeDLM model on this rank's layout.
 
     Fixed choices: SwiGLU MLP without linear biases, no dropout, unfused RoPE (required for
-    logical positions); CPU-safe fusions off when there is no GPU. TP/PP/CP sizes come from
+    logical positions); CPU-safe fusions off when there is no GPU. TP/PP/VPP/CP sizes come from
     Megatron's parallel state. ``overrides`` go straight to ``TransformerConfig`` (e.g.
     ``recompute_granularity='full'``, ``bf16=True``).
     """
@@ -289,6 +289,7 @@ def wedlm_transformer_config(
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
         context_parallel_size=ps.get_context_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=ps.get_virtual_pipeline_model_parallel_world_size(),
         sequence_parallel=sequence_parallel,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,

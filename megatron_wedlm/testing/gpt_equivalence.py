@@ -114,14 +114,18 @@ def _forward_step(data_iterator, model):
 
 def run_schedule(model, forward_step: Callable, batches: list, seq_length: int, micro_batch_size: int) -> list | None:
     """Forward and backward of ``batches`` through Megatron's real (pipeline-aware) schedule, no
-    optimizer; the per-micro-batch reports on the last pipeline stage, None on the others."""
+    optimizer; the per-micro-batch reports on the last pipeline stage, None on the others.
+
+    ``model``: one module, or this rank's list of virtual-pipeline chunks (interleaved
+    schedule; every chunk reads the same micro-batches)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    chunks = model if isinstance(model, list) else [model]
     reports = get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=iter(batches),
-        model=[model],
+        data_iterator=[iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches),
+        model=chunks,
         num_microbatches=len(batches),
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
@@ -149,25 +153,39 @@ def grads_into_params(model, use_main_grad: bool = False) -> None:
         param.data.copy_(grad if grad is not None else torch.zeros_like(param))
 
 
+def _sharded_state(model) -> dict:
+    """One sharded state dict for a module or a list of virtual-pipeline chunks (their tensors
+    carry global keys, so chunks of any layout meet in one checkpoint)."""
+    if isinstance(model, list):
+        return {f"chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(model)}
+    return model.sharded_state_dict()
+
+
 def save_sharded(model, directory: str) -> None:
-    """Save ``model.sharded_state_dict()`` as a ``torch_dist`` checkpoint (all ranks call)."""
+    """Save ``model``'s sharded state (a module or a chunk list) as ``torch_dist`` (all ranks call)."""
     import os
 
     from megatron.core import dist_checkpointing
 
     os.makedirs(directory, exist_ok=True)
-    dist_checkpointing.save(model.sharded_state_dict(), directory)
+    dist_checkpointing.save(_sharded_state(model), directory)
 
 
 def load_sharded(model, directory: str) -> None:
-    """Load a ``torch_dist`` checkpoint into ``model``, resharding to this rank's layout."""
+    """Load a ``torch_dist`` checkpoint into ``model`` (or each chunk), resharding to this layout."""
     from megatron.core import dist_checkpointing
 
-    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), directory))
+    loaded = dist_checkpointing.load(_sharded_state(model), directory)
+    if isinstance(model, list):
+        for i, chunk in enumerate(model):
+            chunk.load_state_dict(loaded[f"chunk{i}"])
+    else:
+        model.load_state_dict(loaded)
 
 
-def init_layout(tp: int, pp: int, seed: int, sequence_parallel: bool = False, cp: int = 1):
-    """(Re-)create Megatron's groups for TP x PP x CP on CPU; DP is what the world size leaves."""
+def init_layout(tp: int, pp: int, seed: int, sequence_parallel: bool = False, cp: int = 1, vpp: int | None = None):
+    """(Re-)create Megatron's groups for TP x PP x CP on CPU (``vpp`` model chunks per pipeline
+    stage); DP is what the world size leaves."""
     from megatron_wedlm.runtime.parallel import ParallelConfig, initialize_parallel_state
 
     return initialize_parallel_state(
@@ -176,6 +194,7 @@ def init_layout(tp: int, pp: int, seed: int, sequence_parallel: bool = False, cp
             pipeline_model_parallel_size=pp,
             sequence_parallel=sequence_parallel,
             context_parallel_size=cp,
+            virtual_pipeline_model_parallel_size=vpp,
         ),
         device="cpu",
         seed=seed,

@@ -78,8 +78,11 @@ def make_global_batch(spec: TinyWeDLMSpec, step: int = 0) -> list:
     return batches
 
 
-def build_model(spec: TinyWeDLMSpec, sequence_parallel: bool = False, recompute: str | None = None):
-    """This rank's WeDLM model chunk for the current Megatron layout."""
+def build_model(
+    spec: TinyWeDLMSpec, sequence_parallel: bool = False, recompute: str | None = None, vp_stage: int | None = None
+):
+    """This rank's WeDLM model chunk for the current Megatron layout (``vp_stage``: which virtual
+    pipeline chunk)."""
     from megatron_wedlm.model import build_wedlm_model, wedlm_transformer_config
 
     overrides: dict[str, Any] = {}
@@ -106,25 +109,44 @@ def build_model(spec: TinyWeDLMSpec, sequence_parallel: bool = False, recompute:
         dense_tile_size=spec.dense_tile_size,
         share_embeddings_and_output_weights=spec.tied_embeddings,
         rotary_base=spec.rotary_base,
+        vp_stage=vp_stage,
     )
+
+
+def build_model_chunks(spec: TinyWeDLMSpec, sequence_parallel: bool = False, recompute: str | None = None):
+    """This rank's model: one chunk, or the list of its virtual-pipeline chunks when the layout
+    has a virtual pipeline size."""
+    from megatron.core import parallel_state as ps
+
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    if vpp is None:
+        return build_model(spec, sequence_parallel, recompute)
+    return [build_model(spec, sequence_parallel, recompute, vp_stage=i) for i in range(vpp)]
 
 
 def wrap_ddp(model, distributed_optimizer: bool = False):
-    """Megatron DDP around ``model`` and the config hooks the schedule uses to finalise grads."""
+    """Megatron DDP around ``model`` (or each virtual-pipeline chunk of a list) and the config
+    hooks the schedule uses to finalise grads."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
-    ddp = DistributedDataParallel(
-        model.config,
-        DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
-            use_distributed_optimizer=distributed_optimizer,
-        ),
-        model,
-    )
-    model.config.finalize_model_grads_func = finalize_model_grads
-    model.config.no_sync_func = ddp.no_sync
-    return ddp
+    chunks = model if isinstance(model, list) else [model]
+    wrapped = [
+        DistributedDataParallel(
+            chunk.config,
+            DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True,
+                overlap_grad_reduce=False,
+                use_distributed_optimizer=distributed_optimizer,
+            ),
+            chunk,
+        )
+        for chunk in chunks
+    ]
+    no_sync = [ddp.no_sync for ddp in wrapped]
+    for chunk in chunks:
+        chunk.config.finalize_model_grads_func = finalize_model_grads
+        chunk.config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
+    return wrapped if isinstance(model, list) else wrapped[0]
 
 
 def train_step(ddp_model, spec: TinyWeDLMSpec, batches: list):
@@ -135,7 +157,8 @@ def train_step(ddp_model, spec: TinyWeDLMSpec, batches: list):
     step = wedlm_forward_step(
         normalizer, len(batches), ar_weight=spec.ar_weight, mlm_weighting=spec.mlm_weighting
     )
-    ddp_model.zero_grad_buffer()
+    for chunk in ddp_model if isinstance(ddp_model, list) else [ddp_model]:
+        chunk.zero_grad_buffer()
     reports = run_schedule(ddp_model, step, batches, spec.row_length, spec.micro_batch_size)
     if reports is None:
         return None
@@ -172,7 +195,7 @@ def reference_worker(specs: dict[str, dict], root: str) -> dict[str, dict]:
 
 
 def layouts_worker(specs: dict[str, dict], root: str, layouts: list[dict]) -> dict[str, dict]:
-    """Run each layout ``{name, spec, tp, pp, cp, sp, recompute}`` on this launch's ranks.
+    """Run each layout ``{name, spec, tp, pp, vpp, cp, sp, recompute}`` on this launch's ranks.
 
     Returns, per layout, this rank's loss summary (None off the last stage) and, on global
     rank 0, the full gradients reassembled at TP=PP=1.
@@ -183,13 +206,14 @@ def layouts_worker(specs: dict[str, dict], root: str, layouts: list[dict]) -> di
     for layout in layouts:
         spec = TinyWeDLMSpec(**specs[layout["spec"]])
         tp, pp, sp = layout.get("tp", 1), layout.get("pp", 1), layout.get("sp", False)
-        init_layout(tp, pp, spec.seed, sp, cp=layout.get("cp", 1))
-        model = build_model(spec, sequence_parallel=sp, recompute=layout.get("recompute"))
+        init_layout(tp, pp, spec.seed, sp, cp=layout.get("cp", 1), vpp=layout.get("vpp"))
+        model = build_model_chunks(spec, sequence_parallel=sp, recompute=layout.get("recompute"))
         load_sharded(model, os.path.join(root, layout["spec"], "weights"))
         ddp = wrap_ddp(model)
         summary = train_step(ddp, spec, _local_microbatches(spec))
         grads_dir = os.path.join(root, "grads-" + layout["name"])
-        grads_into_params(model, use_main_grad=True)
+        for chunk in model if isinstance(model, list) else [model]:
+            grads_into_params(chunk, use_main_grad=True)
         save_sharded(model, grads_dir)
         dist.barrier()
         full = gather_full(lambda: build_model(spec), spec.seed, grads_dir)

@@ -265,7 +265,8 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _rng_sharded_object(state: dict[str, Any] | None):
-    """RNG state of this (pp, tp) rank; data-parallel peers are replicas (their states agree)."""
+    """RNG state of this (pp, tp) rank; data- and context-parallel peers are replicas (their
+    states agree)."""
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -274,7 +275,7 @@ def _rng_sharded_object(state: dict[str, Any] | None):
         state,
         (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()),
         (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
-        replica_id=ps.get_data_parallel_rank(),
+        replica_id=ps.get_data_parallel_rank(with_context_parallel=True),
     )
 
 

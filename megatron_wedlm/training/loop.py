@@ -78,6 +78,8 @@ def run_training(cfg: TrainConfig) -> TrainResult:
     bf16 = bf16_enabled(cfg, device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dp = validate_layout(cfg, world)
+    if cfg.parallelism.virtual_pp is not None:
+        raise ConfigError("parallelism.virtual_pp is not run by the training loop yet; remove it")
     manifest = read_run_manifest(cfg)
     model_args = resolve_model_args(cfg, manifest, "bfloat16" if bf16 else "float32")
     if cfg.wedlm.mask_token_id is None:
@@ -88,6 +90,7 @@ def run_training(cfg: TrainConfig) -> TrainResult:
         ParallelConfig(
             tensor_model_parallel_size=cfg.parallelism.tp,
             pipeline_model_parallel_size=cfg.parallelism.pp,
+            context_parallel_size=cfg.parallelism.cp,
             sequence_parallel=cfg.parallelism.sequence_parallel,
         ),
         device=device.type,
@@ -138,7 +141,7 @@ def _train(cfg: TrainConfig, claim: RunClaim, device: torch.device, bf16: bool, 
     logger, result = recorder.logger, recorder.result
     logger.message(
         f"{cfg.trainer.task}: {'WeDLM' if cfg.wedlm.enabled else 'AR'} training, world {world} = "
-        f"tp {cfg.parallelism.tp} x pp {cfg.parallelism.pp} x dp {dp}, {num_microbatches} micro-batches of "
+        f"tp {cfg.parallelism.tp} x pp {cfg.parallelism.pp} x cp {cfg.parallelism.cp} x dp {dp}, {num_microbatches} micro-batches of "
         f"{micro_batch} x {cfg.data.seq_length}, steps {start_step + 1}..{recorder.end_step}, device {device.type}, "
         f"{'bf16' if bf16 else 'fp32'}"
     )
@@ -151,8 +154,10 @@ def _train(cfg: TrainConfig, claim: RunClaim, device: torch.device, bf16: bool, 
         recorder.saved(path)
 
     forward_backward = get_forward_backward_func()
-    is_stats_rank = ps.is_pipeline_last_stage() and layout.tp_rank == 0 and layout.dp_rank == 0
-    counts_tokens = layout.tp_rank == 0 and layout.pp_rank == 0
+    # the CP ranks of a replica share its rows (and the reports are already summed over DP x CP)
+    first_cp = ps.get_context_parallel_rank() == 0
+    is_stats_rank = ps.is_pipeline_last_stage() and layout.tp_rank == 0 and layout.dp_rank == 0 and first_cp
+    counts_tokens = layout.tp_rank == 0 and layout.pp_rank == 0 and first_cp
     try:
         for step in recorder.steps():
             started = time.perf_counter()

@@ -146,6 +146,7 @@ def build_model_chunk(cfg: TrainConfig, args: ModelArgs, device: torch.device, p
         args,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        context_parallel_size=ps.get_context_parallel_world_size(),
         params_dtype=params_dtype,
         sequence_parallel=cfg.parallelism.sequence_parallel,
         init_method_std=cfg.model.init_method_std,
