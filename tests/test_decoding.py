@@ -15,14 +15,14 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from megatron_wedlm.decoding import (
+    DecodeSettings,
     ar_generate,
     blockwise_generate,
     generate,
     generate_batch,
-    parallel_generate_batch,
     streaming_generate,
 )
-from megatron_wedlm.decoding.parallel import ParallelSettings, decode
+from megatron_wedlm.decoding.parallel import decode
 from megatron_wedlm.testing.tiny_models import build_tiny_model, build_tiny_tokenizer
 
 
@@ -201,13 +201,9 @@ def test_stop_token_inside_the_window_matches_reference(tokenizer, schedule, fus
 def test_committed_kv_equals_one_causal_forward(tokenizer):
     model = tiny_model(tokenizer, "qwen3", 200.0)
     prompt = tokenizer.encode("12 + 35 = 47. 7 x 8 =")
-    settings = ParallelSettings(
-        schedule="streaming", mask_token_id=model.config.mask_token_id, window_size=6, entropy_threshold=0.4,
-        distance_penalty=0.02, max_new_tokens=30, temperature=0.0, top_k=0, top_p=1.0, stop_token_ids=(),
-        stop_strings=(),
-    )
-    [result], cache = decode(model, [prompt], settings)
-    committed = cache.committed_kv(0)
+    settings = DecodeSettings(window_size=6, entropy_threshold=0.4, distance_penalty=0.02, max_new_tokens=30)
+    [result], runner = decode(model, [prompt], settings)
+    committed = runner.cache.committed_kv(0)
     length = committed[0][0].shape[1]
     assert len(prompt) + 10 <= length <= len(prompt) + len(result.token_ids)
     sequence = (prompt + result.token_ids)[:length]
@@ -225,7 +221,7 @@ def test_batched_equals_one_at_a_time(tokenizer, schedule):
     prompts = [tokenizer.encode(t) for t in texts]
     stop = tokenizer.encode(" 9")[-1]
     kw = dict(window_size=6, entropy_threshold=0.5, distance_penalty=0.02, max_new_tokens=25, stop_token_ids=[stop])
-    batched = parallel_generate_batch(model, prompts, schedule=schedule, **kw)
+    batched = generate_batch(model, prompts, method=schedule, **kw)
     single = [generate(model, p, method=schedule, **kw) for p in prompts]
     assert [r.token_ids for r in batched] == [r.token_ids for r in single]
     assert [r.num_forwards for r in batched] == [r.num_forwards for r in single]
@@ -358,11 +354,24 @@ def test_sampler_filters_restrict_the_support():
         assert (rank < keep).all()
 
 
-def test_gpu_fast_path_is_never_taken_on_cpu(tokenizer):
-    from megatron_wedlm.decoding.parallel import _uses_mask_free_attention
-
+def test_flash_attention_is_refused_for_a_batch(tokenizer):
     model = tiny_model(tokenizer)
     model.config._attn_implementation = "flash_attention_2"
-    assert not _uses_mask_free_attention(model, rows=1)
     with pytest.raises(ValueError, match="sdpa or eager"):
-        parallel_generate_batch(model, [[1, 2], [3]], max_new_tokens=2)
+        generate_batch(model, [[1, 2], [3]], max_new_tokens=2)
+
+
+def test_one_settings_object_drives_every_method_and_keywords_override_it(tokenizer):
+    model = tiny_model(tokenizer, "qwen2", 200.0)
+    prompt = tokenizer.encode("1 2 3")
+    settings = DecodeSettings(window_size=5, entropy_threshold=0.6, max_new_tokens=14)
+    for method in ("streaming", "blockwise", "ar"):
+        by_object = generate(model, prompt, DecodeSettings.build(settings, method=method))
+        by_keywords = generate(model, prompt, method=method, window_size=5, entropy_threshold=0.6, max_new_tokens=14)
+        assert (by_object.token_ids, by_object.num_forwards) == (by_keywords.token_ids, by_keywords.num_forwards)
+        assert by_object.method == method
+    assert len(generate(model, prompt, settings, max_new_tokens=3).token_ids) == 3  # a keyword overrides the object
+    with pytest.raises(TypeError, match="unknown decoding setting"):
+        generate(model, prompt, windowsize=4)
+    with pytest.raises(ValueError, match="window_size must be >= 1"):
+        DecodeSettings(window_size=0)

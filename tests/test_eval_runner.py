@@ -38,10 +38,11 @@ class OracleDecoder:
     def __init__(self, tokenizer, answers: dict[str, str]):
         self.tokenizer, self.answers, self.calls = tokenizer, answers, []
 
-    def __call__(self, model, prompt_ids, *, method, max_new_tokens, stop_token_ids, **kwargs):
-        self.calls.append((method, kwargs["entropy_threshold"]))
+    def __call__(self, model, prompt_ids, settings, **kwargs):
+        method = settings.method
+        self.calls.append((method, settings.entropy_threshold))
         prompt = self.tokenizer.decode(prompt_ids)
-        ids = self.tokenizer(self.answers[prompt])["input_ids"][:max_new_tokens - 1] + [stop_token_ids[0]]
+        ids = self.tokenizer(self.answers[prompt])["input_ids"][:settings.max_new_tokens - 1] + [settings.stop_token_ids[0]]
         per_forward = 1 if method == "ar" else 3
         forwards = math.ceil(len(ids) / per_forward)
         seconds = 0.01 * forwards

@@ -1,30 +1,59 @@
-"""One entry point for the three decoding methods, so callers (CLI, evaluation, benchmarks) switch by name."""
+"""One entry point for the three decoding methods, so callers (CLI, evaluation, benchmarks) switch by name.
+
+Every function takes one :class:`DecodeSettings` and/or keyword overrides of its fields
+(``generate(model, ids, method="blockwise", window_size=8)``), plus the runtime objects
+``tokenizer`` (needed for stop strings and ``text``) and ``generator`` (seeded sampling).
+"""
 
 from __future__ import annotations
 
-from .autoregressive import AUTOREGRESSIVE, ar_generate_batch
-from .checks import as_token_list
-from .parallel import BLOCKWISE, STREAMING, parallel_generate_batch
+import torch
+
+from .autoregressive import ar_decode
+from .checks import as_prompt_batch, as_token_list
+from .parallel import decode
 from .result import GenerationResult
-
-METHODS = (STREAMING, BLOCKWISE, AUTOREGRESSIVE)
-PARALLEL_ONLY = ("window_size", "entropy_threshold", "distance_penalty", "fused_refill")
+from .settings import AUTOREGRESSIVE, BLOCKWISE, STREAMING, DecodeSettings
 
 
-def generate_batch(model, prompts, method: str = STREAMING, **kwargs) -> list[GenerationResult]:
-    """Decode a batch of prompts with ``method`` in ``("streaming", "blockwise", "ar")``.
+def generate_batch(
+    model,
+    prompts,
+    settings: DecodeSettings | None = None,
+    *,
+    tokenizer=None,
+    generator: torch.Generator | None = None,
+    **overrides,
+) -> list[GenerationResult]:
+    """Decode several prompts (of any lengths) together; one result per prompt, in order.
 
-    Keyword arguments are those of ``streaming_generate``; the parallel-only ones
-    (window size, entropy threshold, distance penalty, refill order) are ignored for ``"ar"`` so one settings
-    dict can drive all methods.
+    ``settings.method``: ``"streaming"`` (default), ``"blockwise"`` or ``"ar"``; the parallel-only
+    settings are ignored by ``"ar"`` so one settings object can drive all methods.
     """
-    if method == AUTOREGRESSIVE:
-        return ar_generate_batch(model, prompts, **{k: v for k, v in kwargs.items() if k not in PARALLEL_ONLY})
-    if method in (STREAMING, BLOCKWISE):
-        return parallel_generate_batch(model, prompts, schedule=method, **kwargs)
-    raise ValueError(f"unknown decoding method {method!r}; choose one of {METHODS}")
+    settings = DecodeSettings.build(settings, **overrides)
+    if settings.stop_strings and tokenizer is None:
+        raise ValueError("stop_strings need a tokenizer (pass tokenizer=...)")
+    prompts = as_prompt_batch(prompts)
+    if settings.method == AUTOREGRESSIVE:
+        return ar_decode(model, prompts, settings, tokenizer=tokenizer, generator=generator)
+    return decode(model, prompts, settings, tokenizer=tokenizer, generator=generator)[0]
 
 
-def generate(model, prompt_ids, method: str = STREAMING, **kwargs) -> GenerationResult:
-    """Decode one prompt with ``method``; see :func:`generate_batch`."""
-    return generate_batch(model, [as_token_list(prompt_ids)], method=method, **kwargs)[0]
+def generate(model, prompt_ids, settings: DecodeSettings | None = None, **kwargs) -> GenerationResult:
+    """Decode one prompt (``list[int]``, 1-D or ``[1, n]`` tensor); see :func:`generate_batch`."""
+    return generate_batch(model, [as_token_list(prompt_ids)], settings, **kwargs)[0]
+
+
+def streaming_generate(model, prompt_ids, settings: DecodeSettings | None = None, **kwargs) -> GenerationResult:
+    """Streaming Parallel Decoding (SPEC section 3, Algorithm 1) of one prompt."""
+    return generate(model, prompt_ids, settings, method=STREAMING, **kwargs)
+
+
+def blockwise_generate(model, prompt_ids, settings: DecodeSettings | None = None, **kwargs) -> GenerationResult:
+    """The block-wise baseline: a block of ``window_size`` masks is committed once all of it is filled."""
+    return generate(model, prompt_ids, settings, method=BLOCKWISE, **kwargs)
+
+
+def ar_generate(model, prompt_ids, settings: DecodeSettings | None = None, **kwargs) -> GenerationResult:
+    """Token-by-token decoding of the same model with HF ``generate`` (the AR baseline)."""
+    return generate(model, prompt_ids, settings, method=AUTOREGRESSIVE, **kwargs)

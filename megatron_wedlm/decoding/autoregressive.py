@@ -9,12 +9,11 @@ so it is never emitted (as in the parallel decoders).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 
 import torch
 from transformers import GenerationConfig
 
-from .checks import as_prompt_batch, as_token_list, check_fits, check_full_attention, generation_budget
+from .checks import check_fits, check_full_attention, generation_budget
 from .result import (
     MAX_NEW_TOKENS,
     MAX_POSITIONS,
@@ -24,64 +23,34 @@ from .result import (
     decode_text,
     find_stop_string,
 )
-from .sampling import validate_sampling
-
-AUTOREGRESSIVE = "ar"
-
-
-def ar_generate(
-    model,
-    prompt_ids,
-    *,
-    mask_token_id: int | None = None,
-    max_new_tokens: int = 256,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    stop_token_ids: Sequence[int] | None = None,
-    stop_strings: Sequence[str] | None = None,
-    tokenizer=None,
-    generator: torch.Generator | None = None,
-) -> GenerationResult:
-    """Decode one prompt token by token with ``model.generate``. Arguments as ``streaming_generate``;
-    ``mask_token_id`` (default ``config.mask_token_id``, may be absent) is only suppressed here."""
-    kwargs = {k: v for k, v in locals().items() if k not in ("model", "prompt_ids")}
-    return ar_generate_batch(model, [as_token_list(prompt_ids)], **kwargs)[0]
+from .settings import AUTOREGRESSIVE, DecodeSettings
 
 
 @torch.inference_mode()
-def ar_generate_batch(
+def ar_decode(
     model,
-    prompts,
+    prompts: list[list[int]],
+    settings: DecodeSettings,
     *,
-    mask_token_id: int | None = None,
-    max_new_tokens: int = 256,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    stop_token_ids: Sequence[int] | None = None,
-    stop_strings: Sequence[str] | None = None,
     tokenizer=None,
     generator: torch.Generator | None = None,
 ) -> list[GenerationResult]:
     """Several prompts in one left-padded ``generate`` call; per-row metrics count that row's tokens.
 
     All rows share one token budget: ``max_new_tokens``, capped by the position range left after
-    the longest prompt.
+    the longest prompt. ``settings.mask_token_id`` (default ``config.mask_token_id``, may be
+    absent) is only suppressed here; the parallel-only settings are ignored.
     """
-    validate_sampling(temperature, top_k, top_p)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if stop_strings and tokenizer is None:
-        raise ValueError("stop_strings need a tokenizer (pass tokenizer=...)")
+    max_new_tokens, temperature = settings.max_new_tokens, settings.temperature
+    top_k, top_p, stop_strings = settings.top_k, settings.top_p, settings.stop_strings
     check_full_attention(model)
-    prompts = as_prompt_batch(prompts)
     for prompt in prompts:
         check_fits(model, len(prompt), 1)
     budget = min(generation_budget(model, len(p), max_new_tokens) for p in prompts)
+    mask_token_id = settings.mask_token_id
     if mask_token_id is None:
         mask_token_id = getattr(model.config, "mask_token_id", None)
-    stops = [int(t) for t in (stop_token_ids or ())]
+    stops = list(settings.stop_token_ids)
     pad_id = stops[0] if stops else 0
 
     device = model.device

@@ -1,7 +1,8 @@
 """Per-slot token choice for parallel decoding: which mask slots to fill, and with what.
 
-All functions work on a whole batch of windows at once (``[rows, slots, vocab]``) so a decoding
-step costs a handful of tensor ops, never a Python loop over slots.
+Entropies and tokens are computed for all mask slots of a batch at once (``[slots, vocab]``,
+the slots of every row concatenated, no padding), so a decoding step costs a handful of tensor
+ops, never a Python loop over the vocabulary.
 
 Two distributions are involved, on purpose:
 
@@ -13,24 +14,24 @@ Two distributions are involved, on purpose:
 * the *token* put into a filled slot comes from the sampling distribution: argmax when
   ``temperature == 0``, else softmax(logits / T) restricted by top-k then top-p.
 
-The mask token's logit is pushed to the lowest float before either is computed, so a mask can
-never be emitted as output.
+The mask token's logit is pushed to the lowest float before either is computed (by the model
+runner), so a mask can never be emitted as output. The lowest finite value is used rather than
+``-inf``: its probability is exactly 0 all the same, and entropy needs no NaN guard.
+
+Selecting slots works on one row's Python floats: a row has at most 2W candidates, and its rule
+("below tau, else the argmin") is clearer, and on a CPU faster, as a list operation than as a
+padded batch of masked tensors.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
 
-
-def exclude_token(logits: torch.Tensor, token_id: int) -> torch.Tensor:
-    """``logits`` with ``token_id`` made impossible, without modifying the input.
-
-    The lowest finite value is used rather than ``-inf``: its probability is exactly 0 all the
-    same, and entropy needs no NaN guard for ``0 * log 0``.
-    """
-    out = logits.clone()
-    out[..., token_id] = torch.finfo(out.dtype).min
-    return out
+if TYPE_CHECKING:
+    from .settings import DecodeSettings
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -40,30 +41,50 @@ def entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def select_slots(
-    slot_entropy: torch.Tensor,
-    is_candidate: torch.Tensor,
-    distance: torch.Tensor,
+    slot_entropy: Sequence[float],
+    slots: Sequence[int],
     entropy_threshold: float | None,
     distance_penalty: float,
-) -> torch.Tensor:
-    """Which candidate mask slots to fill this step (bool, same shape as ``slot_entropy``).
+) -> list[int]:
+    """Which of one row's mask slots to fill this step: indices into ``slots``.
 
-    The WeDLM rule: ``H~ = H + distance_penalty * distance``, where ``distance`` counts window
-    slots from the row's leftmost remaining mask. Every candidate with ``H~ < entropy_threshold``
-    is filled; a row where none qualifies (or ``entropy_threshold is None``: one slot per step)
-    fills its single candidate with the smallest ``H~`` (the leftmost on ties). The penalty favours
+    ``slots`` are the row's remaining mask slots (window indices, ascending), ``slot_entropy``
+    their entropies. The WeDLM rule: ``H~ = H + distance_penalty * d`` with ``d`` = window index
+    minus that of the leftmost remaining mask. Every slot with ``H~ < entropy_threshold``
+    (strict) is filled; if none qualifies (or ``entropy_threshold is None``: one slot per step)
+    the single slot with the smallest ``H~`` is (the leftmost on ties). The penalty favours
     slots near the committed prefix, which is what lets the leftmost filled run, and so the
-    cacheable prefix, grow. Rows without candidates fill nothing.
+    cacheable prefix, grow.
     """
-    adjusted = slot_entropy + distance_penalty * distance.to(slot_entropy.dtype)
-    adjusted = adjusted.masked_fill(~is_candidate, float("inf"))
-    if entropy_threshold is None:
-        fill = torch.zeros_like(is_candidate)
-    else:
-        fill = adjusted < entropy_threshold
-    needs_one = ~fill.any(dim=1) & is_candidate.any(dim=1)
-    best = torch.nn.functional.one_hot(adjusted.argmin(dim=1), is_candidate.shape[1]).bool()
-    return fill | (best & needs_one[:, None])
+    first = slots[0]
+    adjusted = [h + distance_penalty * (s - first) for h, s in zip(slot_entropy, slots)]
+    chosen = [] if entropy_threshold is None else [j for j, a in enumerate(adjusted) if a < entropy_threshold]
+    return chosen or [min(range(len(adjusted)), key=adjusted.__getitem__)]
+
+
+class SlotSampler:
+    """Step d of Algorithm 1 for a batch: entropies and tokens of all mask slots, then each row's fill rule."""
+
+    def __init__(self, settings: "DecodeSettings", generator: torch.Generator | None = None):
+        self.settings, self.generator = settings, generator
+
+    def choose(self, logits: torch.Tensor, mask_slots: list[list[int]]) -> list[tuple[list[int], list[int]]]:
+        """Per row ``(slots, tokens)`` to fill, given the logits ``[slots, vocab]`` of all rows' mask
+        slots (rows concatenated in order) and each row's mask slots (window indices)."""
+        s = self.settings
+        if not logits.shape[0]:
+            return [([], []) for _ in mask_slots]
+        entropies = entropy(logits).tolist()
+        tokens = sample_tokens(logits, s.temperature, s.top_k, s.top_p, self.generator).tolist()
+        fills, k = [], 0
+        for slots in mask_slots:
+            if not slots:
+                fills.append(([], []))
+                continue
+            chosen = select_slots(entropies[k : k + len(slots)], slots, s.entropy_threshold, s.distance_penalty)
+            fills.append(([slots[j] for j in chosen], [tokens[k + j] for j in chosen]))
+            k += len(slots)
+        return fills
 
 
 def sample_tokens(

@@ -1,0 +1,67 @@
+"""What the command lines and the evaluation share around a decode: loading by dtype name, prompt
+encoding, and the EOS stop tokens. Written once here so ``inference/``, ``eval/`` and the
+``lm_eval`` adapter cannot drift apart (e.g. one of them tokenizing a chat prompt differently).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .loading import load_tokenizer, load_wedlm_model
+
+#: dtype names accepted by ``--dtype`` (``auto``: bf16 on CUDA, fp32 on CPU).
+DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+}
+
+
+def load_checkpoint(
+    path: str | Path, device: str | None = None, dtype: str = "auto", require_mask_token: bool = True
+) -> tuple[Any, Any]:
+    """(model, tokenizer) of a local checkpoint; ``dtype`` is a name of :data:`DTYPES`.
+
+    ``require_mask_token=False`` admits plain AR checkpoints, for the AR baseline alone.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    model = load_wedlm_model(path, device=device, dtype=DTYPES[dtype], require_mask_token=require_mask_token)
+    return model, load_tokenizer(path)
+
+
+def encode_prompt(tokenizer: Any, prompt: str, chat: bool = False) -> list[int]:
+    """Token ids of ``prompt``; ``chat`` wraps it as one user turn with the tokenizer's chat template."""
+    if not chat:
+        return list(tokenizer(prompt)["input_ids"])
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "chat prompts need a chat template, and this tokenizer has none: drop the chat option or add a "
+            "chat_template to tokenizer_config.json"
+        )
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    """The EOS ids of the tokenizer and of the model's generation config (the engine stops at them)."""
+    ids: set[int] = set()
+    for source in (tokenizer.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(int(t) for t in source)
+    return sorted(ids)
+
+
+def find_mask_token_id(model: Any, tokenizer: Any, mask_token_id: int | None = None) -> int | None:
+    """The mask token: the explicit id, else ``model.config.mask_token_id``, else the tokenizer's; None if none."""
+    if mask_token_id is not None:
+        return int(mask_token_id)
+    from_config = getattr(getattr(model, "config", None), "mask_token_id", None)
+    if from_config is not None:
+        return int(from_config)
+    return getattr(tokenizer, "mask_token_id", None)

@@ -1,0 +1,85 @@
+"""The one settings object of every decoding method (as ``SamplingParams`` in nano-vllm).
+
+Callers either build a :class:`DecodeSettings` or pass keywords; :meth:`DecodeSettings.build`
+maps keywords onto it in one place, so no function repeats the list of knobs. Runtime objects
+(``tokenizer``, ``generator``) are not settings and travel separately.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from .sampling import validate_sampling
+
+STREAMING = "streaming"
+BLOCKWISE = "blockwise"
+AUTOREGRESSIVE = "ar"
+METHODS = (STREAMING, BLOCKWISE, AUTOREGRESSIVE)
+PARALLEL_METHODS = (STREAMING, BLOCKWISE)
+#: Settings that only the parallel decoders read (AR ignores them, so one object drives all methods).
+PARALLEL_ONLY = ("window_size", "entropy_threshold", "distance_penalty", "fused_refill")
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """Everything that steers a decode, validated once.
+
+    * ``method``: ``"streaming"`` (WeDLM Algorithm 1), ``"blockwise"`` (the baseline) or ``"ar"``.
+    * ``window_size`` W, ``entropy_threshold`` tau (None: one slot per forward),
+      ``distance_penalty`` lambda: the fill rule of SPEC section 3.
+    * ``fused_refill``: True (default) is the reference engine's schedule, False the paper's step
+      order (see :mod:`megatron_wedlm.decoding.parallel`).
+    * ``max_new_tokens``; ``temperature`` (0 = greedy), ``top_k`` (0 = off), ``top_p`` (1 = off).
+    * ``stop_token_ids``: a generation ends at the first one, which is kept in the output.
+      ``stop_strings`` (need a tokenizer): it ends once the decoded output contains one.
+    * ``mask_token_id``: default ``model.config.mask_token_id``.
+    """
+
+    method: str = STREAMING
+    window_size: int = 16
+    entropy_threshold: float | None = 0.4
+    distance_penalty: float = 0.02
+    fused_refill: bool = True
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = field(default=())
+    stop_strings: tuple[str, ...] = field(default=())
+    mask_token_id: int | None = None
+
+    def __post_init__(self):
+        # lists and tensors are accepted for the sequences; stored as tuples so the object stays hashable
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        object.__setattr__(self, "stop_strings", tuple(self.stop_strings or ()))
+        if self.method not in METHODS:
+            raise ValueError(f"unknown decoding method {self.method!r}; choose one of {METHODS}")
+        if self.window_size < 1:
+            raise ValueError(f"window_size must be >= 1, got {self.window_size}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.entropy_threshold is not None and math.isnan(self.entropy_threshold):
+            raise ValueError("entropy_threshold must be a number or None (one slot per forward), got nan")
+        if self.distance_penalty < 0:
+            raise ValueError(f"distance_penalty must be >= 0, got {self.distance_penalty}")
+        if self.mask_token_id is not None and self.mask_token_id in self.stop_token_ids:
+            raise ValueError("the mask token cannot be a stop token")
+        validate_sampling(self.temperature, self.top_k, self.top_p)
+
+    @classmethod
+    def build(cls, settings: "DecodeSettings | None" = None, **overrides) -> "DecodeSettings":
+        """``settings`` (default: all defaults) with ``overrides`` applied; unknown keywords are named."""
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise TypeError(f"unknown decoding setting(s) {unknown}; known: {[f.name for f in dataclasses.fields(cls)]}")
+        return dataclasses.replace(settings or cls(), **overrides)
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.method in PARALLEL_METHODS
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
