@@ -9,7 +9,11 @@ Example::
 
 Writes ``report.json``, ``report.md`` and ``speed_accuracy.png`` into ``--out``; the settings in
 ``report.json`` record the refill schedule used (``--refill fused``, the reference engine's, by
-default; ``paper`` for Algorithm 1's step order) and whether EOS stopped generation. Task specs and
+default; ``paper`` for Algorithm 1's step order) and whether EOS stopped generation.
+Window size, distance penalty, refill order and (without ``--taus``) the entropy threshold
+default to the values stored with the model (``"wedlm"`` in ``generation_config.json``), else
+to the built-in ones; ``settings.decoding_sources`` in ``report.json`` says for each whether it
+came from the command line, the model or the built-in default. Task specs and
 jsonl fields are documented in ``megatron_wedlm.eval`` (``registry``, ``jsonl_tasks``,
 ``code_tasks``). Generated code (humaneval, mbpp) is executed in a resource-limited subprocess
 that is *not* a security sandbox: run on a machine without network or valuable data.
@@ -24,7 +28,14 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_wedlm.eval import evaluate, load_tasks, write_report  # noqa: E402
-from megatron_wedlm.eval.runner import METHODS, load_checkpoint  # noqa: E402
+from megatron_wedlm.decoding import METHODS  # noqa: E402
+from megatron_wedlm.decoding.inputs import DTYPES, load_checkpoint  # noqa: E402
+from megatron_wedlm.decoding.options import (  # noqa: E402
+    add_decoding_arguments,
+    cli_values,
+    describe,
+    resolve_decoding_settings,
+)
 
 
 def _float_list(text: str) -> list[float]:
@@ -51,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", default="counting,copying,arithmetic",
                    help="comma-separated task specs: NAME or NAME:PATH.jsonl")
     p.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
-    p.add_argument("--taus", type=_float_list, default=[0.4],
-                   help="entropy thresholds swept for streaming and block-wise (default 0.4)")
+    p.add_argument("--taus", type=_float_list, default=None,
+                   help="entropy thresholds swept for streaming and block-wise (default: the model's "
+                        "entropy_threshold, else 0.4)")
     p.add_argument("--out", required=True, help="output directory for report.json/.md/.png")
     p.add_argument("--limit", type=int, default=None, help="evaluate at most N examples per task")
     p.add_argument("--num-examples", type=int, default=50, help="examples per built-in task")
@@ -60,19 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shots", type=_mapping, default={}, help="shots per task, e.g. gsm8k=8,arc=25")
     p.add_argument("--shots-file", type=_mapping, default={},
                    help="few-shot source per task, e.g. gsm8k=/data/gsm8k_train.jsonl")
-    p.add_argument("--window-size", type=int, default=16)
-    p.add_argument("--distance-penalty", type=float, default=0.02)
-    p.add_argument("--refill", choices=("fused", "paper"), default="fused",
-                   help="fused: the reference engine's schedule (default); paper: Algorithm 1's step order")
-    p.add_argument("--stop-at-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="end generation at the tokenizer's / model's EOS token(s) (default, as the engine)")
+    add_decoding_arguments(p, entropy_threshold=False)
     p.add_argument("--max-new-tokens", type=int, default=None, help="cap on every task's budget")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--chat", action="store_true", help="wrap prompts with the chat template")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--mask-token-id", type=int, default=None, help="override config.mask_token_id")
     p.add_argument("--sandbox-timeout", type=float, default=10.0, help="seconds per program")
     p.add_argument("--sandbox-memory-mb", type=int, default=1024)
@@ -98,17 +105,25 @@ def main(argv: list[str] | None = None) -> int:
         args.model, device=args.device, dtype=args.dtype,
         require_mask_token=args.mask_token_id is None and methods != ["ar"],
     )
+    given = cli_values(args) | {"entropy_threshold": args.taus[0] if args.taus else None}
+    values, sources = resolve_decoding_settings(given, args.model)
+    taus = args.taus or [values["entropy_threshold"]]
+    if taus == [None]:
+        raise SystemExit(f"{args.model} stores entropy_threshold null (one slot per forward), which cannot be swept; "
+                         "pass --taus")
     if not args.quiet:
         print(f"model {args.model} on {next(model.parameters()).device}; tasks: "
               + ", ".join(f"{t.name} ({len(t.examples)})" for t in tasks), file=sys.stderr)
+        print(f"decoding settings: {describe(values, sources)}", file=sys.stderr)
     report = evaluate(
-        model, tokenizer, tasks, methods, taus=args.taus, mask_token_id=args.mask_token_id,
-        window_size=args.window_size, distance_penalty=args.distance_penalty,
-        fused_refill=args.refill == "fused", stop_at_eos=args.stop_at_eos,
+        model, tokenizer, tasks, methods, taus=taus, mask_token_id=args.mask_token_id,
+        window_size=values["window_size"], distance_penalty=values["distance_penalty"],
+        fused_refill=values["fused_refill"], stop_at_eos=args.stop_at_eos,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, seed=args.seed, chat=args.chat, keep_samples=not args.no_samples,
         progress=not args.quiet, model_name=args.model,
     )
+    report.settings["decoding_sources"] = sources  # where window, tau, lambda and refill came from
     paths = write_report(report, args.out)
     with open(paths["markdown"], encoding="utf-8") as f:
         print(f.read())

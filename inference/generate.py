@@ -12,9 +12,15 @@ Prints the generated text, or with ``--json`` one JSON object: ``text``, ``token
 tokenizer's / model's EOS token(s) (as the reference WeDLM engine does; ``--no-stop-at-eos``
 decodes past them), at ``--stop`` strings, or after ``--max-new-tokens``.
 
-``--refill fused`` (default) is the reference engine's schedule: the window is refilled before
-the forward, so a forward commits the filled run and predicts the new masks at once;
-``--refill paper`` is Algorithm 1's step order (a fixed window of W slots per forward).
+``--refill fused`` is the reference engine's schedule: the window is refilled before the
+forward, so a forward commits the filled run and predicts the new masks at once; ``--refill
+paper`` is Algorithm 1's step order (a fixed window of W slots per forward).
+
+Window size, entropy threshold, distance penalty and refill order default to the values stored
+with the model (``"wedlm"`` in its ``generation_config.json``), else to the built-in defaults
+(16, 0.4, 0.02, fused); a value on the command line wins. The values used and where each came
+from (``cli`` / ``model`` / ``built-in``) are printed to stderr, and with ``--json`` reported
+under ``decoding_settings``.
 """
 
 from __future__ import annotations
@@ -28,10 +34,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megatron_wedlm.decoding import METHODS, generate, load_tokenizer, load_wedlm_model  # noqa: E402
-
-REFILL_ORDERS = ("fused", "paper")
-DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from megatron_wedlm.decoding import METHODS, generate  # noqa: E402
+from megatron_wedlm.decoding.inputs import DTYPES, encode_prompt, eos_token_ids, load_checkpoint  # noqa: E402
+from megatron_wedlm.decoding.options import (  # noqa: E402
+    add_decoding_arguments,
+    cli_values,
+    describe,
+    resolve_decoding_settings,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,14 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object with text and metrics")
     p.add_argument("--method", choices=METHODS, default="streaming")
-    p.add_argument("--window-size", type=int, default=16)
-    p.add_argument("--entropy-threshold", type=float, default=0.4,
-                   help="fill every slot whose penalised entropy is below this; negative = one slot per step")
-    p.add_argument("--distance-penalty", type=float, default=0.02)
-    p.add_argument("--refill", choices=REFILL_ORDERS, default="fused",
-                   help="fused: the reference engine's schedule (default); paper: Algorithm 1's step order")
-    p.add_argument("--stop-at-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="end generation at the tokenizer's / model's EOS token(s) (default, as the engine)")
+    add_decoding_arguments(p)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0)
@@ -60,52 +63,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def stop_token_ids(model, tokenizer) -> list[int]:
-    """EOS ids of the tokenizer and of the model's generation config."""
-    ids = set()
-    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif source:
-            ids.update(int(t) for t in source)
-    return sorted(ids)
-
-
-def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
-    if not chat:
-        return tokenizer.encode(prompt)
-    if not getattr(tokenizer, "chat_template", None):
-        raise SystemExit("--chat: this tokenizer has no chat template; drop --chat or add one to tokenizer_config.json")
-    messages = [{"role": "user", "content": prompt}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
-    model = load_wedlm_model(args.model, device=args.device, dtype=DTYPES[args.dtype],
-                             require_mask_token=args.method != "ar")
-    tokenizer = load_tokenizer(args.model)
+    model, tokenizer = load_checkpoint(args.model, device=args.device, dtype=args.dtype,
+                                       require_mask_token=args.method != "ar")
+    values, sources = resolve_decoding_settings(cli_values(args), args.model)
+    if not args.json:
+        print(f"decoding settings: {describe(values, sources)}", file=sys.stderr)
     generator = torch.Generator(device=model.device).manual_seed(args.seed)
     result = generate(
         model,
         encode_prompt(tokenizer, args.prompt, args.chat),
         method=args.method,
-        window_size=args.window_size,
-        entropy_threshold=None if args.entropy_threshold < 0 else args.entropy_threshold,
-        distance_penalty=args.distance_penalty,
+        **values,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
-        stop_token_ids=stop_token_ids(model, tokenizer) if args.stop_at_eos else [],
+        stop_token_ids=eos_token_ids(model, tokenizer) if args.stop_at_eos else [],
         stop_strings=args.stop,
         tokenizer=tokenizer,
         generator=generator,
-        fused_refill=args.refill == "fused",
     )
+    parallel = args.method != "ar"
     report = {"text": result.text, "token_ids": result.token_ids, **result.metrics(),
-              "refill": None if args.method == "ar" else args.refill}
+              "refill": ("fused" if values["fused_refill"] else "paper") if parallel else None,
+              "decoding_settings": {k: {"value": v, "source": sources[k]} for k, v in values.items()}}
     print(json.dumps(report) if args.json else result.text)
     return report
 

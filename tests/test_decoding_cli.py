@@ -1,10 +1,12 @@
-"""inference/generate.py on a tiny saved model and a tokenizer built locally."""
+"""inference/generate.py (and the decoding defaults a model stores, as generate.py, evaluate.py and
+the lm_eval adapter read them) on a tiny saved model and a tokenizer built locally."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from megatron_wedlm.decoding import generate, load_tokenizer, load_wedlm_model
+from megatron_wedlm.decoding.generation_defaults import write_decoding_defaults
 from megatron_wedlm.testing.tiny_models import build_tiny_model, build_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,3 +96,57 @@ def test_cli_refill_schedule_and_eos_choice_are_reported(checkpoint):
     assert paper.num_forwards > fused.num_forwards  # the two schedules really differ on this model
     no_eos = cli.main(common + ["--no-stop-at-eos"])
     assert no_eos["token_ids"] == generate(model, prompt, window_size=4, max_new_tokens=24).token_ids
+
+
+@pytest.fixture(scope="module")
+def checkpoint_with_defaults(checkpoint, tmp_path_factory):
+    """The tiny checkpoint, storing its own decoding operating point in generation_config.json."""
+    directory = tmp_path_factory.mktemp("tiny_wedlm_defaults")
+    shutil.copytree(checkpoint, directory, dirs_exist_ok=True)
+    write_decoding_defaults(directory, {"window_size": 4, "entropy_threshold": 0.9, "fused_refill": False})
+    return directory
+
+
+def test_generate_uses_the_models_stored_defaults_unless_overridden(checkpoint_with_defaults):
+    cli = _load_cli()
+    model, tokenizer = load_wedlm_model(checkpoint_with_defaults, device="cpu"), load_tokenizer(checkpoint_with_defaults)
+    prompt = tokenizer.encode("Count from 3 to 12:")
+    common = ["--model", str(checkpoint_with_defaults), "--prompt", "Count from 3 to 12:", "--device", "cpu",
+              "--max-new-tokens", "20", "--json"]
+    eos = [tokenizer.eos_token_id]
+
+    stored = cli.main(common)
+    assert {k: v["source"] for k, v in stored["decoding_settings"].items()} == {
+        "window_size": "model", "entropy_threshold": "model", "distance_penalty": "built-in", "fused_refill": "model"}
+    assert stored["refill"] == "paper"
+    expected = generate(model, prompt, window_size=4, entropy_threshold=0.9, fused_refill=False, max_new_tokens=20,
+                        stop_token_ids=eos)
+    assert (stored["token_ids"], stored["forwards"]) == (expected.token_ids, expected.num_forwards)
+
+    overridden = cli.main(common + ["--window-size", "8", "--refill", "fused"])
+    settings = overridden["decoding_settings"]
+    assert settings["window_size"] == {"value": 8, "source": "cli"}
+    assert settings["fused_refill"] == {"value": True, "source": "cli"}
+    assert settings["entropy_threshold"] == {"value": 0.9, "source": "model"}
+    expected = generate(model, prompt, window_size=8, entropy_threshold=0.9, max_new_tokens=20, stop_token_ids=eos)
+    assert (overridden["token_ids"], overridden["forwards"]) == (expected.token_ids, expected.num_forwards)
+
+
+def test_evaluate_and_lm_eval_record_where_each_setting_came_from(checkpoint_with_defaults, tmp_path):
+    spec = importlib.util.spec_from_file_location("wedlm_evaluate_cli", ROOT / "inference" / "evaluate.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    assert cli.main(["--model", str(checkpoint_with_defaults), "--tasks", "counting", "--methods", "streaming",
+                     "--limit", "1", "--max-new-tokens", "4", "--distance-penalty", "0.1", "--out",
+                     str(tmp_path), "--device", "cpu", "--quiet"]) == 0
+    settings = json.loads((tmp_path / "report.json").read_text())["settings"]
+    assert settings["decoding_sources"] == {
+        "window_size": "model", "entropy_threshold": "model", "distance_penalty": "cli", "fused_refill": "model"}
+    assert (settings["window_size"], settings["taus"], settings["distance_penalty"], settings["refill"]) == (
+        4, [0.9], 0.1, "paper")
+
+    lm_eval_adapter = pytest.importorskip("megatron_wedlm.eval.lm_eval_adapter")
+    lm = lm_eval_adapter.WeDLMLM(pretrained=str(checkpoint_with_defaults), device="cpu", entropy_threshold="0.5")
+    assert lm.setting_sources == {
+        "window_size": "model", "entropy_threshold": "cli", "distance_penalty": "built-in", "fused_refill": "model"}
+    assert (lm.settings.window_size, lm.settings.entropy_threshold, lm.settings.fused_refill) == (4, 0.5, False)

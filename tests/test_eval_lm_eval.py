@@ -124,7 +124,7 @@ def test_loads_a_checkpoint_directory(model, tokenizer, tmp_path):
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     lm = WeDLMLM.create_from_arg_string(f"pretrained={tmp_path},window_size=4,entropy_threshold=0.3", {"device": "cpu"})
-    assert (lm.window_size, lm.entropy_threshold, lm.mask_token_id) == (4, 0.3, tokenizer.mask_token_id)
+    assert (lm.settings.window_size, lm.settings.entropy_threshold, lm.mask_token_id) == (4, 0.3, tokenizer.mask_token_id)
     request = [_request("loglikelihood", PAIRS[0])]
     assert lm.loglikelihood(request)[0][0] == pytest.approx(brute_force_loglikelihood(model, tokenizer, *PAIRS[0])[0], abs=1e-4)
 

@@ -3,7 +3,9 @@
 * ``generate_until`` decodes with WeDLM streaming parallel decoding (``method=blockwise`` or
   ``ar`` in ``--model_args`` switch the decoder, for side-by-side runs; ``refill=fused``, the
   reference engine's schedule, is the default, ``refill=paper`` is Algorithm 1's step order;
-  ``stop_at_eos=false`` decodes past the tokenizer's EOS, which by default ends a generation);
+  ``stop_at_eos=false`` decodes past the tokenizer's EOS, which by default ends a generation;
+  window size, entropy threshold, distance penalty and refill default to the values stored with
+  a ``pretrained`` model, else the built-in ones, and ``setting_sources`` / the log say which);
 * ``loglikelihood`` / ``loglikelihood_rolling`` use the plain causal forward: a WeDLM checkpoint
   keeps its next-token head (the AR loss trains it), so likelihood tasks score as for any
   causal LM. The mask token is excluded from every distribution, as in decoding: it is never a
@@ -21,6 +23,7 @@ model="wedlm", ...)``, or pass a ``WeDLMLM(model=..., tokenizer=...)`` instance 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -36,8 +39,13 @@ except ImportError as e:  # pragma: no cover - exercised only without lm_eval in
         "-c constraints.txt (or pip install -e '.[eval]')"
     ) from e
 
-from megatron_wedlm.eval.runner import load_checkpoint
+from megatron_wedlm.decoding.api import generate
+from megatron_wedlm.decoding.inputs import find_mask_token_id, load_checkpoint
+from megatron_wedlm.decoding.options import ONE_SLOT, REFILL_ORDERS, describe, resolve_decoding_settings
+from megatron_wedlm.decoding.settings import METHODS, DecodeSettings
 from megatron_wedlm.eval.tasks import truncate_at_stop
+
+logger = logging.getLogger(__name__)
 
 
 def _as_bool(value: Any) -> bool:
@@ -61,10 +69,10 @@ class WeDLMLM(LM):
         device: str | None = None,
         dtype: str = "auto",
         method: str = "streaming",
-        window_size: int = 16,
-        entropy_threshold: float | None = 0.4,
-        distance_penalty: float = 0.02,
-        refill: str = "fused",
+        window_size: int | None = None,
+        entropy_threshold: float | str | None = None,
+        distance_penalty: float | None = None,
+        refill: str | None = None,
         stop_at_eos: bool | str = True,
         max_gen_toks: int = 256,
         max_length: int | None = None,
@@ -82,24 +90,30 @@ class WeDLMLM(LM):
             )
         elif tokenizer is None:
             raise ValueError("model= needs tokenizer= as well")
-        if mask_token_id is None:
-            mask_token_id = getattr(model.config, "mask_token_id", None)
-        if mask_token_id is None:
-            mask_token_id = getattr(tokenizer, "mask_token_id", None)
+        mask_token_id = find_mask_token_id(model, tokenizer, mask_token_id)
         if mask_token_id is None and method != "ar":
             raise ValueError("model has no mask token: set config.mask_token_id or pass mask_token_id")
-        if method not in ("streaming", "blockwise", "ar"):
-            raise ValueError(f"method must be streaming, blockwise or ar, got {method!r}")
-        if refill not in ("fused", "paper"):
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if refill is not None and refill not in REFILL_ORDERS:
             raise ValueError(f"refill must be fused (the reference engine's schedule) or paper, got {refill!r}")
         self.model, self.tokenizer = model.eval(), tokenizer
-        self.mask_token_id = None if mask_token_id is None else int(mask_token_id)
-        self.method = method
-        self.window_size = int(window_size)
-        self.entropy_threshold = None if entropy_threshold in (None, "None", "none") else float(entropy_threshold)
-        self.distance_penalty = float(distance_penalty)
-        self.refill = refill
+        self.mask_token_id = mask_token_id
+        if entropy_threshold is not None:  # "none" in --model_args: one slot per forward
+            entropy_threshold = ONE_SLOT if str(entropy_threshold).lower() == "none" else float(entropy_threshold)
+        given = {
+            "window_size": None if window_size is None else int(window_size),
+            "entropy_threshold": entropy_threshold,
+            "distance_penalty": None if distance_penalty is None else float(distance_penalty),
+            "fused_refill": None if refill is None else REFILL_ORDERS[refill],
+        }
+        values, self.setting_sources = resolve_decoding_settings(given, pretrained)
+        logger.info(f"wedlm decoding settings: {describe(values, self.setting_sources)}")
+        self.refill = "fused" if values["fused_refill"] else "paper"
         self.stop_at_eos = _as_bool(stop_at_eos)
+        eos = tokenizer.eos_token_id if self.stop_at_eos else None
+        self.settings = DecodeSettings(method=method, mask_token_id=mask_token_id,
+                                       stop_token_ids=() if eos is None else (eos,), **values)
         self.max_gen_toks = int(max_gen_toks)
         self.chat = _as_bool(chat)
         self.batch_size = 1 if str(batch_size).startswith("auto") else int(batch_size)
@@ -201,10 +215,7 @@ class WeDLMLM(LM):
     # ------------------------------------------------------------------ generation
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        from megatron_wedlm.decoding import generate
-
-        eos = self.tokenizer.eos_token_id if self.stop_at_eos else None
-        parallel = {} if self.method == "ar" else {"fused_refill": self.refill == "fused"}
+        stop_ids = self.settings.stop_token_ids
         outputs = []
         for req in requests:
             context, gen_kwargs = req.args
@@ -218,16 +229,12 @@ class WeDLMLM(LM):
                 raise ValueError(f"max_gen_toks {max_new} leaves no room for a prompt in {self.max_length}")
             prompt = self._encode(context)[-(self.max_length - max_new):] or [self.prefix_token_id]
             result = generate(
-                self.model, prompt, method=self.method, mask_token_id=self.mask_token_id,
-                window_size=self.window_size, entropy_threshold=self.entropy_threshold,
-                distance_penalty=self.distance_penalty, max_new_tokens=max_new,
+                self.model, prompt, self.settings, tokenizer=self.tokenizer, max_new_tokens=max_new,
                 temperature=temperature, top_k=int(gen_kwargs.pop("top_k", 0)),
-                top_p=float(gen_kwargs.pop("top_p", 1.0)),
-                stop_token_ids=[eos] if eos is not None else [],
-                stop_strings=[u for u in until if u], tokenizer=self.tokenizer, **parallel,
+                top_p=float(gen_kwargs.pop("top_p", 1.0)), stop_strings=tuple(u for u in until if u),
             )
             ids = [int(t) for t in result.token_ids]
-            if ids and ids[-1] == eos:
+            if ids and ids[-1] in stop_ids:
                 ids = ids[:-1]
             text = truncate_at_stop(self.tokenizer.decode(ids, skip_special_tokens=True), until)
             self.cache_hook.add_partial("generate_until", req.args, text)
