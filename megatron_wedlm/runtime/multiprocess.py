@@ -17,7 +17,7 @@ launcher does not leave ranks waiting in a collective forever.
 
 Under torchrun, which signals only the groups of ranks still alive, a rank killed with ``-9``
 would leave the Manager of Megatron's checkpoint writers behind (it waits for clients forever);
-``make_checkpoint_manager_die_with_rank`` (called by ``init_distributed`` in every rank) starts
+``make_checkpoint_manager_die_with_rank`` (called by ``init_distributed`` in Megatron ranks) starts
 that Manager so that the kernel kills it when its rank dies.
 """
 
@@ -138,9 +138,11 @@ def make_checkpoint_manager_die_with_rank() -> Callable[[], None] | None:
 
     Left alone (None returned) on a Megatron-Core release it was not checked on.
     """
-    import megatron.core
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
+    try:
+        import megatron.core
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:  # no Megatron checkpoints in this process, so no Manager either
+        return None
     if getattr(megatron.core, "__version__", None) not in _CHECKED_MCORE_WRITER_QUEUE:
         return None
     original = filesystem_async._get_write_results_queue

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -76,9 +77,10 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
         from megatron_wedlm.runtime.multiprocess import find_free_port
 
         os.environ["MASTER_PORT"] = str(find_free_port())
-    from megatron_wedlm.runtime.multiprocess import make_checkpoint_manager_die_with_rank
+    if "megatron.core" in sys.modules:  # a Megatron rank (importing it only for this costs seconds)
+        from megatron_wedlm.runtime.multiprocess import make_checkpoint_manager_die_with_rank
 
-    make_checkpoint_manager_die_with_rank()  # a rank killed with -9 must not leave it behind
+        make_checkpoint_manager_die_with_rank()  # a rank killed with -9 must not leave it behind
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
         backend=backend,
@@ -99,6 +101,9 @@ def initialize_parallel_state(
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    from megatron_wedlm.runtime.multiprocess import make_checkpoint_manager_die_with_rank
+
+    make_checkpoint_manager_die_with_rank()  # also when the process group already existed
     torch_device = resolve_device(device)
     if torch_device.type == "cpu":
         from megatron_wedlm.runtime.cpu import activate_cpu_runtime
