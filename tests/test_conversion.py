@@ -40,7 +40,12 @@ from megatron_wedlm.model.hf_config import (
     model_args_from_hf_config,
 )
 from megatron_wedlm.runtime.atomic_output import OutputDirError
-from megatron_wedlm.testing.tiny_models import build_tiny_ar_tokenizer, build_tiny_causal_lm, build_tiny_tokenizer
+from megatron_wedlm.testing.tiny_models import (
+    build_tiny_ar_tokenizer,
+    build_tiny_causal_lm,
+    build_tiny_tokenizer,
+    write_official_checkpoint,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 ATOL = 1e-5
@@ -513,6 +518,50 @@ def test_legacy_config_fields_are_understood():
     assert (args.rope_theta, args.dtype, args.head_dim, args.padded_vocab_size) == (1e6, "bfloat16", 16, 1024)
     config = hf_config_from_model_args(args)
     assert config.rope_parameters["rope_theta"] == 1e6 and config.tie_word_embeddings
+
+
+def _qwen3_with_qkv_bias(o_proj_bias_zero: bool):
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_causal_lm("qwen3", vocab_size=len(tokenizer), num_layers=2, attention_bias=True,
+                                 eos_token_id=tokenizer.eos_token_id, **ARCHS["qwen3"])
+    if o_proj_bias_zero:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.bias.zero_()
+    return model, tokenizer
+
+
+def test_official_qk_norm_with_attention_bias_converts_exactly(tmp_path):
+    """The reference attention with q/k norm *and* q/k/v biases (no o_proj bias) is Megatron's
+    add_qkv_bias + qk_layernorm; the export is Qwen3 with attention_bias and zero o_proj biases."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_wedlm.runtime.hf_local import load_pretrained
+
+    source, tokenizer = _qwen3_with_qkv_bias(o_proj_bias_zero=True)
+    write_official_checkpoint(tmp_path / "hf", source, tokenizer, qk_norm=True, attention_bias=True,
+                              mask_token_id=tokenizer.mask_token_id)
+    args = convert_hf_to_megatron(tmp_path / "hf", tmp_path / "megatron")
+    assert (args.architecture, args.add_qkv_bias, args.qk_layernorm) == ("qwen3", True, True)
+    ids = causal_input(args.vocab_size)
+    with torch.no_grad():
+        reference = source(ids).logits
+    assert (megatron_logits(args, tmp_path / "megatron", ids) - reference).abs().max().item() < ATOL
+
+    convert_megatron_to_hf(tmp_path / "megatron", tmp_path / "export")
+    exported = load_pretrained(AutoModelForCausalLM, tmp_path / "export").eval()
+    with torch.no_grad():
+        assert torch.equal(exported(ids).logits, reference)
+    assert all(torch.equal(t, source.state_dict()[n]) for n, t in safetensors_of(tmp_path / "export").items())
+
+
+def test_qwen3_with_a_nonzero_output_projection_bias_is_refused(tmp_path):
+    model, tokenizer = _qwen3_with_qkv_bias(o_proj_bias_zero=False)
+    model.save_pretrained(tmp_path / "hf")
+    tokenizer.save_pretrained(tmp_path / "hf")
+    with pytest.raises(ConversionError, match=r"o_proj\.bias.* is not zero.*add_bias_linear"):
+        convert_hf_to_megatron(tmp_path / "hf", tmp_path / "megatron")
+    assert not (tmp_path / "megatron").exists()
 
 
 def test_layout_the_checkpoint_is_written_with_must_divide_the_model(converted, tmp_path):

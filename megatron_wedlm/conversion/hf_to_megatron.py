@@ -43,6 +43,7 @@ from .mapping import (
     hf_shapes,
     layer_rules,
     to_megatron,
+    zero_hf_tensors,
 )
 from .megatron_checkpoint import build_reference_gpt, fill_model, megatron_process_group, save_megatron_checkpoint
 from .tokenizer_files import DEFAULT_MASK_TOKEN, MaskTokenSetup, copy_tokenizer_files, prepare_tokenizer
@@ -68,6 +69,15 @@ def check_hf_checkpoint(reader: HFSafetensorsReader, args: ModelArgs) -> None:
     expected = set(all_hf_names(args))
     if args.tie_word_embeddings:
         expected |= set(OUTPUT_LAYER.hf)  # some tied checkpoints store the (identical) head anyway
+    for layer in range(args.num_layers):
+        for name in zero_hf_tensors(args, layer):
+            expected.add(name)
+            if name in reader and reader.read(name).any():
+                raise ConversionError(
+                    f"tensor {name!r} in {reader.directory} is not zero: a {args.architecture} model with q/k/v "
+                    "biases converts only without an output-projection bias (Megatron's add_bias_linear would "
+                    "add MLP biases too, which this model does not have)"
+                )
     unmapped = sorted(n for n in reader.names() if n not in expected and not n.endswith(IGNORED_HF_SUFFIXES))
     if unmapped:
         shown = ", ".join(unmapped[:8]) + (f", ... ({len(unmapped)} in all)" if len(unmapped) > 8 else "")

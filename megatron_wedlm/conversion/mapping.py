@@ -119,6 +119,19 @@ def checkpoint_key_variants(key: str) -> list[str]:
     return variants
 
 
+def zero_hf_tensors(args: ModelArgs, layer: int) -> dict[str, tuple[int, ...]]:
+    """HF tensors of one layer that the transformers class has and Megatron does not, so they must be zero.
+
+    A qwen3 model with q/k/v biases is ``Qwen3ForCausalLM(attention_bias=True)``, which also has an
+    o_proj bias; Megatron's attention has a bias on ``linear_qkv`` only (``add_qkv_bias``; its
+    ``add_bias_linear`` would add MLP biases too). Such an HF checkpoint may leave that bias out
+    (official WeDLM ones do) or hold zeros; export writes zeros, so the function is unchanged.
+    """
+    if args.architecture == "qwen3" and args.add_qkv_bias:
+        return {f"{_HF_LAYER.format(layer=layer)}self_attn.o_proj.bias": (args.hidden_size,)}
+    return {}
+
+
 #: HF tensors that exist in some checkpoints but carry nothing to convert.
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 

@@ -14,11 +14,13 @@ import dataclasses
 import shutil
 from pathlib import Path
 
+import torch
+
 from megatron_wedlm.model.hf_config import ModelArgs, find_model_args_file, hf_config_from_model_args, load_model_args
 from megatron_wedlm.runtime.atomic_output import atomic_output_dir, check_output_dir
 
 from .hf_checkpoint import ConversionError, ShardedSafetensorsWriter, parse_size
-from .mapping import EMBEDDING, FINAL_NORM, OUTPUT_LAYER, layer_rules, to_hf
+from .mapping import EMBEDDING, FINAL_NORM, OUTPUT_LAYER, layer_rules, to_hf, zero_hf_tensors
 from .megatron_checkpoint import MegatronCheckpointReader, check_torch_dist_dir, megatron_process_group
 from .tokenizer_files import copy_tokenizer_files, tokenizer_files_in
 
@@ -75,6 +77,8 @@ def convert_megatron_to_hf(
             for layer in range(args.num_layers):
                 for rule in layer_rules(args):
                     put(rule, layer)
+                for name, shape in zero_hf_tensors(args, layer).items():
+                    writer.add(name, torch.zeros(shape, dtype=args.torch_dtype))
             put(FINAL_NORM, None)
             if not args.tie_word_embeddings:
                 put(OUTPUT_LAYER, None)

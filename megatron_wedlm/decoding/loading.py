@@ -14,8 +14,10 @@ Two kinds of directories are accepted:
   true          false (default)  ``Qwen3ForCausalLM`` (WeDLM-8B, from Qwen3-8B)
   false         true (default)   ``Qwen2ForCausalLM`` (WeDLM-7B, from Qwen2.5-7B)
   false         false            ``LlamaForCausalLM`` (no biases, no q/k norm)
-  true          true             rejected: Qwen3 would add an output-projection bias the
-                                 checkpoint does not have
+  true          true             ``Qwen3ForCausalLM`` with ``attention_bias=True`` (q/k/v
+                                 biases and q/k norm, as the reference ``WeDLMAttention``
+                                 builds it); that class also has an output-projection bias
+                                 the checkpoint lacks, which is set to zero -- the same function
   ============  ===============  =====================================================
 
   (``attention_bias`` defaults to true when absent, as in the WeDLM config class.)
@@ -55,16 +57,20 @@ def wedlm_config_to_hf(raw: dict):
     fields = {k: v for k, v in raw.items() if k not in _NOT_CONFIG_FIELDS}
     qk_norm = bool(fields.pop("qk_norm", False))
     bias = bool(fields.pop("attention_bias", True))
-    if qk_norm and bias:
-        raise ValueError(
-            "wedlm config with qk_norm=true and attention_bias=true has no matching transformers class "
-            "(Qwen3 would expect an o_proj bias); set attention_bias=false if the checkpoint has no q/k/v biases"
-        )
     if qk_norm:
-        return Qwen3ForCausalLM, Qwen3Config(**fields, attention_bias=False)
+        return Qwen3ForCausalLM, Qwen3Config(**fields, attention_bias=bias)
     if bias:
         return Qwen2ForCausalLM, Qwen2Config(**fields)
     return LlamaForCausalLM, LlamaConfig(**fields, attention_bias=False, mlp_bias=False)
+
+
+def _zero_missing_output_projection_biases(model, missing_keys) -> None:
+    """A wedlm checkpoint with q/k norm and q/k/v biases has no o_proj bias; Qwen3's class does: make it zero."""
+    missing = {name for name in missing_keys if name.endswith("self_attn.o_proj.bias")}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in missing:
+                param.zero_()
 
 
 def load_wedlm_model(
@@ -101,7 +107,8 @@ def load_wedlm_model(
     kwargs = {"dtype": dtype, "attn_implementation": attn_implementation}
     if raw.get("model_type") == WEDLM_MODEL_TYPE:
         model_class, config = wedlm_config_to_hf(raw)
-        model = load_pretrained(model_class, path, config=config, **kwargs)
+        model, info = load_pretrained(model_class, path, config=config, output_loading_info=True, **kwargs)
+        _zero_missing_output_projection_biases(model, info["missing_keys"])
     else:
         model = load_pretrained(AutoModelForCausalLM, path, **kwargs)
     if mask_token_id is not None:

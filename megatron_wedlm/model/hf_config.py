@@ -18,9 +18,13 @@ The three families differ only in a few switches Megatron already has:
 family      q/k/v bias            q/k RMSNorm     transformers class
 ==========  ====================  ==============  ============================
 qwen2       yes (no o_proj bias)  no              ``Qwen2ForCausalLM``
-qwen3       no                    yes (per head)  ``Qwen3ForCausalLM``
+qwen3       no (*)                yes (per head)  ``Qwen3ForCausalLM``
 llama       no                    no              ``LlamaForCausalLM``
 ==========  ====================  ==============  ============================
+
+(*) Qwen3 with ``attention_bias=true`` has q/k/v biases *and* an o_proj bias; it converts when the
+o_proj bias is zero or absent (official WeDLM configs with ``qk_norm`` and ``attention_bias`` map to
+it: the reference attention has q/k/v biases, q/k norm and no o_proj bias).
 """
 
 from __future__ import annotations
@@ -186,9 +190,9 @@ def _check_supported_features(config: Any) -> None:
         raise UnsupportedModelError(f"hidden_act={config.hidden_act!r} is not supported; only 'silu' (SwiGLU)")
     if getattr(config, "use_sliding_window", False):
         raise UnsupportedModelError("use_sliding_window=true is not supported (WeDLM needs full causal attention)")
-    if arch in ("llama", "qwen3") and getattr(config, "attention_bias", False):
+    if arch == "llama" and getattr(config, "attention_bias", False):
         raise UnsupportedModelError(
-            f"{arch} with attention_bias=true (biases on q/k/v *and* o_proj) is not supported; "
+            "llama with attention_bias=true (biases on q/k/v *and* o_proj) is not supported; "
             "Megatron's add_qkv_bias covers q/k/v only"
         )
     if arch == "llama" and getattr(config, "mlp_bias", False):
@@ -213,6 +217,13 @@ def _check_heads(raw: dict[str, Any], config: Any) -> None:
             f"num_key_value_heads={groups} does not divide num_attention_heads={heads}; every key/value "
             "head must serve the same number of query heads: fix config.json"
         )
+
+
+def _has_qkv_bias(config: Any) -> bool:
+    """Qwen2 always; Qwen3 with ``attention_bias=true`` (official WeDLM configs with q/k norm and biases map to
+    it). Qwen3's class then also has an o_proj bias, which Megatron lacks: conversion requires it to be zero
+    or absent and exports zeros (:func:`megatron_wedlm.conversion.mapping.zero_hf_tensors`)."""
+    return config.model_type == "qwen2" or (config.model_type == "qwen3" and bool(config.attention_bias))
 
 
 def model_args_from_hf_config(
@@ -254,7 +265,7 @@ def model_args_from_hf_config(
         rope_theta=_rope_theta(hf),
         rms_norm_eps=float(hf.rms_norm_eps),
         qk_layernorm=hf.model_type == "qwen3",
-        add_qkv_bias=hf.model_type == "qwen2",
+        add_qkv_bias=_has_qkv_bias(hf),
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         mask_token_id=mask_token_id,
         dtype=dtype,
@@ -300,7 +311,7 @@ def hf_config_from_model_args(args: ModelArgs):
     if args.architecture == "qwen2":
         base.pop("attention_bias", None)
     else:
-        base["attention_bias"] = False
+        base["attention_bias"] = args.add_qkv_bias  # qwen3 only (see _has_qkv_bias)
     if args.architecture == "llama":
         base["mlp_bias"] = False
     if "layer_types" in base and len(base["layer_types"]) != args.num_layers:

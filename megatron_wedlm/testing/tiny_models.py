@@ -105,6 +105,7 @@ def build_tiny_causal_lm(
     eos_token_id: int | None = None,
     pad_token_id: int | None = None,
     mask_token_id: int | None = None,
+    attention_bias: bool | None = None,
     seed: int = 0,
 ) -> PreTrainedModel:
     """A random Qwen2 / Qwen3 / Llama causal LM with every shape knob exposed (fp32, eval mode).
@@ -139,6 +140,7 @@ def build_tiny_causal_lm(
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         bos_token_id=None,
+        **({} if attention_bias is None else {"attention_bias": attention_bias}),
     )
     if mask_token_id is not None:
         config.mask_token_id = mask_token_id
@@ -220,7 +222,12 @@ def write_official_checkpoint(
     if mask_token_id is not None:
         config["mask_token_id"] = mask_token_id
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(directory / "model.safetensors"))
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    for name in [k for k in tensors if k.endswith("self_attn.o_proj.bias")]:
+        # The reference attention has no output-projection bias: a (zero) one of the source class is left out.
+        if tensors.pop(name).any():
+            raise ValueError(f"{name} is not zero: the reference WeDLM attention has no o_proj bias")
+    save_file(tensors, str(directory / "model.safetensors"))
     for name in REMOTE_CODE_FILES:
         marker = str(directory.resolve() / REMOTE_CODE_MARKER)
         (directory / f"{name}.py").write_text(_REMOTE_CODE.format(name=name, marker_path=marker))
