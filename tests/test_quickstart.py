@@ -1,11 +1,14 @@
 """The quickstart's ``ci`` preset end to end: every stage runs through its real entry point.
 
-One run of ``tools/quickstart.py --preset ci`` (a tiny model, a few steps: it checks that the
-machinery works, not that the model learns). The checks: every stage ran and is recorded,
-every artefact exists and parses, both exported models load with ``AutoModelForCausalLM`` and
-carry the tokenizer's mask token, and the numbers in the report come from those models (the
-exported WeDLM model, decoded greedily with HF ``generate``, reproduces the report's AR
-answers; the report's totals add up from its samples).
+The ``ci`` preset (a tiny model, a few steps: it checks that the machinery works, not that the
+model learns) run by the seeds runner, ``tools/bench_quickstart.py --seeds 1,2``, as a user would
+measure the quickstart over seeds; the other checks look at seed 1. The checks: every stage ran
+and is recorded, every artefact exists and parses, both exported models load with
+``AutoModelForCausalLM`` and carry the tokenizer's mask token, and the numbers in the report come
+from those models (the exported WeDLM model, decoded greedily with HF ``generate``, reproduces the
+report's AR answers; the report's totals add up from its samples); tau was chosen on calibration
+prompts disjoint from the test prompts and travels with the exported model; the seeds table
+holds every seed's figures.
 """
 
 from __future__ import annotations
@@ -20,20 +23,33 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from megatron_wedlm.eval.results import EvalReport
+from megatron_wedlm.decoding.generation_defaults import read_decoding_defaults
+from megatron_wedlm.eval.builtin_tasks import builtin_task
+from megatron_wedlm.eval.results import EvalReport, wilson_interval
+from megatron_wedlm.quickstart.calibration import choose_operating_tau
 from megatron_wedlm.quickstart.pipeline import STAGES
 from megatron_wedlm.quickstart.summary import BASE_METHOD
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+SEEDS = (1, 2)
+
+
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("quickstart")
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "quickstart.py"), "--preset", "ci", "--out", str(out),
-                           "--seed", "1"], capture_output=True, text=True, timeout=900, cwd=ROOT)
+def bench(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quickstart")
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_quickstart.py"), "--preset", "ci",
+                           "--seeds", ",".join(map(str, SEEDS)), "--out", str(root)],
+                          capture_output=True, text=True, timeout=1500, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out, proc.stdout
+    return root, proc.stdout
+
+
+@pytest.fixture(scope="module")
+def run(bench):
+    root, stdout = bench
+    return root / f"seed-{SEEDS[0]}", stdout
 
 
 def test_every_stage_ran_in_order_with_visible_progress(run):
@@ -112,8 +128,6 @@ def test_exported_models_load_and_reproduce_the_reported_ar_answers(run):
 
 
 def _task(name, out):
-    from megatron_wedlm.eval.builtin_tasks import builtin_task
-
     q = json.loads((out / "report.json").read_text())["quickstart"]
     return builtin_task(name, num_examples=q["settings"]["eval"]["num_examples"], seed=q["seed"])
 
@@ -141,3 +155,66 @@ def test_report_parses_and_its_totals_add_up(run):
     assert "## Targets" in md and all(f"| {n} |" in md for n in names)
     assert (out / "speed_accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "targets:" in stdout and f"report: {out / 'report.md'}" in stdout
+    for r in data["results"]:
+        assert tuple(r["accuracy_ci95"]) == wilson_interval(r["num_correct"], r["num_examples"])
+
+
+def _sample_prompts(report_json: Path, split: str, seed: int) -> set[str]:
+    """The prompts behind a report's samples, regenerated from their task, split and seed."""
+    report = EvalReport.load(str(report_json))
+    prompts = set()
+    for task, count in report.settings["tasks"].items():
+        by_uid = {ex.uid: ex.prompt for ex in builtin_task(task, count, seed=seed, split=split).examples}
+        uids = {s.uid for s in report.samples if s.task == task}
+        assert uids == set(by_uid)  # the report's samples are exactly that split's prompts
+        prompts |= set(by_uid.values())
+    return prompts
+
+
+def test_tau_is_chosen_on_calibration_prompts_disjoint_from_the_test_prompts(run):
+    out, stdout = run
+    q = json.loads((out / "report.json").read_text())["quickstart"]
+    c = q["calibration"]
+    calibration = set()
+    for model in ("ar-base", "wedlm"):
+        calibration |= _sample_prompts(out / "eval" / "calibration" / model / "report.json", "calibration", q["seed"])
+    test = _sample_prompts(out / "eval" / "wedlm" / "report.json", "test", q["seed"])
+    assert len(calibration) == len(c["tasks"]) * c["num_examples"] and test
+    assert not calibration & test
+    # the recorded accuracies come from the calibration reports, and the rule applied to them gives the tau
+    wedlm = EvalReport.load(str(out / "eval" / "calibration" / "wedlm" / "report.json"))
+    assert {f"{t:g}" for t in q["settings"]["eval"]["taus"]} == set(c["sweep"])
+    for tau, accuracy in c["sweep"].items():
+        assert accuracy == {t: wedlm.result(t, "streaming", float(tau)).accuracy for t in c["tasks"]}
+    sweep = {float(tau): acc for tau, acc in c["sweep"].items()}
+    assert c["operating_tau"] == choose_operating_tau(sweep, c["base_accuracy"], c["tolerance"])
+    assert q["settings"]["eval"]["operating_tau"] == c["operating_tau"]
+    assert f"operating tau {c['operating_tau']:g}" in stdout
+
+
+def test_exported_wedlm_model_carries_the_calibrated_decoding_defaults(run):
+    out, _ = run
+    e = json.loads((out / "report.json").read_text())["quickstart"]["settings"]["eval"]
+    assert read_decoding_defaults(out / "hf" / "wedlm") == {
+        "window_size": e["window_size"], "entropy_threshold": e["operating_tau"],
+        "distance_penalty": e["distance_penalty"]}
+    generation_config = json.loads((out / "hf" / "wedlm" / "generation_config.json").read_text())
+    assert "transformers_version" in generation_config  # HF's own keys are kept next to ours
+
+
+def test_seeds_runner_prints_every_seed_and_the_range_of_each_figure(bench):
+    root, stdout = bench
+    figures = {seed: json.loads((root / f"seed-{seed}" / "report.json").read_text())["quickstart"]["figures"]
+               for seed in SEEDS}
+    assert {json.loads((root / f"seed-{seed}" / "report.json").read_text())["quickstart"]["seed"]
+            for seed in SEEDS} == set(SEEDS)
+    table = stdout[stdout.index("=== ci preset over seeds 1,2"):]
+    assert table.splitlines()[1].split() == [f"{w}" for s in SEEDS for w in ("seed", str(s))] + ["min", "median", "max"]
+    for name in figures[SEEDS[0]]:
+        row = next(line for line in table.splitlines() if line.startswith(name + "  "))
+        values = [figures[seed][name] for seed in SEEDS]
+        expected = values + [min(values), sum(values) / 2, max(values)] if None not in values else None
+        cells = row[len(name):].split()
+        if expected is not None:
+            assert cells == [f"{v:.2f}" for v in expected], row
+    assert "counting: tokens per forward" in table and "same seed, same numbers" in table

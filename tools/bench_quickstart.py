@@ -1,13 +1,16 @@
 #!/usr/bin/env python
-"""Run the full quickstart (optionally twice, to check same seed -> same numbers) and print its targets.
+"""Run the quickstart for several seeds (optionally twice each) and print its figures and targets per seed.
 
-    python tools/bench_quickstart.py [--preset full] [--seed 0] [--out DIR] [--repeat]
+    python tools/bench_quickstart.py [--preset full] [--seeds 0,1,2] [--out DIR] [--repeat]
 
-The quickstart itself measures and judges every target (see ``megatron_wedlm/quickstart/summary.py``);
-this script runs it as a user would, and prints the targets, per-stage wall and CPU seconds and
-the machine's load, because a shared machine makes wall-clock numbers pessimistic. With
-``--repeat`` a second run (same seed, another directory) is compared with the first through
-``--compare-with``: its "same seed, same numbers" target is then checked, not just reported.
+One seed's numbers say little: the same seed trains a different model on another machine, and a
+minutes-trained model is chaotic in its seed. This script runs the quickstart as a user would,
+once per seed, one after the other (each in ``DIR/seed-N``), prints each run's targets, per-stage
+wall and CPU seconds and the machine's load (a shared machine makes wall-clock numbers
+pessimistic), and then one table: every headline figure (``quickstart.figures`` in report.json)
+and every target's status per seed, with the min / median / max of each figure over the seeds.
+With ``--repeat`` each seed runs a second time (``DIR/seed-N-repeat``), compared with the first
+through ``--compare-with``: its "same seed, same numbers" target is then checked, not just reported.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -34,7 +38,7 @@ def run_once(out: Path, preset: str, seed: int, compare_with: Path | None) -> di
     code = subprocess.call(cmd, cwd=ROOT)
     wall = time.monotonic() - start
     if code != 0:
-        raise SystemExit(f"quickstart failed with exit status {code}; see {out}/logs")
+        raise SystemExit(f"quickstart (seed {seed}) failed with exit status {code}; see {out}/logs")
     data = json.loads((out / "report.json").read_text())
     print_run(data, wall, load_before, os.getloadavg())
     return data
@@ -56,20 +60,61 @@ def print_run(data: dict, wall: float, load_before: tuple, load_after: tuple) ->
         print(f"  [{t['status']:^11}] {t['name']}: {t['measured']}")
 
 
+def _cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def seeds_table(reports: dict[int, dict]) -> str:
+    """Figures and target statuses (rows) per seed (columns), then min / median / max of each figure."""
+    seeds = list(reports)
+    figures = {seed: reports[seed]["quickstart"]["figures"] for seed in seeds}
+    targets = {seed: {t["name"]: t["status"] for t in reports[seed]["quickstart"]["targets"]} for seed in seeds}
+    names = list(dict.fromkeys(name for seed in seeds for name in figures[seed]))
+    width = max(len(n) for n in names + [n for seed in seeds for n in targets[seed]]) + 2
+    head = f"{'':<{width}}" + "".join(f"{f'seed {s}':>10}" for s in seeds) + f"{'min':>10}{'median':>10}{'max':>10}"
+    lines = [head, "-" * len(head)]
+    for name in names:
+        values = [figures[seed].get(name) for seed in seeds]
+        known = [v for v in values if v is not None]
+        summary = (min(known), statistics.median(known), max(known)) if known else (None, None, None)
+        lines.append(f"{name:<{width}}" + "".join(f"{_cell(v):>10}" for v in values + list(summary)))
+    lines += ["", f"{'target':<{width}}" + "".join(f"{f'seed {s}':>10}" for s in seeds) + f"{'met':>10}"]
+    for name in dict.fromkeys(n for seed in seeds for n in targets[seed]):
+        statuses = [targets[seed].get(name, "-") for seed in seeds]
+        met = f"{statuses.count('met')}/{len(seeds)}"
+        lines.append(f"{name:<{width}}" + "".join(f"{s:>10}" for s in statuses) + f"{met:>10}")
+    return "\n".join(lines)
+
+
+def _seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seeds takes comma-separated integers, got {text!r}") from None
+    if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"--seeds needs distinct seeds >= 0, got {text!r}")
+    return seeds
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="full", choices=("full", "ci"))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="bench_quickstart_out", help="run directory (a second run adds -repeat)")
-    p.add_argument("--repeat", action="store_true", help="run twice and check same seed -> same numbers")
+    p.add_argument("--seeds", type=_seeds, default=[0], help="comma-separated seeds, run one after the other")
+    p.add_argument("--out", default="bench_quickstart_out", help="directory of the runs (one seed-N per seed)")
+    p.add_argument("--repeat", action="store_true", help="run each seed twice and check same seed -> same numbers")
     args = p.parse_args(argv)
-    out = Path(args.out).resolve()
-    first = run_once(out, args.preset, args.seed, None)
-    if args.repeat:
-        second = run_once(out.with_name(out.name + "-repeat"), args.preset, args.seed, out / "report.json")
-        same = first["quickstart"]["fingerprint"] == second["quickstart"]["fingerprint"]
-        print(f"\nsame seed, same numbers: {'yes' if same else 'NO'} "
-              f"({first['quickstart']['fingerprint']} vs {second['quickstart']['fingerprint']})")
+    root = Path(args.out).resolve()
+    reports = {}
+    for seed in args.seeds:
+        out = root / f"seed-{seed}"
+        reports[seed] = run_once(out, args.preset, seed, None)
+        if args.repeat:
+            second = run_once(root / f"seed-{seed}-repeat", args.preset, seed, out / "report.json")
+            first_fp, second_fp = reports[seed]["quickstart"]["fingerprint"], second["quickstart"]["fingerprint"]
+            print(f"\nseed {seed}: same seed, same numbers: {'yes' if first_fp == second_fp else 'NO'} "
+                  f"({first_fp} vs {second_fp})")
+    print(f"\n=== {args.preset} preset over seeds {','.join(map(str, args.seeds))} "
+          f"({os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')})\n" + seeds_table(reports))
     return 0
 
 

@@ -7,14 +7,17 @@ Builds a corpus (built-in low-entropy tasks + Python standard-library source), t
 tokenizer, prepares webdataset shards, pretrains a small Qwen-style model with next-token
 prediction (torchrun, 2 processes), continues it with WeDLM pretraining, WeDLM-fine-tunes it on
 prompt/answer pairs of the built-in tasks (sft/sft_wedlm.py), exports the base and final models to
-HF, decodes held-out prompts with AR, streaming and block-wise decoding, and prints a table
-(accuracy, tokens/forward, p_cache, tokens/s, speed-up vs AR) with the targets, writing
-report.json, report.md and speed_accuracy.png under --out. Each step runs the project's own
+HF, chooses the streaming operating point (the entropy threshold tau) on calibration prompts and
+writes it into the exported model's generation_config.json, decodes the held-out test prompts
+(disjoint from the calibration ones) with AR, streaming and block-wise decoding, and prints a
+table (accuracy with its 95% interval, tokens/forward, p_cache, tokens/s, speed-up vs AR) with the
+targets at that tau, writing report.json, report.md and speed_accuracy.png under --out. Each step runs the project's own
 entry point (printed before it runs); see megatron_wedlm/quickstart/pipeline.py.
 
 Presets: ``full`` (the README's command; about 10-15 minutes on 2 cores) and ``ci`` (a small
 model and few steps, for tests). ``--compare-with OLD/report.json`` checks that this run
-reproduced every non-timing number of an earlier run with the same seed.
+reproduced every non-timing number of an earlier run with the same seed;
+``tools/bench_quickstart.py --seeds 0,1,2`` runs it per seed and tabulates the spread.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ a single point for AR, which is how the paper shows the speed-quality trade-off.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 
 from megatron_wedlm.eval.results import EvalReport, MethodResult
@@ -61,7 +62,16 @@ def markdown_table(report: EvalReport) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_speed_accuracy(report: EvalReport, path: str) -> None:
+def brief_model_name(name: str) -> str:
+    """``name`` with every local path in it (``/x/hf/wedlm``, ``./ckpt/``) cut to its last component.
+
+    Titles and captions name models briefly; a hub id such as ``tencent/WeDLM-8B`` stays whole.
+    """
+    return re.sub(r"(?<!\S)(?:~|\.{1,2})?/(?:[^\s/]+/)*([^\s/]+)/?", r"\1", name)
+
+
+def plot_speed_accuracy(report: EvalReport, path: str, title: str | None = None) -> None:
+    """One panel per task; ``title`` defaults to the model's brief name."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -94,7 +104,7 @@ def plot_speed_accuracy(report: EvalReport, path: str) -> None:
         ax.legend(fontsize=8)
     for ax in list(axes.flat)[len(tasks):]:
         ax.axis("off")
-    fig.suptitle(f"{report.model}: speed vs accuracy (labels: entropy threshold tau)")
+    fig.suptitle(title or f"{brief_model_name(report.model)}: speed vs accuracy (labels: entropy threshold tau)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

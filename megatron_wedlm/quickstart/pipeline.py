@@ -1,7 +1,7 @@
 """The quickstart run, stage by stage, through the project's real entry points.
 
     corpus -> tokenizer -> prepare_data -> ar_pretrain -> wedlm_pretrain -> sft -> export
-    -> eval_base -> eval_wedlm -> report
+    -> calibrate -> eval_base -> eval_wedlm -> report
 
 Only the first two stages and the report run in this process (they have no entry point of
 their own: building text and training a tokenizer are what the quickstart *adds*). Everything
@@ -14,13 +14,18 @@ else is the command a user would run, launched as a subprocess with the argument
 * ``torchrun sft/sft_wedlm.py``          WeDLM SFT on the task pairs from the WeDLM checkpoint
 * ``tools/convert_checkpoint.py megatron-to-hf`` for the base and the final (SFT) checkpoint,
   each then reloaded with ``AutoModelForCausalLM`` (its tokenizer checked to encode as ours)
-* ``inference/evaluate.py`` AR decoding of the base model; AR, streaming and block-wise
-  decoding of the WeDLM model, on held-out prompts of every built-in task
+* ``inference/evaluate.py`` on the *calibration* prompts (base model: AR; WeDLM model: the
+  streaming tau sweep), which choose the operating tau (``quickstart/calibration.py``); it is
+  written into the exported WeDLM model's ``generation_config.json`` with window and penalty
+* ``inference/evaluate.py`` on the *test* prompts (disjoint from the calibration ones): AR
+  decoding of the base model; AR, streaming and block-wise decoding (the whole tau sweep) of the
+  WeDLM model. The report judges the targets at the calibrated tau.
 
 Layout of the output directory (each stage owns its subdirectory; a rerun replaces them)::
 
     data/corpus.jsonl  data/shards/  data/sft.jsonl  data/sft_shards/  tokenizer/
     runs/ar/  runs/wedlm/  runs/sft/  hf/ar-base/  hf/wedlm/  eval/ar-base/  eval/wedlm/
+    eval/calibration/ar-base/  eval/calibration/wedlm/
     logs/<stage>.log  stages.json  report.json  report.md  speed_accuracy.png
 """
 
@@ -34,6 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_wedlm.quickstart.calibration import Calibration, calibration_from_reports, describe
 from megatron_wedlm.quickstart.settings import (
     REPO_ROOT,
     TRAINING_STAGES,
@@ -47,7 +53,7 @@ from megatron_wedlm.quickstart.stages import Console, StageRunner
 OWNED_PATHS = ("data", "tokenizer", "runs", "hf", "eval", "logs", "stages.json",
                "report.json", "report.md", "speed_accuracy.png")
 STAGES = ("corpus", "tokenizer", "prepare_data", "ar_pretrain", "wedlm_pretrain", "sft", "export",
-          "eval_base", "eval_wedlm", "report")
+          "calibrate", "eval_base", "eval_wedlm", "report")
 #: Entry point of each training stage.
 TRAINING_SCRIPTS = {"ar_pretrain": "pretrain/pretrain_wedlm.py", "wedlm_pretrain": "pretrain/pretrain_wedlm.py",
                     "sft": "sft/sft_wedlm.py"}
@@ -88,8 +94,8 @@ class Layout:
     def hf_dir(self, model: str) -> Path:
         return self.root / "hf" / model
 
-    def eval_dir(self, model: str) -> Path:
-        return self.root / "eval" / model
+    def eval_dir(self, model: str, split: str = "test") -> Path:
+        return self.root / "eval" / model if split == "test" else self.root / "eval" / split / model
 
 
 BASE, WEDLM = "ar-base", "wedlm"
@@ -160,6 +166,7 @@ class Quickstart:
         self.console = console or Console()
         self.env = _subprocess_env()
         self.runner: StageRunner | None = None
+        self.calibration: Calibration | None = None
 
     # -- stages ------------------------------------------------------------------------------
     def corpus(self) -> dict[str, Any]:
@@ -277,27 +284,53 @@ class Quickstart:
                            f"{info['parameters'] / 1e6:.2f} M parameters, mask_token_id={info['mask_token_id']}")
         return info
 
-    def evaluate(self, model: str, methods: list[str]) -> dict[str, Any]:
+    def evaluate(self, model: str, methods: list[str], split: str = "test") -> dict[str, Any]:
         """One decoding thread: decoding a tiny model one prompt at a time is latency-bound, a second
         thread only adds synchronisation (and on a busy machine, spinning threads stall badly)."""
         e = self.settings.eval
-        out = self.layout.eval_dir(model)
+        out = self.layout.eval_dir(model, split)
+        if split == "test":
+            tasks, num_examples = list(e.tasks), e.num_examples
+        else:
+            tasks, num_examples = [f"{t}:{split}" for t in e.calibration_tasks], e.calibration_examples
         self._run([*_python(), "inference/evaluate.py", "--model", self.layout.hf_dir(model),
-                   "--tasks", ",".join(e.tasks), "--methods", ",".join(methods),
-                   "--taus", ",".join(f"{t:g}" for t in e.taus), "--num-examples", str(e.num_examples),
+                   "--tasks", ",".join(tasks), "--methods", ",".join(methods),
+                   "--taus", ",".join(f"{t:g}" for t in e.taus), "--num-examples", str(num_examples),
                    "--seed", str(self.seed), "--window-size", str(e.window_size),
                    "--distance-penalty", f"{e.distance_penalty:g}", "--device", "cpu", "--dtype", "float32",
-                   "--out", out], log_name=f"eval_{model}", env={"OMP_NUM_THREADS": "1"})
+                   "--out", out], log_name=f"eval_{model}" + ("" if split == "test" else f"_{split}"),
+                  env={"OMP_NUM_THREADS": "1"})
         return {"report": str(out / "report.json")}
+
+    def calibrate(self) -> dict[str, Any]:
+        """Choose tau on the calibration prompts and store it, with window and penalty, in the WeDLM export."""
+        from megatron_wedlm.decoding.generation_defaults import write_decoding_defaults
+        from megatron_wedlm.eval.results import EvalReport
+
+        e = self.settings.eval
+        self.evaluate(BASE, ["ar"], split="calibration")
+        self.evaluate(WEDLM, ["streaming"], split="calibration")
+        self.calibration = c = calibration_from_reports(
+            EvalReport.load(str(self.layout.eval_dir(BASE, "calibration") / "report.json")),
+            EvalReport.load(str(self.layout.eval_dir(WEDLM, "calibration") / "report.json")), e.calibration_tasks)
+        for line in describe(c):
+            self.console.print(f"[calibrate] {line}")
+        defaults = {"window_size": e.window_size, "entropy_threshold": c.operating_tau,
+                    "distance_penalty": e.distance_penalty}
+        path = write_decoding_defaults(self.layout.hf_dir(WEDLM), defaults)
+        self.console.print(f"[calibrate] decoding defaults {defaults} -> {path}")
+        return {**asdict(c), "generation_config": str(path)}
 
     def report(self, timings: dict[str, Any]) -> dict[str, Any]:
         from megatron_wedlm.quickstart.summary import build_summary, print_summary, write_summary
 
         assert self.runner is not None
+        assert self.calibration is not None
         summary = build_summary(
             base_report=self.layout.eval_dir(BASE) / "report.json",
             wedlm_report=self.layout.eval_dir(WEDLM) / "report.json",
-            settings=self.settings, seed=self.seed, stages=self.runner.records, timings=timings,
+            settings=self.settings, seed=self.seed, calibration=self.calibration,
+            stages=self.runner.records, timings=timings,
             training={s: read_training_result(self.layout.run_dir(s)) for s in TRAINING_STAGES},
             previous_fingerprint=self.previous_fingerprint,
         )
@@ -329,9 +362,11 @@ class Quickstart:
             wedlm_ckpt = Path(sft.detail["checkpoint"])
             runner.stage("export", "megatron-to-hf for the base and the WeDLM model, reload with AutoModelForCausalLM",
                          lambda: self.export({BASE: base_ckpt, WEDLM: wedlm_ckpt}))
-            runner.stage("eval_base", "AR decoding of the base model (inference/evaluate.py)",
+            runner.stage("calibrate", "choose tau on the calibration prompts, write it into the WeDLM export's "
+                         "generation_config.json", self.calibrate)
+            runner.stage("eval_base", "AR decoding of the base model on the test prompts (inference/evaluate.py)",
                          lambda: self.evaluate(BASE, ["ar"]))
-            runner.stage("eval_wedlm", "streaming, block-wise and AR decoding of the WeDLM model",
+            runner.stage("eval_wedlm", "streaming, block-wise and AR decoding of the WeDLM model on the test prompts",
                          lambda: self.evaluate(WEDLM, ["streaming", "blockwise", "ar"]))
             timings = {"total_seconds": self.console.elapsed,
                        "longest_silence_seconds": self.console.longest_gap}

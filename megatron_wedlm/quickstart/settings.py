@@ -57,8 +57,12 @@ class SftStageSettings(TrainingStageSettings):
 @dataclass
 class EvalSettings:
     tasks: List[str] = field(default_factory=lambda: ["counting", "copying", "arithmetic"])
-    num_examples: int = 20  # held-out prompts per task
-    taus: List[float] = field(default_factory=lambda: [0.4])  # the first is the one targets use
+    num_examples: int = 100  # held-out test prompts per task
+    # tau is chosen on these tasks' calibration prompts (disjoint from the test prompts; see
+    # quickstart/calibration.py), then the test prompts are reported at it
+    calibration_tasks: List[str] = field(default_factory=lambda: ["counting", "copying"])
+    calibration_examples: int = 50  # calibration prompts per calibration task
+    taus: List[float] = field(default_factory=lambda: [0.2, 0.4])  # the sweep: calibrated, plotted
     window_size: int = 16
     distance_penalty: float = 0.02
 
@@ -68,7 +72,9 @@ class TargetSettings:
     max_total_seconds: float = 900.0
     max_silence_seconds: float = 30.0  # longest allowed gap between two console lines
     low_entropy_tasks: List[str] = field(default_factory=lambda: ["counting", "copying"])
+    max_accuracy_drop: float = 0.02  # streaming exact match >= base AR - this (a fraction: 0.02 = 2 points)
     min_tokens_per_forward: float = 4.0
+    min_speedup_vs_ar: float = 1.0  # streaming tokens/s over the same model's AR tokens/s
 
 
 @dataclass
@@ -122,10 +128,15 @@ def _validate(s: QuickstartSettings, path: Path) -> None:
     if any(n < 0 for n in examples.values()) or sum(examples.values()) == 0:
         raise ValueError(f"{path}: sft.task_examples needs counts >= 0 that are not all 0 "
                          f"(prompt/response pairs per task family), got {dict(examples)}")
-    if s.eval.num_examples < 1:
-        raise ValueError(f"{path}: eval.num_examples must be >= 1, got {s.eval.num_examples}")
+    for key in ("num_examples", "calibration_examples"):
+        if getattr(s.eval, key) < 1:
+            raise ValueError(f"{path}: eval.{key} must be >= 1, got {getattr(s.eval, key)}")
     if not s.eval.taus:
         raise ValueError(f"{path}: eval.taus needs at least one entropy threshold")
+    outside = [t for t in s.eval.calibration_tasks if t not in s.eval.tasks]
+    if outside or not s.eval.calibration_tasks:
+        raise ValueError(f"{path}: eval.calibration_tasks must be some of eval.tasks {s.eval.tasks}, "
+                         f"got {s.eval.calibration_tasks}")
     missing = [t for t in s.targets.low_entropy_tasks if t not in s.eval.tasks]
     if missing:
         raise ValueError(f"{path}: targets.low_entropy_tasks {missing} are not in eval.tasks {s.eval.tasks}")

@@ -1,0 +1,84 @@
+"""The quickstart's operating point: the entropy threshold tau, chosen on calibration prompts.
+
+Streaming decoding trades accuracy for tokens per forward through tau. Reporting the best tau of
+a sweep measured on the same prompts would flatter the method, so the quickstart chooses tau on
+the *calibration* split of the built-in tasks (disjoint from the test split by construction, see
+``megatron_wedlm.eval.builtin_tasks``) and then reports the test split at that tau.
+
+Rule: the largest tau of the sweep whose calibration accuracy stays within ``tolerance`` (1 point)
+of the base AR model's calibration accuracy on *every* calibration task; if no tau does, the
+smallest tau (the most careful one). One tau serves every task, because it travels with the
+exported model as its decoding default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from megatron_wedlm.eval.results import EvalReport
+
+#: "Within 1 point of base AR": accuracies are fractions.
+CALIBRATION_TOLERANCE = 0.01
+_EPS = 1e-9  # accuracies are ratios of counts; keep an exact "1 point lower" inside the tolerance
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What the calibration measured and the tau it chose (recorded in report.json)."""
+
+    tasks: list[str]
+    num_examples: int  # calibration prompts per task
+    tolerance: float
+    base_accuracy: dict[str, float]  # task -> base AR accuracy
+    sweep: dict[str, dict[str, float]]  # f"{tau:g}" -> task -> streaming accuracy
+    operating_tau: float
+
+
+def choose_operating_tau(sweep: Mapping[float, Mapping[str, float]], base: Mapping[str, float],
+                         tolerance: float = CALIBRATION_TOLERANCE) -> float:
+    """The largest tau whose accuracy is >= base - tolerance on every task of ``base``; else the smallest tau.
+
+    ``sweep`` maps tau -> task -> streaming accuracy, ``base`` task -> base AR accuracy.
+    """
+    if not sweep:
+        raise ValueError("calibration needs at least one tau in the sweep")
+    if not base:
+        raise ValueError("calibration needs the base AR accuracy of at least one task")
+    for tau, accuracy in sweep.items():
+        missing = sorted(set(base) - set(accuracy))
+        if missing:
+            raise ValueError(f"calibration at tau={tau:g} has no accuracy for task(s) {missing}")
+    good = [tau for tau, accuracy in sweep.items() if keeps_up(accuracy, base, tolerance)]
+    return max(good) if good else min(sweep)
+
+
+def keeps_up(accuracy: Mapping[str, float], base: Mapping[str, float], tolerance: float) -> bool:
+    """Whether ``accuracy`` is within ``tolerance`` of ``base`` (or above) on every task of ``base``."""
+    return all(accuracy[task] >= base[task] - tolerance - _EPS for task in base)
+
+
+def calibration_from_reports(base_report: EvalReport, wedlm_report: EvalReport, tasks: Sequence[str],
+              tolerance: float = CALIBRATION_TOLERANCE) -> Calibration:
+    """Apply :func:`choose_operating_tau` to the calibration reports (base: AR rows, WeDLM: streaming rows)."""
+    base = {task: base_report.result(task, "ar").accuracy for task in tasks}
+    taus = sorted({r.tau for r in wedlm_report.results if r.method == "streaming" and r.tau is not None})
+    sweep = {tau: {task: wedlm_report.result(task, "streaming", tau).accuracy for task in tasks} for tau in taus}
+    counts = {r.num_examples for r in wedlm_report.results if r.task in tasks}
+    return Calibration(tasks=list(tasks), num_examples=min(counts, default=0), tolerance=tolerance,
+                       base_accuracy=base, sweep={f"{tau:g}": acc for tau, acc in sweep.items()},
+                       operating_tau=choose_operating_tau(sweep, base, tolerance))
+
+
+def describe(c: Calibration) -> list[str]:
+    """Console lines: what was measured on the calibration prompts and which tau it chose."""
+    def row(accuracy: Mapping[str, float]) -> str:
+        return ", ".join(f"{task} {100 * a:.1f}%" for task, a in accuracy.items())
+
+    chosen = f"{c.operating_tau:g}"
+    within = keeps_up(c.sweep[chosen], c.base_accuracy, c.tolerance)
+    return ([f"base AR: {row(c.base_accuracy)} ({c.num_examples} calibration prompts per task)"]
+            + [f"streaming tau {tau}: {row(acc)}" for tau, acc in c.sweep.items()]
+            + [f"operating tau {chosen}: " + (f"the largest within {100 * c.tolerance:g} point of base AR on every task"
+                                              if within else f"no tau stayed within {100 * c.tolerance:g} point "
+                                              "of base AR on every task; the smallest")])
