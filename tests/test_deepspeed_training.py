@@ -51,6 +51,13 @@ def data(tmp_path_factory) -> dict[str, str]:
     from megatron_wedlm.conversion import convert_hf_to_megatron
 
     root = tmp_path_factory.mktemp("ds-data")
+    made = make_sft_data(root)
+    convert_hf_to_megatron(root / "hf", root / "megatron")
+    return {**made, "megatron": str(root / "megatron")}
+
+
+def make_sft_data(root: Path) -> dict[str, str]:
+    """A tiny HF checkpoint (Qwen3, its tokenizer without a mask token) and SFT data prepared with it."""
     tokenizer = build_tiny_ar_tokenizer()
     model = build_tiny_causal_lm("qwen3", vocab_size=len(tokenizer), num_kv_heads=2, head_dim=16,
                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
@@ -60,8 +67,7 @@ def data(tmp_path_factory) -> dict[str, str]:
         for prompt, completion in training_pairs(64, seed=1):
             handle.write(json.dumps({"prompt": prompt, "response": completion}) + "\n")
     prepare_dataset([root / "pairs.jsonl"], root / "sft", root / "hf", task="sft", raw_sft=True, samples_per_shard=8)
-    convert_hf_to_megatron(root / "hf", root / "megatron")
-    return {"root": str(root), "hf": str(root / "hf"), "sft": str(root / "sft"), "megatron": str(root / "megatron")}
+    return {"root": str(root), "hf": str(root / "hf"), "sft": str(root / "sft")}
 
 
 # --------------------------------------------------------------------------------------------
@@ -99,10 +105,10 @@ def cpu_adam_ready() -> bool:
 
 
 def two_rank_worker(common: list[str], data: dict[str, str], out: str, offload: bool) -> dict[str, str]:
-    import megatron_wedlm.deepspeed_backend.forward as forward
     from megatron_wedlm.config import load_config
     from megatron_wedlm.deepspeed_backend import run_deepspeed_sft
     from megatron_wedlm.training.loop import NonFiniteLossError
+    from megatron_wedlm.training.objective import Objective
 
     def run(name: str, *extra: str):
         return run_deepspeed_sft(load_config(None, [
@@ -120,15 +126,15 @@ def two_rank_worker(common: list[str], data: dict[str, str], out: str, offload: 
             "checkpointing.save_at_end=false")
 
     # Non-finite steps: poison the objective of chosen optimizer steps (2 micro-batches per rank).
-    honest, calls = forward.training_objective, [0]
+    honest, calls = Objective.contribution, [0]
 
-    def poisoned(per_slot, batch, normalizer, **kwargs):
-        total, loss = honest(per_slot, batch, normalizer, **kwargs)
+    def poisoned(self, per_slot, batch, normalizer):
+        total, loss = honest(self, per_slot, batch, normalizer)
         calls[0] += 1
         step = (calls[0] - 1) // 2 + 1
         return (total * float("nan"), loss) if step in poisoned.bad_steps else (total, loss)
 
-    forward.training_objective = poisoned
+    Objective.contribution = poisoned
     outcome = {}
     try:
         poisoned.bad_steps = (2,)
@@ -139,7 +145,7 @@ def two_rank_worker(common: list[str], data: dict[str, str], out: str, offload: 
         except NonFiniteLossError as err:
             outcome["stopped"] = str(err)
     finally:
-        forward.training_objective = honest
+        Objective.contribution = honest
     return outcome
 
 

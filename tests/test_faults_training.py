@@ -11,7 +11,8 @@ tiny config of ``test_training.py``) and real files, and checks that nothing is 
 6. an unreadable newest checkpoint is named, and ``--resume auto`` falls back to the previous one;
 7. resuming the data position on a different shard set is refused unless told.
 
-One launch per probe; every training inside it is a few steps.
+One launch per probe; every training inside it is a few steps. The DeepSpeed backend shares the
+same layer (``training.run_dir``, ``training.checkpointing``): one launch checks it too.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_deepspeed_training import ENV as DS_ENV
+from test_deepspeed_training import _common as ds_common
+from test_deepspeed_training import make_sft_data
 from test_training import LAUNCH_TIMEOUT, TINY, _base, _train, losses
 
 from megatron_wedlm.data.prepare import prepare_dataset
@@ -261,3 +265,48 @@ def test_resuming_on_a_different_shard_set_is_refused_unless_allowed(data, tmp_p
     assert "another shard set" in error and data["b"] in error
     assert "checkpointing.load_data_state=false" in error and "checkpointing.allow_data_change=true" in error
     assert got["allowed"]["result"]["start_step"] == 4 and got["allowed"]["result"]["final_step"] == 6
+
+
+# --------------------------------------------------------------------------------------------
+# The DeepSpeed backend: the same lock, refusal, lineage and fallback
+# --------------------------------------------------------------------------------------------
+
+
+def deepspeed_worker(common: list[str], data: dict[str, str], out_dir: str) -> dict:
+    from megatron_wedlm.config import load_config
+    from megatron_wedlm.deepspeed_backend import run_deepspeed_sft
+
+    out = Path(out_dir)
+
+    def run(*extra: str):
+        return run_deepspeed_sft(load_config(None, [
+            *common, "trainer.backend=deepspeed", f"model.init_from={data['hf']}", f"trainer.output_dir={out}",
+            "deepspeed.export_hf=false", "checkpointing.save_interval=2", "checkpointing.keep_last=2", *extra,
+        ]))
+
+    run()  # 4 steps: iter 2, 4
+    refused = {}
+    try:
+        run()
+    except Exception as err:  # noqa: BLE001 - the message is what the test checks
+        refused = {"error": f"{type(err).__name__}: {err}"}
+    branch = run(f"checkpointing.resume={out / 'checkpoints' / 'iter_0000002'}", "trainer.exit_at_step=3")
+    if _is_rank0():  # the branch's newest checkpoint is damaged
+        (out / "checkpoints" / "iter_0000003" / "trainer_state.json").write_text("{")
+    _barrier()
+    auto = run("checkpointing.resume=auto", "trainer.exit_at_step=3")
+    return {"refused": refused, "branch_start": branch.start_step, "auto_start": auto.start_step}
+
+
+def test_the_deepspeed_backend_owns_its_output_dir_and_follows_the_lineage(tmp_path, capfd):
+    data = make_sft_data(tmp_path)
+    out = tmp_path / "run"
+    got = run_distributed(deepspeed_worker, 2, ds_common(data), data, str(out), env=DS_ENV,
+                          timeout_s=LAUNCH_TIMEOUT)[0]
+    assert "already holds checkpoints" in got["refused"]["error"]
+    assert got["branch_start"] == 2
+    # iter_3 is unreadable and iter_4 belongs to the abandoned first run: auto goes back to iter_2
+    assert got["auto_start"] == 2
+    warnings = capfd.readouterr().err
+    assert "iter_0000003/trainer_state.json cannot be read" in warnings
+    assert "iter_0000004 belongs to an abandoned branch" in warnings
