@@ -39,6 +39,8 @@ OPTIMIZER_STEPS = 4
 SPECS = {
     "main": we.TinyWeDLMSpec().to_dict(),
     "tied": we.TinyWeDLMSpec(tied_embeddings=True, qk_layernorm=False, add_qkv_bias=False).to_dict(),
+    # 4 micro-batches: the interleaved schedule's steady state (1F1B across chunks) is reached
+    "microbatches4": we.TinyWeDLMSpec(global_microbatches=4).to_dict(),
 }
 LAYOUTS = [
     {"name": "tp2", "spec": "main", "tp": 2},
@@ -49,7 +51,7 @@ LAYOUTS = [
     {"name": "pp2-tied", "spec": "tied", "pp": 2},
     {"name": "cp2", "spec": "main", "cp": 2},
     {"name": "cp2-recompute-selective", "spec": "main", "cp": 2, "recompute": "selective"},
-    {"name": "pp2-vpp2", "spec": "main", "pp": 2, "vpp": 2},
+    {"name": "pp2-vpp2", "spec": "microbatches4", "pp": 2, "vpp": 2},
     {"name": "pp2-vpp2-tied", "spec": "tied", "pp": 2, "vpp": 2},
 ]
 

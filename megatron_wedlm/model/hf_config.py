@@ -344,6 +344,8 @@ def transformer_config_from_model_args(
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
+    from megatron_wedlm.runtime.parallel import batched_p2p_supported
+
     params_dtype = params_dtype or torch.float32
     kwargs: dict[str, Any] = dict(
         num_layers=args.num_layers,
@@ -368,6 +370,7 @@ def transformer_config_from_model_args(
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=True,
+        batch_p2p_comm=batched_p2p_supported(),
         bias_dropout_fusion=False,
         bias_activation_fusion=False,
         apply_rope_fusion=False,

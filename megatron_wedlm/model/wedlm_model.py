@@ -269,6 +269,8 @@ def wedlm_transformer_config(
     from megatron.core import parallel_state as ps
     from megatron.core.transformer import TransformerConfig
 
+    from megatron_wedlm.runtime.parallel import batched_p2p_supported
+
     on_gpu = torch.cuda.is_available()
     values: dict[str, Any] = dict(
         num_layers=num_layers,
@@ -299,6 +301,7 @@ def wedlm_transformer_config(
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         masked_softmax_fusion=False,
+        batch_p2p_comm=batched_p2p_supported(),
     )
     values.update(overrides)
     return TransformerConfig(**values)

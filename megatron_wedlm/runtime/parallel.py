@@ -49,6 +49,19 @@ class ParallelLayout:
         return self.pp_rank == self.pp_size - 1
 
 
+def batched_p2p_supported() -> bool:
+    """Whether Megatron's batched pipeline p2p (``config.batch_p2p_comm``) is safe here.
+
+    Why not on CPU: gloo matches the messages between two ranks in posting order, and the
+    batched path posts ``send_prev`` before ``send_next`` on every rank. With two pipeline ranks
+    (prev = next) in the interleaved schedule's steady state, activations and gradients of the
+    same shape then cross: losses from the third micro-batch on are wrong, silently. The
+    unbatched path sends one direction over another communicator (Megatron does that for
+    2-rank groups), which gloo keeps apart.
+    """
+    return torch.cuda.is_available()
+
+
 def resolve_device(device: str = "auto") -> torch.device:
     """``auto`` -> the local CUDA device when there is one, else CPU."""
     if device == "auto":
