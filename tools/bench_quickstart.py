@@ -10,7 +10,8 @@ wall and CPU seconds and the machine's load (a shared machine makes wall-clock n
 pessimistic), and then one table: every headline figure (``quickstart.figures`` in report.json)
 and every target's status per seed, with the min / median / max of each figure over the seeds.
 With ``--repeat`` each seed runs a second time (``DIR/seed-N-repeat``), compared with the first
-through ``--compare-with``: its "same seed, same numbers" target is then checked, not just reported.
+through ``--compare-with``: its "same seed, same numbers" target is then checked, not just
+reported, and the table shows the repeat runs.
 """
 
 from __future__ import annotations
@@ -78,11 +79,11 @@ def seeds_table(reports: dict[int, dict]) -> str:
         known = [v for v in values if v is not None]
         summary = (min(known), statistics.median(known), max(known)) if known else (None, None, None)
         lines.append(f"{name:<{width}}" + "".join(f"{_cell(v):>10}" for v in values + list(summary)))
-    lines += ["", f"{'target':<{width}}" + "".join(f"{f'seed {s}':>10}" for s in seeds) + f"{'met':>10}"]
+    lines += ["", f"{'target':<{width}}" + "".join(f"{f'seed {s}':>12}" for s in seeds) + f"{'met':>8}"]
     for name in dict.fromkeys(n for seed in seeds for n in targets[seed]):
         statuses = [targets[seed].get(name, "-") for seed in seeds]
         met = f"{statuses.count('met')}/{len(seeds)}"
-        lines.append(f"{name:<{width}}" + "".join(f"{s:>10}" for s in statuses) + f"{met:>10}")
+        lines.append(f"{name:<{width}}" + "".join(f"{s:>12}" for s in statuses) + f"{met:>8}")
     return "\n".join(lines)
 
 
@@ -113,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             first_fp, second_fp = reports[seed]["quickstart"]["fingerprint"], second["quickstart"]["fingerprint"]
             print(f"\nseed {seed}: same seed, same numbers: {'yes' if first_fp == second_fp else 'NO'} "
                   f"({first_fp} vs {second_fp})")
+            reports[seed] = second  # its "same seed, same numbers" target is checked, not just reported
     print(f"\n=== {args.preset} preset over seeds {','.join(map(str, args.seeds))} "
           f"({os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')})\n" + seeds_table(reports))
     return 0
