@@ -1,24 +1,38 @@
 #!/usr/bin/env python
 """Decode speed of streaming vs block-wise vs AR decoding of one model, measured side by side.
 
-A random Qwen3-style model is built from a config (nothing downloaded); its output layer is
-scaled up so predictions are confident (a stand-in for low-entropy output such as counting,
-where parallel decoding fills many slots per forward). The same prompt is decoded greedily with
-each method; every method is warmed up once, then timed ``--repeats`` times (best run kept).
+A random model is built from a config (nothing downloaded); its output layer is scaled up so
+predictions are confident (a stand-in for low-entropy output such as counting, where parallel
+decoding fills many slots per forward). ``--preset quickstart`` (default) is the quickstart's
+model shape (6 layers, hidden 128, FFN 256, 4 query / 2 KV heads, vocab 1024); ``--preset 31m``
+a 31M-parameter Qwen3. Every measurement runs once per ``--threads`` setting (default: 1
+thread, then torch's default), so the ratios below come from one run on one machine state.
 
-Printed per method: generated tokens, forwards, tokens/forward, p_cache, tokens/s, mean time
-per forward step, and the share of the wall clock spent *outside* the model forward (decoding
-logic: reordering, entropy, sampling, bookkeeping; for AR, HF ``generate``'s own loop). The
-forward is timed by wrapping the transformer body and the output layer. Then the ratios
-streaming/AR and streaming/block-wise.
+1. One prompt, greedy, with each method and both refill schedules (``fused``: the reference
+   engine's, the default; ``paper``: Algorithm 1's step order), warmed up once, then timed
+   ``--repeats`` times round-robin (best run kept). Per method: tokens, forwards, tokens/forward,
+   p_cache, tokens/s, time per forward step, and the share of wall time spent *outside* the
+   model forward (decoding logic; for AR, HF ``generate``'s own loop). The forward is timed by
+   wrapping the transformer body and the output layer.
+2. ``--batch`` prompts of different lengths, streaming: one at a time vs one batched call (and
+   AR the same way). Outputs of the batched call must equal one-at-a-time decoding. The batched
+   wall time is also compared with a *padding-free bound*: every step of the batched decode
+   replayed as one forward of the same rows with no padding (each row carries the mean slots
+   of the step, at the mean cache length), i.e. what the forwards alone would cost if rows at
+   different cache lengths and window widths did not pay for each other's padding.
 
-    python tools/bench_decode.py                 # CPU defaults, ~1 minute
-    python tools/bench_decode.py --device cuda --hidden 1024 --layers 16
+Summary lines (the targets of issue 18): streaming step / AR step (<= 1.4x at W = 16), time
+outside the forward (<= 10% of streaming wall time), batched gain (>= 6x, or within 10% of the
+padding-free bound where that bound is lower).
+
+    python tools/bench_decode.py                          # quickstart shape, CPU, ~2-4 minutes
+    python tools/bench_decode.py --preset 31m --threads 0 --batch 0
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -26,9 +40,23 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
-from megatron_wedlm.decoding import generate  # noqa: E402
+from megatron_wedlm.decoding import DecodeSettings, generate, generate_batch  # noqa: E402
+from megatron_wedlm.decoding.parallel import decode  # noqa: E402
+from megatron_wedlm.decoding.row_cache import RowKVCache  # noqa: E402
+
+PRESETS = {  # name -> (family, hidden, ffn, layers, heads, kv heads, vocab)
+    "quickstart": ("qwen2", 128, 256, 6, 4, 2, 1024),
+    "31m": ("qwen3", 512, 1408, 8, 8, 2, 8192),
+}
+METHODS = {  # row name -> settings overrides
+    "stream/fused": {"method": "streaming", "fused_refill": True},
+    "block/fused": {"method": "blockwise", "fused_refill": True},
+    "stream/paper": {"method": "streaming", "fused_refill": False},
+    "block/paper": {"method": "blockwise", "fused_refill": False},
+    "ar": {"method": "ar"},
+}
 
 
 class ForwardTimer:
@@ -54,28 +82,91 @@ class ForwardTimer:
         return run
 
 
-def build_model(args) -> Qwen3ForCausalLM:
+def build_model(args):
+    family, hidden, ffn, layers, heads, kv_heads, vocab = PRESETS[args.preset]
+    config_class, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[
+        family
+    ]
     torch.manual_seed(args.seed)
-    config = Qwen3Config(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=int(args.hidden * 2.75),
-        num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-        num_key_value_heads=max(1, args.hidden // 256),
-        head_dim=64, max_position_embeddings=4096, tie_word_embeddings=False, mask_token_id=args.vocab - 1,
+    config = config_class(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+        max_position_embeddings=1024, tie_word_embeddings=False, mask_token_id=vocab - 1,
     )
-    model = Qwen3ForCausalLM(config).to(args.device, getattr(torch, args.dtype)).eval()
+    model = model_class(config).to(args.device, getattr(torch, args.dtype)).eval()
     model.config._attn_implementation = "sdpa"
     with torch.no_grad():
         model.lm_head.weight.mul_(args.output_scale)
     return model
 
 
+def single_prompt(model, timer, prompt, settings, repeats):
+    """Per method: (best result, forward seconds of that run)."""
+    for overrides in METHODS.values():
+        generate(model, prompt, settings, **overrides)  # warm-up
+    rows = {}
+    for _ in range(repeats):  # round-robin, so load from other processes hits every method alike
+        for name, overrides in METHODS.items():
+            timer.seconds = 0.0
+            result = generate(model, prompt, settings, **overrides)
+            if name not in rows or result.seconds < rows[name][0].seconds:
+                rows[name] = (result, timer.seconds)
+    print(f"{'method':<12} {'tokens':>6} {'fwds':>5} {'tok/fwd':>8} {'p_cache':>8} {'tok/s':>8} {'ms/step':>8} "
+          f"{'outside fwd':>11}")
+    for name, (r, forward_s) in rows.items():
+        print(f"{name:<12} {r.num_generated:>6} {r.num_forwards:>5} {r.tokens_per_forward:>8.2f} {r.p_cache:>8.3f} "
+              f"{r.tokens_per_second:>8.1f} {1e3 * r.seconds / r.num_forwards:>8.2f} {1 - forward_s / r.seconds:>10.1%}")
+    return rows
+
+
+@torch.inference_mode()
+def padding_free_bound(model, steps, repeats: int = 2) -> float:
+    """Seconds the forwards of ``steps`` (``ModelRunner.steps``) would take with no padding at all
+    (best of ``repeats``; the first also allocates the cache buffers, as the real first step does)."""
+    body, head = model.base_model, model.get_output_embeddings()
+    total = 0.0
+    for rows, _, slots, masks, cached in steps:
+        width = math.ceil(slots / rows)
+        length = round(cached / rows)
+        cache = RowKVCache(model.config.num_hidden_layers, rows, capacity=length + width, device=model.device)
+        ids = torch.randint(0, model.config.vocab_size - 1, (rows, width), device=model.device)
+        positions = length + torch.arange(width, device=model.device).expand(rows, -1)
+        cache.commit([length] * rows)
+        mask = cache.attention_mask(width, head.weight.dtype) if length else None
+        best = math.inf
+        for _ in range(repeats):
+            cache.commit([length] * rows)
+            start = time.perf_counter()
+            hidden = body(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
+                          use_cache=True).last_hidden_state
+            head(hidden.reshape(-1, hidden.shape[-1])[:masks])
+            best = min(best, time.perf_counter() - start)
+        total += best
+    return total
+
+
+def batched(model, prompts, settings, method: str):
+    """(one-at-a-time seconds, batched seconds, batched results, runner or None); outputs are checked equal."""
+    config = DecodeSettings.build(settings, method=method)
+    generate_batch(model, prompts[:2], config)  # warm-up
+    single = [generate(model, p, config) for p in prompts]
+    if method == "ar":
+        start = time.perf_counter()
+        together, runner = generate_batch(model, prompts, config), None
+    else:
+        start = time.perf_counter()
+        together, runner = decode(model, prompts, config)
+    seconds = time.perf_counter() - start
+    if method != "ar":  # AR's left-padded batch may differ in the last float bits; WeDLM rows never mix
+        assert [r.token_ids for r in together] == [r.token_ids for r in single], "batched != one at a time"
+    return sum(r.seconds for r in single), seconds, together, runner
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="quickstart")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--output-scale", type=float, default=60.0, help="multiplies lm_head: higher = lower entropy")
     p.add_argument("--prompt-length", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -83,56 +174,60 @@ def main(argv=None):
     p.add_argument("--entropy-threshold", type=float, default=0.4)
     p.add_argument("--distance-penalty", type=float, default=0.02)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch", type=int, default=32, help="prompts of the batched comparison (0 = skip it)")
+    p.add_argument("--threads", default="1,0", help="comma-separated torch thread counts; 0 = torch's default")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
     model = build_model(args)
     timer = ForwardTimer(model)
-    prompt = torch.randint(0, args.vocab - 1, (args.prompt_length,), generator=torch.Generator().manual_seed(1))
-    prompt = prompt.tolist()
-    settings = dict(window_size=args.window_size, entropy_threshold=args.entropy_threshold,
-                    distance_penalty=args.distance_penalty, max_new_tokens=args.max_new_tokens)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, vocab - 1, (args.prompt_length,), generator=g).tolist()
+    prompts = [torch.randint(0, vocab - 1, (n,), generator=g).tolist()
+               for n in torch.randint(args.prompt_length // 2, args.prompt_length + 1, (args.batch,), generator=g)]
+    settings = DecodeSettings(window_size=args.window_size, entropy_threshold=args.entropy_threshold,
+                              distance_penalty=args.distance_penalty, max_new_tokens=args.max_new_tokens)
     params = sum(p.numel() for p in model.parameters()) / 1e6
-    print(f"model: random Qwen3 {params:.1f}M params, hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, "
-          f"lm_head x{args.output_scale}; {args.device} {args.dtype}, torch threads {torch.get_num_threads()}")
+    default_threads = torch.get_num_threads()
+    print(f"model: random {args.preset} ({type(model).__name__}) {params:.2f}M params, lm_head x{args.output_scale}; "
+          f"{args.device} {args.dtype}")
     print(f"prompt {args.prompt_length} tokens, max_new_tokens {args.max_new_tokens}, W={args.window_size}, "
           f"tau={args.entropy_threshold}, lambda={args.distance_penalty}, greedy, best of {args.repeats}")
 
-    # name -> (method, extra settings); "fused" is the reference engine's schedule (the default),
-    # "paper" Algorithm 1's step order (see decoding.parallel)
-    configs = {
-        "stream/fused": ("streaming", {"fused_refill": True}),
-        "block/fused": ("blockwise", {"fused_refill": True}),
-        "stream/paper": ("streaming", {"fused_refill": False}),
-        "block/paper": ("blockwise", {"fused_refill": False}),
-        "ar": ("ar", {}),
-    }
-    for method, extra in configs.values():
-        generate(model, prompt, method=method, **settings, **extra)  # warm-up
-    rows = {}
-    for _ in range(args.repeats):  # round-robin, so load from other processes hits every method alike
-        for name, (method, extra) in configs.items():
-            timer.seconds = 0.0
-            result = generate(model, prompt, method=method, **settings, **extra)
-            if name not in rows or result.seconds < rows[name][0].seconds:
-                rows[name] = (result, timer.seconds)
+    summary = []
+    for threads in (int(t) for t in args.threads.split(",")):
+        torch.set_num_threads(threads or default_threads)
+        print(f"\n== torch threads {torch.get_num_threads()} ==")
+        rows = single_prompt(model, timer, prompt, settings, args.repeats)
+        step = {name: r.seconds / r.num_forwards for name, (r, _) in rows.items()}
+        line = {"threads": torch.get_num_threads(),
+                "step_fused": step["stream/fused"] / step["ar"], "step_paper": step["stream/paper"] / step["ar"],
+                "outside": 1 - rows["stream/fused"][1] / rows["stream/fused"][0].seconds,
+                "tps_vs_ar": rows["stream/fused"][0].tokens_per_second / rows["ar"][0].tokens_per_second}
+        if args.batch:
+            one, together, results, runner = batched(model, prompts, settings, "streaming")
+            bound = padding_free_bound(model, runner.steps)
+            ar_one, ar_together, _, _ = batched(model, prompts, settings, "ar")
+            tokens = sum(r.num_generated for r in results)
+            print(f"batch of {len(prompts)} prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens), "
+                  f"{tokens} tokens: streaming one at a time {one:.2f}s, batched {together:.2f}s "
+                  f"({one / together:.2f}x; padding-free forward bound {bound:.2f}s, batched = {together / bound:.2f}x "
+                  f"bound); AR one at a time {ar_one:.2f}s, batched {ar_together:.2f}s ({ar_one / ar_together:.2f}x); "
+                  "batched outputs = one at a time")
+            line |= {"gain": one / together, "vs_bound": together / bound, "ar_gain": ar_one / ar_together,
+                     "bound_gain": one / bound}
+        summary.append(line)
 
-    header = (f"{'method':<12} {'tokens':>6} {'fwds':>5} {'tok/fwd':>8} {'p_cache':>8} {'tok/s':>8} {'ms/step':>8} "
-              f"{'outside fwd':>11}")
-    print(header)
-    print("-" * len(header))
-    for method, (r, forward_s) in rows.items():
-        outside = 1.0 - forward_s / r.seconds
-        print(f"{method:<12} {r.num_generated:>6} {r.num_forwards:>5} {r.tokens_per_forward:>8.2f} {r.p_cache:>8.3f} "
-              f"{r.tokens_per_second:>8.1f} {1e3 * r.seconds / r.num_forwards:>8.2f} {outside:>10.1%}")
-    a = rows["ar"][0]
-    for label, (s_name, b_name) in {" (fused)": ("stream/fused", "block/fused"),
-                                    " (paper)": ("stream/paper", "block/paper")}.items():
-        s, b = rows[s_name][0], rows[b_name][0]
-        print(f"streaming / AR{label:<9}: {s.tokens_per_second / a.tokens_per_second:.2f}x tokens/s, "
-              f"{s.tokens_per_forward / a.tokens_per_forward:.2f}x tokens/forward")
-        print(f"streaming / block-wise{label:<1}: {s.tokens_per_second / b.tokens_per_second:.2f}x tokens/s, "
-              f"{s.tokens_per_forward / b.tokens_per_forward:.2f}x tokens/forward")
+    print("\n== summary (targets: step ratio <= 1.4x, outside forward <= 10%, batched gain >= 6x or <= 1.1x bound) ==")
+    for s in summary:
+        text = (f"threads {s['threads']:>2}: streaming step / AR step {s['step_fused']:.2f}x (paper order "
+                f"{s['step_paper']:.2f}x); outside forward {s['outside']:.1%}; tokens/s vs AR {s['tps_vs_ar']:.2f}x")
+        if "gain" in s:
+            which = "gain >= 6x" if s["bound_gain"] >= 6 else f"bound is {s['bound_gain']:.2f}x < 6x: within 10% of it"
+            text += (f"; batched gain {s['gain']:.2f}x (AR {s['ar_gain']:.2f}x), batched / padding-free bound "
+                     f"{s['vs_bound']:.2f}x [{which}]")
+        print(text)
 
 
 if __name__ == "__main__":

@@ -99,9 +99,8 @@ class ModelRunner:
 
         When every row finished, the cache keeps them all (tests compare it with a plain forward).
         """
-        lengths = [row.cache_length for row in rows]
-        self.cache.commit(torch.tensor(lengths, device=self.device), max(lengths))
+        self.cache.commit([row.cache_length for row in rows])
         live = [i for i, row in enumerate(rows) if not row.finished]
         if live and len(live) < len(rows):
-            self.cache.keep_rows(torch.tensor(live, device=self.device), max(lengths[i] for i in live))
+            self.cache.keep_rows(live)
         return [rows[i] for i in live]

@@ -49,11 +49,14 @@ class _RowLayer(CacheLayerMixin):
         end = self.owner.max_length + new
         if end > self.owner.capacity:
             raise RuntimeError(f"RowKVCache capacity {self.owner.capacity} exceeded (needs {end})")
-        slots = self.owner.lengths[:, None] + torch.arange(new, device=key_states.device)
-        index_k = slots[:, None, :, None].expand_as(key_states)
-        index_v = slots[:, None, :, None].expand_as(value_states)
-        self.keys.scatter_(2, index_k, key_states)
-        self.values.scatter_(2, index_v, value_states)
+        if self.owner.uniform:  # every row at the same length (always so for one row): a plain slice copy
+            start = self.owner.max_length
+            self.keys[:, :, start:end] = key_states
+            self.values[:, :, start:end] = value_states
+        else:
+            slots = self.owner.lengths[:, None] + torch.arange(new, device=key_states.device)
+            self.keys.scatter_(2, slots[:, None, :, None].expand_as(key_states), key_states)
+            self.values.scatter_(2, slots[:, None, :, None].expand_as(value_states), value_states)
         return self.keys[:, :, :end], self.values[:, :, :end]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -82,22 +85,24 @@ class RowKVCache(Cache):
         self.capacity = capacity
         self.lengths = torch.zeros(num_rows, dtype=torch.long, device=device)
         self.max_length = 0  # host copy of lengths.max(), to slice buffers without a device sync
+        self.uniform = True  # all rows at max_length (host-side), so writes need no per-row index
         super().__init__(layers=[_RowLayer(self) for _ in range(num_layers)])
 
-    def commit(self, lengths: torch.Tensor, max_length: int) -> None:
-        """Set each row's committed length (``max_length`` = its maximum, passed to avoid a device sync).
+    def commit(self, lengths: list[int]) -> None:
+        """Set each row's committed length (host values, so no device sync is needed to slice buffers).
 
         Everything a row wrote past its new length becomes invisible and is overwritten later.
         """
-        self.lengths = lengths.clone()
-        self.max_length = max_length
+        self.lengths = torch.tensor(lengths, dtype=torch.long, device=self.lengths.device)
+        self.max_length, self.uniform = max(lengths), min(lengths) == max(lengths)
 
-    def keep_rows(self, rows: torch.Tensor, max_length: int) -> None:
+    def keep_rows(self, rows: list[int]) -> None:
         """Drop every row not listed in ``rows`` (finished sequences leave the batch)."""
-        self.lengths = self.lengths.index_select(0, rows)
-        self.max_length = max_length
+        lengths = self.lengths.tolist()
+        index = torch.tensor(rows, dtype=torch.long, device=self.lengths.device)
         for layer in self.layers:
-            layer.keep_rows(rows)
+            layer.keep_rows(index)
+        self.commit([lengths[i] for i in rows])
 
     def attention_mask(self, query_length: int, dtype: torch.dtype) -> torch.Tensor:
         """Additive 4-D mask ``[rows, 1, query_length, max_length + query_length]`` for the next forward.
