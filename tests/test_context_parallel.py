@@ -80,7 +80,7 @@ def test_row_that_does_not_split_evenly_is_refused_with_the_fix():
         chunks_per_rank_for(60, 4)
 
 
-def test_flex_mask_of_local_queries_over_gathered_keys_matches_dense_attention():
+def test_flex_mask_of_local_queries_over_the_whole_row_matches_dense_attention():
     from torch.nn.attention.flex_attention import flex_attention
 
     batch = packed_rows([[20, 9], [30]], 64)
@@ -91,8 +91,32 @@ def test_flex_mask_of_local_queries_over_gathered_keys_matches_dense_attention()
     g = torch.Generator().manual_seed(2)
     q = torch.randn(2, 2, 32, 16, generator=g)
     k, v = torch.randn(2, 2, 64, 16, generator=g), torch.randn(2, 2, 64, 16, generator=g)
-    block_mask = _context_parallel_block_mask(shard.attention_mask, queries, order, tile=16)
+    block_mask = _context_parallel_block_mask(shard.attention_mask, queries, tile=16)
     flex = flex_attention(q, k, v, block_mask=block_mask)
-    allowed = dense_attention_mask(batch.attention_metadata(), True, query_slots=queries, key_slots=order)
+    allowed = dense_attention_mask(batch.attention_metadata(), True, query_slots=queries)
     dense = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.unsqueeze(1))
     torch.testing.assert_close(flex, dense, atol=1e-5, rtol=0)
+
+
+def test_bench_tool_reports_both_layouts_and_a_balanced_split():
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, str(root / "tools" / "bench_context_parallel.py"), "--tokens", "256", "--repeats", "1",
+         "--json"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert [r["local_slots"] for r in report["cp1"]] == [512]
+    assert sorted(r["local_slots"] for r in report["cp2"]) == [256, 256]
+    assert all(r["seconds"] > 0 and r["peak_memory_mib"] >= 0 for r in report["cp1"] + report["cp2"])
+    for cp in (2, 4):
+        shares = report["pair_balance"][f"cp{cp}_balanced"]["share_of_equal"]
+        assert len(shares) == cp and max(abs(s - 1) for s in shares) < 0.10
+    assert max(report["pair_balance"]["cp4_contiguous"]["share_of_equal"]) > 1.2  # what balancing fixes

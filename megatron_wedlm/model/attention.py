@@ -204,10 +204,14 @@ class _WeDLMCoreAttentionBase(torch.nn.Module):
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
 
     def _context_parallel(self, attention_mask: Tensor | None, key: Tensor, value: Tensor):
-        """``(keys, values, query_slots, key_slots)``: the whole row's keys/values under CP.
+        """``(keys, values, query_slots)``: the whole row's keys/values under CP, in physical order.
 
-        Without CP (no slot order in the metadata) keys and values are returned unchanged and
-        the slot maps are None (query i and key j are slots i and j).
+        The gathered keys arrive in rank order; putting them back in physical order (one copy,
+        differentiable) lets the mask, the dense backend's key-tile plan and a BlockMask treat
+        keys exactly as without CP: contiguous runs of keys stay views instead of per-tile
+        copies. Only the queries keep a slot map (``query_slots``: this rank's slots).
+        Without CP (no slot order in the metadata) everything is returned unchanged, with
+        ``query_slots`` None (query i is slot i).
         """
         order = packed_slot_order(attention_mask) if attention_mask is not None and _is_packed_metadata(attention_mask) else None
         cp_size = 1 if self.cp_group is None else self.cp_group.size()
@@ -217,7 +221,7 @@ class _WeDLMCoreAttentionBase(torch.nn.Module):
                     "context parallelism needs the slot order in the packed metadata ([B, 4, S]); "
                     "shard batches with megatron_wedlm.model.context_parallel.shard_batch"
                 )
-            return key, value, None, None
+            return key, value, None
         from .context_parallel import gather_along_sequence
 
         local = key.shape[0]
@@ -228,8 +232,10 @@ class _WeDLMCoreAttentionBase(torch.nn.Module):
             )
         rank = 0 if self.cp_group is None else self.cp_group.rank()
         if cp_size > 1:
-            key, value = gather_along_sequence(key, self.cp_group), gather_along_sequence(value, self.cp_group)
-        return key, value, order[rank * local:(rank + 1) * local], order
+            physical = torch.argsort(order).to(key.device)
+            key = gather_along_sequence(key, self.cp_group).index_select(0, physical)
+            value = gather_along_sequence(value, self.cp_group).index_select(0, physical)
+        return key, value, order[rank * local:(rank + 1) * local]
 
     @staticmethod
     def _to_bhsd(x: Tensor) -> Tensor:
@@ -300,23 +306,36 @@ def _dense_plan(allowed: Tensor, tile: int) -> list[_QueryTile] | None:
     return plan
 
 
-def _dense_mask_and_plan(
-    attention_mask: Tensor | None, query: Tensor, tile: int,
-    query_slots: Tensor | None = None, key_slots: Tensor | None = None,
-):
-    """``(allowed [B|1, 1, S_q, S_k], plan or None)``, built once per micro-batch (cached).
+def _allowed_by_query_chunks(metadata: AttentionMetadata, query_slots: Tensor | None, rows: int = 512) -> Tensor:
+    """The kernel-safe dense mask ``[B, S_q, S]``, built ``rows`` queries at a time.
 
-    ``query_slots`` / ``key_slots``: the physical slots of the queries and keys under context
-    parallelism (the mask is the rule on those global indices); None = slot i is index i.
+    Why: the rule's elementwise terms each materialise a ``S_q x S_k`` temporary, so building
+    the mask in one go peaks at several times the mask (the largest attention allocation on
+    CPU for long rows); by chunks the peak is the mask plus one chunk's temporaries.
+    """
+    meta = metadata.batched()
+    device = meta.doc_ids.device
+    q_slots = torch.arange(meta.seq_len, device=device) if query_slots is None else query_slots
+    out = torch.empty(meta.doc_ids.shape[0], q_slots.numel(), meta.seq_len, dtype=torch.bool, device=device)
+    for start in range(0, q_slots.numel(), rows):
+        chunk = q_slots[start:start + rows]
+        out[:, start:start + chunk.numel()] = dense_attention_mask(meta, padding_attends_self=True, query_slots=chunk)
+    return out
+
+
+def _dense_mask_and_plan(attention_mask: Tensor | None, query: Tensor, tile: int, query_slots: Tensor | None = None):
+    """``(allowed [B|1, 1, S_q, S], plan or None)``, built once per micro-batch (cached).
+
+    ``query_slots``: the physical slots of the queries under context parallelism (the mask is
+    the rule on those global indices; keys are the whole row in order); None = query i is slot i.
     """
     if attention_mask is None:
         attention_mask = causal_packed_metadata(query.shape[1], query.shape[0], query.device)
     if _is_megatron_dense_mask(attention_mask):
         build_allowed = lambda: ~attention_mask  # noqa: E731
     elif _is_packed_metadata(attention_mask):
-        build_allowed = lambda: dense_attention_mask(  # noqa: E731
-            unpack_attention_metadata(attention_mask), padding_attends_self=True,
-            query_slots=query_slots, key_slots=key_slots,
+        build_allowed = lambda: _allowed_by_query_chunks(  # noqa: E731
+            unpack_attention_metadata(attention_mask), query_slots
         ).unsqueeze(1)
     else:
         raise ValueError(
@@ -358,8 +377,8 @@ class WeDLMSDPAttention(_WeDLMCoreAttentionBase):
         packed_seq_params=None,
     ) -> Tensor:
         self._check_unsupported(attention_bias, packed_seq_params)
-        key, value, query_slots, key_slots = self._context_parallel(attention_mask, key, value)
-        allowed, plan = _dense_mask_and_plan(attention_mask, query, self.tile_size, query_slots, key_slots)
+        key, value, query_slots = self._context_parallel(attention_mask, key, value)
+        allowed, plan = _dense_mask_and_plan(attention_mask, query, self.tile_size, query_slots)
         _check_shapes(query, key, tuple(allowed.shape))
         q, k, v = self._to_bhsd(query), self._to_bhsd(key), self._to_bhsd(value)
         dropout_p = self.dropout_p if self.training else 0.0
@@ -447,7 +466,7 @@ class WeDLMFlexAttention(_WeDLMCoreAttentionBase):
                 "the flex backend needs packed metadata [B, 3, S] (pack_attention_metadata), not a dense "
                 f"mask; got {attention_mask.dtype} {tuple(attention_mask.shape)}"
             )
-        key, value, query_slots, key_slots = self._context_parallel(attention_mask, key, value)
+        key, value, query_slots = self._context_parallel(attention_mask, key, value)
         if attention_mask.shape[-1] != key.shape[0]:
             raise ValueError(f"metadata covers {attention_mask.shape[-1]} slots, the layer sees {key.shape[0]} keys")
         tile = self.tile_size
@@ -461,7 +480,7 @@ class WeDLMFlexAttention(_WeDLMCoreAttentionBase):
             block_mask = _MASK_CACHE.get(
                 ("flex-cp", tile, int(query_slots[0])),
                 attention_mask,
-                lambda: _context_parallel_block_mask(attention_mask, query_slots, key_slots, tile),
+                lambda: _context_parallel_block_mask(attention_mask, query_slots, tile),
             )
         compile_kernel = self.compile_kernel if self.compile_kernel is not None else query.is_cuda
         kernel = _flex_kernel(compile_kernel)
@@ -470,19 +489,20 @@ class WeDLMFlexAttention(_WeDLMCoreAttentionBase):
         return self._to_sbh(out)
 
 
-def _context_parallel_block_mask(attention_mask: Tensor, query_slots: Tensor, key_slots: Tensor, tile: int):
-    """BlockMask of local queries x gathered keys under CP, from the rule's ``mask_mod``.
+def _context_parallel_block_mask(attention_mask: Tensor, query_slots: Tensor, tile: int):
+    """BlockMask of this rank's queries x the whole row's keys under CP, from the rule's ``mask_mod``.
 
-    The tile-summary builder assumes keys in physical order; the gathered keys are in rank
-    order, so this evaluates the ``mask_mod`` per tile with FlexAttention's own
-    ``create_block_mask`` (O(S_q x S_k / tile) work per micro-batch, once: it is cached).
+    The tile-summary builder assumes queries in physical order; a rank's queries are chunks
+    from several places of the row, so this evaluates the ``mask_mod`` per tile with
+    FlexAttention's own ``create_block_mask`` (O(S_q x S / tile) work per micro-batch, once:
+    it is cached).
     """
     from torch.nn.attention.flex_attention import create_block_mask
 
     meta = unpack_attention_metadata(attention_mask)
-    mask_mod = flex_mask_mod(meta, padding_attends_self=True, query_slots=query_slots, key_slots=key_slots)
+    mask_mod = flex_mask_mod(meta, padding_attends_self=True, query_slots=query_slots)
     return create_block_mask(
-        mask_mod, meta.doc_ids.shape[0], None, query_slots.numel(), key_slots.numel(),
+        mask_mod, meta.doc_ids.shape[0], None, query_slots.numel(), meta.seq_len,
         device=attention_mask.device, BLOCK_SIZE=tile,
     )
 
