@@ -19,6 +19,12 @@ expands it into its own form once per micro-batch:
 A dense Megatron-convention mask (bool ``[B|1, 1, S, S]``, True = masked *out*) is also accepted
 by the dense and TE backends, which is how a standard causal mask is fed for comparisons.
 
+Context parallelism (:mod:`.context_parallel`): each rank holds ``S / CP`` slots of the row and
+the packed metadata gains a fourth row, the slot order of the CP ranks (``[B, 4, S]``). The
+dense and flex backends then all-gather keys and values over the CP group (differentiably), put
+them back in physical order and apply the rule to this rank's query slots against the whole
+row. TE is refused under CP (its CP kernels take causal/padding masks only).
+
 Expanded masks are cached per metadata tensor (see :class:`_ExpandedMaskCache`), so the L
 layers of a micro-batch -- and their recomputation in backward -- build the mask once.
 """
