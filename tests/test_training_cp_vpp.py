@@ -1,10 +1,14 @@
-"""Pretraining with context parallelism: the training loop at CP=2, and its checkpoint resumed at CP=1.
+"""Pretraining with context parallelism and with the interleaved pipeline, each resumed in a plain layout.
 
-One 2-rank launch (real gloo processes, the tiny CPU config): a CP=2 run (each row split over
-both ranks) for 20 steps saving at 10, then a CP=1 run (DP=2) resumed from that step-10
-checkpoint. From the same weights, optimizer state and data, the CP=1 steps 11..20 must
-reproduce the CP=2 ones: losses, masked-token counts and gradient norms (fp32 reduction order
-only). Config-time refusals of combinations that cannot run need no launch.
+One 2-rank launch (real gloo processes, the tiny CPU config):
+
+* a CP=2 run (each row split over both ranks) for 20 steps saving at 10, then a CP=1 run
+  (DP=2) resumed from that step-10 checkpoint;
+* a PP=2 x virtual_pp=2 run (4 layers, one per model chunk) the same way, resumed at PP=1.
+
+From the same weights, optimizer state and data, the resumed steps 11..20 must reproduce the
+parallel run's: losses, masked-token counts and gradient norms (fp32 reduction order only).
+Config-time refusals of combinations that cannot run need no launch.
 """
 
 from __future__ import annotations
@@ -21,36 +25,56 @@ from megatron_wedlm.training.metrics import read_metrics
 from test_training import LAUNCH_TIMEOUT, TINY, _base, _train, data  # noqa: F401  (data: the fixture)
 
 
-def cp_worker(pretrain: str, root: str) -> dict:
-    cp2, cp1 = Path(root) / "cp2", Path(root) / "cp1"
-    _train(str(TINY), [*_base(pretrain, cp2), "parallelism.cp=2", "trainer.train_steps=20",
-                       "checkpointing.save_interval=10"])
-    resumed = _train(str(TINY), [*_base(pretrain, cp1), "trainer.train_steps=20",
-                                 f"checkpointing.resume={cp2 / 'checkpoints' / 'iter_0000010'}"])
-    return {"resumed": resumed}
+LAYOUTS = {
+    "cp2": ["parallelism.cp=2"],
+    "pp2-vpp2": ["parallelism.pp=2", "parallelism.virtual_pp=2", "model.num_layers=4"],
+}
+PLAIN = {"cp2": [], "pp2-vpp2": ["model.num_layers=4"]}  # what each resumes under (DP=2)
+
+
+def layouts_worker(pretrain: str, root: str) -> dict:
+    out = {}
+    for name, overrides in LAYOUTS.items():
+        parallel, plain = Path(root) / name, Path(root) / f"{name}-resumed"
+        _train(str(TINY), [*_base(pretrain, parallel), *overrides, "trainer.train_steps=20",
+                           "checkpointing.save_interval=10"])
+        out[name] = _train(str(TINY), [*_base(pretrain, plain), *PLAIN[name], "trainer.train_steps=20",
+                                       f"checkpointing.resume={parallel / 'checkpoints' / 'iter_0000010'}"])
+    return out
 
 
 @pytest.fixture(scope="module")
 def runs(data, tmp_path_factory):  # noqa: F811
-    root = tmp_path_factory.mktemp("cp")
-    result = run_distributed(cp_worker, 2, data["pretrain"], str(root), timeout_s=LAUNCH_TIMEOUT)[0]
+    root = tmp_path_factory.mktemp("layouts")
+    result = run_distributed(layouts_worker, 2, data["pretrain"], str(root), timeout_s=LAUNCH_TIMEOUT)[0]
     return result, root
 
 
-def test_cp2_trains_and_its_checkpoint_resumes_at_cp1_on_the_same_trajectory(runs):
-    result, root = runs
-    cp2 = {r["step"]: r for r in read_metrics(root / "cp2")}
-    cp1 = {r["step"]: r for r in read_metrics(root / "cp1")}
+def test_cp2_run_splits_rows_over_both_ranks(runs):
+    _, root = runs
     layout = config_from_yaml_text((root / "cp2" / "config.yaml").read_text()).parallelism
-    assert (layout.cp, layout.dp) == (2, 1)  # both ranks held parts of the same rows
-    assert sorted(cp2) == list(range(1, 21))
-    first, last = (sum(cp2[s]["loss"] for s in steps) / 5 for steps in (range(1, 6), range(16, 21)))
+    assert (layout.cp, layout.dp) == (2, 1)
+
+
+def test_pp2_vpp2_run_has_two_chunks_per_stage(runs):
+    _, root = runs
+    layout = config_from_yaml_text((root / "pp2-vpp2" / "config.yaml").read_text()).parallelism
+    assert (layout.pp, layout.virtual_pp, layout.dp) == (2, 2, 1)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_parallel_run_trains_and_resumes_in_the_plain_layout_on_the_same_trajectory(runs, name):
+    result, root = runs
+    parallel = {r["step"]: r for r in read_metrics(root / name)}
+    plain = {r["step"]: r for r in read_metrics(root / f"{name}-resumed")}
+    assert sorted(parallel) == list(range(1, 21))
+    first, last = (sum(parallel[s]["loss"] for s in steps) / 5 for steps in (range(1, 6), range(16, 21)))
     assert last < first - 0.5, (first, last)
-    assert result["resumed"]["start_step"] == 10 and sorted(cp1) == list(range(11, 21))
+    assert result[name]["start_step"] == 10 and sorted(plain) == list(range(11, 21))
     for step in range(11, 21):
-        assert cp1[step]["masked_tokens"] == cp2[step]["masked_tokens"]  # counted once per row, not per CP rank
-        assert cp1[step]["loss"] == pytest.approx(cp2[step]["loss"], abs=1e-5)
-        assert cp1[step]["grad_norm"] == pytest.approx(cp2[step]["grad_norm"], rel=1e-4)
+        assert plain[step]["masked_tokens"] == parallel[step]["masked_tokens"]  # each row counted once
+        assert plain[step]["loss"] == pytest.approx(parallel[step]["loss"], abs=1e-5)
+        assert plain[step]["grad_norm"] == pytest.approx(parallel[step]["grad_norm"], rel=1e-4)
 
 
 @pytest.mark.parametrize(

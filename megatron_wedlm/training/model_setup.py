@@ -21,7 +21,10 @@ import torch
 from megatron_wedlm.config.schema import ConfigError, TrainConfig
 from megatron_wedlm.model.hf_config import ModelArgs, load_model_args, pad_vocab_size
 
-__all__ = ["resolve_model_args", "build_model_chunk", "load_init_weights", "resolve_attention_backend"]
+__all__ = [
+    "ModelChunks", "build_model_chunk", "build_model_chunks", "load_init_weights", "resolve_attention_backend",
+    "resolve_model_args",
+]
 
 # model config key -> ModelArgs field, for the keys that describe the architecture
 _ARCH_FIELDS = {
@@ -130,8 +133,41 @@ def _recompute_overrides(cfg: TrainConfig) -> dict[str, Any]:
     return {}
 
 
-def build_model_chunk(cfg: TrainConfig, args: ModelArgs, device: torch.device, params_dtype: torch.dtype):
-    """This rank's ``WeDLMGPTModel`` (unwrapped), on ``device``, in ``params_dtype``."""
+class ModelChunks(list):
+    """This rank's model chunks: one, or one per virtual pipeline stage (``parallelism.virtual_pp``).
+
+    Checkpointing and ``model.init_from`` treat it as one model: its sharded state holds every
+    chunk's tensors under their global keys (one chunk: exactly that chunk's state, so
+    checkpoints of any layout load into any other).
+    """
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        if len(self) == 1:
+            return self[0].sharded_state_dict()
+        return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(self)}
+
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
+        if len(self) == 1:
+            self[0].load_state_dict(state, strict=strict)
+            return
+        for i, chunk in enumerate(self):
+            chunk.load_state_dict(state[f"model{i}"], strict=strict)
+
+
+def build_model_chunks(cfg: TrainConfig, args: ModelArgs, device: torch.device, params_dtype: torch.dtype) -> ModelChunks:
+    """This rank's model: its virtual-pipeline chunks (interleaved schedule), or its one chunk."""
+    from megatron.core import parallel_state as ps
+
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    stages: list[int | None] = [None] if vpp is None else list(range(vpp))
+    return ModelChunks(build_model_chunk(cfg, args, device, params_dtype, vp_stage=stage) for stage in stages)
+
+
+def build_model_chunk(
+    cfg: TrainConfig, args: ModelArgs, device: torch.device, params_dtype: torch.dtype, vp_stage: int | None = None
+):
+    """This rank's ``WeDLMGPTModel`` (unwrapped; ``vp_stage``: which virtual-pipeline chunk), on
+    ``device``, in ``params_dtype``."""
     from megatron.core import parallel_state as ps
 
     from megatron_wedlm.model.hf_config import transformer_config_from_model_args
@@ -147,6 +183,7 @@ def build_model_chunk(cfg: TrainConfig, args: ModelArgs, device: torch.device, p
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
         context_parallel_size=ps.get_context_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=ps.get_virtual_pipeline_model_parallel_world_size(),
         params_dtype=params_dtype,
         sequence_parallel=cfg.parallelism.sequence_parallel,
         init_method_std=cfg.model.init_method_std,
@@ -165,6 +202,7 @@ def build_model_chunk(cfg: TrainConfig, args: ModelArgs, device: torch.device, p
             rotary_base=args.rope_theta,
             extra={"architecture": args.architecture},
         ),
+        vp_stage=vp_stage,
     )
     return model.to(device)
 

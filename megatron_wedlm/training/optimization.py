@@ -17,32 +17,39 @@ from .megatron_compat import patch_native_adam_step_restore
 __all__ = ["wrap_ddp", "build_optimizer", "build_scheduler", "current_lr"]
 
 
-def wrap_ddp(model, cfg: TrainConfig):
-    """Megatron ``DistributedDataParallel`` plus the config hooks its schedules call.
+def wrap_ddp(chunks: list, cfg: TrainConfig) -> list:
+    """Megatron ``DistributedDataParallel`` around each model chunk, plus the config hooks its
+    schedules call.
 
-    ``finalize_model_grads`` all-reduces gradients over DP (and embedding/SP-norm grads across
-    stages and TP ranks) at the end of the backward passes; ``no_sync`` defers the DP reduction
-    to the last micro-batch.
+    ``finalize_model_grads`` all-reduces gradients over DP x CP (and embedding/SP-norm grads
+    across stages and TP ranks) at the end of the backward passes; ``no_sync`` defers the DP
+    reduction to the last micro-batch (one per chunk under the interleaved schedule).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
-    ddp = DistributedDataParallel(
-        config=model.config,
-        ddp_config=DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
-            use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
-            check_for_nan_in_grad=False,  # non-finite steps are skipped and counted by the loop
-        ),
-        module=model,
-    )
-    model.config.finalize_model_grads_func = finalize_model_grads
-    model.config.no_sync_func = ddp.no_sync
-    return ddp
+    wrapped = [
+        DistributedDataParallel(
+            config=chunk.config,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True,
+                overlap_grad_reduce=False,
+                use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+                check_for_nan_in_grad=False,  # non-finite steps are skipped and counted by the loop
+            ),
+            module=chunk,
+        )
+        for chunk in chunks
+    ]
+    no_sync = [ddp.no_sync for ddp in wrapped]
+    for chunk in chunks:
+        chunk.config.finalize_model_grads_func = finalize_model_grads
+        chunk.config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
+    return wrapped
 
 
-def build_optimizer(cfg: TrainConfig, ddp_model, bf16: bool):
-    """``get_megatron_optimizer`` with Adam(W) or SGD, gradient clipping, weight decay."""
+def build_optimizer(cfg: TrainConfig, ddp_chunks: list, bf16: bool):
+    """``get_megatron_optimizer`` over the DDP-wrapped chunks: Adam(W) or SGD, gradient clipping,
+    weight decay."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     o = cfg.optimizer
@@ -60,7 +67,7 @@ def build_optimizer(cfg: TrainConfig, ddp_model, bf16: bool):
             params_dtype=torch.bfloat16 if bf16 else torch.float32,
             use_distributed_optimizer=o.use_distributed_optimizer,
         ),
-        [ddp_model],
+        list(ddp_chunks),
     )
     patch_native_adam_step_restore(optimizer)
     return optimizer
