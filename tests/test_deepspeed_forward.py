@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_wedlm.data import build_dual_stream_batch, stack_dual_stream_batches
-from megatron_wedlm.deepspeed_backend.forward import DualStreamCausalLM, pad_to_tiles, training_objective
+from megatron_wedlm.deepspeed_backend.forward import DualStreamCausalLM, pad_to_tiles
 from megatron_wedlm.deepspeed_backend.hf_model import (
     apply_mask_token,
     plan_mask_token,
@@ -24,6 +24,7 @@ from megatron_wedlm.deepspeed_backend.hf_model import (
 )
 from megatron_wedlm.model.losses import wedlm_labels
 from megatron_wedlm.testing.tiny_models import build_tiny_ar_tokenizer, build_tiny_causal_lm
+from megatron_wedlm.training.objective import Objective
 
 MASK = 400  # the AR tokenizer has 400 tokens; prepare_data appends the mask token after them
 
@@ -115,17 +116,17 @@ def test_flex_block_mask_through_transformers_equals_dense():
     torch.testing.assert_close(flex, dense, rtol=0, atol=2e-5)
 
 
-def test_training_objective_is_the_wedlm_loss_and_ar_mode_is_next_token_only():
+def test_objective_on_hf_output_is_the_wedlm_loss_and_ar_mode_is_next_token_only():
     model, batch = _model(), _batch(seed=3)
     ce = DualStreamCausalLM(model).batch_forward(batch, "dense")
-    total, loss = training_objective(ce, batch, None, ar_weight=0.5)
+    total, loss = Objective(ar_weight=0.5).contribution(ce, batch, None)
     labels_masked = batch.is_masked
     w = torch.where(labels_masked, batch.mlm_weights, torch.zeros_like(batch.mlm_weights))
     mlm = (ce * w).sum() / w.sum()
     ar_mask = batch.ar_labels >= 0
     ar = ce[ar_mask].sum() / ar_mask.sum()
     torch.testing.assert_close(total, (mlm + 0.5 * ar) / 1.5)
-    ar_only, _ = training_objective(ce, batch, None, wedlm=False)
+    ar_only, _ = Objective(wedlm=False).contribution(ce, batch, None)
     torch.testing.assert_close(ar_only, ar)
     total.backward()
     assert all(p.grad is not None for p in model.parameters())
@@ -233,8 +234,9 @@ def test_loss_on_a_fixed_batch_equals_the_megatron_models_on_converted_weights(t
 
     torch.testing.assert_close(hf_ce, mcore_ce, rtol=0, atol=3e-5)
     for ar_weight in (1.0, 0.0):
-        hf_total, hf_loss = training_objective(hf_ce, batch, None, ar_weight=ar_weight)
-        mc_total, mc_loss = training_objective(mcore_ce, batch, None, ar_weight=ar_weight)
+        objective = Objective(ar_weight=ar_weight)
+        hf_total, hf_loss = objective.contribution(hf_ce, batch, None)
+        mc_total, mc_loss = objective.contribution(mcore_ce, batch, None)
         torch.testing.assert_close(hf_total, mc_total, rtol=1e-6, atol=0)
         torch.testing.assert_close(hf_loss.mlm, mc_loss.mlm, rtol=1e-6, atol=0)
         torch.testing.assert_close(hf_loss.ar, mc_loss.ar, rtol=1e-6, atol=0)

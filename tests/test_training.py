@@ -246,33 +246,26 @@ def crashed(data, tmp_path_factory) -> dict:
 
 
 def _nonfinite_phase(data_dir: str, out: Path) -> str | None:
-    """NaN outputs at step 3 alone, then steps 6, 7, 8 in a row (max_consecutive_nonfinite=3)."""
-    from megatron_wedlm.training import steps
+    """NaN outputs at step 3 alone, then steps 6, 7, 8 in a row (max_consecutive_nonfinite=3);
+    2 micro-batches per rank and step."""
     from megatron_wedlm.training.loop import NonFiniteLossError
+    from megatron_wedlm.training.objective import Objective
 
-    original = steps.make_forward_step
-    calls = {"n": 0}
+    honest, calls = Objective.contribution, [0]
 
-    def poisoned(cfg, normalizer, num_microbatches, device):
-        calls["n"] += 1
-        step = original(cfg, normalizer, num_microbatches, device)
-        if calls["n"] not in (3, 6, 7, 8):
-            return step
+    def poisoned(self, per_slot_ce, batch, normalizer):
+        calls[0] += 1
+        step = (calls[0] - 1) // 2 + 1
+        return honest(self, per_slot_ce * float("nan") if step in (3, 6, 7, 8) else per_slot_ce, batch, normalizer)
 
-        def nan_step(data_iterator, model):
-            output, loss_func = step(data_iterator, model)
-            return output * float("nan"), loss_func
-
-        return nan_step
-
-    steps.make_forward_step = poisoned
+    Objective.contribution = poisoned
     try:
         _train(str(TINY), [*_base(data_dir, out), "trainer.train_steps=20"])
         return None
     except NonFiniteLossError as err:
         return str(err)
     finally:
-        steps.make_forward_step = original
+        Objective.contribution = honest
 
 
 def phases_worker(pretrain: str, sft: str, root: str, crashed_dir: str, mcore: str, init_data: str) -> dict:

@@ -114,7 +114,9 @@ def main(argv=None) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     from megatron_wedlm.data import build_dual_stream_batch, stack_dual_stream_batches
-    from megatron_wedlm.model import global_loss_normalizer, wedlm_forward_step
+    from megatron_wedlm.model import global_loss_normalizer
+    from megatron_wedlm.training.megatron_engine import megatron_forward_step
+    from megatron_wedlm.training.objective import Objective
     from megatron_wedlm.runtime.parallel import ParallelConfig, initialize_parallel_state
 
     layout = initialize_parallel_state(ParallelConfig(), device="auto")
@@ -131,7 +133,7 @@ def main(argv=None) -> int:
     gpt = _megatron_gpt(args, device)
     gpt.load_state_dict(dense.state_dict())
     normalizer = global_loss_normalizer([dual], group=None)
-    wedlm_step = wedlm_forward_step(normalizer, 1)
+    wedlm_step = megatron_forward_step(Objective(), normalizer, 1)
     wedlm_iter = lambda: iter([dual])  # noqa: E731
 
     def wedlm_forward(data_iterator, model):

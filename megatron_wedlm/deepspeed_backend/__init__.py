@@ -12,7 +12,7 @@ with optimizer / parameter offload to the CPU).
 * :mod:`.forward`    -- the dual-stream forward through transformers' attention interface
   (SDPA + 4-D float mask on CPU, FlexAttention ``BlockMask`` on GPU) and the WeDLM objective;
 * :mod:`.checkpoint` -- DeepSpeed checkpoints with exact resume, HF exports;
-* :mod:`.trainer`    -- :func:`run_deepspeed_sft`, the training loop;
+* :mod:`.engine`     -- :class:`DeepSpeedEngine` for the one training loop, :func:`run_deepspeed_sft`;
 * :mod:`.cli`        -- the command line behind ``sft/sft_wedlm.py ... trainer.backend=deepspeed``.
 
 Importing this package does not import DeepSpeed; the trainer does (set ``DS_ACCELERATOR=cpu``
@@ -28,7 +28,7 @@ __all__ = ["DeepSpeedConfig", "DualStreamCausalLM", "run_deepspeed_sft"]
 
 def __getattr__(name: str) -> Any:
     if name == "run_deepspeed_sft":
-        from .trainer import run_deepspeed_sft
+        from .engine import run_deepspeed_sft
 
         return run_deepspeed_sft
     if name == "DeepSpeedConfig":

@@ -20,6 +20,6 @@ def main(argv: Sequence[str] | None = None, task: str = "sft") -> int:
     from megatron_wedlm.training.cli import run_entry_point
 
     from .settings import validate_deepspeed_run
-    from .trainer import run_deepspeed_sft
+    from .engine import run_deepspeed_sft
 
     return run_entry_point(argv, task, validate_deepspeed_run, run_deepspeed_sft)

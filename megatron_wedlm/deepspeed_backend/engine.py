@@ -1,33 +1,27 @@
-"""``run_deepspeed_sft``: WeDLM SFT of a HF checkpoint under DeepSpeed ZeRO, one rank of a torchrun launch.
+"""The DeepSpeed ZeRO engine of :func:`megatron_wedlm.training.loop.run_training`: WeDLM SFT of a
+HF checkpoint, no conversion.
 
-It shares with the Megatron path everything that is not the model engine: the config schema,
-the prepared webdataset shards and their resumable loader, the dual-stream rows, the loss
-(:func:`megatron_wedlm.model.losses.wedlm_loss` with global denominators), Megatron's lr
-schedule (``OptimizerParamScheduler`` driving the ZeRO optimizer's param groups), the
-checkpoint directory conventions and ``metrics.jsonl`` / wandb / progress logging. So a run
-here and a Megatron run with the same config log the same quantities and follow the same
-schedule.
+The loop is the Megatron path's (data, objective, lr schedule, logging, non-finite policy,
+saving schedule), so a run here and a Megatron run with the same config log the same
+quantities and follow the same schedule. What this engine does differently:
 
-One optimizer step:
-
-1. ``G = global_batch / (micro_batch * world)`` micro-batches from the loader;
-2. global loss denominators (MLM weight sum, AR token count) all-reduced over ranks;
-3. per micro-batch: forward (per-slot cross entropy), contribution to the global loss,
-   ``engine.backward(contribution * G * world)`` -- DeepSpeed divides by ``G`` and averages
-   gradients over ranks, so the applied gradient is that of the global loss -- and
-   ``engine.step()`` (DeepSpeed clips and updates at the accumulation boundary);
-4. a step whose gradient norm is not finite is skipped by DeepSpeed (``was_step_applied``);
-   the lr schedule advances only on applied steps, and too many skipped steps in a row stop
-   the run, as on the Megatron path.
+* the model is an unmodified transformers ``*ForCausalLM`` (:class:`.forward.DualStreamCausalLM`
+  around it), loaded under ZeRO-3's init hook when asked, with a mask-token row added if needed;
+* per micro-batch: forward (per-slot cross entropy), the objective's contribution to the global
+  loss, ``engine.backward(contribution * G * world)`` -- DeepSpeed divides by ``G`` and
+  averages gradients over ranks, so the applied gradient is that of the global loss -- and
+  ``engine.step()`` (DeepSpeed clips and updates at the accumulation boundary);
+* a step whose gradient norm is not finite is skipped by DeepSpeed (``was_step_applied``),
+  which the loop counts as a non-finite step;
+* checkpoints are DeepSpeed's (exact resume) with optional HF exports, and the trained model is
+  exported to ``<trainer.output_dir>/hf`` at the end.
 """
 
 from __future__ import annotations
 
-import math
 import os
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,9 +31,12 @@ from megatron_wedlm.config.schema import ConfigError, TrainConfig
 from .settings import validate_deepspeed_run
 
 if TYPE_CHECKING:
-    from megatron_wedlm.training.run_dir import RunClaim
+    from megatron_wedlm.data.dual_stream import DualStreamBatch
+    from megatron_wedlm.model.losses import LossNormalizer
+    from megatron_wedlm.training.objective import Objective
+    from megatron_wedlm.training.step_record import TrainResult
 
-__all__ = ["run_deepspeed_sft", "FINAL_EXPORT_DIR"]
+__all__ = ["DeepSpeedEngine", "FINAL_EXPORT_DIR", "run_deepspeed_sft"]
 
 FINAL_EXPORT_DIR = "hf"  # <trainer.output_dir>/hf: the HF export at the end of training
 FLEX_TILE_SIZE = 128  # FlexAttention BlockMask tile; rows are padded to whole tiles
@@ -121,142 +118,119 @@ def _build_optimizer(cfg: TrainConfig, module, device: torch.device, offload: bo
     return torch.optim.AdamW(groups, fused=device.type == "cuda", **kwargs)
 
 
-def run_deepspeed_sft(cfg: TrainConfig):
-    """Train as ``cfg`` says in this process; returns the Megatron path's ``TrainResult``."""
-    from megatron_wedlm.runtime.parallel import init_distributed, resolve_device
-    from megatron_wedlm.training.loop import bf16_enabled
-    from megatron_wedlm.training.model_setup import resolve_attention_backend
-    from megatron_wedlm.training.run_dir import claim_output_dir
-    from megatron_wedlm.training.step_record import read_run_manifest
+class DeepSpeedEngine:
+    """A HF causal LM trained by a DeepSpeed ZeRO engine; DeepSpeed checkpoints and HF exports."""
 
-    from .settings import build_ds_config
+    reports_losses = False  # set by start: rank 0 (every rank holds the step's losses)
+    counts_tokens = True  # every rank is a data-parallel replica
 
-    validate_deepspeed_run(cfg)
-    device = resolve_device(cfg.trainer.device)
-    bf16 = bf16_enabled(cfg, device)
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    manifest = read_run_manifest(cfg)
-    if cfg.wedlm.mask_token_id is None:
-        cfg.wedlm.mask_token_id = int(manifest["mask_token_id"])
-    ds_config = build_ds_config(cfg, world, bf16)
-    num_microbatches = int(ds_config["gradient_accumulation_steps"])
-    backend = resolve_attention_backend(cfg.model.attention_backend, device)
-    cfg.parallelism.dp = world
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
 
-    _prepare_deepspeed(device)
-    init_distributed(device, timeout_s=cfg.trainer.distributed_timeout_s)
-    import deepspeed
+    # ---- before the output directory is claimed ----
+    def start(self, device: torch.device, bf16: bool, manifest: dict[str, Any]) -> None:
+        """Check the run, derive the DeepSpeed config, create the process group."""
+        from megatron_wedlm.runtime.parallel import init_distributed
+        from megatron_wedlm.training.model_setup import resolve_attention_backend
 
-    deepspeed.init_distributed(dist_backend=dist.get_backend())
-    rank = dist.get_rank()
-    torch.manual_seed(cfg.trainer.seed)
+        from .settings import build_ds_config
 
-    claim = claim_output_dir(cfg)  # the lock, the resume decision, the lineage (as on the Megatron path)
-    try:
-        return _train(cfg, claim, manifest, ds_config, num_microbatches, backend, device, bf16, dtype, world, rank)
-    finally:
-        claim.release()
+        cfg = self.cfg
+        validate_deepspeed_run(cfg)
+        self.device, self.bf16, self.manifest = device, bf16, manifest
+        self.dtype = torch.bfloat16 if bf16 else torch.float32
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.ds_config = build_ds_config(cfg, self.world, bf16)
+        self.backend = resolve_attention_backend(cfg.model.attention_backend, device)
+        cfg.parallelism.dp = self.world
+
+        _prepare_deepspeed(device)
+        init_distributed(device, timeout_s=cfg.trainer.distributed_timeout_s)
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=dist.get_backend())
+        torch.manual_seed(cfg.trainer.seed)
+        self.dp_rank, self.dp_size = dist.get_rank(), self.world
+        self.is_logger = self.reports_losses = self.dp_rank == 0
+        self.loss_group = dist.group.WORLD if self.world > 1 else None
+
+    def describe(self) -> str:
+        ds = self.cfg.deepspeed
+        offload = [k for k, v in (("optimizer", ds.offload_optimizer), ("params", ds.offload_params)) if v != "none"]
+        return (f"DeepSpeed ZeRO-{ds.zero_stage}{', offload ' + '+'.join(offload) if offload else ''} of "
+                f"{self.cfg.model.init_from}, attention {self.backend}")
+
+    # ---- model, optimizer, state ----
+    def build(self, resuming: bool) -> None:
+        import deepspeed
+
+        cfg, ds = self.cfg, self.cfg.deepspeed
+        zero3_init = ds.zero_stage == 3 and ds.zero3_init
+        self.hf_model, module = _build_model(cfg, self.manifest, self.ds_config, self.dtype, self.backend, zero3_init)
+        optimizer = _build_optimizer(cfg, module, self.device, offload=ds.offload_optimizer != "none")
+        self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=self.ds_config)
+        self.optimizer = self.engine.optimizer
+
+    def _manager(self):
+        from .checkpoint import DeepSpeedCheckpointManager
+
+        return DeepSpeedCheckpointManager(self.cfg.checkpointing.dir, self.cfg.checkpointing.keep_last)
+
+    def _tokenizer_dir(self) -> Path:
+        from megatron_wedlm.data.prepare import TOKENIZER_DIR
+
+        return Path(self.cfg.data.path) / self.manifest.get("tokenizer", TOKENIZER_DIR)  # type: ignore[arg-type]
+
+    def _export(self, directory: Path) -> Path:
+        from .checkpoint import export_hf_model
+
+        return export_hf_model(self.engine, self.hf_model, directory, self._tokenizer_dir())
+
+    def load(self, path: Path) -> dict[str, Any]:
+        return self._manager().load(path, self.engine, self.cfg.checkpointing.load_optimizer)
+
+    def save(self, step: int, trainer_state: dict[str, Any], files: dict[str, str]) -> Path:
+        trainer_state = {**trainer_state, "init_from": self.cfg.model.init_from}
+        return self._manager().save(step, self.engine, trainer_state, files,
+                                    export=self._export if self.cfg.deepspeed.export_hf else None)
+
+    # ---- one step ----
+    def forward_backward(self, batches: Sequence[DualStreamBatch], normalizer: LossNormalizer,
+                         objective: Objective) -> list[dict[str, torch.Tensor]]:
+        """Forward, backward and ``engine.step()`` per micro-batch (DeepSpeed updates at the
+        accumulation boundary); the loss reports."""
+        from .forward import model_inputs, pad_to_tiles
+
+        scale = len(batches) * self.world
+        reports = []
+        for batch in batches:
+            batch = batch.to(self.device)
+            if self.backend == "flex":
+                batch = pad_to_tiles(batch, FLEX_TILE_SIZE)
+            per_slot = self.engine(*model_inputs(batch, self.backend, self.dtype, FLEX_TILE_SIZE))
+            contribution, loss = objective.contribution(per_slot, batch, normalizer)
+            self.engine.backward(contribution * scale)
+            self.engine.step()
+            reports.append(loss.report())
+        return reports
+
+    def grads_finite(self) -> bool:
+        return bool(self.engine.was_step_applied())
+
+    def optimizer_step(self, finite: bool) -> tuple[bool, float]:
+        """DeepSpeed applied (or skipped) the update in its last ``step()``; the gradient norm."""
+        if not finite:
+            return False, float("nan")
+        norm = self.engine.get_global_grad_norm()
+        return True, float(norm) if norm is not None else float("nan")
+
+    def finish(self, logger) -> None:
+        final = self._export(Path(self.cfg.trainer.output_dir) / FINAL_EXPORT_DIR)
+        logger.message(f"exported the trained model to {final}")
 
 
-def _train(cfg: TrainConfig, claim: RunClaim, manifest: dict[str, Any], ds_config: dict[str, Any],
-           num_microbatches: int, backend: str, device: torch.device, bf16: bool, dtype: torch.dtype, world: int,
-           rank: int):
-    """The run proper, once ``claim`` owns the output directory."""
-    import deepspeed
+def run_deepspeed_sft(cfg: TrainConfig) -> TrainResult:
+    """:func:`megatron_wedlm.training.loop.run_training` with the DeepSpeed engine."""
+    from megatron_wedlm.training.loop import run_training
 
-    from megatron_wedlm.data.prepare import TOKENIZER_DIR
-    from megatron_wedlm.model.losses import global_loss_normalizer, reduce_loss_reports
-    from megatron_wedlm.training.optimization import build_scheduler, current_lr
-    from megatron_wedlm.training.step_record import StepRecorder, build_train_data, sum_over_ranks
-
-    from .checkpoint import DeepSpeedCheckpointManager, export_hf_model
-    from .forward import model_inputs, pad_to_tiles, training_objective
-
-    ds = cfg.deepspeed
-    is_logger = rank == 0
-    output_dir = Path(cfg.trainer.output_dir)
-    resume_path = claim.resume_path
-
-    # ---- model, engine, schedule, state ----
-    zero3_init = ds.zero_stage == 3 and ds.zero3_init
-    hf_model, module = _build_model(cfg, manifest, ds_config, dtype, backend, zero3_init)
-    optimizer = _build_optimizer(cfg, module, device, offload=ds.offload_optimizer != "none")
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config)
-    scheduler = build_scheduler(cfg, engine.optimizer)
-    manager = DeepSpeedCheckpointManager(cfg.checkpointing.dir, cfg.checkpointing.keep_last)
-    state: dict[str, Any] = {}
-    if resume_path is not None:
-        state = manager.load(resume_path, engine, cfg.checkpointing.load_optimizer)
-        scheduler.load_state_dict(state["scheduler"])
-    start_step = int(state.get("step", 0))
-
-    # ---- data (the Megatron path's loader: same rows, masks and resume positions), log, counters ----
-    micro_batch = cfg.data.micro_batch_size
-    data = build_train_data(cfg, state, rank, world)
-    tokenizer_dir = Path(cfg.data.path) / manifest.get("tokenizer", TOKENIZER_DIR)  # type: ignore[arg-type]
-    recorder = StepRecorder(cfg, state, is_logger, claim)
-    logger, result = recorder.logger, recorder.result
-    offload = [k for k, v in (("optimizer", ds.offload_optimizer), ("params", ds.offload_params)) if v != "none"]
-    logger.message(
-        f"{cfg.trainer.task} (DeepSpeed ZeRO-{ds.zero_stage}{', offload ' + '+'.join(offload) if offload else ''}): "
-        f"{'WeDLM' if cfg.wedlm.enabled else 'AR'} training of {cfg.model.init_from}, world {world}, "
-        f"{num_microbatches} micro-batches of {micro_batch} x {cfg.data.seq_length}, steps {start_step + 1}.."
-        f"{recorder.end_step}, device {device.type}, {'bf16' if bf16 else 'fp32'}, attention {backend}"
-    )
-
-    def export(directory: Path) -> None:
-        export_hf_model(engine, hf_model, directory, tokenizer_dir)
-
-    def save(step: int) -> None:
-        trainer_state = {**recorder.trainer_state(scheduler, data), "init_from": cfg.model.init_from}
-        path = manager.save(step, engine, trainer_state, {"config.yaml": recorder.config_yaml},
-                            export=export if ds.export_hf else None)
-        recorder.saved(path)
-
-    group = dist.group.WORLD if world > 1 else None
-    try:
-        for step in recorder.steps():
-            started = time.perf_counter()
-            micro = [data.next_microbatch() for _ in range(num_microbatches)]
-            batches = [b for b, _ in micro]
-            weighting = cfg.wedlm.loss_weighting
-            normalizer = global_loss_normalizer(batches, weighting, group=group)  # type: ignore[arg-type]
-            lr = current_lr(engine.optimizer)  # the lr this update uses
-            reports = []
-            for batch in batches:
-                batch = batch.to(device)
-                if backend == "flex":
-                    batch = pad_to_tiles(batch, FLEX_TILE_SIZE)
-                per_slot = engine(*model_inputs(batch, backend, dtype, FLEX_TILE_SIZE))
-                objective, loss = training_objective(
-                    per_slot, batch, normalizer, wedlm=cfg.wedlm.enabled,
-                    ar_weight=cfg.wedlm.ar_weight, mlm_weighting=cfg.wedlm.loss_weighting,  # type: ignore[arg-type]
-                )
-                engine.backward(objective * (num_microbatches * world))
-                engine.step()
-                reports.append(loss.report())
-            summary = reduce_loss_reports(reports, cfg.wedlm.ar_weight, group=group)
-            loss_value = float(summary.total) if cfg.wedlm.enabled else float(summary.ar)
-            applied = bool(engine.was_step_applied())
-            (tokens,) = sum_over_ranks([float(sum(n for _, n in micro))], device)
-            finite = applied and math.isfinite(loss_value)
-            grad_norm = float("nan")
-            if finite:
-                norm = engine.get_global_grad_norm()
-                grad_norm = float(norm) if norm is not None else float("nan")
-                scheduler.step(increment=1)
-            due = recorder.record(
-                step, started=started, finite=finite, loss=loss_value, mlm=summary.mlm, ar=summary.ar,
-                masked_tokens=summary.mlm_tokens, ar_tokens=summary.ar_tokens, lr=lr, grad_norm=grad_norm,
-                tokens=tokens,
-            )
-            if due:
-                save(step)
-        if result.final_step == cfg.trainer.train_steps:
-            final = export_hf_model(engine, hf_model, output_dir / FINAL_EXPORT_DIR, tokenizer_dir)
-            logger.message(f"exported the trained model to {final}")
-    finally:
-        recorder.close()
-    return result
-
+    return run_training(cfg, DeepSpeedEngine(cfg))

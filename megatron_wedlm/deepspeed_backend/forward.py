@@ -1,4 +1,4 @@
-"""Dual-stream forward of an unmodified HF causal LM, and the WeDLM loss on its output.
+"""Dual-stream forward of an unmodified HF causal LM: per-slot cross entropy for the objective.
 
 Nothing in the HF model is patched or copied. The WeDLM attention rule reaches the layers
 through transformers' own attention interface, which hands an already-4-D ``attention_mask``
@@ -18,8 +18,8 @@ Logits are computed only for slots that carry a label (masked prediction slots a
 slots with a next-token label), in float32, so the ``[B, S, vocab]`` tensor of a large
 vocabulary is never built for slots that cannot contribute.
 
-The loss is :func:`megatron_wedlm.model.losses.wedlm_loss` (AR mode:
-:func:`~megatron_wedlm.model.losses.ar_mode_loss`), the functions the Megatron path uses, fed with full-vocabulary per-slot cross entropy instead of the vocab-parallel one.
+The loss is the run's :class:`megatron_wedlm.training.objective.Objective`, as on the Megatron
+path, fed with full-vocabulary per-slot cross entropy instead of the vocab-parallel one.
 """
 
 from __future__ import annotations
@@ -31,14 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megatron_wedlm.data.dual_stream import DualStreamBatch, pad_dual_stream_batch
-from megatron_wedlm.model.losses import (
-    LossNormalizer,
-    MlmWeighting,
-    WeDLMLoss,
-    ar_mode_loss,
-    wedlm_labels,
-    wedlm_loss,
-)
+from megatron_wedlm.model.losses import wedlm_labels
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -48,7 +41,6 @@ __all__ = [
     "model_inputs",
     "pad_to_tiles",
     "per_slot_cross_entropy",
-    "training_objective",
 ]
 
 #: project attention backend -> transformers ``attn_implementation``
@@ -124,26 +116,3 @@ class DualStreamCausalLM(nn.Module):
     def batch_forward(self, batch: DualStreamBatch, backend: str, tile_size: int = 128) -> Tensor:
         """Per-slot cross entropy of a stacked batch (already on the model's device)."""
         return self(*model_inputs(batch, backend, next(self.parameters()).dtype, tile_size))
-
-
-def training_objective(
-    per_slot_ce: Tensor,
-    batch: DualStreamBatch,
-    normalizer: LossNormalizer | None,
-    *,
-    wedlm: bool = True,
-    ar_weight: float = 1.0,
-    mlm_weighting: MlmWeighting = "inverse_ratio",
-) -> tuple[Tensor, WeDLMLoss]:
-    """(differentiated contribution of this micro-batch, its loss report).
-
-    WeDLM: ``(mlm + w * ar) / (1 + w)`` with global denominators (``normalizer``). AR mode
-    (``wedlm.enabled=false``): :func:`ar_mode_loss`, as on the Megatron path.
-    """
-    if not wedlm:
-        return ar_mode_loss(per_slot_ce, batch.is_masked, batch.mlm_weights, batch.ar_labels, normalizer=normalizer)
-    loss = wedlm_loss(
-        per_slot_ce, batch.is_masked, batch.mlm_weights, batch.ar_labels,
-        ar_weight=ar_weight, mlm_weighting=mlm_weighting, normalizer=normalizer,
-    )
-    return loss.total, loss

@@ -7,7 +7,7 @@
   (FlexAttention + BlockMask), ``te`` (Transformer Engine arbitrary mask); packed metadata.
 * :mod:`.rope`        -- ``LogicalRotaryEmbedding``: RoPE from per-slot logical positions.
 * :mod:`.norms`       -- ``WeDLMNorm``: RMSNorm/LayerNorm that supports sequence parallelism.
-* :mod:`.losses`      -- ``wedlm_loss``, global normalisation, Megatron schedule hooks.
+* :mod:`.losses`      -- ``wedlm_loss``, global normalisation, step loss reports.
 
 Imports are lazy (PEP 562): ``megatron_wedlm.model.hf_config`` and other light submodules can
 be used without importing Megatron-Core.
@@ -30,10 +30,8 @@ _EXPORTS = {
     "WeDLMLossSummary": "losses",
     "global_loss_normalizer": "losses",
     "reduce_loss_reports": "losses",
-    "wedlm_forward_step": "losses",
     "wedlm_labels": "losses",
     "wedlm_loss": "losses",
-    "wedlm_schedule_loss": "losses",
     "WeDLMNorm": "norms",
     "LogicalRotaryEmbedding": "rope",
     "WeDLMGPTModel": "wedlm_model",

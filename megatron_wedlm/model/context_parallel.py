@@ -27,7 +27,7 @@ indices -- the same rule, derived, not re-written.
 **Loss and gradients.** Each rank's loss covers its own slots against the step's global
 denominators, so the CP ranks' contributions add up to the step loss; Megatron's schedule
 multiplies a 2-tuple loss by the CP size and DDP averages over DP x CP, which cancel (see
-:func:`megatron_wedlm.model.losses.schedule_loss_scale`). Loss reports are summed over DP x CP.
+:func:`megatron_wedlm.training.megatron_engine.schedule_loss_scale`). Loss reports are summed over DP x CP.
 """
 
 from __future__ import annotations

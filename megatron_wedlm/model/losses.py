@@ -1,4 +1,4 @@
-"""WeDLM training losses under tensor parallelism, and their hook into Megatron's schedules.
+"""WeDLM training losses under tensor parallelism, globally normalised over the step.
 
 Per slot, one vocab-parallel cross entropy (``tensor_parallel.vocab_parallel_cross_entropy``,
 inside ``GPTModel.compute_language_model_loss``) serves both losses, because their slots are
@@ -19,22 +19,16 @@ all-reduced over the data-parallel group. Each micro-batch then contributes
 ``(sum_mb w*ce / W + ar_weight * sum_mb ce / N) / (1 + ar_weight)``; the contributions add
 up to exactly ``total``.
 
-Megatron's schedule contract (``schedules.forward_step_calc_loss``): a loss function
-returning ``(loss, report)`` has ``loss`` multiplied by the context-parallel size and divided
-by the number of micro-batches, and DDP averages gradients over the DP x CP ranks.
-:func:`wedlm_schedule_loss` therefore returns ``contribution * num_microbatches * dp_size``
-(:func:`schedule_loss_scale`; DP without CP, the CP factors cancel), so the gradient Megatron
-applies is the gradient of ``total`` -- under context parallelism each rank's contribution
-covers its own slots and the contributions add up. This needs
-``config.calculate_per_token_loss=False`` (checked). The report carries raw sums;
-:func:`reduce_loss_reports` turns the reports of a step (over DP x CP) into the global total /
-MLM / AR losses and token counts.
+The report carries raw sums; :func:`reduce_loss_reports` turns the reports of a step (over
+DP x CP) into the global total / MLM / AR losses and token counts. How a micro-batch's
+contribution reaches a schedule is the engines' business
+(:mod:`megatron_wedlm.training.megatron_engine`, :mod:`megatron_wedlm.deepspeed_backend.engine`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Literal, Sequence
+from typing import Iterable, Literal, Sequence
 
 import torch
 import torch.distributed as dist
@@ -51,11 +45,8 @@ __all__ = [
     "ar_mode_loss",
     "global_loss_normalizer",
     "reduce_loss_reports",
-    "schedule_loss_scale",
-    "wedlm_forward_step",
     "wedlm_labels",
     "wedlm_loss",
-    "wedlm_schedule_loss",
 ]
 
 MlmWeighting = Literal["inverse_ratio", "uniform"]
@@ -94,6 +85,24 @@ class LossNormalizer:
         return cls(float(w.double().sum()), float((ar_labels >= 0).sum()))
 
 
+def _sum_over(
+    values: Tensor, group: dist.ProcessGroup | None | Literal["data_parallel"], with_context_parallel: bool
+) -> Tensor:
+    """``values`` (float64, on the CPU) summed over ``group``: ``"data_parallel"`` is Megatron's
+    DP group (with the CP ranks when ``with_context_parallel``); None, or a group of one, keeps
+    them as they are."""
+    if group == "data_parallel":
+        from megatron.core import parallel_state as ps
+
+        initialized = ps.model_parallel_is_initialized()
+        group = ps.get_data_parallel_group(with_context_parallel=with_context_parallel) if initialized else None
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) <= 1:
+        return values
+    reduced = values.to("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+    dist.all_reduce(reduced, group=group)
+    return reduced.cpu()
+
+
 def global_loss_normalizer(
     batches: Iterable[DualStreamBatch],
     mlm_weighting: MlmWeighting = "inverse_ratio",
@@ -110,15 +119,7 @@ def global_loss_normalizer(
         w = mlm_slot_weights(batch.is_masked, batch.mlm_weights, mlm_weighting)
         totals[0] += w.double().sum().cpu()
         totals[1] += (batch.ar_labels >= 0).sum().double().cpu()
-    if group == "data_parallel":
-        from megatron.core import parallel_state as ps
-
-        group = ps.get_data_parallel_group() if ps.model_parallel_is_initialized() else None
-    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-        reduced = totals.to(device)
-        dist.all_reduce(reduced, group=group)
-        totals = reduced.cpu()
+    totals = _sum_over(totals, group, with_context_parallel=False)
     return LossNormalizer(float(totals[0]), float(totals[1]))
 
 
@@ -211,94 +212,6 @@ def ar_mode_loss(
     return loss.ar_term, loss
 
 
-def schedule_loss_scale(num_microbatches: int) -> int:
-    """What a micro-batch's share of the step loss is multiplied by before Megatron sees it.
-
-    Megatron divides the returned loss by ``num_microbatches`` and multiplies it by the CP
-    size; DDP divides the gradients by DP x CP. Multiplying by ``num_microbatches x DP`` leaves
-    the sum of the contributions -- the step loss -- as what is differentiated.
-    """
-    from megatron.core import parallel_state as ps
-
-    return num_microbatches * ps.get_data_parallel_world_size(with_context_parallel=False)
-
-
-def wedlm_schedule_loss(
-    batch: DualStreamBatch,
-    normalizer: LossNormalizer,
-    num_microbatches: int,
-    output_tensor: Tensor,
-    *,
-    ar_weight: float = 1.0,
-    mlm_weighting: MlmWeighting = "inverse_ratio",
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Megatron ``loss_func`` body (bind all but ``output_tensor`` with ``functools.partial``).
-
-    Returns the 2-tuple ``(loss, report)``; see the module docstring for the scaling.
-    """
-    loss = wedlm_loss(
-        output_tensor, batch.is_masked, batch.mlm_weights, batch.ar_labels,
-        ar_weight=ar_weight, mlm_weighting=mlm_weighting, normalizer=normalizer,
-    )
-    return loss.total * schedule_loss_scale(num_microbatches), loss.report()
-
-
-def run_model_on_shard(model, batch: DualStreamBatch) -> tuple[DualStreamBatch, Tensor]:
-    """Run ``model`` on this rank's part of ``batch`` with the one-label-row objective.
-
-    Returns the part (the whole batch without context parallelism) -- the loss must read its
-    labels and weights -- and the model's output (per-slot CE on the last stage).
-    """
-    from .context_parallel import shard_batch
-
-    shard = shard_batch(batch)
-    local = shard.batch
-    output = model(
-        input_ids=local.input_ids,
-        position_ids=local.position_ids,
-        attention_mask=shard.attention_mask,
-        labels=wedlm_labels(local.is_masked, local.target_ids, local.ar_labels),
-    )
-    return local, output
-
-
-def wedlm_forward_step(
-    normalizer: LossNormalizer,
-    num_microbatches: int,
-    *,
-    ar_weight: float = 1.0,
-    mlm_weighting: MlmWeighting = "inverse_ratio",
-    device: torch.device | str | None = None,
-) -> Callable:
-    """A ``forward_step_func`` for Megatron's ``get_forward_backward_func()``.
-
-    The data iterator yields stacked :class:`DualStreamBatch` micro-batches ``[B, S]`` on
-    *every* pipeline stage (all stages need position ids and mask metadata; the first also
-    uses ``input_ids``, the last the labels and weights); under context parallelism every CP
-    rank gets the whole micro-batch and keeps its slots (:func:`.context_parallel.shard_batch`).
-    The model must have been built with ``config.calculate_per_token_loss=False``.
-    """
-    _check_weighting(mlm_weighting)
-
-    def forward_step(data_iterator, model):
-        from functools import partial
-
-        config = getattr(model, "config", None)
-        if config is not None and config.calculate_per_token_loss:
-            raise ValueError("WeDLM losses are globally normalised; set calculate_per_token_loss=False")
-        batch: DualStreamBatch = next(data_iterator)
-        if device is not None:
-            batch = batch.to(device)
-        batch, output = run_model_on_shard(model, batch)
-        loss_func = partial(
-            wedlm_schedule_loss, batch, normalizer, num_microbatches,
-            ar_weight=ar_weight, mlm_weighting=mlm_weighting,
-        )
-        return output, loss_func
-
-    return forward_step
-
-
 @dataclass(frozen=True)
 class WeDLMLossSummary:
     """Global losses of a step, as the optimiser saw them."""
@@ -326,15 +239,7 @@ def reduce_loss_reports(
     sums = torch.zeros(len(REPORT_KEYS), dtype=torch.float64)
     for report in reports:
         sums += torch.stack([report[key].detach().double().cpu() for key in REPORT_KEYS])
-    if group == "data_parallel":
-        from megatron.core import parallel_state as ps
-
-        group = ps.get_data_parallel_group(with_context_parallel=True) if ps.model_parallel_is_initialized() else None
-    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-        reduced = sums.to(device)
-        dist.all_reduce(reduced, group=group)
-        sums = reduced.cpu()
+    sums = _sum_over(sums, group, with_context_parallel=True)
     mlm_weighted_sum, mlm_weight_sum, mlm_tokens, ar_sum, ar_tokens = sums.tolist()
     mlm = mlm_weighted_sum / mlm_weight_sum if mlm_weight_sum > 0 else 0.0
     ar = ar_sum / ar_tokens if ar_tokens > 0 else 0.0

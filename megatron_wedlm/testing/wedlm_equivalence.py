@@ -3,7 +3,7 @@
 Same recipe as :mod:`.gpt_equivalence`, built on its pieces (shape, layouts, schedule,
 checkpoint round-trips), on the real
 training path: the WeDLM model wrapped in Megatron's ``DistributedDataParallel``, Megatron's
-pipeline schedule with :func:`megatron_wedlm.model.wedlm_forward_step`, globally normalised
+pipeline schedule with :func:`megatron_wedlm.training.megatron_engine.megatron_forward_step`, globally normalised
 losses, and ``finalize_model_grads`` (which all-reduces sequence-parallel norm and QK-norm
 gradients across TP and tied embeddings across pipeline stages). Gradients are read from DDP's
 ``main_grad`` after finalisation -- what an optimizer would consume.
@@ -151,12 +151,13 @@ def wrap_ddp(model, distributed_optimizer: bool = False):
 
 def train_step(ddp_model, spec: TinyWeDLMSpec, batches: list):
     """One forward/backward over this rank's micro-batches; the global loss summary (last stage)."""
-    from megatron_wedlm.model import global_loss_normalizer, reduce_loss_reports, wedlm_forward_step
+    from megatron_wedlm.model import global_loss_normalizer, reduce_loss_reports
+    from megatron_wedlm.training.megatron_engine import megatron_forward_step
+    from megatron_wedlm.training.objective import Objective
 
     normalizer = global_loss_normalizer(batches, spec.mlm_weighting)
-    step = wedlm_forward_step(
-        normalizer, len(batches), ar_weight=spec.ar_weight, mlm_weighting=spec.mlm_weighting
-    )
+    objective = Objective(ar_weight=spec.ar_weight, mlm_weighting=spec.mlm_weighting)
+    step = megatron_forward_step(objective, normalizer, len(batches))
     for chunk in ddp_model if isinstance(ddp_model, list) else [ddp_model]:
         chunk.zero_grad_buffer()
     reports = run_schedule(ddp_model, step, batches, spec.row_length, spec.micro_batch_size)

@@ -1,10 +1,8 @@
 """What happens around a training step that does not depend on the model engine.
 
-Both backends (Megatron-Core in :mod:`.loop`, DeepSpeed in
-:mod:`megatron_wedlm.deepspeed_backend.trainer`) read the same prepared data, log the same
-``metrics.jsonl`` records, count and stop on non-finite steps the same way, save on the same
-schedule and resume from the same trainer-state keys. Keeping that here, once, is what makes
-the two runs of one config comparable line by line; the loops only compute the step itself.
+The one loop (:mod:`.loop`) uses these with either engine, so both read the same prepared
+data, log the same ``metrics.jsonl`` records, count and stop on non-finite steps the same way,
+save on the same schedule and resume from the same trainer-state keys.
 """
 
 from __future__ import annotations

@@ -1,0 +1,219 @@
+"""The Megatron-Core engine of :func:`megatron_wedlm.training.loop.run_training`.
+
+What is Megatron-specific about a run: the parallel layout (TP x PP x CP x DP, virtual
+pipeline chunks), the WeDLM GPT model chunks in Megatron DDP, Megatron's optimizer, the
+pipeline-aware ``get_forward_backward_func`` schedule with the forward step below, and
+torch_dist checkpoints. Everything else (data, objective, logging, non-finite handling,
+saving schedule) is the loop's.
+
+Megatron's schedule contract (``schedules.forward_step_calc_loss``): a loss function returning
+``(loss, report)`` has ``loss`` multiplied by the context-parallel size and divided by the
+number of micro-batches, and DDP averages gradients over the DP x CP ranks. The forward step
+therefore returns ``contribution * num_microbatches * dp_size`` (:func:`schedule_loss_scale`;
+DP without CP, the CP factors cancel), so the gradient Megatron applies is the gradient of the
+globally normalised step loss -- under context parallelism each rank's contribution covers its
+own slots and the contributions add up. This needs ``config.calculate_per_token_loss=False``
+(checked).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from megatron_wedlm.config.schema import TrainConfig, validate_layout
+from megatron_wedlm.data.dual_stream import DualStreamBatch
+from megatron_wedlm.model.losses import LossNormalizer
+
+from .objective import Objective
+
+__all__ = ["MegatronEngine", "megatron_forward_step", "run_model_on_shard", "schedule_loss_scale"]
+
+
+def schedule_loss_scale(num_microbatches: int) -> int:
+    """What a micro-batch's share of the step loss is multiplied by before Megatron sees it.
+
+    Megatron divides the returned loss by ``num_microbatches`` and multiplies it by the CP
+    size; DDP divides the gradients by DP x CP. Multiplying by ``num_microbatches x DP`` leaves
+    the sum of the contributions -- the step loss -- as what is differentiated.
+    """
+    from megatron.core import parallel_state as ps
+
+    return num_microbatches * ps.get_data_parallel_world_size(with_context_parallel=False)
+
+
+def run_model_on_shard(model, batch: DualStreamBatch, objective: Objective) -> tuple[DualStreamBatch, Tensor]:
+    """Run ``model`` on this rank's part of ``batch`` against the objective's label row.
+
+    Returns the part (the whole batch without context parallelism) -- the loss must read its
+    labels and weights -- and the model's output (per-slot CE on the last stage).
+    """
+    from megatron_wedlm.model.context_parallel import shard_batch
+
+    shard = shard_batch(batch)
+    local = shard.batch
+    output = model(
+        input_ids=local.input_ids,
+        position_ids=local.position_ids,
+        attention_mask=shard.attention_mask,
+        labels=objective.labels(local),
+    )
+    return local, output
+
+
+def _schedule_loss(objective: Objective, batch: DualStreamBatch, normalizer: LossNormalizer, num_microbatches: int,
+                   output_tensor: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    contribution, loss = objective.contribution(output_tensor, batch, normalizer)
+    return contribution * schedule_loss_scale(num_microbatches), loss.report()
+
+
+def megatron_forward_step(
+    objective: Objective, normalizer: LossNormalizer, num_microbatches: int, device: torch.device | str | None = None
+) -> Callable:
+    """A ``forward_step_func`` for Megatron's ``get_forward_backward_func()``.
+
+    The data iterator yields stacked :class:`DualStreamBatch` micro-batches ``[B, S]`` on
+    *every* pipeline stage (all stages need position ids and mask metadata; the first also
+    uses ``input_ids``, the last the labels and weights); under context parallelism every CP
+    rank gets the whole micro-batch and keeps its slots (:func:`.context_parallel.shard_batch`).
+    """
+
+    def forward_step(data_iterator, model):
+        config = getattr(model, "config", None)
+        if config is not None and config.calculate_per_token_loss:
+            raise ValueError("WeDLM losses are globally normalised; set calculate_per_token_loss=False")
+        batch: DualStreamBatch = next(data_iterator)
+        if device is not None:
+            batch = batch.to(device)
+        batch, output = run_model_on_shard(model, batch, objective)
+        return output, partial(_schedule_loss, objective, batch, normalizer, num_microbatches)
+
+    return forward_step
+
+
+def _grads_nonfinite(ddp_chunks: list) -> bool:
+    """Any non-finite value in this rank's gradient buffers (after the DP reduction)."""
+    for ddp_model in ddp_chunks:
+        buffers = list(getattr(ddp_model, "buffers", [])) + list(getattr(ddp_model, "expert_parallel_buffers", []))
+        for buffer in buffers:
+            if not torch.isfinite(buffer.grad_data).all():
+                return True
+    return False
+
+
+class MegatronEngine:
+    """Megatron-Core model chunks, DDP, optimizer, schedule and torch_dist checkpoints."""
+
+    loss_group = "data_parallel"  # Megatron's DP group (DP x CP for the reports)
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+
+    # ---- before the output directory is claimed ----
+    def start(self, device: torch.device, bf16: bool, manifest: dict[str, Any]) -> None:
+        """Check the layout and the model description, create the process groups."""
+        from megatron_wedlm.runtime.parallel import ParallelConfig, init_distributed, initialize_parallel_state
+
+        from .model_setup import resolve_model_args
+
+        cfg = self.cfg
+        self.device, self.bf16 = device, bf16
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.dp_size = validate_layout(cfg, self.world)
+        self.model_args = resolve_model_args(cfg, manifest, "bfloat16" if bf16 else "float32")
+        cfg.parallelism.dp = self.dp_size
+        init_distributed(device, timeout_s=cfg.trainer.distributed_timeout_s)
+        layout = initialize_parallel_state(
+            ParallelConfig(
+                tensor_model_parallel_size=cfg.parallelism.tp,
+                pipeline_model_parallel_size=cfg.parallelism.pp,
+                context_parallel_size=cfg.parallelism.cp,
+                virtual_pipeline_model_parallel_size=cfg.parallelism.virtual_pp,
+                sequence_parallel=cfg.parallelism.sequence_parallel,
+            ),
+            device=device.type,
+            seed=cfg.trainer.seed,
+        )
+        from megatron.core import parallel_state as ps
+
+        self.dp_rank = layout.dp_rank
+        self.is_logger = layout.rank == 0
+        # the CP ranks of a replica share its rows (and the reports are already summed over DP x CP)
+        first_cp = ps.get_context_parallel_rank() == 0
+        self.reports_losses = ps.is_pipeline_last_stage() and layout.tp_rank == 0 and layout.dp_rank == 0 and first_cp
+        self.counts_tokens = layout.tp_rank == 0 and layout.pp_rank == 0 and first_cp
+
+    def describe(self) -> str:
+        p = self.cfg.parallelism
+        return f"Megatron-Core, tp {p.tp} x pp {p.pp} x cp {p.cp} x dp {self.dp_size}"
+
+    # ---- model, optimizer, state ----
+    def build(self, resuming: bool) -> None:
+        from .model_setup import build_model_chunks, load_init_weights
+        from .optimization import build_optimizer, wrap_ddp
+
+        cfg = self.cfg
+        self.model = build_model_chunks(cfg, self.model_args, self.device, torch.bfloat16 if self.bf16 else torch.float32)
+        if cfg.model.init_from is not None and not resuming:
+            load_init_weights(self.model, cfg.model.init_from)
+        self.ddp = wrap_ddp(self.model, cfg)
+        self.optimizer = build_optimizer(cfg, self.ddp, self.bf16)
+
+    def _manager(self):
+        from .checkpointing import CheckpointManager
+
+        return CheckpointManager(self.cfg.checkpointing.dir, self.cfg.checkpointing.keep_last)
+
+    def load(self, path: Path) -> dict[str, Any]:
+        return self._manager().load(path, self.model, self.optimizer, self.cfg.checkpointing.load_optimizer)
+
+    def save(self, step: int, trainer_state: dict[str, Any], files: dict[str, str]) -> Path:
+        from megatron_wedlm.model.hf_config import MODEL_ARGS_FILE
+
+        model_args = json.dumps(self.model_args.to_dict(), indent=2, sort_keys=True) + "\n"
+        return self._manager().save(step, self.model, self.optimizer, trainer_state,
+                                    files={**files, MODEL_ARGS_FILE: model_args})
+
+    # ---- one step ----
+    def forward_backward(self, batches: Sequence[DualStreamBatch], normalizer: LossNormalizer,
+                         objective: Objective) -> list[dict[str, Tensor]] | None:
+        """Gradients of the step loss over this rank's micro-batches; the loss reports (last
+        pipeline stage; None elsewhere)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        for chunk in self.ddp:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        reports = get_forward_backward_func()(
+            forward_step_func=megatron_forward_step(objective, normalizer, len(batches), self.device),
+            # every virtual-pipeline chunk reads the micro-batches (positions and mask metadata)
+            data_iterator=[iter(batches) for _ in self.ddp] if len(self.ddp) > 1 else iter(batches),
+            model=self.ddp,
+            num_microbatches=len(batches),
+            seq_length=self.cfg.data.seq_length,
+            micro_batch_size=self.cfg.data.micro_batch_size,
+            forward_only=False,
+        )
+        return reports if ps.is_pipeline_last_stage() else None
+
+    def grads_finite(self) -> bool:
+        return not _grads_nonfinite(self.ddp)
+
+    def optimizer_step(self, finite: bool) -> tuple[bool, float]:
+        """Apply the update (Megatron clips inside) when the step was finite, else drop the
+        gradients. Returns (updated, gradient norm)."""
+        if not finite:
+            self.optimizer.zero_grad()
+            return False, float("nan")
+        updated, grad_norm, _ = self.optimizer.step()
+        return bool(updated), float(grad_norm) if grad_norm is not None else float("nan")
+
+    def finish(self, logger) -> None:
+        """Nothing beyond the last checkpoint (``tools/convert_checkpoint.py`` exports to HF)."""
