@@ -14,15 +14,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_wedlm.training.cli import main, requested_backend  # noqa: E402
+from megatron_wedlm.deepspeed_backend.cli import DEEPSPEED  # noqa: E402
+from megatron_wedlm.training.cli import MEGATRON, run_entry_point  # noqa: E402
 
 
 def run(argv: list[str]) -> int:
-    if requested_backend(argv) == "deepspeed":
-        from megatron_wedlm.deepspeed_backend.cli import main as deepspeed_main
-
-        return deepspeed_main(argv, task="sft")
-    return main(argv, task="sft")
+    return run_entry_point(argv, "sft", {**MEGATRON, **DEEPSPEED})
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from megatron_wedlm.quickstart.corpus import (
     write_corpus,
     write_sft_pairs,
 )
-from megatron_wedlm.quickstart.tokenizer import MASK_TOKEN, check_reload, save_tokenizer, train_tokenizer
+from megatron_wedlm.data.tokenizer import MASK_TOKEN, check_reload, save_tokenizer, train_tokenizer
 
 SPEC = CorpusSpec(task_examples={"counting": 100, "copying": 150, "arithmetic": 50}, record_documents=20,
                   code_chars=20000, examples_per_document=3)

@@ -14,10 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-# A plain dataclass in a module that imports nothing from the project; the backend package
-# imports DeepSpeed lazily, so the schema does not pull it in.
-from megatron_wedlm.deepspeed_backend.section import DeepSpeedConfig
-
 __all__ = [
     "CheckpointingConfig",
     "DataConfig",
@@ -188,6 +184,22 @@ class TrainerConfig:
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
     max_consecutive_nonfinite: int = 3  # stop after this many skipped steps in a row
     distributed_timeout_s: float = 1800.0
+
+
+@dataclass
+class DeepSpeedConfig:
+    """ZeRO settings of ``trainer.backend=deepspeed`` (HF checkpoints, no conversion).
+
+    ``model.init_from`` is then a HF model directory (Qwen2 / Qwen3 / Llama / official WeDLM);
+    ``parallelism.recompute`` != none turns on per-layer activation checkpointing. What holds
+    only when that backend runs is checked by :mod:`megatron_wedlm.deepspeed_backend.settings`."""
+
+    zero_stage: int = 2  # 1 | 2 | 3
+    offload_optimizer: str = "none"  # none | cpu: optimizer states and step on the CPU (DeepSpeedCPUAdam)
+    offload_params: str = "none"  # none | cpu: ZeRO-3 only, parameters live on the CPU between uses
+    zero3_init: bool = True  # ZeRO-3: build/load the model already partitioned (needs `accelerate`)
+    export_hf: bool = True  # also write a HF export (iter_N/hf) at every checkpoint save
+    extra_config: Optional[str] = None  # JSON file merged last into the generated DeepSpeed config
 
 
 @dataclass

@@ -28,15 +28,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from transformers import AutoModelForCausalLM
 
 from megatron_wedlm.runtime.hf_local import (
     WEDLM_MODEL_TYPE,
@@ -45,24 +37,10 @@ from megatron_wedlm.runtime.hf_local import (
     load_pretrained,
     load_tokenizer,
     read_config,
+    wedlm_config_to_hf,
 )
 
-__all__ = ["load_tokenizer", "load_wedlm_model", "wedlm_config_to_hf"]  # load_tokenizer lives in runtime.hf_local
-
-_NOT_CONFIG_FIELDS = ("model_type", "architectures", "auto_map", "transformers_version")
-
-
-def wedlm_config_to_hf(raw: dict):
-    """Map an official ``model_type: "wedlm"`` config dict to ``(model_class, config)``; see module docstring."""
-    fields = {k: v for k, v in raw.items() if k not in _NOT_CONFIG_FIELDS}
-    qk_norm = bool(fields.pop("qk_norm", False))
-    bias = bool(fields.pop("attention_bias", True))
-    if qk_norm:
-        return Qwen3ForCausalLM, Qwen3Config(**fields, attention_bias=bias)
-    if bias:
-        return Qwen2ForCausalLM, Qwen2Config(**fields)
-    return LlamaForCausalLM, LlamaConfig(**fields, attention_bias=False, mlp_bias=False)
-
+__all__ = ["load_tokenizer", "load_wedlm_model", "wedlm_config_to_hf"]  # load_tokenizer, wedlm_config_to_hf: runtime.hf_local
 
 def _zero_missing_output_projection_biases(model, missing_keys) -> None:
     """A wedlm checkpoint with q/k norm and q/k/v biases has no o_proj bias; Qwen3's class does: make it zero."""

@@ -5,7 +5,6 @@ schedule, data pipeline, checkpoint conventions and logging as the Megatron path
 model an unmodified transformers ``*ForCausalLM`` trained by DeepSpeed ZeRO-1/2/3 (optionally
 with optimizer / parameter offload to the CPU).
 
-* :mod:`.section`    -- the ``deepspeed`` section of the training schema (``TrainConfig.deepspeed``);
 * :mod:`.settings`   -- the backend's checks of a run, the DeepSpeed JSON config;
 * :mod:`.hf_model`   -- loading (Qwen2 / Qwen3 / Llama / official WeDLM), mask-token row,
   Megatron-style weight-decay groups;
@@ -32,7 +31,7 @@ def __getattr__(name: str) -> Any:
 
         return run_deepspeed_sft
     if name == "DeepSpeedConfig":
-        from .section import DeepSpeedConfig
+        from megatron_wedlm.config.schema import DeepSpeedConfig
 
         return DeepSpeedConfig
     if name == "DualStreamCausalLM":

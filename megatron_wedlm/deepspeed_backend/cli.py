@@ -4,22 +4,38 @@
         model.init_from=/models/Qwen3-8B data.path=/data/sft trainer.backend=deepspeed
 
 The arguments are the Megatron entry point's (``--config``, ``--resume``, ``--print-config``,
-``--result-json``, ``key=value`` overrides); the entry point hands a command line over here when
-``trainer.backend=deepspeed`` (override or YAML, :func:`megatron_wedlm.training.cli.requested_backend`).
+``--result-json``, ``key=value`` overrides); ``sft/sft_wedlm.py`` offers :data:`DEEPSPEED` next to
+the Megatron backend and the loaded config's ``trainer.backend`` picks one.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-__all__ = ["main"]
+if TYPE_CHECKING:
+    from megatron_wedlm.config.schema import TrainConfig
+
+__all__ = ["DEEPSPEED", "main"]
+
+
+def _check(cfg: TrainConfig) -> None:
+    from .settings import validate_deepspeed_run
+
+    validate_deepspeed_run(cfg)
+
+
+def _train(cfg: TrainConfig) -> Any:
+    from .engine import run_deepspeed_sft
+
+    return run_deepspeed_sft(cfg)
+
+
+#: ``trainer.backend=deepspeed`` for :func:`megatron_wedlm.training.cli.run_entry_point`
+DEEPSPEED = {"deepspeed": (_check, _train)}
 
 
 def main(argv: Sequence[str] | None = None, task: str = "sft") -> int:
     """Exit codes as the Megatron entry point: 0 ok, 1 crash, 2 config error, 3 non-finite stop."""
     from megatron_wedlm.training.cli import run_entry_point
 
-    from .settings import validate_deepspeed_run
-    from .engine import run_deepspeed_sft
-
-    return run_entry_point(argv, task, validate_deepspeed_run, run_deepspeed_sft)
+    return run_entry_point(argv, task, DEEPSPEED)

@@ -6,7 +6,7 @@ has a key in the training schema (:mod:`megatron_wedlm.config.schema`) and means
 thing on both backends. Only what is specific to ZeRO lives in the section; ``extra_config`` is the
 escape hatch for DeepSpeed knobs nobody mapped (bucket sizes, overlap), merged last.
 
-The section (:class:`~.section.DeepSpeedConfig`) is part of the training schema, so
+The section (:class:`megatron_wedlm.config.schema.DeepSpeedConfig`) is part of the training schema, so
 :func:`megatron_wedlm.config.load_config` loads it like any other (unknown ``deepspeed.*`` keys
 fail with a suggestion) and :func:`megatron_wedlm.config.validate_config` checks its values;
 what holds only when this backend runs is checked here.

@@ -155,7 +155,7 @@ def _normalised_hf_config(raw: dict[str, Any]):
     model_type = raw.get("model_type")
     if model_type == "wedlm":
         # Official WeDLM checkpoints: same weights as the AR family they came from.
-        from megatron_wedlm.decoding.loading import wedlm_config_to_hf
+        from megatron_wedlm.runtime.hf_local import wedlm_config_to_hf
 
         _, config = wedlm_config_to_hf(raw)
         if raw.get("mask_token_id") is not None:

@@ -188,7 +188,7 @@ class Quickstart:
     def tokenizer(self) -> dict[str, Any]:
         from megatron_wedlm.eval.builtin_tasks import builtin_task
         from megatron_wedlm.quickstart.corpus import read_corpus, sample_texts
-        from megatron_wedlm.quickstart.tokenizer import check_reload, save_tokenizer, train_tokenizer
+        from megatron_wedlm.data.tokenizer import check_reload, save_tokenizer, train_tokenizer
 
         texts = list(read_corpus(self.layout.corpus))
         tok = train_tokenizer(texts, self.settings.tokenizer.vocab_size)
@@ -259,7 +259,7 @@ class Quickstart:
         hf_logging.disable_progress_bar()  # the console shows one line per export instead
 
         from megatron_wedlm.quickstart.corpus import read_corpus, sample_texts
-        from megatron_wedlm.quickstart.tokenizer import check_reload
+        from megatron_wedlm.data.tokenizer import check_reload
         from megatron_wedlm.runtime.hf_local import load_pretrained, load_tokenizer
 
         model = load_pretrained(AutoModelForCausalLM, hf_dir).eval()

@@ -6,7 +6,7 @@ transformers' ``Auto*`` classes, given no ``trust_remote_code``, *ask* on such a
 you wish to run the custom code? [y/N]", waiting 15 s on a terminal) and run the files on "y";
 ``AutoTokenizer`` asks even for a tokenizer, because it reads the model config first. This
 project promises to load those checkpoints without their code: the architecture is the AR model
-they came from (``decoding.loading.wedlm_config_to_hf``) and the tokenizer is an ordinary one.
+they came from (:func:`wedlm_config_to_hf`) and the tokenizer is an ordinary one.
 So every ``from_pretrained`` of this project goes through :func:`load_pretrained`, which passes
 ``trust_remote_code=False`` and ``local_files_only=True``; that rule lives here only.
 
@@ -30,6 +30,28 @@ REFERENCE_MASK_TOKEN_ID = 151665
 
 #: ``model_type`` of the published WeDLM checkpoints.
 WEDLM_MODEL_TYPE = "wedlm"
+
+
+_NOT_CONFIG_FIELDS = ("model_type", "architectures", "auto_map", "transformers_version")
+
+
+def wedlm_config_to_hf(raw: dict[str, Any]):
+    """Map an official ``model_type: "wedlm"`` config dict to ``(model_class, config)`` of the AR
+    family it came from (the table in :mod:`megatron_wedlm.decoding.loading`).
+
+    Here, below both users (loading for decoding, ``model.hf_config`` for conversion and
+    training), so neither imports the other.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    fields = {k: v for k, v in raw.items() if k not in _NOT_CONFIG_FIELDS}
+    qk_norm = bool(fields.pop("qk_norm", False))
+    bias = bool(fields.pop("attention_bias", True))
+    if qk_norm:
+        return Qwen3ForCausalLM, Qwen3Config(**fields, attention_bias=bias)
+    if bias:
+        return Qwen2ForCausalLM, Qwen2Config(**fields)
+    return LlamaForCausalLM, LlamaConfig(**fields, attention_bias=False, mlp_bias=False)
 
 
 def _local_dir(path: str | Path, what: str) -> Path:

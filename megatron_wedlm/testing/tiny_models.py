@@ -16,7 +16,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 # One tokenizer recipe for the tests and the quickstart.
-from megatron_wedlm.quickstart.tokenizer import EOS_TOKEN, PAD_TOKEN, as_hf_tokenizer, train_byte_level_bpe
+from megatron_wedlm.data.tokenizer import EOS_TOKEN, PAD_TOKEN, as_hf_tokenizer, train_byte_level_bpe
 
 # Text the BPE merges are learnt from: digits/counting, letters, arithmetic, a little Python and
 # English, so common test strings become multi-byte tokens rather than all single bytes.

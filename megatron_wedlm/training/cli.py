@@ -15,12 +15,16 @@ import json
 import os
 import sys
 import traceback
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 if TYPE_CHECKING:
     from megatron_wedlm.config.schema import TrainConfig
 
-__all__ = ["main", "parse_args", "requested_backend", "run_entry_point"]
+__all__ = ["MEGATRON", "Backends", "main", "parse_args", "run_entry_point"]
+
+#: the backends an entry point runs: ``trainer.backend`` -> (check(cfg), train(cfg)); the check
+#: raises ConfigError to refuse before any process group exists
+Backends = Mapping[str, "tuple[Callable[[TrainConfig], None], Callable[[TrainConfig], Any]]"]
 
 
 def parse_args(argv: Sequence[str] | None, task: str) -> tuple[argparse.Namespace, list[str]]:
@@ -43,30 +47,9 @@ def parse_args(argv: Sequence[str] | None, task: str) -> tuple[argparse.Namespac
     return args, rest
 
 
-def requested_backend(argv: Sequence[str]) -> str:
-    """``trainer.backend`` as the command line asks for it (the override, else the YAML's), read
-    before the config is loaded: the DeepSpeed backend extends the schema with its own section."""
-    import yaml
-
-    args, overrides = parse_args(list(argv), task="sft")
-    for item in reversed(overrides):
-        if item.startswith("trainer.backend="):
-            return item.split("=", 1)[1].strip()
-    if args.config and os.path.isfile(args.config):
-        data = yaml.safe_load(open(args.config).read()) or {}
-        trainer = data.get("trainer") if isinstance(data, dict) else None
-        if isinstance(trainer, dict) and trainer.get("backend"):
-            return str(trainer["backend"])
-    return "megatron"
-
-
-def run_entry_point(
-    argv: Sequence[str] | None,
-    task: str,
-    check: Callable[[TrainConfig], None],
-    train: Callable[[TrainConfig], Any],
-) -> int:
-    """Load the config, ``check(cfg)`` it (raise ConfigError to refuse), ``train(cfg)``, report.
+def run_entry_point(argv: Sequence[str] | None, task: str, backends: Backends) -> int:
+    """Load the config, pick its ``trainer.backend`` from ``backends``, check the config with
+    it, train, report.
 
     Every backend's command line goes through here, so they share the arguments and the exit
     codes: 0 ok, 1 crash, 2 config error, 3 non-finite stop.
@@ -82,6 +65,12 @@ def run_entry_point(
         cfg = load_config(args.config, overrides, defaults={"trainer": {"task": task}})
         if cfg.trainer.task != task:
             raise ConfigError(f"trainer.task={cfg.trainer.task!r} but this is the {task} entry point")
+        if cfg.trainer.backend not in backends:
+            raise ConfigError(
+                f"trainer.backend={cfg.trainer.backend!r}: the {task} entry point trains with "
+                f"{' or '.join(backends)} (the DeepSpeed backend is for SFT: sft/sft_wedlm.py ... trainer.backend=deepspeed)"
+            )
+        check, train = backends[cfg.trainer.backend]
         check(cfg)
     except (ConfigError, FileNotFoundError) as err:
         if rank == 0:
@@ -115,14 +104,8 @@ def run_entry_point(
     return 0
 
 
-def _require_megatron_backend(cfg: TrainConfig) -> None:
-    from megatron_wedlm.config.schema import ConfigError
-
-    if cfg.trainer.backend != "megatron":
-        raise ConfigError(
-            f"trainer.backend={cfg.trainer.backend!r}: this entry point trains with Megatron-Core "
-            "(the DeepSpeed backend is for SFT: sft/sft_wedlm.py ... trainer.backend=deepspeed)"
-        )
+def _no_further_checks(cfg: TrainConfig) -> None:
+    """The schema's own validation (in ``load_config``) covers the Megatron backend."""
 
 
 def _run_megatron(cfg: TrainConfig):
@@ -131,6 +114,9 @@ def _run_megatron(cfg: TrainConfig):
     return run_training(cfg)
 
 
+MEGATRON: Backends = {"megatron": (_no_further_checks, _run_megatron)}
+
+
 def main(argv: Sequence[str] | None = None, task: str = "pretrain") -> int:
     """The Megatron-Core entry point (``trainer.backend=megatron``)."""
-    return run_entry_point(argv, task, _require_megatron_backend, _run_megatron)
+    return run_entry_point(argv, task, MEGATRON)

@@ -1,4 +1,4 @@
-"""Training the quickstart tokenizer: byte-level BPE on the local corpus, saved as a HF tokenizer.
+"""A byte-level BPE tokenizer trained on a local corpus, saved as a HF tokenizer (quickstart, tiny test models).
 
 Why this pipeline: the model is exported as an ordinary ``qwen2``/``qwen3`` checkpoint, and
 transformers 5 loads the tokenizer of such a checkpoint as ``Qwen2Tokenizer``, which rebuilds
