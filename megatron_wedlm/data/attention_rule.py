@@ -139,31 +139,26 @@ class AttentionMetadata:
 
 
 def dense_attention_mask(
-    metadata: AttentionMetadata,
-    padding_attends_self: bool = False,
-    query_slots: Tensor | None = None,
-    key_slots: Tensor | None = None,
+    metadata: AttentionMetadata, padding_attends_self: bool = False, query_slots: Tensor | None = None
 ) -> Tensor:
     """Bool mask ``[S, S]`` (or ``[B, S, S]``), True = query (row) may attend key (column).
 
-    ``query_slots`` / ``key_slots`` (``[S_q]`` / ``[S_k]`` physical slot indices, default all
-    slots in order) pick the rows and columns: context parallelism asks for its local queries
-    against the gathered keys of the whole row, in the order the ranks hold them, and gets a
-    ``[S_q, S_k]`` mask of the same rule on global indices.
+    ``query_slots`` (``[S_q]`` physical slot indices, default all slots in order) picks the
+    rows: context parallelism asks for its own queries against the whole row and gets the
+    ``[S_q, S]`` mask of the same rule on global indices.
 
-    Memory is O(S_q x S_k): fine for CPU training and tests, not for 32k-token rows (use
+    Memory is O(S_q x S): fine for CPU training and tests, not for 32k-token rows (use
     :func:`build_block_mask` there).
     """
-    device = metadata.doc_ids.device
-    all_slots = torch.arange(metadata.seq_len, device=device)
-    q_slots = all_slots if query_slots is None else query_slots.to(device)
-    k_slots = all_slots if key_slots is None else key_slots.to(device)
+    k_slots = torch.arange(metadata.seq_len, device=metadata.doc_ids.device)
+    q_slots = k_slots if query_slots is None else query_slots.to(k_slots.device)
 
-    def pick(t: Tensor, slots: Tensor) -> Tensor:
-        return t if slots is all_slots else t.index_select(-1, slots)
+    def q(t: Tensor) -> Tensor:  # query along rows
+        return (t if query_slots is None else t.index_select(-1, q_slots)).unsqueeze(-1)
 
-    q = lambda t: pick(t, q_slots).unsqueeze(-1)  # noqa: E731  -- query along rows
-    k = lambda t: pick(t, k_slots).unsqueeze(-2)  # noqa: E731  -- key along columns
+    def k(t: Tensor) -> Tensor:  # key along columns
+        return t.unsqueeze(-2)
+
     return may_attend(
         q(metadata.doc_ids), q(metadata.is_memory), q(metadata.block_ids), q_slots.unsqueeze(-1),
         k(metadata.doc_ids), k(metadata.is_memory), k(metadata.block_ids), k_slots.unsqueeze(-2),
@@ -172,29 +167,23 @@ def dense_attention_mask(
 
 
 def flex_mask_mod(
-    metadata: AttentionMetadata,
-    padding_attends_self: bool = False,
-    query_slots: Tensor | None = None,
-    key_slots: Tensor | None = None,
+    metadata: AttentionMetadata, padding_attends_self: bool = False, query_slots: Tensor | None = None
 ) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
     """A FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` closing over ``[B, S]`` metadata.
 
-    ``query_slots`` / ``key_slots``: physical slot of each query / key index (see
-    :func:`dense_attention_mask`); default: the index is the slot. The metadata tensors must
-    live on the device the attention runs on.
+    ``query_slots``: the physical slot of each query index (see :func:`dense_attention_mask`);
+    default: the index is the slot. The metadata tensors must live on the device the
+    attention runs on.
     """
     meta = metadata.batched()
     doc, mem, blk = meta.doc_ids, meta.is_memory, meta.block_ids
-    device = doc.device
-    q_map = None if query_slots is None else query_slots.to(device)
-    k_map = None if key_slots is None else key_slots.to(device)
+    q_map = None if query_slots is None else query_slots.to(doc.device)
 
     def wedlm_mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         q = q_idx if q_map is None else q_map[q_idx]
-        k = kv_idx if k_map is None else k_map[kv_idx]
         return may_attend(
             doc[b, q], mem[b, q], blk[b, q], q,
-            doc[b, k], mem[b, k], blk[b, k], k,
+            doc[b, kv_idx], mem[b, kv_idx], blk[b, kv_idx], kv_idx,
             padding_attends_self=padding_attends_self,
         )
 
