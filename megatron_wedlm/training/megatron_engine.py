@@ -151,7 +151,8 @@ class MegatronEngine:
 
     def describe(self) -> str:
         p = self.cfg.parallelism
-        return f"Megatron-Core, tp {p.tp} x pp {p.pp} x cp {p.cp} x dp {self.dp_size}"
+        chunks = f" ({p.virtual_pp} chunks per stage)" if p.virtual_pp else ""
+        return f"Megatron-Core, tp {p.tp} x pp {p.pp}{chunks} x cp {p.cp} x dp {self.dp_size}"
 
     # ---- model, optimizer, state ----
     def build(self, resuming: bool) -> None:
