@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_wedlm.data import build_dual_stream_batch, stack_dual_stream_batches
-from megatron_wedlm.deepspeed_backend.forward import DualStreamCausalLM, pad_to_tiles
+from megatron_wedlm.deepspeed_backend.forward import DualStreamCausalLM, dual_stream_cross_entropy, pad_to_tiles
 from megatron_wedlm.deepspeed_backend.hf_model import (
     apply_mask_token,
     plan_mask_token,
@@ -68,7 +68,7 @@ def test_every_labelled_slot_equals_a_plain_causal_forward_over_what_it_may_see(
     model = _model(arch, tied)
     batch = _batch()
     with torch.no_grad():
-        ce = DualStreamCausalLM(model).batch_forward(batch, "dense")
+        ce = dual_stream_cross_entropy(DualStreamCausalLM(model), batch, "dense")
     labels = wedlm_labels(batch.is_masked, batch.target_ids, batch.ar_labels)
     checked = 0
     for row in range(batch.input_ids.shape[0]):
@@ -90,9 +90,9 @@ def test_float_mask_means_the_same_to_eager_and_sdpa():
     """Why the mask is additive float: eager adds it to the scores, SDPA accepts it as is."""
     model, batch = _model(), _batch(seed=1)
     with torch.no_grad():
-        sdpa = DualStreamCausalLM(model).batch_forward(batch, "dense")
+        sdpa = dual_stream_cross_entropy(DualStreamCausalLM(model), batch, "dense")
         model.set_attn_implementation("eager")
-        eager = DualStreamCausalLM(model).batch_forward(batch, "dense")
+        eager = dual_stream_cross_entropy(DualStreamCausalLM(model), batch, "dense")
     torch.testing.assert_close(eager, sdpa, rtol=0, atol=2e-5)
 
 
@@ -109,16 +109,16 @@ def test_flex_block_mask_through_transformers_equals_dense():
     model = _model()
     batch = pad_to_tiles(_batch(seed=2, block_size=8), 128)
     with torch.no_grad():
-        dense = DualStreamCausalLM(model).batch_forward(batch, "dense")
+        dense = dual_stream_cross_entropy(DualStreamCausalLM(model), batch, "dense")
         model.set_attn_implementation("flex_attention")
-        flex = DualStreamCausalLM(model).batch_forward(batch, "flex")
+        flex = dual_stream_cross_entropy(DualStreamCausalLM(model), batch, "flex")
     assert batch.seq_len == 128
     torch.testing.assert_close(flex, dense, rtol=0, atol=2e-5)
 
 
 def test_objective_on_hf_output_is_the_wedlm_loss_and_ar_mode_is_next_token_only():
     model, batch = _model(), _batch(seed=3)
-    ce = DualStreamCausalLM(model).batch_forward(batch, "dense")
+    ce = dual_stream_cross_entropy(DualStreamCausalLM(model), batch, "dense")
     total, loss = Objective(ar_weight=0.5).contribution(ce, batch, None)
     labels_masked = batch.is_masked
     w = torch.where(labels_masked, batch.mlm_weights, torch.zeros_like(batch.mlm_weights))
@@ -220,7 +220,7 @@ def test_loss_on_a_fixed_batch_equals_the_megatron_models_on_converted_weights(t
     hf = load_hf_causal_lm(tmp_path / "hf", torch.float32, "sdpa")
     apply_mask_token(hf, plan_mask_token(tmp_path / "hf", MASK, 400), pad_rows_to_multiple_of=128)
     with torch.no_grad():
-        hf_ce = DualStreamCausalLM(hf).batch_forward(batch, "dense")
+        hf_ce = dual_stream_cross_entropy(DualStreamCausalLM(hf), batch, "dense")
 
     cfg = load_config(None, [f"model.init_from={tmp_path / 'megatron'}", "data.path=unused", "trainer.device=cpu",
                              "model.attention_backend=dense", "data.seq_length=64"])
@@ -259,5 +259,6 @@ def test_official_wedlm_checkpoint_loads_as_its_ar_family_and_keeps_its_mask_tok
     assert not plan.initialise_row and plan.min_rows == 512
     batch = _batch(seed=5)
     with torch.no_grad():
-        torch.testing.assert_close(DualStreamCausalLM(model).batch_forward(batch, "dense"),
-                                   DualStreamCausalLM(source.train()).batch_forward(batch, "dense"), rtol=0, atol=0)
+        loaded = dual_stream_cross_entropy(DualStreamCausalLM(model), batch, "dense")
+        torch.testing.assert_close(loaded, dual_stream_cross_entropy(DualStreamCausalLM(source.train()), batch, "dense"),
+                                   rtol=0, atol=0)

@@ -214,14 +214,17 @@ def test_padding_options_and_stacking():
     assert meta.doc_ids.shape == (2, 16) and set(meta.as_dict()) == {"doc_ids", "is_memory", "block_ids"}
 
 
-def test_mlm_labels_and_ar_labels_in_sft():
+def test_training_labels_in_sft_are_own_token_when_masked_and_next_response_token_on_memory():
+    from megatron_wedlm.training.objective import Objective
+
     doc = torch.tensor([11, 12, 13, 14, 15, 16])
     batch = build_dual_stream_batch([doc], 3, MASK, torch.Generator().manual_seed(1), prompt_lengths=[3])
     # memory slots 0..5; labels predict the next token only when it is a response token
     assert batch.ar_labels[:6].tolist() == [-100, -100, 14, 15, 16, -100]
-    labels = batch.mlm_labels
+    labels = Objective().labels(batch)  # the one label row both engines train against
     assert torch.equal(labels[batch.is_masked], batch.target_ids[batch.is_masked])
-    assert (labels[~batch.is_masked] == IGNORE_INDEX).all()
+    assert torch.equal(labels[~batch.is_masked], batch.ar_labels[~batch.is_masked])
+    assert (labels[6:][~batch.is_masked[6:]] == IGNORE_INDEX).all()  # unmasked prediction slots carry no loss
     assert not batch.is_masked[6:9].any()  # the prompt block is never masked
 
 

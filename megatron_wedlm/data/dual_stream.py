@@ -88,11 +88,6 @@ class DualStreamBatch:
     def seq_len(self) -> int:
         return self.input_ids.shape[-1]
 
-    @property
-    def mlm_labels(self) -> Tensor:
-        """Target token on masked slots, -100 elsewhere (labels for the no-shift MLM loss)."""
-        return torch.where(self.is_masked, self.target_ids, torch.full_like(self.target_ids, IGNORE_INDEX))
-
     def attention_metadata(self) -> AttentionMetadata:
         """Per-slot metadata for the attention backends (see :mod:`.attention_rule`)."""
         return AttentionMetadata(doc_ids=self.doc_ids, is_memory=self.is_memory, block_ids=self.block_ids)

@@ -510,9 +510,6 @@ class TrainDataIterator:
             "dp_size": self.dp_size,
         }
 
-    def skipped_samples(self) -> int:
-        return sum(p.skipped for p in self.positions.values())
-
 
 def _fork_ok() -> bool:
     import multiprocessing as mp

@@ -199,7 +199,7 @@ class DeepSpeedEngine:
                          objective: Objective) -> list[dict[str, torch.Tensor]]:
         """Forward, backward and ``engine.step()`` per micro-batch (DeepSpeed updates at the
         accumulation boundary); the loss reports."""
-        from .forward import model_inputs, pad_to_tiles
+        from .forward import dual_stream_cross_entropy, pad_to_tiles
 
         scale = len(batches) * self.world
         reports = []
@@ -207,7 +207,7 @@ class DeepSpeedEngine:
             batch = batch.to(self.device)
             if self.backend == "flex":
                 batch = pad_to_tiles(batch, FLEX_TILE_SIZE)
-            per_slot = self.engine(*model_inputs(batch, self.backend, self.dtype, FLEX_TILE_SIZE))
+            per_slot = dual_stream_cross_entropy(self.engine, batch, self.backend, self.dtype, FLEX_TILE_SIZE)
             contribution, loss = objective.contribution(per_slot, batch, normalizer)
             self.engine.backward(contribution * scale)
             self.engine.step()

@@ -38,6 +38,7 @@ __all__ = [
     "DualStreamCausalLM",
     "attention_mask_for",
     "dense_additive_mask",
+    "dual_stream_cross_entropy",
     "model_inputs",
     "pad_to_tiles",
     "per_slot_cross_entropy",
@@ -113,6 +114,11 @@ class DualStreamCausalLM(nn.Module):
         ).last_hidden_state
         return per_slot_cross_entropy(hidden, self.hf_model.get_output_embeddings(), labels)
 
-    def batch_forward(self, batch: DualStreamBatch, backend: str, tile_size: int = 128) -> Tensor:
-        """Per-slot cross entropy of a stacked batch (already on the model's device)."""
-        return self(*model_inputs(batch, backend, next(self.parameters()).dtype, tile_size))
+
+def dual_stream_cross_entropy(model: nn.Module, batch: DualStreamBatch, backend: str, dtype: torch.dtype | None = None,
+                              tile_size: int = 128) -> Tensor:
+    """Per-slot cross entropy ``[B, S]`` of a stacked batch (on the model's device; for ``flex``
+    padded to whole tiles) through ``model``: a :class:`DualStreamCausalLM`, or the DeepSpeed
+    engine around one. ``dtype``: of the additive dense mask (default: the model's)."""
+    dtype = dtype if dtype is not None else next(model.parameters()).dtype
+    return model(*model_inputs(batch, backend, dtype, tile_size))

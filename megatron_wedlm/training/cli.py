@@ -68,7 +68,8 @@ def run_entry_point(argv: Sequence[str] | None, task: str, backends: Backends) -
         if cfg.trainer.backend not in backends:
             raise ConfigError(
                 f"trainer.backend={cfg.trainer.backend!r}: the {task} entry point trains with "
-                f"{' or '.join(backends)} (the DeepSpeed backend is for SFT: sft/sft_wedlm.py ... trainer.backend=deepspeed)"
+                f"{' or '.join(backends)} (the DeepSpeed backend is for SFT: sft/sft_wedlm.py ... "
+                "trainer.backend=deepspeed)"
             )
         check, train = backends[cfg.trainer.backend]
         check(cfg)

@@ -138,9 +138,9 @@ def _train(cfg: TrainConfig, engine: Engine, claim, device: torch.device, bf16: 
     logger, result = recorder.logger, recorder.result
     world = dist.get_world_size() if dist.is_initialized() else 1
     logger.message(
-        f"{cfg.trainer.task}: {objective.name} training ({engine.describe()}), world {world}, {num_microbatches} "
-        f"micro-batches of {micro_batch} x {cfg.data.seq_length}, steps {recorder.start_step + 1}..{recorder.end_step}, "
-        f"device {device.type}, {'bf16' if bf16 else 'fp32'}"
+        f"{cfg.trainer.task}: {objective.name} training ({engine.describe()}), world {world}, "
+        f"{num_microbatches} micro-batches of {micro_batch} x {cfg.data.seq_length}, "
+        f"steps {recorder.start_step + 1}..{recorder.end_step}, device {device.type}, {'bf16' if bf16 else 'fp32'}"
     )
 
     try:

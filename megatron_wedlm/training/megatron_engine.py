@@ -160,10 +160,11 @@ class MegatronEngine:
         from .optimization import build_optimizer, wrap_ddp
 
         cfg = self.cfg
-        self.model = build_model_chunks(cfg, self.model_args, self.device, torch.bfloat16 if self.bf16 else torch.float32)
+        dtype = torch.bfloat16 if self.bf16 else torch.float32
+        self.model = build_model_chunks(cfg, self.model_args, self.device, dtype)
         if cfg.model.init_from is not None and not resuming:
             load_init_weights(self.model, cfg.model.init_from)
-        self.ddp = wrap_ddp(self.model, cfg)
+        self.ddp = wrap_ddp(self.model, cfg.optimizer.use_distributed_optimizer)
         self.optimizer = build_optimizer(cfg, self.ddp, self.bf16)
 
     def _manager(self):

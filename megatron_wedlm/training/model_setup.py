@@ -12,7 +12,6 @@ which the WeDLM attention rule is ordinary causal attention inside each document
 
 from __future__ import annotations
 
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -217,7 +216,3 @@ def load_init_weights(model, directory: str | Path) -> None:
     from megatron_wedlm.conversion.megatron_checkpoint import load_megatron_weights
 
     load_megatron_weights(model, directory, strict=False)
-
-
-def model_args_summary(args: ModelArgs) -> dict[str, Any]:
-    return {f.name: getattr(args, f.name) for f in fields(args) if f.name != "hf_config"}
