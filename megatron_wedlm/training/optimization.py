@@ -17,13 +17,14 @@ from .megatron_compat import patch_native_adam_step_restore
 __all__ = ["wrap_ddp", "build_optimizer", "build_scheduler", "current_lr"]
 
 
-def wrap_ddp(chunks: list, cfg: TrainConfig) -> list:
+def wrap_ddp(chunks: list, use_distributed_optimizer: bool) -> list:
     """Megatron ``DistributedDataParallel`` around each model chunk, plus the config hooks its
     schedules call.
 
     ``finalize_model_grads`` all-reduces gradients over DP x CP (and embedding/SP-norm grads
     across stages and TP ranks) at the end of the backward passes; ``no_sync`` defers the DP
-    reduction to the last micro-batch (one per chunk under the interleaved schedule).
+    reduction to the last micro-batch (one per chunk under the interleaved schedule). The
+    equivalence harness (:mod:`megatron_wedlm.testing.wedlm_equivalence`) wraps with this too.
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
@@ -33,7 +34,7 @@ def wrap_ddp(chunks: list, cfg: TrainConfig) -> list:
             ddp_config=DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True,
                 overlap_grad_reduce=False,
-                use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+                use_distributed_optimizer=use_distributed_optimizer,
                 check_for_nan_in_grad=False,  # non-finite steps are skipped and counted by the loop
             ),
             module=chunk,
