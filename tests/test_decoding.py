@@ -375,3 +375,26 @@ def test_one_settings_object_drives_every_method_and_keywords_override_it(tokeni
         generate(model, prompt, windowsize=4)
     with pytest.raises(ValueError, match="window_size must be >= 1"):
         DecodeSettings(window_size=0)
+
+
+def test_packed_batch_attention_is_scoped_to_the_decode(tokenizer):
+    """A batched decode runs the rows as one packed sequence through a registered attention
+    function; the model's own attention implementation is back in place afterwards, also after an
+    error, and a non-SDPA model is refused by the packed path rather than silently mis-attended."""
+    from megatron_wedlm.decoding.packed_attention import packed_attention
+
+    model = tiny_model(tokenizer, "qwen2", 80.0)
+    prompts = [tokenizer.encode("1 2 3"), tokenizer.encode("a b c d e f g")]
+    generate_batch(model, prompts, max_new_tokens=6)
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(RuntimeError, match="boom"):
+        with packed_attention(model):
+            raise RuntimeError("boom")
+    assert model.config._attn_implementation == "sdpa"
+    model.config._attn_implementation = "eager"
+    with pytest.raises(ValueError, match="needs an sdpa model"):
+        with packed_attention(model):
+            pass
+    eager = generate_batch(model, prompts, max_new_tokens=6)  # eager batches take the padded path
+    model.config._attn_implementation = "sdpa"
+    assert [r.token_ids for r in eager] == [r.token_ids for r in generate_batch(model, prompts, max_new_tokens=6)]

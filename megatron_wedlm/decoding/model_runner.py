@@ -9,16 +9,23 @@ slots come first, the keys/values of the leftmost filled run depend on the commi
 on themselves only, so they are exact; the cache keeps them (:meth:`ModelRunner.advance`) and the
 rest of the window is recomputed next step.
 
-Only mask slots need logits (filled slots are fed for their keys/values), so the output layer
-runs on the mask slots of all rows concatenated, without padding. The prompt is prefilled in
+A batch of rows goes through as one packed sequence of their real tokens, so rows with narrow
+windows or short caches do not pay for the padding of others in the linear layers
+(:mod:`.packed_attention`; attention alone is computed per row, on SDPA models). Only mask
+slots need logits (filled slots are fed for their keys/values), so the output layer runs on the
+mask slots of all rows concatenated. The prompt is prefilled in
 the same forward as the first window (they are contiguous, the mask is plain causal), so a
 generation costs one forward fewer than "prefill, then decode".
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from itertools import accumulate, chain
+
 import torch
 
+from .packed_attention import Packing, packed_attention
 from .row_cache import RowKVCache
 from .state import RowState
 
@@ -40,6 +47,8 @@ class ModelRunner:
             device=self.device,
         )
         self.prefilled = False
+        self.dtype = self.head.weight.dtype
+        self.packable = impl == "sdpa"  # batched forwards are packed (packed_attention.py) on SDPA models
         # per forward: (rows, width, real slots, mask slots, sum of the rows' cache lengths); for
         # benchmarks, which compare a step with a padding-free forward of the same work
         self.steps: list[tuple[int, int, int, int, int]] = []
@@ -51,29 +60,44 @@ class ModelRunner:
         Returns the logits of all rows' mask slots, concatenated ``[slots, vocab]`` with the mask
         token excluded, and per row the window indices of those slots (ascending).
         """
-        prefix = [row.prompt for row in rows] if not self.prefilled else [[] for _ in rows]
-        orders = [row.reordered() for row in rows]
-        width = max(len(p) + len(o) for p, o in zip(prefix, orders))
         ids, positions, columns, mask_slots = [], [], [], []
-        for r, (row, order, prompt) in enumerate(zip(rows, orders, prefix)):
-            window, start, pad = row.window, row.start, width - len(prompt) - len(order)
-            ids.append(prompt + [window[i] for i in order] + [self.mask_id] * pad)
-            positions.append(list(range(len(prompt))) + [start + i for i in order] + [start] * pad)
+        for row in rows:
+            prompt = [] if self.prefilled else row.prompt
+            window, start, order = row.window, row.start, row.reordered()
+            ids.append(prompt + [window[i] for i in order])
+            positions.append(list(range(len(prompt))) + [start + i for i in order])
             masks = [k for k, i in enumerate(order) if window[i] == self.mask_id]
-            columns += [r * width + len(prompt) + k for k in masks]
+            columns.append([len(prompt) + k for k in masks])
             mask_slots.append([order[k] for k in masks])
             row.forwards += 1
             row.slots += len(order)
-
-        self.steps.append((len(rows), width, sum(len(p) + len(o) for p, o in zip(prefix, orders)), len(columns),
+        lengths = [len(t) for t in ids]
+        width = max(lengths)
+        self.steps.append((len(rows), width, sum(lengths), sum(map(len, columns)),
                            sum(row.cache_length for row in rows) if self.prefilled else 0))
-        hidden = self.body(
-            input_ids=torch.tensor(ids, device=self.device),
-            position_ids=torch.tensor(positions, device=self.device),
-            attention_mask=self._attention_mask(len(rows), width),
-            past_key_values=self.cache,
-            use_cache=True,
-        ).last_hidden_state
+
+        if len(rows) > 1 and self.packable:  # no padding: one packed sequence, attention per row
+            packing = Packing.build(lengths, [row.cache_length if self.prefilled else 0 for row in rows], self.device)
+            offsets = list(accumulate(lengths[:-1], initial=0))
+            ids, positions = [list(chain.from_iterable(ids))], [list(chain.from_iterable(positions))]
+            mask = self.cache.attention_mask(width, self.dtype)
+        else:  # right-padded rows; padding sits after every real token, so causal attention hides it
+            packing, offsets = None, [r * width for r in range(len(rows))]
+            ids = [t + [self.mask_id] * (width - len(t)) for t in ids]
+            positions = [p + [p[-1]] * (width - len(p)) for p in positions]
+            mask = self._attention_mask(len(rows), width)
+        self.cache.packing = packing
+        with packed_attention(self.model) if packing else nullcontext():
+            hidden = self.body(
+                input_ids=torch.tensor(ids, device=self.device),
+                position_ids=torch.tensor(positions, device=self.device),
+                attention_mask=mask,
+                past_key_values=self.cache,
+                use_cache=True,
+                **({"wedlm_packing": packing} if packing else {}),
+            ).last_hidden_state
+        self.cache.packing = None
+        columns = [offset + k for offset, row_columns in zip(offsets, columns) for k in row_columns]
         self.prefilled = True
         at_masks = hidden.reshape(-1, hidden.shape[-1]).index_select(
             0, torch.tensor(columns, dtype=torch.long, device=self.device)
@@ -89,7 +113,7 @@ class ModelRunner:
             # flash-attention's causal mode aligns the queries to the *end* of the keys, which is
             # exactly our mask for a single row; never taken on CPU (eager/SDPA differ there)
             return None
-        return self.cache.attention_mask(width, self.head.weight.dtype)
+        return self.cache.attention_mask(width, self.dtype)
 
     def _flash(self) -> bool:
         return (getattr(self.model.config, "_attn_implementation", "") or "").startswith("flash_attention")

@@ -6,7 +6,8 @@ grows by concatenation and crops all rows alike, so it cannot hold rows of diffe
 
 This cache pre-allocates ``[rows, kv_heads, capacity, head_dim]`` buffers per layer and keeps a
 per-row ``lengths`` vector (the committed prefix of each row). A forward writes the new keys and
-values of row ``b`` at physical slots ``lengths[b] ..``; :meth:`commit` then advances
+values of row ``b`` at physical slots ``lengths[b] ..`` (from a ``[rows, width]`` input, or from
+one packed sequence of all rows' tokens, see ``packed_attention.py``); :meth:`commit` then advances
 ``lengths`` by what was accepted. Nothing is ever cropped or copied: the uncommitted part of a
 window is simply overwritten by the next forward, which is exactly "crop to prefix + n" of
 Algorithm 1. For a single row this is the same as ``DynamicCache.crop``; with a fixed capacity
@@ -34,7 +35,7 @@ class _RowLayer(CacheLayerMixin):
         self.owner = owner
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        rows, heads, _, _ = key_states.shape
+        rows, heads = len(self.owner.lengths), key_states.shape[1]
         shape_k = (rows, heads, self.owner.capacity, key_states.shape[-1])
         shape_v = (rows, heads, self.owner.capacity, value_states.shape[-1])
         self.keys = torch.zeros(shape_k, dtype=key_states.dtype, device=key_states.device)
@@ -45,16 +46,19 @@ class _RowLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        new = key_states.shape[-2]
-        end = self.owner.max_length + new
+        packing = self.owner.packing
+        end = self.owner.max_length + (packing.width if packing is not None else key_states.shape[-2])
         if end > self.owner.capacity:
             raise RuntimeError(f"RowKVCache capacity {self.owner.capacity} exceeded (needs {end})")
-        if self.owner.uniform:  # every row at the same length (always so for one row): a plain slice copy
+        if packing is not None:  # one packed row [1, kv_heads, T, dim]: token t goes to its row and slot
+            self.keys[packing.row_of, :, packing.slot_of] = key_states[0].transpose(0, 1)
+            self.values[packing.row_of, :, packing.slot_of] = value_states[0].transpose(0, 1)
+        elif self.owner.uniform:  # every row at the same length (always so for one row): a plain slice copy
             start = self.owner.max_length
             self.keys[:, :, start:end] = key_states
             self.values[:, :, start:end] = value_states
         else:
-            slots = self.owner.lengths[:, None] + torch.arange(new, device=key_states.device)
+            slots = self.owner.lengths[:, None] + torch.arange(key_states.shape[-2], device=key_states.device)
             self.keys.scatter_(2, slots[:, None, :, None].expand_as(key_states), key_states)
             self.values.scatter_(2, slots[:, None, :, None].expand_as(value_states), value_states)
         return self.keys[:, :, :end], self.values[:, :, :end]
@@ -86,6 +90,7 @@ class RowKVCache(Cache):
         self.lengths = torch.zeros(num_rows, dtype=torch.long, device=device)
         self.max_length = 0  # host copy of lengths.max(), to slice buffers without a device sync
         self.uniform = True  # all rows at max_length (host-side), so writes need no per-row index
+        self.packing = None  # set for a packed forward (see packed_attention.py)
         super().__init__(layers=[_RowLayer(self) for _ in range(num_layers)])
 
     def commit(self, lengths: list[int]) -> None:
