@@ -126,26 +126,10 @@ def build_model_chunks(spec: TinyWeDLMSpec, sequence_parallel: bool = False, rec
 
 def wrap_ddp(model, distributed_optimizer: bool = False):
     """Megatron DDP around ``model`` (or each virtual-pipeline chunk of a list) and the config
-    hooks the schedule uses to finalise grads."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    hooks the schedule uses to finalise grads: the training engine's own wrapping."""
+    from megatron_wedlm.training.optimization import wrap_ddp as wrap_chunks
 
-    chunks = model if isinstance(model, list) else [model]
-    wrapped = [
-        DistributedDataParallel(
-            chunk.config,
-            DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True,
-                overlap_grad_reduce=False,
-                use_distributed_optimizer=distributed_optimizer,
-            ),
-            chunk,
-        )
-        for chunk in chunks
-    ]
-    no_sync = [ddp.no_sync for ddp in wrapped]
-    for chunk in chunks:
-        chunk.config.finalize_model_grads_func = finalize_model_grads
-        chunk.config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
+    wrapped = wrap_chunks(model if isinstance(model, list) else [model], distributed_optimizer)
     return wrapped if isinstance(model, list) else wrapped[0]
 
 
