@@ -1,0 +1,103 @@
+"""Stopping, resuming and changing the layout: each behaviour its own small 2-rank launch
+(real gloo processes, the tiny CPU config), its worker next to its test."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from megatron_wedlm.config import config_from_yaml_text
+from megatron_wedlm.runtime.multiprocess import DistributedLaunchError, run_distributed
+from megatron_wedlm.training.checkpointing import complete_checkpoints
+from test_training import LAUNCH_TIMEOUT, TINY, _base, _train, assert_loss_decreases, data, losses  # noqa: F401
+
+
+def stop_and_resume_worker(pretrain: str, root: str) -> dict:
+    """30 steps straight; 30 steps stopped at 15 and resumed (what --resume auto sets)."""
+    _train(str(TINY), [*_base(pretrain, Path(root) / "straight")])
+    stopped = Path(root) / "stopped"
+    first = _train(str(TINY), [*_base(pretrain, stopped), "trainer.exit_at_step=15"])
+    checkpoints = [s for s, _ in complete_checkpoints(stopped / "checkpoints")]
+    resumed = _train(str(TINY), [*_base(pretrain, stopped), "checkpointing.resume=auto"])
+    return {"first": first, "checkpoints": checkpoints, "resumed": resumed}
+
+
+def test_stop_at_15_and_resume_reproduces_steps_16_to_30(data, tmp_path):
+    result = run_distributed(stop_and_resume_worker, 2, data["pretrain"], str(tmp_path), timeout_s=LAUNCH_TIMEOUT)[0]
+    assert result["first"]["final_step"] == 15 and result["checkpoints"] == [10, 15]
+    assert result["resumed"]["start_step"] == 15 and result["resumed"]["final_step"] == 30
+    resumed, straight = losses(tmp_path / "stopped"), losses(tmp_path / "straight")
+    assert sorted(resumed) == list(range(1, 31))
+    # bit-identical: same data rows, masks, weights, optimizer moments and step counters
+    assert [resumed[s] for s in range(16, 31)] == [straight[s] for s in range(16, 31)]
+
+
+def crash_worker(data_dir: str, out: str) -> None:
+    """Rank 0 is SIGKILLed while saving step 10: after every rank wrote its shards, before the
+    checkpoint is made visible."""
+    from megatron_wedlm.training import checkpointing
+
+    original = checkpointing.CheckpointManager.publish
+
+    def publish(self, partial, final):
+        if final.name == "iter_0000010":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, partial, final)
+
+    checkpointing.CheckpointManager.publish = publish
+    _train(str(TINY), [*_base(data_dir, Path(out)), "checkpointing.save_interval=5"])
+
+
+def resume_after_crash_worker(data_dir: str, out: str) -> dict:
+    return _train(str(TINY), [*_base(data_dir, Path(out)), "checkpointing.resume=auto", "trainer.exit_at_step=7",
+                              "checkpointing.save_interval=5"])
+
+
+def test_killed_save_leaves_the_previous_checkpoint_loadable(data, tmp_path):
+    out, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    with pytest.raises(DistributedLaunchError):
+        run_distributed(crash_worker, 2, data["pretrain"], str(out), timeout_s=LAUNCH_TIMEOUT)
+    assert [s for s, _ in complete_checkpoints(ckpts)] == [5]  # the step-10 save never became visible
+    assert (ckpts / "iter_0000010.partial" / "metadata.json").is_file()  # although every shard had been written
+    crashed = losses(out)
+    assert sorted(crashed) == list(range(1, 11))
+
+    resumed = run_distributed(resume_after_crash_worker, 2, data["pretrain"], str(out), timeout_s=LAUNCH_TIMEOUT)[0]
+    assert resumed["start_step"] == 5
+    assert [resumed["losses"][s] for s in (6, 7)] == [crashed[6], crashed[7]]
+    assert not (ckpts / "iter_0000010.partial").exists()  # the next save cleaned it up
+    assert [s for s, _ in complete_checkpoints(ckpts)] == [5, 7]
+
+
+def tp2_then_tp1_worker(pretrain: str, root: str) -> dict:
+    """TP=2 for 30 steps (checkpoint at 15), then TP=1 (DP=2) resumed from that checkpoint."""
+    tp2 = Path(root) / "tp2"
+    return {
+        "tp2": _train(str(TINY), [*_base(pretrain, tp2), "parallelism.tp=2", "checkpointing.save_interval=15"]),
+        "tp1": _train(str(TINY), [*_base(pretrain, Path(root) / "tp1"), "trainer.exit_at_step=20",
+                                  f"checkpointing.resume={tp2 / 'checkpoints' / 'iter_0000015'}"]),
+    }
+
+
+def test_tp2_trains_and_its_checkpoint_resumes_with_tp1(data, tmp_path):
+    result = run_distributed(tp2_then_tp1_worker, 2, data["pretrain"], str(tmp_path), timeout_s=LAUNCH_TIMEOUT)[0]
+    tp2 = {int(k): v for k, v in result["tp2"]["losses"].items()}
+    assert_loss_decreases(tp2)
+    tp1 = result["tp1"]
+    assert tp1["start_step"] == 15 and tp1["final_step"] == 20
+    for step in range(16, 21):  # the same trajectory under the new layout (fp32 reduction order only)
+        assert tp1["losses"][step] == pytest.approx(tp2[step], abs=1e-5)
+    saved = config_from_yaml_text((tmp_path / "tp1" / "config.yaml").read_text())
+    assert saved.parallelism.tp == 1 and saved.parallelism.dp == 2
+
+
+def pp2_worker(pretrain: str, out: str) -> dict:
+    return _train(str(TINY), [*_base(pretrain, Path(out)), "parallelism.pp=2"])
+
+
+def test_pp2_trains(data, tmp_path):
+    result = run_distributed(pp2_worker, 2, data["pretrain"], str(tmp_path), timeout_s=LAUNCH_TIMEOUT)
+    assert_loss_decreases({int(k): v for k, v in result[0]["losses"].items()})
