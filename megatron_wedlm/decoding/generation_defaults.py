@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
+
+from megatron_wedlm.runtime.atomic_output import atomic_write_text
 
 __all__ = ["DECODING_KEYS", "GENERATION_CONFIG", "read_decoding_defaults", "write_decoding_defaults"]
 
@@ -85,7 +86,4 @@ def write_decoding_defaults(model_dir: str | Path, settings: dict[str, Any]) -> 
         data = json.loads(path.read_text(encoding="utf-8"))
     merged = {**data.get(SECTION, {}), **_validate(settings, str(path))}
     data[SECTION] = merged
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")

@@ -33,10 +33,12 @@ __all__ = [
     "DiskFullError",
     "OutputDirError",
     "atomic_output_dir",
+    "atomic_write_text",
     "check_output_dir",
     "disk_full_is_named",
     "is_disk_full",
     "pid_alive",
+    "publish_directory",
 ]
 
 #: Free bytes below which a failed write whose message says nothing about space is taken for a
@@ -172,6 +174,27 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def publish_directory(staging: Path, final: Path, aside: Path) -> None:
+    """Rename the finished ``staging`` to ``final``; an existing ``final`` is renamed to ``aside``
+    first and deleted only once the new one is in place (a crash in between leaves it there)."""
+    if final.exists():
+        os.replace(final, aside)
+        os.replace(staging, final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.replace(staging, final)
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Replace the small text file ``path`` with ``text`` whole: written beside it, then renamed,
+    so a reader (or a crash) never sees half a file."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
 @contextlib.contextmanager
 def atomic_output_dir(
     output: str | Path,
@@ -199,10 +222,4 @@ def atomic_output_dir(
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-    if final.exists():
-        old = final.with_name(f"{final.name}.old-{tag}")
-        os.replace(final, old)
-        os.replace(staging, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(staging, final)
+    publish_directory(staging, final, aside=final.with_name(f"{final.name}.old-{tag}"))

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_wedlm.runtime.atomic_output import disk_full_is_named
+from megatron_wedlm.runtime.atomic_output import atomic_write_text, disk_full_is_named, publish_directory
 
 from .megatron_compat import prepare_optimizer_for_load, separate_adam_step_counters
 
@@ -148,9 +148,7 @@ def record_lineage(root: str | Path, lineage: Lineage) -> None:
     """Make ``lineage`` the current one under ``root`` (atomically; rank 0, at the start of a run)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    tmp = root / (LINEAGE_FILE + ".tmp")
-    tmp.write_text(json.dumps({"lineage": lineage}, indent=1) + "\n")
-    os.replace(tmp, root / LINEAGE_FILE)
+    atomic_write_text(root / LINEAGE_FILE, json.dumps({"lineage": lineage}, indent=1) + "\n")
 
 
 def checkpoint_problem(path: str | Path) -> str | None:
@@ -356,18 +354,11 @@ class CheckpointManager:
 
     def publish(self, partial: Path, final: Path) -> None:
         """The commit point: the checkpoint becomes visible under its final name."""
-        if final.exists():
-            # an abandoned future of an earlier resume: replace it
-            doomed = final.with_name(final.name + ".replaced")
-            os.replace(final, doomed)
-            os.replace(partial, final)
-            shutil.rmtree(doomed, ignore_errors=True)
-        else:
-            os.replace(partial, final)
+        # an existing ``final`` is an abandoned future of an earlier resume: it is replaced
+        publish_directory(partial, final, aside=final.with_name(final.name + ".replaced"))
         _fsync_dir(self.root)
-        latest_tmp = self.root / (LATEST_FILE + ".tmp")
-        latest_tmp.write_text(f"{_NAME.match(final.name).group(1).lstrip('0') or '0'}\n")  # type: ignore[union-attr]
-        os.replace(latest_tmp, self.root / LATEST_FILE)
+        step = _NAME.match(final.name).group(1).lstrip("0") or "0"  # type: ignore[union-attr]
+        atomic_write_text(self.root / LATEST_FILE, f"{step}\n")
 
     def prune(self, lineage: Lineage | None = None) -> None:
         """Keep the newest ``keep_last`` complete checkpoints of ``lineage`` (the one just saved

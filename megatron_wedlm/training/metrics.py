@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_wedlm.config.schema import TrainConfig
+from megatron_wedlm.runtime.atomic_output import atomic_write_text
 
 __all__ = ["MetricsLogger", "METRICS_ABANDONED_FILE", "METRICS_FILE", "read_metrics"]
 
@@ -99,9 +100,7 @@ class MetricsLogger:
             handle.write("".join(json.dumps(record) + "\n" for record in moved))
             handle.flush()
             os.fsync(handle.fileno())
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, self.path)
+        atomic_write_text(self.path, "".join(line + "\n" for line in kept))
         steps = [record["step"] for record in moved]
         self.message(
             f"{len(moved)} records of {self.path} (steps {min(steps)}..{max(steps)}) are not part of this run's "
