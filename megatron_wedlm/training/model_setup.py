@@ -21,8 +21,7 @@ from megatron_wedlm.config.schema import ConfigError, TrainConfig
 from megatron_wedlm.model.hf_config import ModelArgs, load_model_args, pad_vocab_size
 
 __all__ = [
-    "ModelChunks", "build_model_chunk", "build_model_chunks", "load_init_weights", "resolve_attention_backend",
-    "resolve_model_args",
+    "ModelChunks", "build_model_chunk", "build_model_chunks", "load_init_weights", "resolve_model_args",
 ]
 
 # model config key -> ModelArgs field, for the keys that describe the architecture
@@ -116,12 +115,6 @@ def resolve_model_args(cfg: TrainConfig, manifest: dict[str, Any], dtype: str) -
     return args
 
 
-def resolve_attention_backend(name: str, device: torch.device) -> str:
-    if name != "auto":
-        return name
-    return "flex" if device.type == "cuda" else "dense"
-
-
 def _recompute_overrides(cfg: TrainConfig) -> dict[str, Any]:
     mode = cfg.parallelism.recompute
     if mode == "full":
@@ -169,6 +162,7 @@ def build_model_chunk(
     ``device``, in ``params_dtype``."""
     from megatron.core import parallel_state as ps
 
+    from megatron_wedlm.model.attention_backends import resolve_attention_backend
     from megatron_wedlm.model.hf_config import transformer_config_from_model_args
     from megatron_wedlm.model.wedlm_model import WeDLMModelArgs, build_wedlm_model
 
