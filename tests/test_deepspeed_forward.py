@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_wedlm.data import build_dual_stream_batch, stack_dual_stream_batches
-from megatron_wedlm.deepspeed_backend.forward import DualStreamCausalLM, dual_stream_cross_entropy, pad_to_tiles
+from megatron_wedlm.deepspeed_backend.forward import DualStreamCausalLM, dual_stream_cross_entropy, pad_rows
 from megatron_wedlm.deepspeed_backend.hf_model import (
     apply_mask_token,
     plan_mask_token,
@@ -107,7 +107,7 @@ def test_flex_block_mask_through_transformers_equals_dense():
     """
     torch._dynamo.reset()
     model = _model()
-    batch = pad_to_tiles(_batch(seed=2, block_size=8), 128)
+    batch = pad_rows(_batch(seed=2, block_size=8), "flex")
     with torch.no_grad():
         dense = dual_stream_cross_entropy(DualStreamCausalLM(model), batch, "dense")
         model.set_attn_implementation("flex_attention")

@@ -152,9 +152,10 @@ def model_checks(spec_dict: dict) -> dict:
         untiled = we.build_model(we.TinyWeDLMSpec(**{**spec_dict, "dense_tile_size": 0})).eval()
         untiled.load_state_dict(model.state_dict())
         results["untiled"] = untiled(rows.input_ids, rows.position_ids, attention_metadata=meta)
-        from megatron_wedlm.model.attention import _dense_mask_and_plan
+        from megatron_wedlm.model.attention import _dense_mask_and_plan, layer_mask
 
-        _, plan = _dense_mask_and_plan(model_packed(rows), torch.zeros(rows.seq_len, 2, 1, 1), spec.dense_tile_size)
+        query = torch.zeros(rows.seq_len, 2, 1, 1)
+        _, plan = _dense_mask_and_plan(layer_mask(model_packed(rows), query), query, spec.dense_tile_size)
         results["plan_keys"] = [t.allowed.shape[-1] for t in plan]
 
         # 6. Loss vs a brute-force computation from full logits with torch's cross entropy.

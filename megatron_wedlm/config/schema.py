@@ -14,6 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+# The one table of attention backends (a light module: no torch or Megatron at import).
+from megatron_wedlm.model.attention_backends import ATTENTION_BACKEND_NAMES, ATTENTION_BACKENDS, backend_names
+
 __all__ = [
     "CheckpointingConfig",
     "DataConfig",
@@ -59,7 +62,7 @@ class ModelConfig:
     add_qkv_bias: Optional[bool] = None  # default: True for qwen2
     tie_word_embeddings: Optional[bool] = None  # default: False
     make_vocab_size_divisible_by: int = 128
-    attention_backend: str = "auto"  # auto (flex on GPU, dense on CPU) | dense | flex | te
+    attention_backend: str = "auto"  # auto (flex on GPU, dense on CPU) or a name of model/attention_backends.py
     init_method_std: float = 0.02
 
 
@@ -218,7 +221,7 @@ class TrainConfig:
 #: Allowed values of string-valued keys with a fixed set of choices.
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.architecture": ("qwen2", "qwen3", "llama"),
-    "model.attention_backend": ("auto", "dense", "flex", "te"),
+    "model.attention_backend": ATTENTION_BACKEND_NAMES,
     "wedlm.ratio_mode": ("block", "document"),
     "wedlm.loss_weighting": ("inverse_ratio", "uniform"),
     "parallelism.recompute": ("none", "selective", "full"),
@@ -355,10 +358,12 @@ def _validate_context_and_virtual_pipeline(cfg: TrainConfig) -> None:
                 f"parallelism.cp={par.cp} needs trainer.backend=megatron (the {cfg.trainer.backend} backend "
                 "has no context parallelism); set parallelism.cp=1"
             )
-        if cfg.model.attention_backend == "te":
+        backend = ATTENTION_BACKENDS.get(cfg.model.attention_backend)
+        if backend is not None and not backend.context_parallel:
             raise ConfigError(
-                f"parallelism.cp={par.cp} does not work with model.attention_backend=te (TE's context-parallel "
-                "kernels take causal/padding masks, not the dual-stream mask); use auto, flex or dense"
+                f"parallelism.cp={par.cp} does not work with model.attention_backend={backend.name} (its kernels "
+                "take no dual-stream mask under context parallelism); use "
+                f"{', '.join(backend_names(lambda b: b.context_parallel))}"
             )
         if seq % (2 * par.cp):
             raise ConfigError(

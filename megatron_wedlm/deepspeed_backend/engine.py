@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 __all__ = ["DeepSpeedEngine", "FINAL_EXPORT_DIR", "run_deepspeed_sft"]
 
 FINAL_EXPORT_DIR = "hf"  # <trainer.output_dir>/hf: the HF export at the end of training
-FLEX_TILE_SIZE = 128  # FlexAttention BlockMask tile; rows are padded to whole tiles
 
 
 def _prepare_deepspeed(device: torch.device) -> None:
@@ -75,12 +74,13 @@ class _ZeRO3Init:
 
 def _build_model(cfg: TrainConfig, manifest: dict[str, Any], ds_config: dict[str, Any], dtype: torch.dtype,
                  backend: str, zero3_init: bool):
-    from .forward import ATTN_IMPLEMENTATION, DualStreamCausalLM
+    from .forward import DualStreamCausalLM, hf_attention_backend
     from .hf_model import apply_mask_token, load_hf_causal_lm, plan_mask_token
 
     init = _ZeRO3Init(ds_config, zero3_init)
     try:
-        hf_model = load_hf_causal_lm(cfg.model.init_from, dtype, ATTN_IMPLEMENTATION[backend])  # type: ignore[arg-type]
+        implementation = hf_attention_backend(backend).hf_attn_implementation
+        hf_model = load_hf_causal_lm(cfg.model.init_from, dtype, implementation)  # type: ignore[arg-type]
         rows = hf_model.get_input_embeddings().num_embeddings
         plan = plan_mask_token(cfg.model.init_from, int(cfg.wedlm.mask_token_id), rows)  # type: ignore[arg-type]
         apply_mask_token(hf_model, plan, cfg.model.make_vocab_size_divisible_by)
@@ -131,7 +131,7 @@ class DeepSpeedEngine:
     def start(self, device: torch.device, bf16: bool, manifest: dict[str, Any]) -> None:
         """Check the run, derive the DeepSpeed config, create the process group."""
         from megatron_wedlm.runtime.parallel import init_distributed
-        from megatron_wedlm.training.model_setup import resolve_attention_backend
+        from megatron_wedlm.model.attention_backends import resolve_attention_backend
 
         from .settings import build_ds_config
 
@@ -199,15 +199,13 @@ class DeepSpeedEngine:
                          objective: Objective) -> list[dict[str, torch.Tensor]]:
         """Forward, backward and ``engine.step()`` per micro-batch (DeepSpeed updates at the
         accumulation boundary); the loss reports."""
-        from .forward import dual_stream_cross_entropy, pad_to_tiles
+        from .forward import dual_stream_cross_entropy, pad_rows
 
         scale = len(batches) * self.world
         reports = []
         for batch in batches:
-            batch = batch.to(self.device)
-            if self.backend == "flex":
-                batch = pad_to_tiles(batch, FLEX_TILE_SIZE)
-            per_slot = dual_stream_cross_entropy(self.engine, batch, self.backend, self.dtype, FLEX_TILE_SIZE)
+            batch = pad_rows(batch.to(self.device), self.backend)
+            per_slot = dual_stream_cross_entropy(self.engine, batch, self.backend, self.dtype)
             contribution, loss = objective.contribution(per_slot, batch, normalizer)
             self.engine.backward(contribution * scale)
             self.engine.step()

@@ -5,14 +5,17 @@ through transformers' own attention interface, which hands an already-4-D ``atte
 to the attention function untouched (``masking_utils``), and RoPE follows the explicit
 ``position_ids``:
 
-* ``dense`` (CPU, tests): ``attn_implementation="sdpa"`` with an *additive float* mask
+Which ``attn_implementation`` a backend name loads, and what rows are padded to, is the backend
+table's (:mod:`megatron_wedlm.model.attention_backends`); the mask each implementation takes:
+
+* ``sdpa`` (the dense backend; CPU, tests): an *additive float* mask
   ``[B, 1, S, S]`` (0 = may attend, dtype minimum = may not). A float mask, not a bool one:
   transformers' eager path adds the mask to the scores, so a bool mask would silently be
   wrong there, while a float mask means the same to SDPA and eager. Padding slots attend
   themselves (the kernel-safe form), so no softmax row is empty.
-* ``flex`` (GPU): ``attn_implementation="flex_attention"`` with the project's FlexAttention
-  ``BlockMask`` (:func:`megatron_wedlm.data.attention_rule.build_block_mask`), which never
-  materialises ``S x S``. Rows are padded to whole tiles first.
+* ``flex_attention`` (the flex backend; GPU): the project's FlexAttention ``BlockMask``
+  (:func:`megatron_wedlm.data.attention_rule.build_block_mask`), which never materialises
+  ``S x S``. Rows are padded to whole tiles first (:func:`pad_rows`).
 
 Logits are computed only for slots that carry a label (masked prediction slots and memory
 slots with a next-token label), in float32, so the ``[B, S, vocab]`` tensor of a large
@@ -31,21 +34,28 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megatron_wedlm.data.dual_stream import DualStreamBatch, pad_dual_stream_batch
+from megatron_wedlm.model.attention_backends import AttentionBackend, backend_names, get_attention_backend
 from megatron_wedlm.model.losses import wedlm_labels
 
 __all__ = [
-    "ATTN_IMPLEMENTATION",
     "DualStreamCausalLM",
     "attention_mask_for",
     "dense_additive_mask",
     "dual_stream_cross_entropy",
+    "hf_attention_backend",
     "model_inputs",
-    "pad_to_tiles",
+    "pad_rows",
     "per_slot_cross_entropy",
 ]
 
-#: project attention backend -> transformers ``attn_implementation``
-ATTN_IMPLEMENTATION = {"dense": "sdpa", "flex": "flex_attention"}
+
+def hf_attention_backend(name: str) -> AttentionBackend:
+    """The table's row for a resolved backend name that HF models can run (ValueError otherwise)."""
+    backend = get_attention_backend(name)
+    if backend.hf_attn_implementation is None:
+        usable = backend_names(lambda b: b.hf_attn_implementation is not None)
+        raise ValueError(f"attention backend {name!r} has no HF attention implementation; use {', '.join(usable)}")
+    return backend
 
 
 def dense_additive_mask(batch: DualStreamBatch, dtype: torch.dtype) -> Tensor:
@@ -57,27 +67,26 @@ def dense_additive_mask(batch: DualStreamBatch, dtype: torch.dtype) -> Tensor:
     return torch.where(allowed, torch.zeros((), dtype=dtype, device=allowed.device), blocked).unsqueeze(1)
 
 
-def pad_to_tiles(batch: DualStreamBatch, tile_size: int) -> DualStreamBatch:
-    """Pad a stacked batch with no-loss padding slots up to a multiple of ``tile_size``."""
-    length = -(-batch.seq_len // tile_size) * tile_size
-    return pad_dual_stream_batch(batch, length)
+def pad_rows(batch: DualStreamBatch, backend: str) -> DualStreamBatch:
+    """Pad a stacked batch with no-loss padding slots to what ``backend``'s rows must be a multiple of."""
+    multiple = hf_attention_backend(backend).pad_rows_to
+    return pad_dual_stream_batch(batch, -(-batch.seq_len // multiple) * multiple)
 
 
-def attention_mask_for(batch: DualStreamBatch, backend: str, dtype: torch.dtype, tile_size: int = 128) -> Any:
-    """The ``attention_mask`` argument for ``backend`` ('dense' or 'flex'); ``batch`` on the model's device."""
-    if backend == "dense":
+def attention_mask_for(batch: DualStreamBatch, backend: str, dtype: torch.dtype) -> Any:
+    """The ``attention_mask`` argument for ``backend`` (a resolved name); ``batch`` on the model's device."""
+    row = hf_attention_backend(backend)
+    if row.hf_attn_implementation != "flex_attention":  # sdpa (and eager) take the additive mask
         return dense_additive_mask(batch, dtype)
-    if backend == "flex":
-        if batch.seq_len % tile_size:
-            raise ValueError(f"rows of {batch.seq_len} slots are not whole {tile_size}-tiles; pad_to_tiles() first")
-        return batch.block_mask(tile_size=tile_size, padding_attends_self=True)
-    raise ValueError(f"attention backend must be 'dense' or 'flex', got {backend!r}")
+    if batch.seq_len % row.pad_rows_to:
+        raise ValueError(f"rows of {batch.seq_len} slots are not whole {row.pad_rows_to}-tiles; pad_rows() first")
+    return batch.block_mask(tile_size=row.pad_rows_to, padding_attends_self=True)
 
 
-def model_inputs(batch: DualStreamBatch, backend: str, dtype: torch.dtype, tile_size: int = 128) -> tuple:
+def model_inputs(batch: DualStreamBatch, backend: str, dtype: torch.dtype) -> tuple:
     """``(input_ids, position_ids, attention_mask, labels)`` for :class:`DualStreamCausalLM`."""
     labels = wedlm_labels(batch.is_masked, batch.target_ids, batch.ar_labels)
-    return batch.input_ids, batch.position_ids, attention_mask_for(batch, backend, dtype, tile_size), labels
+    return batch.input_ids, batch.position_ids, attention_mask_for(batch, backend, dtype), labels
 
 
 def per_slot_cross_entropy(hidden: Tensor, output_layer: nn.Module, labels: Tensor) -> Tensor:
@@ -115,10 +124,10 @@ class DualStreamCausalLM(nn.Module):
         return per_slot_cross_entropy(hidden, self.hf_model.get_output_embeddings(), labels)
 
 
-def dual_stream_cross_entropy(model: nn.Module, batch: DualStreamBatch, backend: str, dtype: torch.dtype | None = None,
-                              tile_size: int = 128) -> Tensor:
-    """Per-slot cross entropy ``[B, S]`` of a stacked batch (on the model's device; for ``flex``
-    padded to whole tiles) through ``model``: a :class:`DualStreamCausalLM`, or the DeepSpeed
-    engine around one. ``dtype``: of the additive dense mask (default: the model's)."""
+def dual_stream_cross_entropy(model: nn.Module, batch: DualStreamBatch, backend: str,
+                              dtype: torch.dtype | None = None) -> Tensor:
+    """Per-slot cross entropy ``[B, S]`` of a stacked batch (on the model's device, rows padded by
+    :func:`pad_rows`) through ``model``: a :class:`DualStreamCausalLM`, or the DeepSpeed engine
+    around one. ``dtype``: of the additive dense mask (default: the model's)."""
     dtype = dtype if dtype is not None else next(model.parameters()).dtype
-    return model(*model_inputs(batch, backend, dtype, tile_size))
+    return model(*model_inputs(batch, backend, dtype))

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_wedlm.config.schema import ConfigError, TrainConfig
+from megatron_wedlm.model.attention_backends import ATTENTION_BACKENDS, backend_names
 
 __all__ = ["build_ds_config", "validate_deepspeed_run"]
 
@@ -46,10 +47,12 @@ def validate_deepspeed_run(cfg: TrainConfig) -> None:
             f"{', '.join(set_arch)} cannot be set with trainer.backend=deepspeed: the architecture is the "
             f"HF checkpoint's in model.init_from={cfg.model.init_from}; remove these keys"
         )
-    if cfg.model.attention_backend not in ("auto", "dense", "flex"):
+    backend = ATTENTION_BACKENDS.get(cfg.model.attention_backend)
+    if backend is not None and backend.hf_attn_implementation is None:
+        usable = backend_names(lambda b: b.hf_attn_implementation is not None)
         raise ConfigError(
-            f"model.attention_backend={cfg.model.attention_backend!r} is not available with trainer.backend="
-            "deepspeed; use auto (flex on GPU, dense SDPA on CPU), dense or flex"
+            f"model.attention_backend={backend.name!r} is not available with trainer.backend=deepspeed (HF "
+            f"models have no such attention); use {', '.join(usable)}"
         )
     p = cfg.parallelism
     if p.tp != 1 or p.pp != 1 or p.sequence_parallel:

@@ -18,6 +18,9 @@ expands it into its own form once per micro-batch:
 
 A dense Megatron-convention mask (bool ``[B|1, 1, S, S]``, True = masked *out*) is also accepted
 by the dense and TE backends, which is how a standard causal mask is fed for comparisons.
+Whatever arrives (packed metadata, a dense mask or None = plain causal) is normalised once, by
+:func:`layer_mask`, into a :class:`LayerMask`; every backend reads that. Which backends exist,
+their options (``ModuleSpec`` params) and where they run: :mod:`.attention_backends`.
 
 Context parallelism (:mod:`.context_parallel`): each rank holds ``S / CP`` slots of the row and
 the packed metadata gains a fourth row, the slot order of the CP ranks (``[B, 4, S]``). The
@@ -48,17 +51,16 @@ from megatron_wedlm.data.attention_rule import (
 )
 
 __all__ = [
-    "ATTENTION_BACKENDS",
+    "LayerMask",
     "WeDLMSDPAttention",
     "WeDLMFlexAttention",
     "causal_packed_metadata",
+    "layer_mask",
     "pack_attention_metadata",
     "packed_slot_order",
     "te_attention_class",
     "unpack_attention_metadata",
 ]
-
-ATTENTION_BACKENDS = ("dense", "flex", "te")
 
 
 # --------------------------------------------------------------------------------------------
@@ -108,6 +110,44 @@ def _is_megatron_dense_mask(mask: Tensor) -> bool:
     return mask.dim() == 4 and mask.dtype == torch.bool and mask.shape[1] == 1
 
 
+@dataclass(frozen=True)
+class LayerMask:
+    """A core attention's ``attention_mask`` in the one form the backends read.
+
+    Exactly one field is set: ``packed`` (int32 ``[B, 3, S]``, ``[B, 4, S]`` under context
+    parallelism: the rule's inputs, expanded by each backend) or ``masked_out`` (bool
+    ``[B|1, 1, S, S]``, True = masked out: Megatron's convention, for a standard causal mask).
+    """
+
+    packed: Tensor | None = None
+    masked_out: Tensor | None = None
+
+    @property
+    def tensor(self) -> Tensor:
+        """The tensor the mask was given as (it keys the expanded-mask cache)."""
+        return self.packed if self.packed is not None else self.masked_out  # type: ignore[return-value]
+
+    @property
+    def slot_order(self) -> Tensor | None:
+        """The context-parallel slot order of packed metadata, None without CP or for a dense mask."""
+        return None if self.packed is None else packed_slot_order(self.packed)
+
+
+def layer_mask(attention_mask: Tensor | None, query: Tensor) -> LayerMask:
+    """What a layer received (packed metadata, a Megatron bool mask, or None: plain causal
+    attention over the row of ``query`` ``[S, B, ...]``) as a :class:`LayerMask`."""
+    if attention_mask is None:
+        return LayerMask(packed=causal_packed_metadata(query.shape[1], query.shape[0], query.device))
+    if _is_packed_metadata(attention_mask):
+        return LayerMask(packed=attention_mask)
+    if _is_megatron_dense_mask(attention_mask):
+        return LayerMask(masked_out=attention_mask)
+    raise ValueError(
+        "WeDLM attention expects packed metadata [B, 3, S] (pack_attention_metadata) or a "
+        f"Megatron bool mask [B, 1, S, S]; got {attention_mask.dtype} {tuple(attention_mask.shape)}"
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # Cache of expanded masks
 # --------------------------------------------------------------------------------------------
@@ -155,24 +195,6 @@ class _ExpandedMaskCache:
 _MASK_CACHE = _ExpandedMaskCache()
 
 
-def dense_allowed_mask(attention_mask: Tensor | None, seq_len: int, batch_size: int, device) -> Tensor:
-    """Bool ``[B|1, 1, S, S]``, True = may attend, from packed metadata or a Megatron mask."""
-    if attention_mask is None:
-        attention_mask = causal_packed_metadata(batch_size, seq_len, device)
-    if _is_megatron_dense_mask(attention_mask):
-        return ~attention_mask
-    if not _is_packed_metadata(attention_mask):
-        raise ValueError(
-            "WeDLM attention expects packed metadata [B, 3, S] (pack_attention_metadata) or a "
-            f"Megatron bool mask [B, 1, S, S]; got {attention_mask.dtype} {tuple(attention_mask.shape)}"
-        )
-    return _MASK_CACHE.get(
-        ("dense",),
-        attention_mask,
-        lambda: dense_attention_mask(unpack_attention_metadata(attention_mask), padding_attends_self=True).unsqueeze(1),
-    )
-
-
 def _check_shapes(query: Tensor, key: Tensor, allowed_shape: tuple[int, ...]) -> None:
     s_q, s_k = query.shape[0], key.shape[0]
     if allowed_shape[-2:] != (s_q, s_k):
@@ -209,7 +231,21 @@ class _WeDLMCoreAttentionBase(torch.nn.Module):
         head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
 
-    def _context_parallel(self, attention_mask: Tensor | None, key: Tensor, value: Tensor):
+    def _inputs(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                attention_bias: Tensor | None, packed_seq_params) -> tuple[LayerMask, Tensor, Tensor, Tensor | None]:
+        """``(mask, keys, values, query_slots)`` for a forward: the mask normalised once, then
+        the keys and values of the whole row under context parallelism (see ``_context_parallel``)."""
+        if attention_bias is not None:
+            raise ValueError("WeDLM attention does not take an attention_bias")
+        if packed_seq_params is not None:
+            raise ValueError(
+                "WeDLM attention does not use packed_seq_params (THD); documents are packed into "
+                "rows and separated by the mask metadata instead"
+            )
+        mask = layer_mask(attention_mask, query)
+        return (mask, *self._context_parallel(mask, key, value))
+
+    def _context_parallel(self, mask: LayerMask, key: Tensor, value: Tensor):
         """``(keys, values, query_slots)``: the whole row's keys/values under CP, in physical order.
 
         The gathered keys arrive in rank order; putting them back in physical order (one copy,
@@ -219,7 +255,7 @@ class _WeDLMCoreAttentionBase(torch.nn.Module):
         Without CP (no slot order in the metadata) everything is returned unchanged, with
         ``query_slots`` None (query i is slot i).
         """
-        order = packed_slot_order(attention_mask) if attention_mask is not None and _is_packed_metadata(attention_mask) else None
+        order = mask.slot_order
         cp_size = 1 if self.cp_group is None else self.cp_group.size()
         if order is None:
             if cp_size > 1:
@@ -252,14 +288,6 @@ class _WeDLMCoreAttentionBase(torch.nn.Module):
         b, h, s, d = x.shape
         return x.permute(2, 0, 1, 3).reshape(s, b, h * d)  # -> [s, b, h*d]
 
-    def _check_unsupported(self, attention_bias, packed_seq_params) -> None:
-        if attention_bias is not None:
-            raise ValueError("WeDLM attention does not take an attention_bias")
-        if packed_seq_params is not None:
-            raise ValueError(
-                "WeDLM attention does not use packed_seq_params (THD); documents are packed into "
-                "rows and separated by the mask metadata instead"
-            )
 
 
 @dataclass
@@ -329,48 +357,41 @@ def _allowed_by_query_chunks(metadata: AttentionMetadata, query_slots: Tensor | 
     return out
 
 
-def _dense_mask_and_plan(attention_mask: Tensor | None, query: Tensor, tile: int, query_slots: Tensor | None = None):
+def _allowed_mask(mask: LayerMask, query_slots: Tensor | None = None) -> Tensor:
+    """Bool ``[B|1, 1, S_q, S]``, True = may attend (``query_slots``: as in ``_dense_mask_and_plan``)."""
+    if mask.masked_out is not None:
+        return ~mask.masked_out
+    return _allowed_by_query_chunks(unpack_attention_metadata(mask.packed), query_slots).unsqueeze(1)
+
+
+def _dense_mask_and_plan(mask: LayerMask, query: Tensor, tile: int, query_slots: Tensor | None = None):
     """``(allowed [B|1, 1, S_q, S], plan or None)``, built once per micro-batch (cached).
 
     ``query_slots``: the physical slots of the queries under context parallelism (the mask is
     the rule on those global indices; keys are the whole row in order); None = query i is slot i.
     """
-    if attention_mask is None:
-        attention_mask = causal_packed_metadata(query.shape[1], query.shape[0], query.device)
-    if _is_megatron_dense_mask(attention_mask):
-        build_allowed = lambda: ~attention_mask  # noqa: E731
-    elif _is_packed_metadata(attention_mask):
-        build_allowed = lambda: _allowed_by_query_chunks(  # noqa: E731
-            unpack_attention_metadata(attention_mask), query_slots
-        ).unsqueeze(1)
-    else:
-        raise ValueError(
-            "WeDLM attention expects packed metadata [B, 3, S] (pack_attention_metadata) or a "
-            f"Megatron bool mask [B, 1, S, S]; got {attention_mask.dtype} {tuple(attention_mask.shape)}"
-        )
 
     def build():
-        allowed = build_allowed()
+        allowed = _allowed_mask(mask, query_slots)
         return allowed, _dense_plan(allowed, tile)
 
     first_query = -1 if query_slots is None else int(query_slots[0])
-    return _MASK_CACHE.get(("dense-plan", tile, query.shape[0], first_query), attention_mask, build)
+    return _MASK_CACHE.get(("dense-plan", tile, query.shape[0], first_query), mask.tensor, build)
 
 
 class WeDLMSDPAttention(_WeDLMCoreAttentionBase):
     """Dense backend: SDPA with the boolean WeDLM mask, skipping empty key tiles (see ``_dense_plan``).
 
-    Works on CPU and GPU; O(S^2) mask memory. ``tile_size`` 0 disables the tiling (one SDPA
-    call over the full mask).
+    Works on CPU and GPU; O(S^2) mask memory. ``tile_size`` (a ``ModuleSpec`` param, default in
+    :mod:`.attention_backends`): the query tile; 0 disables the tiling (one SDPA call over the
+    full mask).
     """
 
-    tile_size: int = 64
-
-    @classmethod
-    def with_options(cls, tile_size: int = 64) -> type:
+    def __init__(self, config, layer_number: int, *args: Any, tile_size: int, **kwargs: Any) -> None:
+        super().__init__(config, layer_number, *args, **kwargs)
         if tile_size < 0:
             raise ValueError(f"dense tile_size must be >= 0 (0 = no tiling), got {tile_size}")
-        return type(cls.__name__, (cls,), {"tile_size": tile_size})
+        self.tile_size = tile_size
 
     def forward(
         self,
@@ -382,9 +403,10 @@ class WeDLMSDPAttention(_WeDLMCoreAttentionBase):
         attention_bias: Tensor | None = None,
         packed_seq_params=None,
     ) -> Tensor:
-        self._check_unsupported(attention_bias, packed_seq_params)
-        key, value, query_slots = self._context_parallel(attention_mask, key, value)
-        allowed, plan = _dense_mask_and_plan(attention_mask, query, self.tile_size, query_slots)
+        mask, key, value, query_slots = self._inputs(
+            query, key, value, attention_mask, attention_bias, packed_seq_params
+        )
+        allowed, plan = _dense_mask_and_plan(mask, query, self.tile_size, query_slots)
         _check_shapes(query, key, tuple(allowed.shape))
         q, k, v = self._to_bhsd(query), self._to_bhsd(key), self._to_bhsd(value)
         dropout_p = self.dropout_p if self.training else 0.0
@@ -435,24 +457,19 @@ def _flex_kernel(compile_kernel: bool) -> Callable:
 class WeDLMFlexAttention(_WeDLMCoreAttentionBase):
     """FlexAttention backend: block-sparse kernel over the WeDLM ``BlockMask``.
 
-    ``tile_size`` is the BlockMask tile (the row length must be a multiple of it: pad batches
-    with ``pad_to_multiple_of``). ``compile_kernel`` None means: compile on CUDA, eager
-    elsewhere. Use :meth:`with_options` to bind them into a spec.
+    ``ModuleSpec`` params (defaults in :mod:`.attention_backends`): ``tile_size``, the
+    BlockMask tile (the row length must be a multiple of it: pad batches with
+    ``pad_to_multiple_of``); ``compile_kernel``, None = compile on CUDA, eager elsewhere.
     """
 
-    tile_size: int = 128
-    compile_kernel: bool | None = None
-
-    def __init__(self, config, layer_number: int, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, config, layer_number: int, *args: Any, tile_size: int, compile_kernel: bool | None,
+                 **kwargs: Any) -> None:
         super().__init__(config, layer_number, *args, **kwargs)
         if self.dropout_p and self.dropout_p > 0:
             raise ValueError("the flex backend has no attention dropout; set attention_dropout=0.0")
-
-    @classmethod
-    def with_options(cls, tile_size: int = 128, compile_kernel: bool | None = None) -> type:
         if tile_size < 1:
             raise ValueError(f"flex tile_size must be >= 1, got {tile_size}")
-        return type(cls.__name__, (cls,), {"tile_size": tile_size, "compile_kernel": compile_kernel})
+        self.tile_size, self.compile_kernel = tile_size, compile_kernel
 
     def forward(
         self,
@@ -464,15 +481,14 @@ class WeDLMFlexAttention(_WeDLMCoreAttentionBase):
         attention_bias: Tensor | None = None,
         packed_seq_params=None,
     ) -> Tensor:
-        self._check_unsupported(attention_bias, packed_seq_params)
-        if attention_mask is None:
-            attention_mask = causal_packed_metadata(query.shape[1], query.shape[0], query.device)
-        if not _is_packed_metadata(attention_mask):
+        mask, key, value, query_slots = self._inputs(
+            query, key, value, attention_mask, attention_bias, packed_seq_params
+        )
+        if mask.packed is None:
             raise ValueError(
-                "the flex backend needs packed metadata [B, 3, S] (pack_attention_metadata), not a dense "
-                f"mask; got {attention_mask.dtype} {tuple(attention_mask.shape)}"
+                "the flex backend needs packed metadata [B, 3, S] (pack_attention_metadata), not a dense mask"
             )
-        key, value, query_slots = self._context_parallel(attention_mask, key, value)
+        attention_mask = mask.packed
         if attention_mask.shape[-1] != key.shape[0]:
             raise ValueError(f"metadata covers {attention_mask.shape[-1]} slots, the layer sees {key.shape[0]} keys")
         tile = self.tile_size
@@ -542,15 +558,10 @@ def te_attention_class() -> type:
                     packed_seq_params=None, **kwargs):
             if packed_seq_params is not None:
                 raise ValueError("WeDLM attention does not use packed_seq_params (THD)")
-            if attention_mask is not None and _is_megatron_dense_mask(attention_mask):
-                masked_out = attention_mask
-            else:
-                if attention_mask is None:
-                    attention_mask = causal_packed_metadata(query.shape[1], query.shape[0], query.device)
-                masked_out = _MASK_CACHE.get(
-                    ("te",), attention_mask,
-                    lambda: ~dense_allowed_mask(attention_mask, query.shape[0], query.shape[1], query.device),
-                )
+            mask = layer_mask(attention_mask, query)
+            masked_out = mask.masked_out
+            if masked_out is None:
+                masked_out = _MASK_CACHE.get(("te",), mask.packed, lambda: ~_allowed_mask(mask))
             _check_shapes(query, key, tuple(masked_out.shape))
             return super().forward(
                 query, key, value, masked_out, attn_mask_type=AttnMaskType.arbitrary,

@@ -2,7 +2,8 @@
 
 The layer is Megatron's local GPT layer (``get_gpt_layer_local_spec``) with two swaps:
 
-* core attention -> a WeDLM backend (:mod:`.attention`) that applies the dual-stream mask;
+* core attention -> a WeDLM backend that applies the dual-stream mask: the ``ModuleSpec`` of
+  the backend's row in :mod:`.attention_backends` (module and params, e.g. ``tile_size``);
 * norms -> :class:`.norms.WeDLMNorm`, which supports sequence parallelism on any device.
 
 Everything else -- ``ColumnParallelLinear`` QKV (GQA, optional QKV bias), QK-norm, RoPE
@@ -12,6 +13,8 @@ for standard GPT checkpoints map 1:1.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -23,42 +26,24 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from .attention import ATTENTION_BACKENDS, WeDLMFlexAttention, WeDLMSDPAttention, te_attention_class
+from .attention_backends import get_attention_backend
 from .norms import WeDLMNorm
 
-__all__ = ["core_attention_class", "get_wedlm_block_spec", "get_wedlm_layer_spec"]
-
-
-def core_attention_class(
-    attention_backend: str = "dense",
-    flex_tile_size: int = 128,
-    flex_compile: bool | None = None,
-    dense_tile_size: int = 64,
-) -> type:
-    """The core-attention module for a backend name ('dense', 'flex' or 'te')."""
-    if attention_backend == "dense":
-        return WeDLMSDPAttention.with_options(tile_size=dense_tile_size)
-    if attention_backend == "flex":
-        return WeDLMFlexAttention.with_options(tile_size=flex_tile_size, compile_kernel=flex_compile)
-    if attention_backend == "te":
-        return te_attention_class()
-    raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
+__all__ = ["get_wedlm_block_spec", "get_wedlm_layer_spec"]
 
 
 def get_wedlm_layer_spec(
-    attention_backend: str = "dense",
-    qk_layernorm: bool = False,
-    flex_tile_size: int = 128,
-    flex_compile: bool | None = None,
-    dense_tile_size: int = 64,
+    attention_backend: str = "dense", qk_layernorm: bool = False, **backend_options: Any
 ) -> ModuleSpec:
     """A ``TransformerLayer`` spec whose attention applies the WeDLM mask.
 
-    ``qk_layernorm`` adds per-head norms on queries and keys (Qwen3); the norm kind (RMSNorm /
-    LayerNorm) follows ``config.normalization``. QKV bias (Qwen2) and GQA come from the
-    ``TransformerConfig`` (``add_qkv_bias``, ``num_query_groups``). ``dense_tile_size``: query
-    tile of the dense backend's empty-tile skipping (0 = one SDPA call over the whole mask).
+    ``attention_backend``: a name of :data:`.attention_backends.ATTENTION_BACKENDS` (resolved,
+    not ``auto``); ``backend_options`` override that backend's ``ModuleSpec`` params by name
+    (e.g. ``tile_size``). ``qk_layernorm`` adds per-head norms on queries and keys (Qwen3); the
+    norm kind (RMSNorm / LayerNorm) follows ``config.normalization``. QKV bias (Qwen2) and GQA
+    come from the ``TransformerConfig`` (``add_qkv_bias``, ``num_query_groups``).
     """
+    core_attention = get_attention_backend(attention_backend).core_attention_spec(**backend_options)
     qk_norm = WeDLMNorm if qk_layernorm else IdentityOp
     return ModuleSpec(
         module=TransformerLayer,
@@ -69,7 +54,7 @@ def get_wedlm_layer_spec(
                 params={"attn_mask_type": AttnMaskType.arbitrary},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear,
-                    core_attention=core_attention_class(attention_backend, flex_tile_size, flex_compile, dense_tile_size),
+                    core_attention=core_attention,
                     linear_proj=RowParallelLinear,
                     q_layernorm=qk_norm,
                     k_layernorm=qk_norm,
@@ -93,12 +78,7 @@ def get_wedlm_layer_spec(
 
 
 def get_wedlm_block_spec(
-    config,
-    attention_backend: str = "dense",
-    vp_stage: int | None = None,
-    flex_tile_size: int = 128,
-    flex_compile: bool | None = None,
-    dense_tile_size: int = 64,
+    config, attention_backend: str = "dense", vp_stage: int | None = None, **backend_options: Any
 ) -> TransformerBlockSubmodules:
     """The decoder block for this pipeline stage: WeDLM layers plus a WeDLM final norm.
 
@@ -106,8 +86,6 @@ def get_wedlm_block_spec(
     norm from a module-level default (``WrappedTorchNorm`` without TE/Apex), which refuses
     sequence parallelism.
     """
-    layer = get_wedlm_layer_spec(
-        attention_backend, bool(config.qk_layernorm), flex_tile_size, flex_compile, dense_tile_size
-    )
+    layer = get_wedlm_layer_spec(attention_backend, bool(config.qk_layernorm), **backend_options)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=WeDLMNorm)
