@@ -5,6 +5,8 @@
 * :mod:`.layer_spec`  -- ``get_wedlm_layer_spec`` / ``get_wedlm_block_spec`` (Megatron ModuleSpecs).
 * :mod:`.attention`   -- core-attention backends: ``dense`` (SDPA + bool mask), ``flex``
   (FlexAttention + BlockMask), ``te`` (Transformer Engine arbitrary mask); packed metadata.
+* :mod:`.attention_backends` -- the one table of backends (name -> core-attention ``ModuleSpec``
+  params, HF attention, row padding, CUDA, CP) and the ``auto`` rule.
 * :mod:`.rope`        -- ``LogicalRotaryEmbedding``: RoPE from per-slot logical positions.
 * :mod:`.norms`       -- ``WeDLMNorm``: RMSNorm/LayerNorm that supports sequence parallelism.
 * :mod:`.losses`      -- ``wedlm_loss``, global normalisation, step loss reports.
@@ -19,7 +21,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "ATTENTION_BACKENDS": "attention",
+    "ATTENTION_BACKENDS": "attention_backends",
     "causal_packed_metadata": "attention",
     "pack_attention_metadata": "attention",
     "unpack_attention_metadata": "attention",

@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 AUTO = "auto"
-FLEX_TILE_SIZE = 128  # the flex BlockMask tile, Megatron's default and the DeepSpeed path's row padding
+FLEX_TILE_SIZE = 128  # the flex BlockMask tile: the module's default and the DeepSpeed path's row padding
 
 
 def _dense() -> type:
