@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from megatron_wedlm.conversion import (
     ConversionError,
-    build_reference_gpt,
+    build_conversion_model,
     convert_hf_to_megatron,
     convert_megatron_to_hf,
     load_megatron_weights,
@@ -74,31 +74,14 @@ def causal_input(vocab: int, seed: int = 1) -> torch.Tensor:
 
 
 def build_megatron_model(kind: str, args: ModelArgs):
-    """Megatron's GPT with the local spec ("gpt"), or the WeDLM model built as training builds it."""
+    """Megatron's own GPT with the local spec ("gpt"), or the WeDLM model built as training builds it."""
+    from megatron_wedlm.model.wedlm_model import BuildSettings, build_model_chunks
+    from megatron_wedlm.testing.gpt_equivalence import build_gpt
+
     if kind == "gpt":
-        return build_reference_gpt(args, params_dtype=torch.float32)
-    from megatron.core import parallel_state as ps
-
-    from megatron_wedlm.model.hf_config import transformer_config_from_model_args
-    from megatron_wedlm.model.wedlm_model import WeDLMModelArgs, build_wedlm_model
-
-    config = transformer_config_from_model_args(
-        args,
-        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
-        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
-        params_dtype=torch.float32,
-    )
-    return build_wedlm_model(
-        config,
-        WeDLMModelArgs(
-            vocab_size=args.padded_vocab_size,
-            max_sequence_length=args.max_position_embeddings,
-            mask_token_id=args.mask_token_id,
-            attention_backend="dense",
-            share_embeddings_and_output_weights=args.tie_word_embeddings,
-            rotary_base=args.rope_theta,
-        ),
-    )
+        return build_gpt(args)
+    (model,) = build_model_chunks(args, BuildSettings())
+    return model
 
 
 def megatron_logits(args: ModelArgs, ckpt: Path, ids: torch.Tensor) -> torch.Tensor:
@@ -171,7 +154,7 @@ def test_rules_name_every_megatron_parameter_and_checkpoint_key(converted, arch,
             expected_params[f"decoder.layers.{layer}.{rule.param}"] = megatron_shape(rule, args)
             expected_keys[rule.key] = (args.num_layers, *megatron_shape(rule, args))
     with megatron_process_group():
-        model = build_reference_gpt(args)
+        model = build_conversion_model(args)
         params = {name: tuple(p.shape) for name, p in model.named_parameters()}
         sharded = model.sharded_state_dict()
         apply_factories(sharded)

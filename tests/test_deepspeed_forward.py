@@ -207,7 +207,8 @@ def test_loss_on_a_fixed_batch_equals_the_megatron_models_on_converted_weights(t
     from megatron_wedlm.conversion import convert_hf_to_megatron, megatron_process_group
     from megatron_wedlm.deepspeed_backend.hf_model import load_hf_causal_lm
     from megatron_wedlm.model.attention import pack_attention_metadata
-    from megatron_wedlm.training.model_setup import build_model_chunk, load_init_weights, resolve_model_args
+    from megatron_wedlm.model.wedlm_model import build_model_chunks
+    from megatron_wedlm.training.model_setup import build_settings, load_init_weights, resolve_model_args
 
     tokenizer = build_tiny_ar_tokenizer()
     source = build_tiny_causal_lm("qwen3", vocab_size=400, num_kv_heads=2, head_dim=16, seed=3)
@@ -226,7 +227,8 @@ def test_loss_on_a_fixed_batch_equals_the_megatron_models_on_converted_weights(t
                              "model.attention_backend=dense", "data.seq_length=64"])
     with megatron_process_group():
         args = resolve_model_args(cfg, {"mask_token_id": MASK, "tokenizer_length": 401}, "float32")
-        megatron = build_model_chunk(cfg, args, torch.device("cpu"), torch.float32).eval()
+        (megatron,) = build_model_chunks(args, build_settings(cfg, torch.device("cpu"), torch.float32))
+        megatron.eval()
         load_init_weights(megatron, tmp_path / "megatron")
         with torch.no_grad():
             mcore_ce = megatron(batch.input_ids, batch.position_ids,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_wedlm.testing import gpt_equivalence as ge
 from megatron_wedlm.testing import wedlm_equivalence as we
 from megatron_wedlm.runtime.multiprocess import run_distributed
 
@@ -21,21 +22,6 @@ def _spec() -> we.TinyWeDLMSpec:
     # 48-slot rows in tiles of 8: the dense backend skips empty key tiles; the brute-force
     # sequences (other lengths) take the untiled path, so the two paths check each other.
     return we.TinyWeDLMSpec(num_layers=2, row_length=48, dense_tile_size=8)
-
-
-def _standard_gpt(spec: we.TinyWeDLMSpec, config):
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm"),
-        vocab_size=spec.vocab_size,
-        max_sequence_length=spec.row_length,
-        share_embeddings_and_output_weights=spec.tied_embeddings,
-        position_embedding_type="rope",
-        rotary_base=spec.rotary_base,
-    )
 
 
 def _causal_logits(model, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -90,11 +76,12 @@ def model_checks(spec_dict: dict) -> dict:
 
     spec = we.TinyWeDLMSpec(**spec_dict)
     we.init_layout(1, 1, spec.seed)
-    model = we.build_model(spec).eval()
+    (model,) = we.build_model(spec)
+    model.eval()
     results: dict = {}
 
     # 1. Same module tree as Megatron's local GPT spec: conversions map 1:1.
-    gpt = _standard_gpt(spec, model.config).eval()
+    gpt = ge.build_gpt(spec.model_args(), spec.build_settings()).eval()
     results["wedlm_params"] = {n: tuple(p.shape) for n, p in model.named_parameters()}
     results["gpt_params"] = {n: tuple(p.shape) for n, p in gpt.named_parameters()}
     gpt.load_state_dict(model.state_dict(), strict=True)
@@ -139,7 +126,7 @@ def model_checks(spec_dict: dict) -> dict:
 
         # 5. FlexAttention backend (eager on CPU) == dense backend on the same weights.
         flex_spec = we.TinyWeDLMSpec(**{**spec_dict, "attention_backend": "flex"})
-        flex = we.build_model(flex_spec).eval()
+        flex = we.build_model(flex_spec)[0].eval()
         flex.load_state_dict(model.state_dict())
         for layer in flex.decoder.layers:
             layer.self_attention.core_attention.tile_size = 16
@@ -149,7 +136,7 @@ def model_checks(spec_dict: dict) -> dict:
         results["dense"] = model(rows.input_ids, rows.position_ids, attention_metadata=meta)
 
         # 5b. Dense backend with empty-tile skipping == one SDPA call over the full mask.
-        untiled = we.build_model(we.TinyWeDLMSpec(**{**spec_dict, "dense_tile_size": 0})).eval()
+        untiled = we.build_model(we.TinyWeDLMSpec(**{**spec_dict, "dense_tile_size": 0}))[0].eval()
         untiled.load_state_dict(model.state_dict())
         results["untiled"] = untiled(rows.input_ids, rows.position_ids, attention_metadata=meta)
         from megatron_wedlm.model.attention import _dense_mask_and_plan, layer_mask
@@ -247,13 +234,33 @@ def test_loss_matches_brute_force(checks, weighting, ar_weight):
     assert got["mlm_tokens"] == int(masked.sum()) and got["ar_tokens"] == int(has_ar.sum())
 
 
-def test_mask_token_must_have_an_embedding_row():
-    from megatron_wedlm.model import WeDLMModelArgs
+def test_mask_token_must_have_an_embedding_row_and_build_settings_name_real_choices():
+    from megatron_wedlm.model import BuildSettings, ModelArgs
 
-    with pytest.raises(ValueError, match="no embedding row"):
-        WeDLMModelArgs(vocab_size=128, max_sequence_length=64, mask_token_id=128)
-    with pytest.raises(ValueError, match="attention_backend"):
-        WeDLMModelArgs(vocab_size=128, max_sequence_length=64, mask_token_id=1, attention_backend="xformers")
+    described = we.TinyWeDLMSpec().model_args().to_dict()
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        ModelArgs(**{**described, "mask_token_id": described["vocab_size"]})
+    with pytest.raises(ValueError, match="xformers"):
+        BuildSettings(attention_backend="xformers")
+    with pytest.raises(ValueError, match="no option block_size"):
+        BuildSettings(attention_backend="dense", backend_options={"block_size": 8})
+    with pytest.raises(ValueError, match="recompute"):
+        BuildSettings(recompute="everything")
+
+
+def test_training_builds_with_the_settings_its_config_names():
+    from megatron_wedlm.config import load_config
+    from megatron_wedlm.model import BuildSettings
+    from megatron_wedlm.training.model_setup import build_settings
+
+    cfg = load_config(None, ["data.path=unused", "model.init_from=unused", "model.attention_backend=auto",
+                             "model.init_method_std=0.01",
+                             "parallelism.tp=2", "parallelism.sequence_parallel=true", "parallelism.recompute=full",
+                             "parallelism.recompute_num_layers=2"])
+    got = build_settings(cfg, torch.device("cpu"), torch.bfloat16)
+    assert got == BuildSettings(params_dtype=torch.bfloat16, device=torch.device("cpu"), sequence_parallel=True,
+                                recompute="full", recompute_num_layers=2, init_method_std=0.01,
+                                attention_backend="dense")
 
 
 def test_logical_rope_equals_megatron_table_on_positions_0_to_s():

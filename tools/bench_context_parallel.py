@@ -79,19 +79,26 @@ def attention_worker(settings: dict, cp: int) -> dict:
     """One rank: time forward + backward of the core attention on its part of the row."""
     import torch
 
-    from megatron_wedlm.model.attention import WeDLMSDPAttention
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_wedlm.model.attention_backends import get_attention_backend
     from megatron_wedlm.model.context_parallel import shard_batch
-    from megatron_wedlm.model.wedlm_model import wedlm_transformer_config
+    from megatron_wedlm.model.hf_config import ModelArgs
+    from megatron_wedlm.model.wedlm_model import BuildSettings, wedlm_transformer_config
     from megatron_wedlm.testing.gpt_equivalence import init_layout
 
     init_layout(1, 1, seed=0, cp=cp)
     torch.set_num_threads(1)
     heads, groups, dim = settings["heads"], settings["groups"], settings["head_dim"]
-    config = wedlm_transformer_config(
-        num_layers=1, hidden_size=heads * dim, num_attention_heads=heads, num_query_groups=groups,
-        ffn_hidden_size=4 * heads * dim,
+    model = ModelArgs(
+        architecture="llama", num_layers=1, hidden_size=heads * dim, ffn_hidden_size=4 * heads * dim,
+        num_attention_heads=heads, num_query_groups=groups, head_dim=dim, vocab_size=1024, padded_vocab_size=1024,
+        max_position_embeddings=settings["tokens"], rope_theta=10000.0, rms_norm_eps=1e-6, qk_layernorm=False,
+        add_qkv_bias=False, tie_word_embeddings=False, dtype="float32",
     )
-    attention = WeDLMSDPAttention.with_options(tile_size=settings["dense_tile"])(config, layer_number=1)
+    config = wedlm_transformer_config(model, BuildSettings())
+    dense = get_attention_backend("dense").core_attention_spec(tile_size=settings["dense_tile"])
+    attention = build_module(dense, config=config, layer_number=1)  # the core attention a WeDLM layer builds
 
     def prepare(tokens: int):
         """This rank's inputs for a row of ``tokens``, and a timed forward + backward over them."""

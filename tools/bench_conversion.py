@@ -98,7 +98,7 @@ def _naive_hf_to_megatron(hf_dir: Path, out: Path) -> None:
 
     from megatron_wedlm.conversion.mapping import to_megatron
     from megatron_wedlm.conversion.megatron_checkpoint import (
-        build_reference_gpt, fill_model, megatron_process_group, save_megatron_checkpoint,
+        build_conversion_model, fill_model, megatron_process_group, save_megatron_checkpoint,
     )
     from megatron_wedlm.model.hf_config import model_args_from_hf_config, save_model_args
 
@@ -111,7 +111,7 @@ def _naive_hf_to_megatron(hf_dir: Path, out: Path) -> None:
         return to_megatron(rule, [state[name] for name in rule.hf_names(layer)], args)
 
     with megatron_process_group():
-        model = build_reference_gpt(args)
+        model = build_conversion_model(args)
         fill_model(model, args, source)
         save_megatron_checkpoint(model, out)
     save_model_args(args, out)
@@ -122,13 +122,13 @@ def _naive_megatron_to_hf(megatron_dir: Path, out: Path) -> None:
 
     from megatron_wedlm.conversion.mapping import EMBEDDING, FINAL_NORM, OUTPUT_LAYER, layer_rules, to_hf
     from megatron_wedlm.conversion.megatron_checkpoint import (
-        build_reference_gpt, load_megatron_weights, megatron_process_group,
+        build_conversion_model, load_megatron_weights, megatron_process_group,
     )
     from megatron_wedlm.model.hf_config import load_model_args
 
     args = load_model_args(megatron_dir)
     with megatron_process_group():
-        model = build_reference_gpt(args)
+        model = build_conversion_model(args)
         load_megatron_weights(model, megatron_dir)  # the whole model in memory
         params = dict(model.named_parameters())
         state = {}

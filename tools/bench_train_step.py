@@ -53,32 +53,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _config(args, **overrides):
-    from megatron_wedlm.model import wedlm_transformer_config
+def _model_args(args):
+    """The benchmarked model (Llama-shaped, fp32) as the one model description."""
+    from megatron_wedlm.model.hf_config import ModelArgs
 
-    return wedlm_transformer_config(
-        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-        num_query_groups=args.groups, ffn_hidden_size=args.ffn, **overrides,
+    return ModelArgs(
+        architecture="llama", num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=args.ffn,
+        num_attention_heads=args.heads, num_query_groups=args.groups, head_dim=args.hidden // args.heads,
+        vocab_size=args.vocab, padded_vocab_size=args.vocab, max_position_embeddings=2 * args.tokens,
+        rope_theta=1e6, rms_norm_eps=1e-6, qk_layernorm=False, add_qkv_bias=False, tie_word_embeddings=False,
+        mask_token_id=args.vocab - 1, dtype="float32",
     )
 
 
 def _wedlm_model(args, backend: str, device):
-    from megatron_wedlm.model import build_wedlm_model
+    """The WeDLM model as training builds it, with ``backend`` attention."""
+    from megatron_wedlm.model.wedlm_model import BuildSettings, build_model_chunks
 
-    return build_wedlm_model(
-        _config(args), vocab_size=args.vocab, max_sequence_length=2 * args.tokens,
-        mask_token_id=args.vocab - 1, attention_backend=backend, rotary_base=1e6, dense_tile_size=args.dense_tile,
-    ).to(device)
+    options = {"tile_size": args.dense_tile} if backend == "dense" else {}
+    settings = BuildSettings(device=device, attention_backend=backend, backend_options=options)
+    (model,) = build_model_chunks(_model_args(args), settings)
+    return model
 
 
 def _megatron_gpt(args, device):
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    """Megatron's stock GPTModel (local spec) on the same config."""
+    from megatron_wedlm.model.wedlm_model import BuildSettings
+    from megatron_wedlm.testing.gpt_equivalence import build_gpt
 
-    return GPTModel(
-        config=_config(args), transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-        vocab_size=args.vocab, max_sequence_length=args.tokens, position_embedding_type="rope", rotary_base=1e6,
-    ).to(device)
+    return build_gpt(_model_args(args), BuildSettings(device=device))
 
 
 def _ar_forward_step(batch, data_iterator, model):

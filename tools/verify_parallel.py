@@ -4,7 +4,9 @@
 
 Launches real worker processes (gloo, CPU): one at TP=PP=1 that saves random weights and
 runs one training step, then TP x PP x CP ranks that load the same weights and run the same
-dual-stream global batch through Megatron's pipeline schedule, DDP and finalize_model_grads.
+dual-stream global batch. Both build the model with training's own ``build_model_chunks`` and
+step it with training's DDP wrapping and forward step (Megatron's pipeline schedule and
+finalize_model_grads), so the check covers the code that trains.
 Prints JSON with the largest loss and gradient differences; exit status 1 when a difference
 exceeds ``--tolerance``. Use it to trust a layout (and this code base's WeDLM pieces in it)
 before spending cluster time on it; it checks the math of the layout, not the GPU kernels.

@@ -13,14 +13,14 @@
 
 from .hf_checkpoint import ConversionError
 from .hf_to_megatron import convert_hf_to_megatron
-from .megatron_checkpoint import build_reference_gpt, load_megatron_weights, megatron_process_group
+from .megatron_checkpoint import build_conversion_model, load_megatron_weights, megatron_process_group
 from .megatron_to_hf import convert_megatron_to_hf
 from .tokenizer_files import DEFAULT_MASK_TOKEN
 
 __all__ = [
     "ConversionError",
     "DEFAULT_MASK_TOKEN",
-    "build_reference_gpt",
+    "build_conversion_model",
     "convert_hf_to_megatron",
     "convert_megatron_to_hf",
     "load_megatron_weights",

@@ -45,7 +45,7 @@ from .mapping import (
     to_megatron,
     zero_hf_tensors,
 )
-from .megatron_checkpoint import build_reference_gpt, fill_model, megatron_process_group, save_megatron_checkpoint
+from .megatron_checkpoint import build_conversion_model, fill_model, megatron_process_group, save_megatron_checkpoint
 from .tokenizer_files import DEFAULT_MASK_TOKEN, MaskTokenSetup, copy_tokenizer_files, prepare_tokenizer
 
 GENERATION_CONFIG = "generation_config.json"
@@ -128,7 +128,7 @@ def _write_rank(
     """One rank of the writer: build its part of the model, fill it, save (collectively)."""
     args = ModelArgs.from_dict(args_dict)
     with megatron_process_group(tp, pp):
-        model = build_reference_gpt(args)
+        model = build_conversion_model(args)
         fill_model(model, args, HFTensorSource(input_dir, args, mask_init))
         save_megatron_checkpoint(model, output_dir, release_model=True)
 

@@ -1,9 +1,10 @@
 """Write and read Megatron-Core ``torch_dist`` checkpoints of a converted model.
 
-Writing goes through a real Megatron ``GPTModel`` (local layer spec) built for this rank's part
-of the layout and ``dist_checkpointing.save(model.sharded_state_dict())``, so the checkpoint has
-exactly the keys, shapes and shard metadata Megatron's own loaders expect, and reshards to any
-TP/PP on load. The model is built without random initialisation and filled one tensor at a
+Writing goes through the model training builds (:func:`megatron_wedlm.model.wedlm_model.build_model_chunks`,
+whose parameter names and checkpoint keys are those of Megatron's local-spec ``GPTModel``) for
+this rank's part of the layout and ``dist_checkpointing.save(model.sharded_state_dict())``, so
+the checkpoint has exactly the keys, shapes and shard metadata training and Megatron's own
+loaders expect, and reshards to any TP/PP on load. The model is built without random initialisation and filled one tensor at a
 time, so a rank holds its part of the model once plus one full tensor in flight.
 
 Reading does *not* build a model: :class:`MegatronCheckpointReader` asks ``dist_checkpointing``
@@ -22,7 +23,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from megatron_wedlm.model.hf_config import ModelArgs, gpt_model_kwargs, transformer_config_from_model_args
+from megatron_wedlm.model.hf_config import ModelArgs
 
 from .hf_checkpoint import ConversionError
 from .layout import tp_local_shard
@@ -111,35 +112,17 @@ def _single_process_env() -> Iterator[None]:
                 os.environ[name] = value
 
 
-def build_reference_gpt(
-    args: ModelArgs, *, params_dtype: torch.dtype | None = None, initialize: bool = False, **config_overrides
-):
-    """Megatron's ``GPTModel`` with the local layer spec for this rank's pipeline stage.
+def build_conversion_model(args: ModelArgs, *, initialize: bool = False):
+    """This rank's part of the model ``args`` describes, built as training builds it, in the
+    checkpoint's dtype (one chunk: conversion layouts have no virtual pipeline).
 
-    It has the parameter names of the WeDLM model (which reuses them) and is what conversion
-    writes with. ``initialize=False`` allocates without random init -- every tensor is about to
-    be overwritten, and initialising a multi-billion-parameter model on CPU takes minutes.
+    ``initialize=False`` allocates without random init -- every tensor is about to be
+    overwritten, and initialising a multi-billion-parameter model on CPU takes minutes.
     """
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron_wedlm.model.wedlm_model import BuildSettings, build_model_chunks
 
-    tp = ps.get_tensor_model_parallel_world_size()
-    config = transformer_config_from_model_args(
-        args,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
-        params_dtype=params_dtype or args.torch_dtype,
-        perform_initialization=initialize,
-        **config_overrides,
-    )
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization="RMSNorm"),
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
-        **gpt_model_kwargs(args, tp),
-    )
+    (model,) = build_model_chunks(args, BuildSettings(params_dtype=args.torch_dtype, initialize=initialize))
+    return model
 
 
 def fill_model(model, args: ModelArgs, source: TensorSource) -> None:

@@ -1,7 +1,8 @@
 """WeDLM on Megatron-Core: layer spec, logical-position RoPE, mask backends, losses.
 
-* :mod:`.wedlm_model` -- ``build_wedlm_model`` / ``WeDLMGPTModel`` (a ``GPTModel`` subclass),
-  ``WeDLMModelArgs``, ``wedlm_transformer_config``.
+* :mod:`.hf_config`   -- ``ModelArgs``: the one model description (HF config <-> Megatron).
+* :mod:`.wedlm_model` -- ``build_model_chunks`` (ModelArgs + ``BuildSettings`` -> this rank's
+  ``WeDLMGPTModel`` chunks, a ``GPTModel`` subclass), ``wedlm_transformer_config``.
 * :mod:`.layer_spec`  -- ``get_wedlm_layer_spec`` / ``get_wedlm_block_spec`` (Megatron ModuleSpecs).
 * :mod:`.attention`   -- core-attention backends: ``dense`` (SDPA + bool mask), ``flex``
   (FlexAttention + BlockMask), ``te`` (Transformer Engine arbitrary mask); packed metadata.
@@ -36,8 +37,11 @@ _EXPORTS = {
     "wedlm_loss": "losses",
     "WeDLMNorm": "norms",
     "LogicalRotaryEmbedding": "rope",
+    "ModelArgs": "hf_config",
+    "BuildSettings": "wedlm_model",
+    "ModelChunks": "wedlm_model",
     "WeDLMGPTModel": "wedlm_model",
-    "WeDLMModelArgs": "wedlm_model",
+    "build_model_chunks": "wedlm_model",
     "build_wedlm_model": "wedlm_model",
     "wedlm_transformer_config": "wedlm_model",
 }

@@ -4,7 +4,8 @@
 uses on the Megatron side. It is read from a HF ``config.json`` (:func:`model_args_from_hf_config`),
 stored next to a converted checkpoint as ``wedlm_model.json`` (:func:`save_model_args` /
 :func:`load_model_args`) so the training entry points can rebuild the matching model, and turned
-back into a HF config on export (:func:`hf_config_from_model_args`).
+back into a HF config on export (:func:`hf_config_from_model_args`). Every Megatron model of it is
+built by :func:`megatron_wedlm.model.wedlm_model.build_model_chunks`.
 
 Why a separate record rather than the HF config itself: Megatron needs facts the HF config does not
 state (the padded vocabulary the checkpoint was written with, the mask token id), and a model
@@ -321,86 +322,6 @@ def hf_config_from_model_args(args: ModelArgs):
     if args.mask_token_id is not None:
         config.mask_token_id = args.mask_token_id
     return config
-
-
-# --------------------------------------------------------------------------------------------
-# ModelArgs -> Megatron-Core
-# --------------------------------------------------------------------------------------------
-
-
-def transformer_config_from_model_args(
-    args: ModelArgs,
-    *,
-    tensor_model_parallel_size: int = 1,
-    pipeline_model_parallel_size: int = 1,
-    params_dtype: torch.dtype | None = None,
-    **overrides: Any,
-):
-    """Megatron ``TransformerConfig`` computing what the HF model computes.
-
-    Dropout is off (the HF families train without it); fusions that need CUDA kernels are off so
-    the same config runs on CPU; ``overrides`` is for training settings (recompute, SP, bf16, ...).
-    """
-    import torch.nn.functional as F
-    from megatron.core.transformer import TransformerConfig
-
-    from megatron_wedlm.runtime.parallel import batched_p2p_supported
-
-    params_dtype = params_dtype or torch.float32
-    kwargs: dict[str, Any] = dict(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        kv_channels=args.head_dim,
-        normalization="RMSNorm",
-        layernorm_epsilon=args.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=args.add_qkv_bias,
-        qk_layernorm=args.qk_layernorm,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        tensor_model_parallel_size=tensor_model_parallel_size,
-        pipeline_model_parallel_size=pipeline_model_parallel_size,
-        params_dtype=params_dtype,
-        pipeline_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16,
-        fp16=params_dtype == torch.float16,
-        use_cpu_initialization=True,
-        batch_p2p_comm=batched_p2p_supported(),
-        bias_dropout_fusion=False,
-        bias_activation_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-    )
-    kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
-
-
-def gpt_model_kwargs(args: ModelArgs, tensor_model_parallel_size: int = 1) -> dict[str, Any]:
-    """Keyword arguments of Megatron's ``GPTModel`` (besides config, layer spec and stages).
-
-    The vocabulary is the padded size the checkpoint was written with, so any layout loads it;
-    a TP size that does not divide it is refused here rather than deep inside Megatron.
-    """
-    if args.padded_vocab_size % tensor_model_parallel_size != 0:
-        raise ValueError(
-            f"padded vocabulary {args.padded_vocab_size} does not split over tensor_model_parallel_size="
-            f"{tensor_model_parallel_size}; re-convert with --tp {tensor_model_parallel_size}"
-        )
-    return dict(
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        share_embeddings_and_output_weights=args.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_percent=1.0,
-        rotary_base=args.rope_theta,
-    )
 
 
 # --------------------------------------------------------------------------------------------

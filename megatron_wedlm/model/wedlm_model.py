@@ -14,11 +14,18 @@ Megatron's. The subclass changes two things:
 
 Parameter names equal those of ``GPTModel`` + ``get_gpt_layer_local_spec`` (see
 :mod:`.layer_spec`), so checkpoints convert 1:1.
+
+One path builds it: a :class:`.hf_config.ModelArgs` (what the model is) and a
+:class:`BuildSettings` (how this run builds it) -> :func:`wedlm_transformer_config` -> the
+layer spec of :mod:`.layer_spec` -> :func:`build_wedlm_model` per virtual-pipeline chunk,
+gathered by :func:`build_model_chunks`. Training, ``tools/verify_parallel.py`` (through
+:mod:`megatron_wedlm.testing.wedlm_equivalence`), conversion and the benchmarks call
+:func:`build_model_chunks`, so what is verified is what trains.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,49 +36,46 @@ from megatron.core.models.gpt import GPTModel
 
 from megatron_wedlm.data.attention_rule import AttentionMetadata
 
-from .attention import ATTENTION_BACKENDS, causal_packed_metadata, pack_attention_metadata
+from .attention import causal_packed_metadata, pack_attention_metadata
+from .attention_backends import get_attention_backend
+from .hf_config import ModelArgs
 from .layer_spec import get_wedlm_block_spec
 from .rope import LogicalRotaryEmbedding
 
-__all__ = ["WeDLMGPTModel", "WeDLMModelArgs", "build_wedlm_model", "wedlm_transformer_config"]
+__all__ = [
+    "BuildSettings", "ModelChunks", "RECOMPUTE_MODES", "WeDLMGPTModel", "build_model_chunks", "build_wedlm_model",
+    "wedlm_transformer_config",
+]
+
+#: ``BuildSettings.recompute`` values: activation recomputation of nothing, core attention, whole layers.
+RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 @dataclass
-class WeDLMModelArgs:
-    """Model arguments that are not part of Megatron's ``TransformerConfig``."""
+class BuildSettings:
+    """How a run builds the model a :class:`ModelArgs` describes: everything that is not architecture.
 
-    vocab_size: int
-    max_sequence_length: int
-    mask_token_id: int
-    attention_backend: str = "dense"
-    share_embeddings_and_output_weights: bool = False
-    rotary_base: float = 10000.0
-    rotary_percent: float = 1.0
-    rope_scaling: bool = False
-    rope_scaling_factor: float = 8.0
-    seq_len_interpolation_factor: float | None = None
-    parallel_output: bool = True
-    flex_tile_size: int = 128
-    flex_compile: bool | None = None
-    dense_tile_size: int = 64
-    extra: dict[str, Any] = field(default_factory=dict)  # free-form provenance (e.g. HF model_type)
+    Why apart from ``ModelArgs``: one architecture is built by training, ``verify_parallel``,
+    conversion and the benchmarks, which differ in precision, layout features, device and
+    attention kernel but must not differ in anything else. Training fills it from its config
+    (``training.model_setup.build_settings``); the layout sizes come from Megatron's parallel state.
+    """
+
+    params_dtype: torch.dtype = torch.float32
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # picks init place and fusions
+    sequence_parallel: bool = False
+    recompute: str = "none"  # a RECOMPUTE_MODES name
+    recompute_num_layers: int = 1  # layers per recomputed chunk (recompute='full')
+    init_method_std: float = 0.02
+    initialize: bool = True  # False: allocate only (conversion overwrites every tensor)
+    attention_backend: str = "dense"  # a concrete backend name ('auto' is resolved before)
+    backend_options: dict[str, Any] = field(default_factory=dict)  # the backend's spec params by name
 
     def __post_init__(self) -> None:
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        if self.vocab_size < 1:
-            raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
-        if isinstance(self.mask_token_id, bool) or int(self.mask_token_id) != self.mask_token_id:
-            raise ValueError(f"mask_token_id must be an integer token id, got {self.mask_token_id!r}")
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(
-                f"mask_token_id {self.mask_token_id} has no embedding row: the vocabulary has "
-                f"{self.vocab_size} entries. Add the mask token to the tokenizer and resize the "
-                "embeddings (or pad vocab_size) before building the model"
-            )
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
+        self.device = torch.device(self.device)
+        get_attention_backend(self.attention_backend).core_attention_spec(**self.backend_options)  # names checked now
 
 
 class WeDLMGPTModel(GPTModel):
@@ -95,7 +99,7 @@ class WeDLMGPTModel(GPTModel):
         self,
         config,
         transformer_layer_spec,
-        args: WeDLMModelArgs,
+        args: ModelArgs,
         pre_process: bool = True,
         post_process: bool = True,
         vp_stage: int | None = None,
@@ -104,26 +108,17 @@ class WeDLMGPTModel(GPTModel):
         super().__init__(
             config=config,
             transformer_layer_spec=transformer_layer_spec,
-            vocab_size=args.vocab_size,
-            max_sequence_length=args.max_sequence_length,
+            vocab_size=args.padded_vocab_size,
+            max_sequence_length=args.max_position_embeddings,
             pre_process=pre_process,
             post_process=post_process,
-            parallel_output=args.parallel_output,
-            share_embeddings_and_output_weights=args.share_embeddings_and_output_weights,
+            share_embeddings_and_output_weights=args.tie_word_embeddings,
             position_embedding_type="none",
             vp_stage=vp_stage,
         )
-        self.wedlm_args = args
-        self.mask_token_id = int(args.mask_token_id)
-        self.attention_backend = args.attention_backend
+        self.model_args = args
         self.logical_rotary_emb = LogicalRotaryEmbedding(
-            kv_channels=config.kv_channels,
-            rotary_percent=args.rotary_percent,
-            rotary_base=args.rotary_base,
-            rotary_interleaved=config.rotary_interleaved,
-            seq_len_interpolation_factor=args.seq_len_interpolation_factor,
-            rope_scaling=args.rope_scaling,
-            rope_scaling_factor=args.rope_scaling_factor,
+            kv_channels=config.kv_channels, rotary_base=args.rope_theta, rotary_interleaved=config.rotary_interleaved
         )
 
     def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
@@ -204,104 +199,131 @@ def _check_config(config) -> None:
         raise ValueError("MoE layers are not wired into the WeDLM layer spec yet (num_moe_experts must be None)")
 
 
-def build_wedlm_model(
-    config,
-    args: WeDLMModelArgs | None = None,
-    *,
-    pre_process: bool | None = None,
-    post_process: bool | None = None,
-    vp_stage: int | None = None,
-    **arg_fields: Any,
-) -> WeDLMGPTModel:
-    """Build this rank's WeDLM model chunk.
+def wedlm_transformer_config(args: ModelArgs, settings: BuildSettings):
+    """The one ``TransformerConfig`` of the model ``args`` describes, built as ``settings`` say.
 
-    ``args`` or its fields as keywords (``vocab_size``, ``max_sequence_length``,
-    ``mask_token_id``, ``attention_backend``, ``share_embeddings_and_output_weights``,
-    ``rotary_base``, ...). ``pre_process`` / ``post_process`` default to this rank's pipeline
-    position. Megatron's parallel state must be initialised.
-    """
-    from megatron.core import parallel_state as ps
-
-    if args is None:
-        args = WeDLMModelArgs(**arg_fields)
-    elif arg_fields:
-        raise ValueError("give either args or keyword fields, not both")
-    if pre_process is None:
-        pre_process = ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
-    if post_process is None:
-        post_process = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
-    tp = ps.get_tensor_model_parallel_world_size()
-    if args.vocab_size % tp:
-        raise ValueError(
-            f"vocab_size {args.vocab_size} is not divisible by the tensor-parallel size {tp}; pad the "
-            "vocabulary (e.g. to a multiple of 128 x TP) when converting the checkpoint"
-        )
-    spec = get_wedlm_block_spec(
-        config, args.attention_backend, vp_stage=vp_stage,
-        flex_tile_size=args.flex_tile_size, flex_compile=args.flex_compile, dense_tile_size=args.dense_tile_size,
-    )
-    return WeDLMGPTModel(config, spec, args, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
-
-
-def wedlm_transformer_config(
-    *,
-    num_layers: int,
-    hidden_size: int,
-    num_attention_heads: int,
-    ffn_hidden_size: int,
-    num_query_groups: int | None = None,
-    kv_channels: int | None = None,
-    qk_layernorm: bool = False,
-    add_qkv_bias: bool = False,
-    normalization: str = "RMSNorm",
-    layernorm_epsilon: float = 1e-6,
-    params_dtype: torch.dtype = torch.float32,
-    sequence_parallel: bool = False,
-    **overrides: Any,
-):
-    """A ``TransformerConfig`` for a Qwen2/Qwen3/Llama-shaped WeDLM model on this rank's layout.
-
-    Fixed choices: SwiGLU MLP without linear biases, no dropout, unfused RoPE (required for
-    logical positions); CPU-safe fusions off when there is no GPU. TP/PP/VPP/CP sizes come from
-    Megatron's parallel state. ``overrides`` go straight to ``TransformerConfig`` (e.g.
-    ``recompute_granularity='full'``, ``bf16=True``).
+    Fixed by the families (Qwen2 / Qwen3 / Llama): RMSNorm, SwiGLU MLP without linear biases, no
+    dropout. Fixed by WeDLM: unfused RoPE (the fused kernel takes one position table per batch,
+    logical positions differ per slot). The other fusions need CUDA kernels: only bias-dropout
+    fusion is switched on, and only on a GPU. TP/PP/VPP/CP sizes come from Megatron's parallel
+    state, so the config always matches the layout the model is built in.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.transformer import TransformerConfig
 
     from megatron_wedlm.runtime.parallel import batched_p2p_supported
 
-    on_gpu = torch.cuda.is_available()
-    values: dict[str, Any] = dict(
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        num_attention_heads=num_attention_heads,
-        num_query_groups=num_query_groups or num_attention_heads,
-        ffn_hidden_size=ffn_hidden_size,
-        kv_channels=kv_channels,
-        qk_layernorm=qk_layernorm,
-        add_qkv_bias=add_qkv_bias,
-        normalization=normalization,
-        layernorm_epsilon=layernorm_epsilon,
+    dtype = settings.params_dtype
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=args.rms_norm_eps,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
+        add_qkv_bias=args.add_qkv_bias,
+        qk_layernorm=args.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
         context_parallel_size=ps.get_context_parallel_world_size(),
         virtual_pipeline_model_parallel_size=ps.get_virtual_pipeline_model_parallel_world_size(),
-        sequence_parallel=sequence_parallel,
-        params_dtype=params_dtype,
-        pipeline_dtype=params_dtype,
-        use_cpu_initialization=not on_gpu,
+        sequence_parallel=settings.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        init_method_std=settings.init_method_std,
+        perform_initialization=settings.initialize,
+        use_cpu_initialization=settings.device.type == "cpu",
+        batch_p2p_comm=batched_p2p_supported(),
+        bias_dropout_fusion=settings.device.type == "cuda",
+        bias_activation_fusion=False,
         apply_rope_fusion=False,
-        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
-        masked_softmax_fusion=False,
-        batch_p2p_comm=batched_p2p_supported(),
+        **_recompute_fields(settings),
     )
-    values.update(overrides)
-    return TransformerConfig(**values)
+
+
+def _recompute_fields(settings: BuildSettings) -> dict[str, Any]:
+    if settings.recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform",
+                    recompute_num_layers=settings.recompute_num_layers)
+    if settings.recompute == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    return {}
+
+
+def build_wedlm_model(
+    config,
+    args: ModelArgs,
+    attention_backend: str = "dense",
+    backend_options: dict[str, Any] | None = None,
+    *,
+    vp_stage: int | None = None,
+) -> WeDLMGPTModel:
+    """One WeDLM model chunk of this rank (``vp_stage``: which virtual-pipeline chunk).
+
+    ``attention_backend`` and ``backend_options`` (that backend's spec params by name) go
+    straight to the layer spec. The chunk's pipeline position comes from Megatron's parallel
+    state, which must be initialised. Most callers want :func:`build_model_chunks`.
+    """
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    if args.padded_vocab_size % tp:
+        raise ValueError(
+            f"the padded vocabulary ({args.padded_vocab_size} rows) does not split over tensor-parallel size {tp}; "
+            f"pad it to a multiple of {tp} (model.make_vocab_size_divisible_by, or convert the checkpoint with --tp {tp})"
+        )
+    spec = get_wedlm_block_spec(config, attention_backend, vp_stage=vp_stage, **(backend_options or {}))
+    pre_process = ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    post_process = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    return WeDLMGPTModel(config, spec, args, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+
+
+class ModelChunks(list):
+    """This rank's model chunks: one, or one per virtual pipeline stage (interleaved schedule).
+
+    Checkpoints treat it as one model: its sharded state holds every chunk's tensors under their
+    global keys (one chunk: exactly that chunk's state, so checkpoints of any layout load into
+    any other).
+    """
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        if len(self) == 1:
+            return self[0].sharded_state_dict()
+        return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(self)}
+
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
+        if len(self) == 1:
+            self[0].load_state_dict(state, strict=strict)
+            return
+        for i, chunk in enumerate(self):
+            chunk.load_state_dict(state[f"model{i}"], strict=strict)
+
+
+def build_model_chunks(args: ModelArgs, settings: BuildSettings) -> ModelChunks:
+    """This rank's WeDLM model for the current Megatron layout, on ``settings.device``.
+
+    The one build: training, the parallel-equivalence workers (``tools/verify_parallel.py``),
+    conversion and the benchmarks all come through here, so a check of one is a check of all.
+    """
+    from megatron.core import parallel_state as ps
+
+    config = wedlm_transformer_config(args, settings)
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    stages: list[int | None] = [None] if vpp is None else list(range(vpp))
+    return ModelChunks(
+        build_wedlm_model(config, args, settings.attention_backend, settings.backend_options, vp_stage=stage)
+        .to(settings.device)
+        for stage in stages
+    )

@@ -17,16 +17,22 @@ layout rules (GLU halves, QKV groups) that could share a bug with the code under
 The model-agnostic pieces (:class:`TinyShape`, :func:`init_layout`, :func:`run_schedule`,
 :func:`save_sharded`, :func:`load_sharded`, :func:`grads_into_params`, :func:`gather_full`) are
 the base of :mod:`.wedlm_equivalence`, which runs the same recipe for the WeDLM model on the
-full training path (DDP, finalize_model_grads).
+full training path (DDP, finalize_model_grads). Both models are described by a ``ModelArgs`` and
+configured by the one ``wedlm_transformer_config``; :func:`build_gpt` (Megatron's own GPT on that
+config) is also the independent reference the conversion and model tests compare against.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from megatron_wedlm.model.hf_config import ModelArgs
+    from megatron_wedlm.model.wedlm_model import BuildSettings
 
 
 @dataclass
@@ -41,10 +47,16 @@ class TinyShape:
     ffn_hidden_size: int = 128
     vocab_size: int = 128
 
-    def transformer_dims(self) -> dict[str, int]:
-        """The ``wedlm_transformer_config`` arguments of this shape."""
-        names = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size")
-        return {name: getattr(self, name) for name in names}
+    def shape_fields(self) -> dict[str, Any]:
+        """The ``ModelArgs`` fields this shape fixes (fp32 weights, an unpadded vocabulary)."""
+        names = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size")
+        return dict(
+            {name: getattr(self, name) for name in names},
+            head_dim=self.hidden_size // self.num_attention_heads,
+            padded_vocab_size=self.vocab_size,
+            rms_norm_eps=1e-6,
+            dtype="float32",
+        )
 
 
 @dataclass
@@ -56,32 +68,39 @@ class TinyGPTSpec(TinyShape):
     num_microbatches: int = 2
     seed: int = 1234
 
+    def model_args(self) -> ModelArgs:
+        from megatron_wedlm.model.hf_config import ModelArgs
 
-def build_gpt(spec: TinyGPTSpec, sequence_parallel: bool = False):
-    """A Megatron-Core GPTModel with the local (non-TE) layer spec for this rank's stage."""
+        return ModelArgs(
+            **self.shape_fields(), architecture="llama", max_position_embeddings=self.seq_length, rope_theta=10000.0,
+            qk_layernorm=False, add_qkv_bias=False, tie_word_embeddings=False,
+        )
+
+
+def build_gpt(args: ModelArgs, settings: BuildSettings | None = None):
+    """Megatron-Core's own ``GPTModel`` (local layer spec, Megatron's RoPE table, causal mask) of the
+    model ``args`` describes, for this rank's pipeline stage, on the WeDLM model's config.
+
+    The reference the WeDLM pieces are compared with: the same weights (the parameter names are
+    the same) must give the same logits on causal rows."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_wedlm.model import wedlm_transformer_config
+    from megatron_wedlm.model.wedlm_model import BuildSettings, wedlm_transformer_config
 
-    # the WeDLM model's config builder: the same Qwen/Llama shape, so both harnesses test one config
-    config = wedlm_transformer_config(
-        **spec.transformer_dims(),
-        sequence_parallel=sequence_parallel,
-        use_cpu_initialization=True,
-        bias_dropout_fusion=False,
-    )
+    settings = settings or BuildSettings()
     return GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-        vocab_size=spec.vocab_size,
-        max_sequence_length=spec.seq_length,
+        config=wedlm_transformer_config(args, settings),
+        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization="RMSNorm"),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=args.tie_word_embeddings,
         position_embedding_type="rope",
-    )
+        rotary_base=args.rope_theta,
+    ).to(settings.device)
 
 
 def make_batches(spec: TinyGPTSpec) -> list[dict[str, torch.Tensor]]:
@@ -153,34 +172,22 @@ def grads_into_params(model, use_main_grad: bool = False) -> None:
         param.data.copy_(grad if grad is not None else torch.zeros_like(param))
 
 
-def _sharded_state(model) -> dict:
-    """One sharded state dict for a module or a list of virtual-pipeline chunks (their tensors
-    carry global keys, so chunks of any layout meet in one checkpoint)."""
-    if isinstance(model, list):
-        return {f"chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(model)}
-    return model.sharded_state_dict()
-
-
 def save_sharded(model, directory: str) -> None:
-    """Save ``model``'s sharded state (a module or a chunk list) as ``torch_dist`` (all ranks call)."""
+    """Save ``model``'s sharded state (a module or ``ModelChunks``) as ``torch_dist`` (all ranks call)."""
     import os
 
     from megatron.core import dist_checkpointing
 
     os.makedirs(directory, exist_ok=True)
-    dist_checkpointing.save(_sharded_state(model), directory)
+    dist_checkpointing.save(model.sharded_state_dict(), directory)
 
 
 def load_sharded(model, directory: str) -> None:
-    """Load a ``torch_dist`` checkpoint into ``model`` (or each chunk), resharding to this layout."""
+    """Load a ``torch_dist`` checkpoint into ``model`` (a module or ``ModelChunks``), resharding to
+    this layout."""
     from megatron.core import dist_checkpointing
 
-    loaded = dist_checkpointing.load(_sharded_state(model), directory)
-    if isinstance(model, list):
-        for i, chunk in enumerate(model):
-            chunk.load_state_dict(loaded[f"chunk{i}"])
-    else:
-        model.load_state_dict(loaded)
+    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), directory))
 
 
 def init_layout(tp: int, pp: int, seed: int, sequence_parallel: bool = False, cp: int = 1, vpp: int | None = None):
@@ -202,8 +209,9 @@ def init_layout(tp: int, pp: int, seed: int, sequence_parallel: bool = False, cp
 
 
 def gather_full(build: Callable[[], Any], seed: int, directory: str) -> dict[str, torch.Tensor]:
-    """Load a ``torch_dist`` checkpoint into a TP=PP=1 model from ``build()`` (re-creating that
-    layout first), which reassembles the shards as Megatron does; the full tensors by name."""
+    """Load a ``torch_dist`` checkpoint into a TP=PP=1 model (a module) from ``build()``
+    (re-creating that layout first), which reassembles the shards as Megatron does; the full
+    tensors by name."""
     init_layout(1, 1, seed)
     model = build()
     load_sharded(model, directory)
@@ -213,7 +221,7 @@ def gather_full(build: Callable[[], Any], seed: int, directory: str) -> dict[str
 def save_reference(spec_dict: dict, weights_dir: str) -> dict[str, Any]:
     spec = TinyGPTSpec(**spec_dict)
     init_layout(1, 1, spec.seed)
-    model = build_gpt(spec)
+    model = build_gpt(spec.model_args())
     save_sharded(model, weights_dir)
     loss = forward_backward(model, spec)
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
@@ -223,9 +231,11 @@ def save_reference(spec_dict: dict, weights_dir: str) -> dict[str, Any]:
 def run_layout(
     spec_dict: dict, weights_dir: str, grads_dir: str, tp: int, pp: int, sequence_parallel: bool = False
 ) -> dict[str, Any]:
+    from megatron_wedlm.model.wedlm_model import BuildSettings
+
     spec = TinyGPTSpec(**spec_dict)
     init_layout(tp, pp, spec.seed, sequence_parallel)
-    model = build_gpt(spec, sequence_parallel=sequence_parallel)
+    model = build_gpt(spec.model_args(), BuildSettings(sequence_parallel=sequence_parallel))
     load_sharded(model, weights_dir)
     loss = forward_backward(model, spec)
     grads_into_params(model)
@@ -235,7 +245,7 @@ def run_layout(
 
 def gather_checkpoint(spec_dict: dict, ckpt_dir: str) -> dict[str, torch.Tensor]:
     spec = TinyGPTSpec(**spec_dict)
-    return gather_full(lambda: build_gpt(spec), spec.seed, ckpt_dir)
+    return gather_full(lambda: build_gpt(spec.model_args()), spec.seed, ckpt_dir)
 
 
 def spec_to_dict(spec: TinyGPTSpec) -> dict:

@@ -1,9 +1,12 @@
 """Does a parallel layout train the WeDLM model exactly as one process does? Workers that answer.
 
 Same recipe as :mod:`.gpt_equivalence`, built on its pieces (shape, layouts, schedule,
-checkpoint round-trips), on the real
-training path: the WeDLM model wrapped in Megatron's ``DistributedDataParallel``, Megatron's
-pipeline schedule with :func:`megatron_wedlm.training.megatron_engine.megatron_forward_step`, globally normalised
+checkpoint round-trips), on the real training path: a spec is turned into the model description
+(``ModelArgs``) and build settings, and the model is built by training's own
+:func:`megatron_wedlm.model.wedlm_model.build_model_chunks`, wrapped by training's
+:func:`megatron_wedlm.training.optimization.wrap_ddp` (Megatron's ``DistributedDataParallel``)
+and stepped by Megatron's pipeline schedule with
+:func:`megatron_wedlm.training.megatron_engine.megatron_forward_step`, globally normalised
 losses, and ``finalize_model_grads`` (which all-reduces sequence-parallel norm and QK-norm
 gradients across TP and tied embeddings across pipeline stages). Gradients are read from DDP's
 ``main_grad`` after finalisation -- what an optimizer would consume.
@@ -22,11 +25,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from .gpt_equivalence import TinyShape, gather_full, grads_into_params, init_layout, load_sharded, run_schedule, save_sharded
+
+if TYPE_CHECKING:
+    from megatron_wedlm.model.hf_config import ModelArgs
+    from megatron_wedlm.model.wedlm_model import BuildSettings, ModelChunks
 
 
 @dataclass
@@ -58,6 +65,28 @@ class TinyWeDLMSpec(TinyShape):
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def model_args(self) -> ModelArgs:
+        """The model description of this spec (rows of ``row_length`` slots hold positions below it)."""
+        from megatron_wedlm.model.hf_config import ModelArgs
+
+        architecture = "qwen3" if self.qk_layernorm else "qwen2" if self.add_qkv_bias else "llama"
+        return ModelArgs(
+            **self.shape_fields(), architecture=architecture, max_position_embeddings=self.row_length,
+            rope_theta=self.rotary_base, qk_layernorm=self.qk_layernorm, add_qkv_bias=self.add_qkv_bias,
+            tie_word_embeddings=self.tied_embeddings, mask_token_id=self.mask_token_id,
+        )
+
+    def build_settings(self, sequence_parallel: bool = False, recompute: str | None = None) -> BuildSettings:
+        """How a layout builds this spec's model: fp32 on CPU, init std 0.05 (larger than training's
+        0.02, so that gradient differences between layouts stand out of rounding)."""
+        from megatron_wedlm.model.wedlm_model import BuildSettings
+
+        options = {"tile_size": self.dense_tile_size} if self.attention_backend == "dense" else {}
+        return BuildSettings(
+            sequence_parallel=sequence_parallel, recompute=recompute or "none", init_method_std=0.05,
+            attention_backend=self.attention_backend, backend_options=options,
+        )
+
 
 def make_global_batch(spec: TinyWeDLMSpec, step: int = 0) -> list:
     """``global_microbatches`` stacked dual-stream micro-batches ``[micro_batch_size, row_length]``."""
@@ -78,63 +107,16 @@ def make_global_batch(spec: TinyWeDLMSpec, step: int = 0) -> list:
     return batches
 
 
-def build_model(
-    spec: TinyWeDLMSpec, sequence_parallel: bool = False, recompute: str | None = None, vp_stage: int | None = None
-):
-    """This rank's WeDLM model chunk for the current Megatron layout (``vp_stage``: which virtual
-    pipeline chunk)."""
-    from megatron_wedlm.model import build_wedlm_model, wedlm_transformer_config
+def build_model(spec: TinyWeDLMSpec, sequence_parallel: bool = False, recompute: str | None = None) -> ModelChunks:
+    """This rank's model chunks for the current Megatron layout, built by training's own build."""
+    from megatron_wedlm.model.wedlm_model import build_model_chunks
 
-    overrides: dict[str, Any] = {}
-    if recompute == "full":
-        overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    elif recompute == "selective":
-        overrides.update(recompute_granularity="selective", recompute_modules=["core_attn"])
-    elif recompute is not None:
-        raise ValueError(f"recompute must be None, 'full' or 'selective', got {recompute!r}")
-    config = wedlm_transformer_config(
-        **spec.transformer_dims(),
-        qk_layernorm=spec.qk_layernorm,
-        add_qkv_bias=spec.add_qkv_bias,
-        sequence_parallel=sequence_parallel,
-        init_method_std=0.05,
-        **overrides,
-    )
-    return build_wedlm_model(
-        config,
-        vocab_size=spec.vocab_size,
-        max_sequence_length=spec.row_length,
-        mask_token_id=spec.mask_token_id,
-        attention_backend=spec.attention_backend,
-        dense_tile_size=spec.dense_tile_size,
-        share_embeddings_and_output_weights=spec.tied_embeddings,
-        rotary_base=spec.rotary_base,
-        vp_stage=vp_stage,
-    )
+    return build_model_chunks(spec.model_args(), spec.build_settings(sequence_parallel, recompute))
 
 
-def build_model_chunks(spec: TinyWeDLMSpec, sequence_parallel: bool = False, recompute: str | None = None):
-    """This rank's model: one chunk, or the list of its virtual-pipeline chunks when the layout
-    has a virtual pipeline size."""
-    from megatron.core import parallel_state as ps
-
-    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
-    if vpp is None:
-        return build_model(spec, sequence_parallel, recompute)
-    return [build_model(spec, sequence_parallel, recompute, vp_stage=i) for i in range(vpp)]
-
-
-def wrap_ddp(model, distributed_optimizer: bool = False):
-    """Megatron DDP around ``model`` (or each virtual-pipeline chunk of a list) and the config
-    hooks the schedule uses to finalise grads: the training engine's own wrapping."""
-    from megatron_wedlm.training.optimization import wrap_ddp as wrap_chunks
-
-    wrapped = wrap_chunks(model if isinstance(model, list) else [model], distributed_optimizer)
-    return wrapped if isinstance(model, list) else wrapped[0]
-
-
-def train_step(ddp_model, spec: TinyWeDLMSpec, batches: list):
-    """One forward/backward over this rank's micro-batches; the global loss summary (last stage)."""
+def train_step(ddp_model: list, spec: TinyWeDLMSpec, batches: list):
+    """One forward/backward of training's step over this rank's micro-batches (``ddp_model``: the
+    chunks as training's ``wrap_ddp`` wraps them); the global loss summary (last stage)."""
     from megatron_wedlm.model import global_loss_normalizer, reduce_loss_reports
     from megatron_wedlm.training.megatron_engine import megatron_forward_step
     from megatron_wedlm.training.objective import Objective
@@ -142,7 +124,7 @@ def train_step(ddp_model, spec: TinyWeDLMSpec, batches: list):
     normalizer = global_loss_normalizer(batches, spec.mlm_weighting)
     objective = Objective(ar_weight=spec.ar_weight, mlm_weighting=spec.mlm_weighting)
     step = megatron_forward_step(objective, normalizer, len(batches))
-    for chunk in ddp_model if isinstance(ddp_model, list) else [ddp_model]:
+    for chunk in ddp_model:
         chunk.zero_grad_buffer()
     reports = run_schedule(ddp_model, step, batches, spec.row_length, spec.micro_batch_size)
     if reports is None:
@@ -161,19 +143,22 @@ def _local_microbatches(spec: TinyWeDLMSpec, step: int = 0) -> list:
     return batches[rank * per_rank:(rank + 1) * per_rank]
 
 
-def _named_grads(model) -> dict[str, torch.Tensor]:
-    return {name: p.main_grad.detach().clone().float() for name, p in model.named_parameters()}
+def _named_grads(model: ModelChunks) -> dict[str, torch.Tensor]:
+    (chunk,) = model  # TP=PP=1: one chunk
+    return {name: p.main_grad.detach().clone().float() for name, p in chunk.named_parameters()}
 
 
 def reference_worker(specs: dict[str, dict], root: str) -> dict[str, dict]:
     """TP=PP=1 on one rank: save weights to ``root/<name>/weights``; loss and grads per spec."""
+    from megatron_wedlm.training.optimization import wrap_ddp
+
     out = {}
     for name, spec_dict in specs.items():
         spec = TinyWeDLMSpec(**spec_dict)
         init_layout(1, 1, spec.seed)
         model = build_model(spec)
         save_sharded(model, os.path.join(root, name, "weights"))
-        ddp = wrap_ddp(model)
+        ddp = wrap_ddp(model, False)
         summary = train_step(ddp, spec, _local_microbatches(spec))
         out[name] = {"summary": summary, "grads": _named_grads(model)}
     return out
@@ -187,21 +172,23 @@ def layouts_worker(specs: dict[str, dict], root: str, layouts: list[dict]) -> di
     """
     import torch.distributed as dist
 
+    from megatron_wedlm.training.optimization import wrap_ddp
+
     out = {}
     for layout in layouts:
         spec = TinyWeDLMSpec(**specs[layout["spec"]])
         tp, pp, sp = layout.get("tp", 1), layout.get("pp", 1), layout.get("sp", False)
         init_layout(tp, pp, spec.seed, sp, cp=layout.get("cp", 1), vpp=layout.get("vpp"))
-        model = build_model_chunks(spec, sequence_parallel=sp, recompute=layout.get("recompute"))
+        model = build_model(spec, sequence_parallel=sp, recompute=layout.get("recompute"))
         load_sharded(model, os.path.join(root, layout["spec"], "weights"))
-        ddp = wrap_ddp(model)
+        ddp = wrap_ddp(model, False)
         summary = train_step(ddp, spec, _local_microbatches(spec))
         grads_dir = os.path.join(root, "grads-" + layout["name"])
-        for chunk in model if isinstance(model, list) else [model]:
+        for chunk in model:
             grads_into_params(chunk, use_main_grad=True)
         save_sharded(model, grads_dir)
         dist.barrier()
-        full = gather_full(lambda: build_model(spec), spec.seed, grads_dir)
+        full = gather_full(lambda: build_model(spec)[0], spec.seed, grads_dir)
         out[layout["name"]] = {"summary": summary, "grads": full if dist.get_rank() == 0 else None}
         dist.barrier()
     return out
@@ -211,17 +198,19 @@ def optimizer_worker(spec_dict: dict, weights_dir: str, distributed_optimizer: b
     """``steps`` Adam steps at TP=PP=1 with DP = world size; the global loss of every step."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from megatron_wedlm.training.optimization import wrap_ddp
+
     spec = TinyWeDLMSpec(**spec_dict)
     init_layout(1, 1, spec.seed)
     model = build_model(spec)
     load_sharded(model, weights_dir)
-    ddp = wrap_ddp(model, distributed_optimizer=distributed_optimizer)
+    ddp = wrap_ddp(model, distributed_optimizer)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam", lr=3e-3, weight_decay=0.01, clip_grad=1.0,
             use_distributed_optimizer=distributed_optimizer, params_dtype=torch.float32,
         ),
-        [ddp],
+        ddp,
     )
     losses = []
     for step in range(steps):

@@ -6,7 +6,7 @@
 * :mod:`.objective`      -- ``Objective`` (WeDLM or AR): labels, loss contribution, logged loss.
 * :mod:`.step_record`    -- what both backends do around a step: data, metrics record, non-finite
                             stop, save schedule, trainer state.
-* :mod:`.model_setup`    -- ``ModelArgs`` from config / ``model.init_from``, the WeDLM model chunk.
+* :mod:`.model_setup`    -- ``ModelArgs`` from config / ``model.init_from``, the build settings the config names.
 * :mod:`.optimization`   -- Megatron DDP, distributed optimizer, lr schedule.
 * :mod:`.checkpointing`  -- atomic torch_dist checkpoints, resume, keep-last-K.
 * :mod:`.metrics`        -- metrics.jsonl, wandb, progress bar.

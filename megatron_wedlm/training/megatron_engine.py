@@ -156,12 +156,14 @@ class MegatronEngine:
 
     # ---- model, optimizer, state ----
     def build(self, resuming: bool) -> None:
-        from .model_setup import build_model_chunks, load_init_weights
+        from megatron_wedlm.model.wedlm_model import build_model_chunks
+
+        from .model_setup import build_settings, load_init_weights
         from .optimization import build_optimizer, wrap_ddp
 
         cfg = self.cfg
         dtype = torch.bfloat16 if self.bf16 else torch.float32
-        self.model = build_model_chunks(cfg, self.model_args, self.device, dtype)
+        self.model = build_model_chunks(self.model_args, build_settings(cfg, self.device, dtype))
         if cfg.model.init_from is not None and not resuming:
             load_init_weights(self.model, cfg.model.init_from)
         self.ddp = wrap_ddp(self.model, cfg.optimizer.use_distributed_optimizer)

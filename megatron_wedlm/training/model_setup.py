@@ -13,16 +13,17 @@ which the WeDLM attention rule is ordinary causal attention inside each document
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megatron_wedlm.config.schema import ConfigError, TrainConfig
 from megatron_wedlm.model.hf_config import ModelArgs, load_model_args, pad_vocab_size
 
-__all__ = [
-    "ModelChunks", "build_model_chunk", "build_model_chunks", "load_init_weights", "resolve_model_args",
-]
+if TYPE_CHECKING:
+    from megatron_wedlm.model.wedlm_model import BuildSettings
+
+__all__ = ["build_settings", "load_init_weights", "resolve_model_args"]
 
 # model config key -> ModelArgs field, for the keys that describe the architecture
 _ARCH_FIELDS = {
@@ -115,89 +116,23 @@ def resolve_model_args(cfg: TrainConfig, manifest: dict[str, Any], dtype: str) -
     return args
 
 
-def _recompute_overrides(cfg: TrainConfig) -> dict[str, Any]:
-    mode = cfg.parallelism.recompute
-    if mode == "full":
-        return dict(recompute_granularity="full", recompute_method="uniform",
-                    recompute_num_layers=cfg.parallelism.recompute_num_layers)
-    if mode == "selective":
-        return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
-    return {}
-
-
-class ModelChunks(list):
-    """This rank's model chunks: one, or one per virtual pipeline stage (``parallelism.virtual_pp``).
-
-    Checkpointing and ``model.init_from`` treat it as one model: its sharded state holds every
-    chunk's tensors under their global keys (one chunk: exactly that chunk's state, so
-    checkpoints of any layout load into any other).
-    """
-
-    def sharded_state_dict(self) -> dict[str, Any]:
-        if len(self) == 1:
-            return self[0].sharded_state_dict()
-        return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(self)}
-
-    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
-        if len(self) == 1:
-            self[0].load_state_dict(state, strict=strict)
-            return
-        for i, chunk in enumerate(self):
-            chunk.load_state_dict(state[f"model{i}"], strict=strict)
-
-
-def build_model_chunks(cfg: TrainConfig, args: ModelArgs, device: torch.device, params_dtype: torch.dtype) -> ModelChunks:
-    """This rank's model: its virtual-pipeline chunks (interleaved schedule), or its one chunk."""
-    from megatron.core import parallel_state as ps
-
-    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
-    stages: list[int | None] = [None] if vpp is None else list(range(vpp))
-    return ModelChunks(build_model_chunk(cfg, args, device, params_dtype, vp_stage=stage) for stage in stages)
-
-
-def build_model_chunk(
-    cfg: TrainConfig, args: ModelArgs, device: torch.device, params_dtype: torch.dtype, vp_stage: int | None = None
-):
-    """This rank's ``WeDLMGPTModel`` (unwrapped; ``vp_stage``: which virtual-pipeline chunk), on
-    ``device``, in ``params_dtype``."""
-    from megatron.core import parallel_state as ps
-
+def build_settings(cfg: TrainConfig, device: torch.device, params_dtype: torch.dtype) -> BuildSettings:
+    """How this run builds its model (:func:`megatron_wedlm.model.wedlm_model.build_model_chunks`):
+    the config's layout features, recompute, init and attention backend, on ``device`` in
+    ``params_dtype``."""
     from megatron_wedlm.model.attention_backends import resolve_attention_backend
-    from megatron_wedlm.model.hf_config import transformer_config_from_model_args
-    from megatron_wedlm.model.wedlm_model import WeDLMModelArgs, build_wedlm_model
+    from megatron_wedlm.model.wedlm_model import BuildSettings
 
-    tp = ps.get_tensor_model_parallel_world_size()
-    if args.padded_vocab_size % tp:
-        raise ConfigError(
-            f"the padded vocabulary ({args.padded_vocab_size}) does not split over parallelism.tp={tp}"
-        )
-    config = transformer_config_from_model_args(
-        args,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
-        context_parallel_size=ps.get_context_parallel_world_size(),
-        virtual_pipeline_model_parallel_size=ps.get_virtual_pipeline_model_parallel_world_size(),
+    p = cfg.parallelism
+    return BuildSettings(
         params_dtype=params_dtype,
-        sequence_parallel=cfg.parallelism.sequence_parallel,
+        device=device,
+        sequence_parallel=p.sequence_parallel,
+        recompute=p.recompute,
+        recompute_num_layers=p.recompute_num_layers,
         init_method_std=cfg.model.init_method_std,
-        use_cpu_initialization=device.type == "cpu",
-        bias_dropout_fusion=device.type == "cuda",
-        **_recompute_overrides(cfg),
+        attention_backend=resolve_attention_backend(cfg.model.attention_backend, device),
     )
-    model = build_wedlm_model(
-        config,
-        WeDLMModelArgs(
-            vocab_size=args.padded_vocab_size,
-            max_sequence_length=args.max_position_embeddings,
-            mask_token_id=int(args.mask_token_id),  # type: ignore[arg-type]
-            attention_backend=resolve_attention_backend(cfg.model.attention_backend, device),
-            share_embeddings_and_output_weights=args.tie_word_embeddings,
-            rotary_base=args.rope_theta,
-            extra={"architecture": args.architecture},
-        ),
-        vp_stage=vp_stage,
-    )
-    return model.to(device)
 
 
 def load_init_weights(model, directory: str | Path) -> None:
