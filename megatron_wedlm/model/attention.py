@@ -289,7 +289,6 @@ class _WeDLMCoreAttentionBase(torch.nn.Module):
         return x.permute(2, 0, 1, 3).reshape(s, b, h * d)  # -> [s, b, h*d]
 
 
-
 @dataclass
 class _QueryTile:
     """One query tile of the dense backend's plan: its rows, the key slots it needs, its mask."""
@@ -488,21 +487,21 @@ class WeDLMFlexAttention(_WeDLMCoreAttentionBase):
             raise ValueError(
                 "the flex backend needs packed metadata [B, 3, S] (pack_attention_metadata), not a dense mask"
             )
-        attention_mask = mask.packed
-        if attention_mask.shape[-1] != key.shape[0]:
-            raise ValueError(f"metadata covers {attention_mask.shape[-1]} slots, the layer sees {key.shape[0]} keys")
+        packed = mask.packed
+        if packed.shape[-1] != key.shape[0]:
+            raise ValueError(f"metadata covers {packed.shape[-1]} slots, the layer sees {key.shape[0]} keys")
         tile = self.tile_size
         if query_slots is None:
             block_mask = _MASK_CACHE.get(
                 ("flex", tile),
-                attention_mask,
-                lambda: build_block_mask(unpack_attention_metadata(attention_mask), tile, padding_attends_self=True),
+                packed,
+                lambda: build_block_mask(unpack_attention_metadata(packed), tile, padding_attends_self=True),
             )
         else:
             block_mask = _MASK_CACHE.get(
                 ("flex-cp", tile, int(query_slots[0])),
-                attention_mask,
-                lambda: _context_parallel_block_mask(attention_mask, query_slots, tile),
+                packed,
+                lambda: _context_parallel_block_mask(packed, query_slots, tile),
             )
         compile_kernel = self.compile_kernel if self.compile_kernel is not None else query.is_cuda
         kernel = _flex_kernel(compile_kernel)
