@@ -57,7 +57,8 @@ def _row_metadata(seq_len: int = 32, block_size: int = 4):
 def test_config_accepts_exactly_the_table_names():
     assert ATTENTION_BACKEND_NAMES == ("auto", *ATTENTION_BACKENDS)
     for name in ATTENTION_BACKEND_NAMES:
-        assert load_config(str(TINY), [f"model.attention_backend={name}"]).model.attention_backend == name
+        cfg = load_config(str(TINY), [f"model.attention_backend={name}", "trainer.device=auto"])
+        assert cfg.model.attention_backend == name
     with pytest.raises(ConfigError, match=f"model.attention_backend='xformers' {UNKNOWN}"):
         load_config(str(TINY), ["model.attention_backend=xformers"])
 
@@ -79,6 +80,8 @@ def test_auto_rule_and_cuda_requirement_come_from_the_table():
         if backend.needs_cuda:
             with pytest.raises(ValueError, match=f"{name}.*needs a CUDA device; on cpu use auto, dense, flex"):
                 resolve_attention_backend(name, torch.device("cpu"))
+            with pytest.raises(ConfigError, match=f"{name} needs a CUDA device, not trainer.device=cpu; use auto, dense, flex$"):
+                load_config(str(TINY), [f"model.attention_backend={name}", "trainer.device=cpu"])
 
 
 def test_deepspeed_accepts_the_names_with_an_hf_attention_implementation(tmp_path):
@@ -86,7 +89,7 @@ def test_deepspeed_accepts_the_names_with_an_hf_attention_implementation(tmp_pat
 
     def deepspeed_run(name: str):
         cfg = load_config(str(ROOT / "configs" / "sft" / "tiny_cpu_deepspeed.yaml"),
-                          [f"model.attention_backend={name}", f"model.init_from={tmp_path / 'hf'}"])
+                          [f"model.attention_backend={name}", f"model.init_from={tmp_path / 'hf'}", "trainer.device=auto"])
         validate_deepspeed_run(cfg)
 
     for name in ATTENTION_BACKEND_NAMES:

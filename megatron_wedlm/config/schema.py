@@ -302,6 +302,12 @@ def validate_config(cfg: TrainConfig) -> None:
             "with sequence parallelism (rows are split along the sequence)"
         )
     _validate_context_and_virtual_pipeline(cfg)
+    backend = ATTENTION_BACKENDS.get(cfg.model.attention_backend)
+    if backend is not None and backend.needs_cuda and cfg.trainer.device == "cpu":
+        raise ConfigError(
+            f"model.attention_backend={backend.name} needs a CUDA device, not trainer.device=cpu; use "
+            f"{', '.join(backend_names(lambda b: not b.needs_cuda))}"
+        )
     if cfg.data.path is None:
         raise ConfigError("data.path is required: the directory written by tools/prepare_data.py")
     if cfg.wedlm.enabled and cfg.data.seq_length < 2 * cfg.wedlm.block_size:
