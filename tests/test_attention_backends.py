@@ -132,6 +132,14 @@ def test_an_option_a_backend_does_not_take_is_refused_by_name():
         get_attention_backend("te").core_attention_spec(tile_size=8)
 
 
+def test_the_config_reads_the_table_without_importing_torch_or_megatron():
+    import subprocess
+
+    probe = "import sys, megatron_wedlm.config; print(sorted({'torch', 'megatron'} & set(sys.modules)))"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
 def test_transformer_engine_is_not_imported_for_the_table_or_cpu_specs():
     for name in ("dense", "flex"):
         get_wedlm_layer_spec(name)
