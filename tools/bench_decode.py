@@ -33,7 +33,6 @@ padding-free bound where that bound is lower).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import sys
@@ -132,21 +131,18 @@ def padding_free_bound(model, steps, repeats: int = 2) -> float:
         width = math.ceil(slots / rows)
         length = round(cached / rows)
         cache = RowKVCache(model.config.num_hidden_layers, rows, capacity=length + width, device=model.device)
-        # the decoder's own batched forward (packed, per-row attention), fed rows of equal width and length
-        packing = Packing.build([width] * rows, [length] * rows, model.device) if rows > 1 else None
-        ids = torch.randint(0, model.config.vocab_size - 1, (1, rows * width) if packing else (1, width))
+        # the decoder's own forward (packed, attention per group of alike rows), fed rows of equal width and length
+        packing = Packing.build([width] * rows, [length] * rows, cache, head.weight.dtype)
+        ids = torch.randint(0, model.config.vocab_size - 1, (1, rows * width))
         positions = (length + torch.arange(width)).repeat(rows)[None]
-        cache.commit([length] * rows)
-        mask = cache.attention_mask(width, head.weight.dtype)
         best = math.inf
         for _ in range(repeats):
             cache.commit([length] * rows)
             cache.packing = packing
             start = time.perf_counter()
-            with packed_attention(model) if packing else contextlib.nullcontext():
+            with packed_attention(model):
                 hidden = body(input_ids=ids.to(model.device), position_ids=positions.to(model.device),
-                              attention_mask=mask, past_key_values=cache, use_cache=True,
-                              **({"wedlm_packing": packing} if packing else {})).last_hidden_state
+                              past_key_values=cache, use_cache=True, wedlm_packing=packing).last_hidden_state
             head(hidden.reshape(-1, hidden.shape[-1])[:masks])
             best = min(best, time.perf_counter() - start)
         total += best

@@ -76,11 +76,12 @@ class ModelRunner:
         self.steps.append((len(rows), width, sum(lengths), sum(map(len, columns)),
                            sum(row.cache_length for row in rows) if self.prefilled else 0))
 
-        if len(rows) > 1 and self.packable:  # no padding: one packed sequence, attention per row
-            packing = Packing.build(lengths, [row.cache_length if self.prefilled else 0 for row in rows], self.device)
+        cached = [row.cache_length if self.prefilled else 0 for row in rows]
+        if self.packable:  # no padding: one packed sequence, attention per row (packed_attention.py)
+            packing = Packing.build(lengths, cached, self.cache, self.dtype)
             offsets = list(accumulate(lengths[:-1], initial=0))
             ids, positions = [list(chain.from_iterable(ids))], [list(chain.from_iterable(positions))]
-            mask = self.cache.attention_mask(width, self.dtype)
+            mask = None
         else:  # right-padded rows; padding sits after every real token, so causal attention hides it
             packing, offsets = None, [r * width for r in range(len(rows))]
             ids = [t + [self.mask_id] * (width - len(t)) for t in ids]

@@ -1,75 +1,108 @@
-"""Padding-free batched forwards: every layer but attention runs on the rows' real tokens only.
+"""Padding-free decoding forwards: the rows of a step are one packed sequence, attention runs per row.
 
 Rows of a batched decode carry windows of different widths (W..2W slots under the engine's
-schedule) on top of caches of different lengths. Padding every row to the widest costs the
-projections, MLPs and norms of the padding too, and on a CPU those dominate a step (measured on
-the quickstart-sized model: 1.5x more token slots than real ones over a 32-prompt decode).
+schedule) on top of caches of different lengths. Padding every row to the widest window and
+the longest cache costs the padding too: in the projections, MLPs and norms (measured on the
+quickstart-sized model: 1.5x more token slots than real ones over a 32-prompt decode), and in
+attention, where a short row would be scored against the longest row's keys.
 
-So a batched step feeds the model one *packed* sequence ``[1, T]`` (all rows' real tokens, row
-after row, each with its logical position id). The linear layers, norms and RoPE are per token
-and see no padding. Only attention needs the row structure: :func:`packed_sdpa`, registered in
-HF's attention registry under :data:`NAME`, unpacks the queries to ``[rows, width]``, runs
-SDPA against the per-row KV cache with the per-row mask
-(:meth:`RowKVCache.attention_mask`), and packs the output again. The cache writes each packed
-token's keys/values to its row and slot (:class:`Packing`).
+So a step feeds the model one *packed* sequence ``[1, T]`` (all rows' real tokens, row after
+row, each with its logical position id). The linear layers, norms and RoPE are per token and
+see no padding. Only attention needs the row structure: :func:`packed_sdpa`, registered in
+HF's attention registry under :data:`NAME`, runs SDPA for each row on that row's own queries
+and its own cache length (rows alike in width and cache length share one call), and the
+cache writes each packed token's keys/values to its row and slot (:class:`Packing`).
+
+One row is the same path with one group, which is also what makes a single-row step cheap:
+
+* the mask is no tensor built per step but a view of a band kept by the cache
+  (:meth:`RowKVCache.causal_mask`); the prefill (nothing cached) uses SDPA's own causal mode;
+* grouped-query attention is left to SDPA (``enable_gqa``) instead of HF's ``repeat_kv``,
+  which copies the whole cache once per layer and step.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 from transformers import AttentionInterface
+
+from .row_cache import RowKVCache
 
 NAME = "wedlm_packed_sdpa"
 
 
 @dataclass(frozen=True)
+class RowGroup:
+    """Consecutive rows ``first .. last - 1`` with ``length`` new tokens each on ``cached`` cached
+    ones, packed from token ``offset`` on; ``mask`` is None when nothing is cached (plain causal)."""
+
+    first: int
+    last: int
+    length: int
+    cached: int
+    offset: int
+    mask: torch.Tensor | None
+
+
+@dataclass(frozen=True)
 class Packing:
-    """Where each packed token sits: ``row_of[t]``, cache slot ``slot_of[t]``, and the index maps
-    between the packed order ``[T]`` and the padded layout ``[rows * width]``."""
+    """Where the packed tokens of one forward go: row ``row_of[t]``, cache slot ``slot_of[t]``
+    (None when every row writes the same slots, a plain slice), and the attention groups."""
 
     rows: int
-    width: int
-    row_of: torch.Tensor
-    slot_of: torch.Tensor
-    to_padded: torch.Tensor  # [rows * width] -> packed token (padding points at token 0; its output is dropped)
-    to_packed: torch.Tensor  # [T] -> padded position
+    length: int  # new tokens per row when ``uniform``
+    cached: int  # cache length of every row when ``uniform``
+    uniform: bool
+    row_of: torch.Tensor | None
+    slot_of: torch.Tensor | None
+    groups: tuple[RowGroup, ...]
+
+    @property
+    def end(self) -> int:
+        """One past the last cache slot this forward writes."""
+        return max(g.cached + g.length for g in self.groups)
 
     @classmethod
-    def build(cls, lengths: list[int], cache_lengths: list[int], device) -> "Packing":
-        """Rows of ``lengths`` real tokens each, written after ``cache_lengths`` cached ones."""
-        rows, width = len(lengths), max(lengths)
-        row_of, slot_of, to_packed = [], [], []
-        to_padded = [0] * (rows * width)
-        for r, (n, cached) in enumerate(zip(lengths, cache_lengths)):
-            for c in range(n):
-                to_padded[r * width + c] = len(to_packed)
-                to_packed.append(r * width + c)
-            row_of += [r] * n
-            slot_of += range(cached, cached + n)
-
-        def tensor(values):
-            return torch.tensor(values, dtype=torch.long, device=device)
-
-        return cls(rows, width, tensor(row_of), tensor(slot_of), tensor(to_padded), tensor(to_packed))
+    def build(cls, lengths: list[int], cached: list[int], cache: RowKVCache, dtype: torch.dtype) -> "Packing":
+        """Rows of ``lengths`` new tokens each, written after ``cached`` tokens of ``cache``."""
+        offsets = list(accumulate(lengths[:-1], initial=0))
+        groups, first = [], 0
+        for r in range(1, len(lengths) + 1):
+            if r == len(lengths) or (lengths[r], cached[r]) != (lengths[first], cached[first]):
+                n, c = lengths[first], cached[first]
+                mask = cache.causal_mask(c, n, dtype) if c else None
+                groups.append(RowGroup(first, r, n, c, offsets[first], mask))
+                first = r
+        uniform = len(groups) == 1
+        row_of = slot_of = None
+        if not uniform:
+            device = cache.lengths.device
+            counts = torch.tensor(lengths, device=device)
+            row_of = torch.repeat_interleave(torch.arange(len(lengths), device=device), counts)
+            starts = torch.tensor([c - o for c, o in zip(cached, offsets)], device=device)
+            slot_of = torch.arange(sum(lengths), device=device) + starts[row_of]
+        return cls(len(lengths), lengths[0], cached[0], uniform, row_of, slot_of, tuple(groups))
 
 
 def packed_sdpa(module, query, key, value, attention_mask, *, wedlm_packing: Packing, scaling=None, **kwargs):
-    """HF attention function: ``query`` ``[1, heads, T, dim]`` packed; ``key``/``value`` ``[rows, kv_heads, keys, dim]``.
-
-    Grouped-query attention is left to SDPA (``enable_gqa``) instead of HF's ``repeat_kv``, which
-    would copy every row's whole cache once per layer and step.
-    """
-    p = wedlm_packing
+    """HF attention function: ``query`` ``[1, heads, T, dim]`` packed; ``key``/``value`` the cache's
+    buffers ``[rows, kv_heads, slots, dim]``. Returns ``[1, T, heads, dim]``."""
     heads, dim = query.shape[1], query.shape[-1]
-    padded = query[0].transpose(0, 1).index_select(0, p.to_padded)  # [rows * width, heads, dim]
-    padded = padded.view(p.rows, p.width, heads, dim).transpose(1, 2)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        padded, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=key.shape[1] != heads
-    )  # [rows, heads, width, dim]
-    return out.transpose(1, 2).reshape(p.rows * p.width, heads, dim).index_select(0, p.to_packed)[None], None
+    gqa = key.shape[1] != heads
+    outs = []
+    for g in wedlm_packing.groups:
+        rows, n, keys = g.last - g.first, g.length, g.cached + g.length
+        q = query[0, :, g.offset : g.offset + rows * n].unflatten(1, (rows, n)).transpose(0, 1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, key[g.first : g.last, :, :keys], value[g.first : g.last, :, :keys], attn_mask=g.mask,
+            is_causal=g.mask is None, scale=scaling, enable_gqa=gqa,
+        )  # [rows, heads, n, dim]
+        outs.append(out.transpose(1, 2).reshape(rows * n, heads, dim))
+    return (outs[0] if len(outs) == 1 else torch.cat(outs))[None], None
 
 
 AttentionInterface.register(NAME, packed_sdpa)

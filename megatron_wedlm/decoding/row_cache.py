@@ -47,21 +47,31 @@ class _RowLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         packing = self.owner.packing
-        end = self.owner.max_length + (packing.width if packing is not None else key_states.shape[-2])
-        if end > self.owner.capacity:
-            raise RuntimeError(f"RowKVCache capacity {self.owner.capacity} exceeded (needs {end})")
         if packing is not None:  # one packed row [1, kv_heads, T, dim]: token t goes to its row and slot
-            self.keys[packing.row_of, :, packing.slot_of] = key_states[0].transpose(0, 1)
-            self.values[packing.row_of, :, packing.slot_of] = value_states[0].transpose(0, 1)
-        elif self.owner.uniform:  # every row at the same length (always so for one row): a plain slice copy
+            end = self._check(packing.end)
+            if packing.uniform:  # every row writes the same slots: a slice copy
+                start, rows = packing.cached, packing.rows
+                self.keys[:, :, start:end] = key_states[0].unflatten(1, (rows, -1)).transpose(0, 1)
+                self.values[:, :, start:end] = value_states[0].unflatten(1, (rows, -1)).transpose(0, 1)
+            else:
+                self.keys[packing.row_of, :, packing.slot_of] = key_states[0].transpose(0, 1)
+                self.values[packing.row_of, :, packing.slot_of] = value_states[0].transpose(0, 1)
+        elif self.owner.uniform:  # padded rows [rows, kv_heads, width, dim], all at the same length
             start = self.owner.max_length
+            end = self._check(start + key_states.shape[-2])
             self.keys[:, :, start:end] = key_states
             self.values[:, :, start:end] = value_states
         else:
+            end = self._check(self.owner.max_length + key_states.shape[-2])
             slots = self.owner.lengths[:, None] + torch.arange(key_states.shape[-2], device=key_states.device)
             self.keys.scatter_(2, slots[:, None, :, None].expand_as(key_states), key_states)
             self.values.scatter_(2, slots[:, None, :, None].expand_as(value_states), value_states)
         return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def _check(self, end: int) -> int:
+        if end > self.owner.capacity:
+            raise RuntimeError(f"RowKVCache capacity {self.owner.capacity} exceeded (needs {end})")
+        return end
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.owner.max_length + query_length, 0
@@ -91,6 +101,7 @@ class RowKVCache(Cache):
         self.max_length = 0  # host copy of lengths.max(), to slice buffers without a device sync
         self.uniform = True  # all rows at max_length (host-side), so writes need no per-row index
         self.packing = None  # set for a packed forward (see packed_attention.py)
+        self._bands: dict[torch.dtype, torch.Tensor] = {}  # see causal_mask
         super().__init__(layers=[_RowLayer(self) for _ in range(num_layers)])
 
     def commit(self, lengths: list[int]) -> None:
@@ -122,6 +133,24 @@ class RowKVCache(Cache):
         mask = torch.zeros(visible.shape, dtype=dtype, device=device)
         mask.masked_fill_(~visible, torch.finfo(dtype).min)
         return mask[:, None]
+
+    def causal_mask(self, cached: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask ``[length, cached + length]`` of one row's new queries (at slots ``cached ..``)
+        over its keys: query ``i`` sees key ``j`` iff ``j <= cached + i``.
+
+        A view of a band built once per cache (and dtype), so a step builds no mask: band column
+        ``capacity + i`` is query ``i``'s last visible key, and the row's keys start ``cached``
+        columns before ``capacity``.
+        """
+        band = self._bands.get(dtype)
+        if band is None or band.shape[0] < length:
+            width = max(length, 64)
+            queries = torch.arange(width, device=self.lengths.device)[:, None]
+            columns = torch.arange(self.capacity + width, device=self.lengths.device)
+            band = torch.zeros(width, self.capacity + width, dtype=dtype, device=self.lengths.device)
+            band.masked_fill_(columns > self.capacity + queries, torch.finfo(dtype).min)
+            self._bands[dtype] = band
+        return band[:length, self.capacity - cached : self.capacity + length]
 
     def committed_kv(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer ``(keys, values)`` of ``row``'s committed prefix, ``[kv_heads, length, head_dim]``."""
