@@ -20,18 +20,23 @@ generation costs one forward fewer than "prefill, then decode".
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import ExitStack
 from itertools import accumulate, chain
 
 import torch
 
-from .packed_attention import Packing, packed_attention
+from .packed_attention import NAME as PACKED, Packing, packed_attention
 from .row_cache import RowKVCache
 from .state import RowState
 
 
 class ModelRunner:
-    """Owns the model, its per-row KV cache, and the conversion of row windows to tensors."""
+    """Owns the model, its per-row KV cache, and the conversion of row windows to tensors.
+
+    Used as a context manager around the decode loop: on an SDPA model the packed attention
+    (:func:`.packed_attention.packed_attention`) is switched on once for the whole decode, not
+    per step (setting a config attribute costs as much as a small layer's attention).
+    """
 
     def __init__(self, model, rows: list[RowState], window_size: int):
         impl = getattr(model.config, "_attn_implementation", "") or ""
@@ -48,10 +53,19 @@ class ModelRunner:
         )
         self.prefilled = False
         self.dtype = self.head.weight.dtype
-        self.packable = impl == "sdpa"  # batched forwards are packed (packed_attention.py) on SDPA models
+        self.packable = impl == "sdpa"  # forwards are packed (packed_attention.py) on SDPA models
+        self._scope = ExitStack()
         # per forward: (rows, width, real slots, mask slots, sum of the rows' cache lengths); for
         # benchmarks, which compare a step with a padding-free forward of the same work
         self.steps: list[tuple[int, int, int, int, int]] = []
+
+    def __enter__(self) -> "ModelRunner":
+        if self.packable:
+            self._scope.enter_context(packed_attention(self.model))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._scope.close()
 
     @torch.no_grad()
     def forward(self, rows: list[RowState]) -> tuple[torch.Tensor, list[list[int]]]:
@@ -87,16 +101,17 @@ class ModelRunner:
             ids = [t + [self.mask_id] * (width - len(t)) for t in ids]
             positions = [p + [p[-1]] * (width - len(p)) for p in positions]
             mask = self._attention_mask(len(rows), width)
+        if packing is not None and self.model.config._attn_implementation != PACKED:
+            raise RuntimeError("ModelRunner.forward runs inside `with runner:` (it switches on the packed attention)")
         self.cache.packing = packing
-        with packed_attention(self.model) if packing else nullcontext():
-            hidden = self.body(
-                input_ids=torch.tensor(ids, device=self.device),
-                position_ids=torch.tensor(positions, device=self.device),
-                attention_mask=mask,
-                past_key_values=self.cache,
-                use_cache=True,
-                **({"wedlm_packing": packing} if packing else {}),
-            ).last_hidden_state
+        hidden = self.body(
+            input_ids=torch.tensor(ids, device=self.device),
+            position_ids=torch.tensor(positions, device=self.device),
+            attention_mask=mask,
+            past_key_values=self.cache,
+            use_cache=True,
+            **({"wedlm_packing": packing} if packing else {}),
+        ).last_hidden_state
         self.cache.packing = None
         columns = [offset + k for offset, row_columns in zip(offsets, columns) for k in row_columns]
         self.prefilled = True

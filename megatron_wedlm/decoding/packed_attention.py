@@ -57,14 +57,10 @@ class Packing:
     length: int  # new tokens per row when ``uniform``
     cached: int  # cache length of every row when ``uniform``
     uniform: bool
+    end: int  # one past the last cache slot this forward writes
     row_of: torch.Tensor | None
     slot_of: torch.Tensor | None
     groups: tuple[RowGroup, ...]
-
-    @property
-    def end(self) -> int:
-        """One past the last cache slot this forward writes."""
-        return max(g.cached + g.length for g in self.groups)
 
     @classmethod
     def build(cls, lengths: list[int], cached: list[int], cache: RowKVCache, dtype: torch.dtype) -> "Packing":
@@ -85,7 +81,8 @@ class Packing:
             row_of = torch.repeat_interleave(torch.arange(len(lengths), device=device), counts)
             starts = torch.tensor([c - o for c, o in zip(cached, offsets)], device=device)
             slot_of = torch.arange(sum(lengths), device=device) + starts[row_of]
-        return cls(len(lengths), lengths[0], cached[0], uniform, row_of, slot_of, tuple(groups))
+        end = max(n + c for n, c in zip(lengths, cached))
+        return cls(len(lengths), lengths[0], cached[0], uniform, end, row_of, slot_of, tuple(groups))
 
 
 def packed_sdpa(module, query, key, value, attention_mask, *, wedlm_packing: Packing, scaling=None, **kwargs):
@@ -96,13 +93,15 @@ def packed_sdpa(module, query, key, value, attention_mask, *, wedlm_packing: Pac
     outs = []
     for g in wedlm_packing.groups:
         rows, n, keys = g.last - g.first, g.length, g.cached + g.length
-        q = query[0, :, g.offset : g.offset + rows * n].unflatten(1, (rows, n)).transpose(0, 1)
+        q = query[:, :, g.offset : g.offset + rows * n]
+        if rows > 1:
+            q = q[0].unflatten(1, (rows, n)).transpose(0, 1)
         out = torch.nn.functional.scaled_dot_product_attention(
             q, key[g.first : g.last, :, :keys], value[g.first : g.last, :, :keys], attn_mask=g.mask,
             is_causal=g.mask is None, scale=scaling, enable_gqa=gqa,
         )  # [rows, heads, n, dim]
-        outs.append(out.transpose(1, 2).reshape(rows * n, heads, dim))
-    return (outs[0] if len(outs) == 1 else torch.cat(outs))[None], None
+        outs.append(out if rows == 1 else out.transpose(0, 1).reshape(1, heads, rows * n, dim))
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).transpose(1, 2), None
 
 
 AttentionInterface.register(NAME, packed_sdpa)

@@ -72,26 +72,26 @@ def decode(
     start = time.perf_counter()
     rows = _start_rows(model, prompts, settings)
     policy = commit_policy(settings)
-    runner = ModelRunner(model, rows, settings.window_size)
     sampler = SlotSampler(settings, generator)
     live = rows
-    while live:
-        commits = [policy.commit_count(row) for row in live]  # c. decided by what this forward feeds
-        logits, mask_slots = runner.forward(live)  # a, b. reordered windows, one causal forward
-        fills = sampler.choose(logits, mask_slots)  # d. entropy rule on the masks of this forward
-        for row, n, (slots, tokens) in zip(live, commits, fills):
-            row.fill(slots, tokens)
-            _commit(row, n, tokenizer, settings)  # c. the leftmost filled run: its KV is exact
-            if n:
-                policy.committed(row)
-            if row.finished:
-                continue
-            lead = policy.commit_count(row)
-            if row.ends_within(lead):  # over: no KV is needed for its last run, emit it without a forward
-                _commit(row, lead, tokenizer, settings, in_cache=False)
-            else:
-                policy.refill(row, lead)  # e.
-        live = runner.advance(live)
+    with ModelRunner(model, rows, settings.window_size) as runner:
+        while live:
+            commits = [policy.commit_count(row) for row in live]  # c. decided by what this forward feeds
+            logits, mask_slots = runner.forward(live)  # a, b. reordered windows, one causal forward
+            fills = sampler.choose(logits, mask_slots)  # d. entropy rule on the masks of this forward
+            for row, n, (slots, tokens) in zip(live, commits, fills):
+                row.fill(slots, tokens)
+                _commit(row, n, tokenizer, settings)  # c. the leftmost filled run: its KV is exact
+                if n:
+                    policy.committed(row)
+                if row.finished:
+                    continue
+                lead = policy.commit_count(row)
+                if row.ends_within(lead):  # over: no KV is needed for its last run, emit it without a forward
+                    _commit(row, lead, tokenizer, settings, in_cache=False)
+                else:
+                    policy.refill(row, lead)  # e.
+            live = runner.advance(live)
 
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)

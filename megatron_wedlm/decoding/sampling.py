@@ -70,21 +70,25 @@ class SlotSampler:
 
     def choose(self, logits: torch.Tensor, mask_slots: list[list[int]]) -> list[tuple[list[int], list[int]]]:
         """Per row ``(slots, tokens)`` to fill, given the logits ``[slots, vocab]`` of all rows' mask
-        slots (rows concatenated in order) and each row's mask slots (window indices)."""
+        slots (rows concatenated in order) and each row's mask slots (window indices).
+
+        Tokens are drawn only at the slots the fill rule chose (a few of a row's up to 2W), so the
+        argmax or draw, a pass over the vocabulary, is not paid for slots that stay masks.
+        """
         s = self.settings
         if not logits.shape[0]:
             return [([], []) for _ in mask_slots]
         entropies = entropy(logits).tolist()
-        tokens = sample_tokens(logits, s.temperature, s.top_k, s.top_p, self.generator).tolist()
-        fills, k = [], 0
+        chosen, picks, k = [], [], 0  # per row: indices into its slots; all of them as rows of ``logits``
         for slots in mask_slots:
-            if not slots:
-                fills.append(([], []))
-                continue
-            chosen = select_slots(entropies[k : k + len(slots)], slots, s.entropy_threshold, s.distance_penalty)
-            fills.append(([slots[j] for j in chosen], [tokens[k + j] for j in chosen]))
+            row_entropy = entropies[k : k + len(slots)]
+            rule = select_slots(row_entropy, slots, s.entropy_threshold, s.distance_penalty) if slots else []
+            chosen.append(rule)
+            picks += [k + j for j in rule]
             k += len(slots)
-        return fills
+        at_picks = logits.index_select(0, torch.tensor(picks, dtype=torch.long, device=logits.device))
+        tokens = iter(sample_tokens(at_picks, s.temperature, s.top_k, s.top_p, self.generator).tolist())
+        return [([slots[j] for j in rule], [next(tokens) for _ in rule]) for slots, rule in zip(mask_slots, chosen)]
 
 
 def sample_tokens(
