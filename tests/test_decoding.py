@@ -398,3 +398,48 @@ def test_packed_batch_attention_is_scoped_to_the_decode(tokenizer):
     eager = generate_batch(model, prompts, max_new_tokens=6)  # eager batches take the padded path
     model.config._attn_implementation = "sdpa"
     assert [r.token_ids for r in eager] == [r.token_ids for r in generate_batch(model, prompts, max_new_tokens=6)]
+
+
+def test_packed_attention_reads_only_each_rows_own_keys():
+    """Rows at different cache lengths do not pay for (or read) each other's padding: every cache
+    slot past a row's own keys is NaN, which any score over it (masked or not) would carry into
+    the output. Rows alike in width and cache length share one attention call."""
+    from megatron_wedlm.decoding.packed_attention import Packing, packed_sdpa
+    from megatron_wedlm.decoding.row_cache import RowKVCache
+
+    lengths, cached, heads, kv_heads, dim, capacity = [4, 4, 2, 3], [10, 10, 3, 0], 4, 2, 8, 20
+    g = torch.Generator().manual_seed(0)
+    keys = torch.full((len(lengths), kv_heads, capacity, dim), math.nan)
+    values = keys.clone()
+    for r, (n, c) in enumerate(zip(lengths, cached)):
+        keys[r, :, : c + n] = torch.randn(kv_heads, c + n, dim, generator=g)
+        values[r, :, : c + n] = torch.randn(kv_heads, c + n, dim, generator=g)
+    query = torch.randn(1, heads, sum(lengths), dim, generator=g)
+    cache = RowKVCache(1, len(lengths), capacity, "cpu")
+    packing = Packing.build(lengths, cached, cache, torch.float32)
+    assert [(grp.first, grp.last) for grp in packing.groups] == [(0, 2), (2, 3), (3, 4)]
+
+    out, _ = packed_sdpa(None, query, keys, values, None, wedlm_packing=packing, scaling=dim**-0.5)
+    assert out.shape == (1, sum(lengths), heads, dim) and out.isfinite().all()
+    start = 0
+    for r, (n, c) in enumerate(zip(lengths, cached)):  # plain softmax attention, query i sees keys j <= c + i
+        q = query[0, :, start : start + n]
+        k = keys[r, :, : c + n].repeat_interleave(heads // kv_heads, 0)
+        v = values[r, :, : c + n].repeat_interleave(heads // kv_heads, 0)
+        scores = q @ k.transpose(-1, -2) * dim**-0.5
+        scores = scores.masked_fill(torch.arange(c + n)[None, :] > c + torch.arange(n)[:, None], -math.inf)
+        expected = (scores.softmax(-1) @ v).transpose(0, 1)
+        torch.testing.assert_close(out[0, start : start + n], expected, atol=1e-5, rtol=1e-5)
+        start += n
+
+
+def test_row_masks_from_the_band_equal_the_dense_mask():
+    """``causal_mask`` (a view, built once per cache) is the per-row slice of ``attention_mask``."""
+    from megatron_wedlm.decoding.row_cache import RowKVCache
+
+    cache = RowKVCache(1, 3, capacity=40, device="cpu")
+    cache.commit([0, 7, 25])
+    dense = cache.attention_mask(9, torch.float32)  # [rows, 1, 9, max_length + 9]
+    for r, c in enumerate([0, 7, 25]):
+        for n in (1, 9):
+            torch.testing.assert_close(cache.causal_mask(c, n, torch.float32), dense[r, 0, :n, : c + n])
