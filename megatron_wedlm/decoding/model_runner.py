@@ -2,20 +2,22 @@
 
 Per step the live rows' windows go through one causal forward on top of their committed KV
 cache: each row's window in reordered form (filled slots first, then masks, each in ascending
-logical position) with ``position_ids`` = logical positions. HF attention builds its causal
-structure from the *physical* order (the explicit 4-D mask of :class:`RowKVCache`) while RoPE
-uses the logical positions, which is exactly WeDLM's topological reordering. Because the filled
-slots come first, the keys/values of the leftmost filled run depend on the committed prefix and
-on themselves only, so they are exact; the cache keeps them (:meth:`ModelRunner.advance`) and the
-rest of the window is recomputed next step.
+logical position) with ``position_ids`` = logical positions. Attention takes its causal
+structure from the *physical* order (query ``i`` of a row sees its cache and the window slots
+up to ``i``) while RoPE uses the logical positions, which is exactly WeDLM's topological
+reordering. Because the filled slots come first, the keys/values of the leftmost filled run
+depend on the committed prefix and on themselves only, so they are exact; the cache keeps them
+(:meth:`ModelRunner.advance`) and the rest of the window is recomputed next step.
 
-A batch of rows goes through as one packed sequence of their real tokens, so rows with narrow
-windows or short caches do not pay for the padding of others in the linear layers
-(:mod:`.packed_attention`; attention alone is computed per row, on SDPA models). Only mask
-slots need logits (filled slots are fed for their keys/values), so the output layer runs on the
-mask slots of all rows concatenated. The prompt is prefilled in
-the same forward as the first window (they are contiguous, the mask is plain causal), so a
-generation costs one forward fewer than "prefill, then decode".
+On SDPA models every step, one row or many, goes through as one packed sequence of the rows'
+real tokens, with attention per row over that row's own cache length
+(:mod:`.packed_attention`), so rows with narrow windows or short caches pay for no one's
+padding. Eager models take right-padded rows and the explicit 4-D mask of
+:class:`RowKVCache`; flash-attention models decode one row at a time. Only mask slots need
+logits (filled slots are fed for their keys/values), so the output layer runs on the mask
+slots of all rows concatenated. The prompt is prefilled in the same forward as the first window
+(they are contiguous, the mask is plain causal), so a generation costs one forward fewer than
+"prefill, then decode".
 """
 
 from __future__ import annotations

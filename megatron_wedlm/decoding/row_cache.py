@@ -15,8 +15,9 @@ the buffers never move, which is also what a GPU wants (no reallocation per step
 
 Attention must only see a row's own committed prefix plus the causal part of its new input:
 key ``j`` is visible to new query ``i`` of row ``b`` iff ``j <= lengths[b] + i``
-(see :meth:`attention_mask`). Anything further right in the buffer (an older, longer window, or
-padding of a shorter row) is thereby hidden.
+(see :meth:`attention_mask`, the padded batch's mask, and :meth:`causal_mask`, one row's, which
+the packed forward uses). Anything further right in the buffer (an older, longer window, or
+padding of a shorter row) is thereby hidden; the packed forward does not even read it.
 """
 
 from __future__ import annotations
