@@ -433,13 +433,19 @@ def test_packed_attention_reads_only_each_rows_own_keys():
         start += n
 
 
-def test_row_masks_from_the_band_equal_the_dense_mask():
-    """``causal_mask`` (a view, built once per cache) is the per-row slice of ``attention_mask``."""
+def test_row_masks_follow_the_cached_prefix_rule():
+    """Query ``i`` of a row with ``c`` cached keys sees key ``j`` iff ``j <= c + i``: in one row's
+    mask (a view of a band the cache keeps) and in the padded batch's mask, where the keys past a
+    row's own (another row's longer prefix) are hidden as well."""
     from megatron_wedlm.decoding.row_cache import RowKVCache
 
     cache = RowKVCache(1, 3, capacity=40, device="cpu")
     cache.commit([0, 7, 25])
-    dense = cache.attention_mask(9, torch.float32)  # [rows, 1, 9, max_length + 9]
+    dense = cache.attention_mask(9, torch.float32)[:, 0]  # [rows, 9, 25 + 9]
+    assert dense.shape == (3, 9, 34)
     for r, c in enumerate([0, 7, 25]):
+        rule = torch.tensor([[0.0 if j <= c + i else torch.finfo(torch.float32).min for j in range(34)]
+                             for i in range(9)])
+        torch.testing.assert_close(dense[r], rule)
         for n in (1, 9):
-            torch.testing.assert_close(cache.causal_mask(c, n, torch.float32), dense[r, 0, :n, : c + n])
+            torch.testing.assert_close(cache.causal_mask(c, n, torch.float32), rule[:n, : c + n])

@@ -99,7 +99,8 @@ class RowKVCache(Cache):
     def __init__(self, num_layers: int, num_rows: int, capacity: int, device: torch.device | str):
         self.capacity = capacity
         self.lengths = torch.zeros(num_rows, dtype=torch.long, device=device)
-        self.max_length = 0  # host copy of lengths.max(), to slice buffers without a device sync
+        self.host_lengths = [0] * num_rows  # host copy of lengths, so no step needs a device sync
+        self.max_length = 0  # max(host_lengths)
         self.uniform = True  # all rows at max_length (host-side), so writes need no per-row index
         self.packing = None  # set for a packed forward (see packed_attention.py)
         self._bands: dict[torch.dtype, torch.Tensor] = {}  # see causal_mask
@@ -111,28 +112,28 @@ class RowKVCache(Cache):
         Everything a row wrote past its new length becomes invisible and is overwritten later.
         """
         self.lengths = torch.tensor(lengths, dtype=torch.long, device=self.lengths.device)
+        self.host_lengths = list(lengths)
         self.max_length, self.uniform = max(lengths), min(lengths) == max(lengths)
 
     def keep_rows(self, rows: list[int]) -> None:
         """Drop every row not listed in ``rows`` (finished sequences leave the batch)."""
-        lengths = self.lengths.tolist()
         index = torch.tensor(rows, dtype=torch.long, device=self.lengths.device)
         for layer in self.layers:
             layer.keep_rows(index)
-        self.commit([lengths[i] for i in rows])
+        self.commit([self.host_lengths[i] for i in rows])
 
     def attention_mask(self, query_length: int, dtype: torch.dtype) -> torch.Tensor:
-        """Additive 4-D mask ``[rows, 1, query_length, max_length + query_length]`` for the next forward.
+        """Additive 4-D mask ``[rows, 1, query_length, max_length + query_length]`` for the next
+        forward of right-padded rows (eager attention).
 
-        Query ``i`` of row ``b`` sits at physical slot ``lengths[b] + i``; it sees every key at or
-        before that slot. A float mask (0 / dtype-min) works with both eager and SDPA attention.
+        Row ``b``'s part is :meth:`causal_mask` of its own length (query ``i`` at slot
+        ``lengths[b] + i`` sees every key at or before it); the keys past it are hidden. A float
+        mask (0 / dtype-min) works with both eager and SDPA attention.
         """
-        device = self.lengths.device
-        keys = torch.arange(self.max_length + query_length, device=device)
-        queries = self.lengths[:, None] + torch.arange(query_length, device=device)
-        visible = keys[None, None, :] <= queries[:, :, None]
-        mask = torch.zeros(visible.shape, dtype=dtype, device=device)
-        mask.masked_fill_(~visible, torch.finfo(dtype).min)
+        mask = torch.full((len(self.host_lengths), query_length, self.max_length + query_length),
+                          torch.finfo(dtype).min, dtype=dtype, device=self.lengths.device)
+        for b, cached in enumerate(self.host_lengths):
+            mask[b, :, : cached + query_length] = self.causal_mask(cached, query_length, dtype)
         return mask[:, None]
 
     def causal_mask(self, cached: int, length: int, dtype: torch.dtype) -> torch.Tensor:
