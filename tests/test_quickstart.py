@@ -61,8 +61,9 @@ def test_every_stage_ran_in_order_with_visible_progress(run):
         assert f"=== stage {i}: {name} done in" in stdout
     by_name = {s["name"]: s for s in stages}
     # the real entry points, with the commands recorded
-    pretrain_data, sft_data = by_name["prepare_data"]["commands"]
-    assert "tools/prepare_data.py" in pretrain_data and "--task sft --raw-sft" in sft_data
+    prepare = by_name["prepare_data"]["commands"]  # the two ran at once: in either order
+    assert len(prepare) == 2 and all("tools/prepare_data.py" in c for c in prepare)
+    assert sum("--task sft --raw-sft" in c for c in prepare) == 1
     for stage, script in (("ar_pretrain", "pretrain/pretrain_wedlm.py"), ("wedlm_pretrain", "pretrain/pretrain_wedlm.py"),
                           ("sft", "sft/sft_wedlm.py")):
         assert "torch.distributed.run" in by_name[stage]["commands"][0]
@@ -73,7 +74,11 @@ def test_every_stage_ran_in_order_with_visible_progress(run):
         assert f"model.init_from={checkpoint}" in by_name[stage]["commands"][0]
     assert f"data.path={out / 'data' / 'sft_shards'}" in by_name["sft"]["commands"][0]
     assert all("convert_checkpoint.py megatron-to-hf" in c for c in by_name["export"]["commands"])
-    assert all("inference/evaluate.py" in c for c in by_name["eval_base"]["commands"] + by_name["eval_wedlm"]["commands"])
+    evaluations = by_name["evaluate"]["commands"]  # base/WeDLM x calibration/test
+    assert len(evaluations) == 4 and all("inference/evaluate.py" in c for c in evaluations)
+    assert sum("calibration" in c for c in evaluations) == 2
+    for tag in ("evaluate:wedlm", "evaluate:ar-base_calibration", "export:wedlm", "prepare_data:sft"):
+        assert f"[{tag}] $ " in stdout  # commands run at once are told apart on the console
     for stage in stages:
         if stage["log"]:
             assert (out / stage["log"]).stat().st_size > 0

@@ -1,7 +1,7 @@
 """The quickstart run, stage by stage, through the project's real entry points.
 
     corpus -> tokenizer -> prepare_data -> ar_pretrain -> wedlm_pretrain -> sft -> export
-    -> calibrate -> eval_base -> eval_wedlm -> report
+    -> evaluate -> calibrate -> report
 
 Only the first two stages and the report run in this process (they have no entry point of
 their own: building text and training a tokenizer are what the quickstart *adds*). Everything
@@ -15,11 +15,17 @@ else is the command a user would run, launched as a subprocess with the argument
 * ``tools/convert_checkpoint.py megatron-to-hf`` for the base and the final (SFT) checkpoint,
   each then reloaded with ``AutoModelForCausalLM`` (its tokenizer checked to encode as ours)
 * ``inference/evaluate.py`` on the *calibration* prompts (base model: AR; WeDLM model: the
-  streaming tau sweep), which choose the operating tau (``quickstart/calibration.py``); it is
-  written into the exported WeDLM model's ``generation_config.json`` with window and penalty
-* ``inference/evaluate.py`` on the *test* prompts (disjoint from the calibration ones): AR
-  decoding of the base model; AR, streaming and block-wise decoding (the whole tau sweep) of the
-  WeDLM model. The report judges the targets at the calibrated tau.
+  streaming tau sweep) and on the *test* prompts, disjoint from them (AR decoding of the base
+  model; AR, streaming and block-wise decoding, the whole tau sweep, of the WeDLM model). The
+  calibration reports choose the operating tau (``quickstart/calibration.py``), which is written
+  into the exported WeDLM model's ``generation_config.json`` with window and penalty; the report
+  judges the targets on the test prompts at that tau.
+
+Commands that do not depend on each other run two at a time (the two data preparations, the
+two exports, the evaluations in two lanes: the WeDLM test sweep, and the other three), each
+single-threaded, so the machine's 2 cores are both busy. Tokens/s ratios are measured within
+one evaluation process; with another evaluation on the second core they moved by < 2%
+(2-core EPYC VM, 2026-11-23).
 
 Layout of the output directory (each stage owns its subdirectory; a rerun replaces them)::
 
@@ -53,7 +59,7 @@ from megatron_wedlm.quickstart.stages import Console, StageRunner
 OWNED_PATHS = ("data", "tokenizer", "runs", "hf", "eval", "logs", "stages.json",
                "report.json", "report.md", "speed_accuracy.png")
 STAGES = ("corpus", "tokenizer", "prepare_data", "ar_pretrain", "wedlm_pretrain", "sft", "export",
-          "calibrate", "eval_base", "eval_wedlm", "report")
+          "evaluate", "calibrate", "report")
 #: Entry point of each training stage.
 TRAINING_SCRIPTS = {"ar_pretrain": "pretrain/pretrain_wedlm.py", "wedlm_pretrain": "pretrain/pretrain_wedlm.py",
                     "sft": "sft/sft_wedlm.py"}
@@ -205,17 +211,19 @@ class Quickstart:
                 "corpus_tokens": n_tokens, "path": str(self.layout.tokenizer)}
 
     def prepare_data(self) -> dict[str, Any]:
-        detail = {}
-        for name, source, out, extra in (("pretrain", self.layout.corpus, self.layout.shards, []),
-                                         ("sft", self.layout.sft_pairs, self.layout.sft_shards,
-                                          ["--task", "sft", "--raw-sft"])):
+        jobs = {"pretrain": (self.layout.corpus, self.layout.shards, []),
+                "sft": (self.layout.sft_pairs, self.layout.sft_shards, ["--task", "sft", "--raw-sft"])}
+
+        def prepare(name: str) -> dict[str, Any]:
+            source, out, extra = jobs[name]
             self._run([*_python(), "tools/prepare_data.py", "--input", source, "--tokenizer", self.layout.tokenizer,
                        "--output", out, *extra, "--samples-per-shard", str(self.settings.corpus.samples_per_shard),
-                       "--overwrite"], log_name=f"prepare_data_{name}")
+                       "--overwrite"], log_name=f"prepare_data_{name}", tag=f"prepare_data:{name}")
             manifest = json.loads((out / "manifest.json").read_text())
-            detail[name] = {"path": str(out), "shards": len(manifest.get("shards", [])),
-                            "mask_token_id": manifest.get("mask_token_id")}
-        return detail
+            return {"path": str(out), "shards": len(manifest.get("shards", [])),
+                    "mask_token_id": manifest.get("mask_token_id")}
+
+        return dict(zip(jobs, self._in_parallel([lambda n=n: prepare(n) for n in jobs])))
 
     def train(self, stage: str, init_from: Path | None = None) -> dict[str, Any]:
         cfg = self.settings.training_config_path(stage)
@@ -241,14 +249,13 @@ class Quickstart:
         return detail
 
     def export(self, checkpoints: dict[str, Path]) -> dict[str, Any]:
-        detail = {}
-        for model, checkpoint in checkpoints.items():
-            out = self.layout.hf_dir(model)
-            self._run([*_python(), "tools/convert_checkpoint.py", "megatron-to-hf", "--input", checkpoint,
-                       "--output", out, "--tokenizer", self.layout.shards / "tokenizer", "--overwrite"],
-                      log_name=f"export_{model}")
-            detail[model] = self._check_export(out)
-        return detail
+        def convert(model: str) -> None:
+            self._run([*_python(), "tools/convert_checkpoint.py", "megatron-to-hf", "--input", checkpoints[model],
+                       "--output", self.layout.hf_dir(model), "--tokenizer", self.layout.shards / "tokenizer",
+                       "--overwrite"], log_name=f"export_{model}", tag=f"export:{model}")
+
+        self._in_parallel([lambda m=m: convert(m) for m in checkpoints])
+        return {model: self._check_export(self.layout.hf_dir(model)) for model in checkpoints}
 
     def _check_export(self, hf_dir: Path) -> dict[str, Any]:
         """Reload the export as a user would, and check it is usable for decoding."""
@@ -284,10 +291,20 @@ class Quickstart:
                            f"{info['parameters'] / 1e6:.2f} M parameters, mask_token_id={info['mask_token_id']}")
         return info
 
+    def evaluate_all(self) -> dict[str, Any]:
+        """The four evaluations in two lanes, longest first: the WeDLM test sweep takes about as long
+        as the other three together."""
+        lanes = [[(WEDLM, ["streaming", "blockwise", "ar"], "test")],
+                 [(BASE, ["ar"], "calibration"), (WEDLM, ["streaming"], "calibration"), (BASE, ["ar"], "test")]]
+        done = self._in_parallel([lambda lane=lane: [self.evaluate(*job) for job in lane] for lane in lanes])
+        return {f"{model}:{split}": report for lane, reports in zip(lanes, done)
+                for (model, _, split), report in zip(lane, reports)}
+
     def evaluate(self, model: str, methods: list[str], split: str = "test") -> dict[str, Any]:
         """One decoding thread: decoding a tiny model one prompt at a time is latency-bound, a second
         thread only adds synchronisation (and on a busy machine, spinning threads stall badly)."""
         e = self.settings.eval
+        suffix = "" if split == "test" else f"_{split}"
         out = self.layout.eval_dir(model, split)
         if split == "test":
             tasks, num_examples = list(e.tasks), e.num_examples
@@ -298,7 +315,7 @@ class Quickstart:
                    "--taus", ",".join(f"{t:g}" for t in e.taus), "--num-examples", str(num_examples),
                    "--seed", str(self.seed), "--window-size", str(e.window_size),
                    "--distance-penalty", f"{e.distance_penalty:g}", "--device", "cpu", "--dtype", "float32",
-                   "--out", out], log_name=f"eval_{model}" + ("" if split == "test" else f"_{split}"),
+                   "--out", out], log_name=f"eval_{model}{suffix}", tag=f"evaluate:{model}{suffix}",
                   env={"OMP_NUM_THREADS": "1"})
         return {"report": str(out / "report.json")}
 
@@ -308,8 +325,6 @@ class Quickstart:
         from megatron_wedlm.eval.results import EvalReport
 
         e = self.settings.eval
-        self.evaluate(BASE, ["ar"], split="calibration")
-        self.evaluate(WEDLM, ["streaming"], split="calibration")
         self.calibration = c = calibration_from_reports(
             EvalReport.load(str(self.layout.eval_dir(BASE, "calibration") / "report.json")),
             EvalReport.load(str(self.layout.eval_dir(WEDLM, "calibration") / "report.json")), e.calibration_tasks)
@@ -362,21 +377,24 @@ class Quickstart:
             wedlm_ckpt = Path(sft.detail["checkpoint"])
             runner.stage("export", "megatron-to-hf for the base and the WeDLM model, reload with AutoModelForCausalLM",
                          lambda: self.export({BASE: base_ckpt, WEDLM: wedlm_ckpt}))
+            runner.stage("evaluate", "inference/evaluate.py, two at a time: calibration and test prompts; base model "
+                         "AR, WeDLM model streaming (tau sweep), block-wise and AR", self.evaluate_all)
             runner.stage("calibrate", "choose tau on the calibration prompts, write it into the WeDLM export's "
                          "generation_config.json", self.calibrate)
-            runner.stage("eval_base", "AR decoding of the base model on the test prompts (inference/evaluate.py)",
-                         lambda: self.evaluate(BASE, ["ar"]))
-            runner.stage("eval_wedlm", "streaming, block-wise and AR decoding of the WeDLM model on the test prompts",
-                         lambda: self.evaluate(WEDLM, ["streaming", "blockwise", "ar"]))
             timings = {"total_seconds": self.console.elapsed,
                        "longest_silence_seconds": self.console.longest_gap}
             result = runner.stage("report", "accuracy/speed table, targets, report.json/.md/.png",
                                   lambda: self.report(timings))
         return result.detail
 
-    def _run(self, command: list[Any], log_name: str | None = None, env: dict[str, str] | None = None) -> None:
+    def _run(self, command: list[Any], log_name: str | None = None, env: dict[str, str] | None = None,
+             tag: str | None = None) -> None:
         assert self.runner is not None
-        self.runner.run([str(c) for c in command], log_name=log_name, env=env, cwd=REPO_ROOT)
+        self.runner.run([str(c) for c in command], log_name=log_name, env=env, cwd=REPO_ROOT, tag=tag)
+
+    def _in_parallel(self, jobs: list[Any]) -> list[Any]:
+        assert self.runner is not None
+        return self.runner.in_parallel(jobs)
 
 
 def run_quickstart(out_dir: str | Path, preset: str = "full", seed: int = 0, settings_path: str | Path | None = None,

@@ -12,7 +12,9 @@ same command a user would type; it is printed before it runs). The runner
   shared machine wall time overstates what a dedicated one needs; CPU seconds do not, so the
   report gives both;
 * tracks the longest gap between two console lines of the whole run (the "progress visible
-  all along" target is measured, not claimed).
+  all along" target is measured, not claimed);
+* runs independent commands of a stage at once where asked (:meth:`StageRunner.in_parallel`):
+  the quickstart's evaluations are single-threaded, so two of them fill the 2 cores.
 
 A failing stage raises :class:`StageError` with the command, the exit status and the tail of
 its log, and later stages do not run.
@@ -32,6 +34,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -167,12 +170,24 @@ class StageRunner:
             stop.set()
             thread.join()
 
+    def in_parallel(self, jobs: Sequence[Callable[[], Any]]) -> list[Any]:
+        """Run the current stage's ``jobs`` (each a few :meth:`run` calls in sequence) at once, one
+        thread each; returns their results in order. A failure is raised once every job has ended,
+        so no child outlives the stage."""
+        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+            futures = [pool.submit(job) for job in jobs]
+        return [future.result() for future in futures]
+
     # -- subprocesses -----------------------------------------------------------------------
     def run(self, command: Sequence[str], log_name: str | None = None, env: Mapping[str, str] | None = None,
-            cwd: str | Path | None = None) -> None:
-        """Run ``command``, streaming its output (see the module docstring); raise on failure."""
+            cwd: str | Path | None = None, tag: str | None = None) -> None:
+        """Run ``command``, streaming its output (see the module docstring); raise on failure.
+
+        ``tag`` prefixes its console lines (default: the stage's name); commands run
+        :meth:`in_parallel` need one each to be told apart.
+        """
         record = self._current
-        tag = record.name if record else "run"
+        tag = tag or (record.name if record else "run")
         printable = shlex.join(str(c) for c in command)
         log_path = self.log_dir / f"{log_name or tag}.log"
         if record is not None:
