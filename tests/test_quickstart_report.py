@@ -225,3 +225,39 @@ def test_stage_runner_logs_everything_filters_the_console_and_records_stages(tmp
         runner.stage("failing", "raises", lambda: runner.run([sys.executable, str(script), "fail"]))
     stages = json.loads((tmp_path / "stages.json").read_text())
     assert [(s["name"], s["status"]) for s in stages] == [("child", "done"), ("failing", "failed")]
+
+
+def test_stage_runner_in_parallel_runs_jobs_at_once_and_raises_after_all_ended(tmp_path):
+    """Two jobs that each wait for the other's file can only finish if they run at once; a failing
+    job's error comes out only after the other job has ended (no child outlives its stage)."""
+    out = []
+
+    class Sink:
+        def write(self, text):
+            out.append(text)
+
+        def flush(self):
+            pass
+
+    meet = ("import pathlib, sys, time\nmine, theirs = map(pathlib.Path, sys.argv[1:3])\nmine.touch()\n"
+            "deadline = time.time() + 60\nwhile not theirs.exists():\n    assert time.time() < deadline, 'alone'\n"
+            "    time.sleep(0.05)\ntime.sleep(float(sys.argv[4]))\nprint('met', mine.name)\nsys.exit(int(sys.argv[3]))\n")
+    script = tmp_path / "meet.py"
+    script.write_text(meet)
+    a, b = tmp_path / "a", tmp_path / "b"
+    runner = StageRunner(tmp_path, Console(Sink()))
+
+    def job(mine, theirs, code, tag, linger=0.0):
+        return lambda: runner.run([sys.executable, str(script), str(mine), str(theirs), str(code), str(linger)],
+                                  log_name=tag, tag=tag) or tag
+
+    record = runner.stage("both", "two at once", lambda: {"done": runner.in_parallel([job(a, b, 0, "x"), job(b, a, 0, "y")])})
+    assert record.detail == {"done": ["x", "y"]} and len(record.commands) == 2
+    console = "".join(out)
+    assert "[x] met a" in console and "[y] met b" in console  # each child's lines carry its own tag
+
+    for f in (a, b):
+        f.unlink()
+    with pytest.raises(StageError, match="exit status 3"):
+        runner.stage("one fails", "", lambda: runner.in_parallel([job(a, b, 3, "p"), job(b, a, 0, "q", linger=1.0)]))
+    assert "met b" in (tmp_path / "logs" / "q.log").read_text()  # q, 1 s slower than p's failure, ran to its end

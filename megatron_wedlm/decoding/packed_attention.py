@@ -13,6 +13,13 @@ HF's attention registry under :data:`NAME`, runs SDPA for each row on that row's
 and its own cache length (rows alike in width and cache length share one call), and the
 cache writes each packed token's keys/values to its row and slot (:class:`Packing`).
 
+Why not pad neighbouring rows into one call: an SDPA call costs ~10-13 us on a CPU whatever
+its size, but padding costs more. Measured on ``tools/bench_decode.py``'s 32-prompt batch (one
+thread, 2026-11-23): sharing a call only while the padded query-key pairs cost less than a call
+(~1000 pairs) made the decode 1.26x -> 1.30x the padding-free bound; one padded call per layer
+1.44x. What removes the per-row calls without padding is a variable-length kernel
+(flash-attention's ``varlen`` on a GPU).
+
 One row is the same path with one group, which is also what makes a single-row step cheap:
 
 * the mask is no tensor built per step but a view of a band kept by the cache
