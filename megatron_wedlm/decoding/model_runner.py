@@ -24,12 +24,21 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 from itertools import accumulate, chain
+from typing import NamedTuple
 
 import torch
 
 from .packed_attention import NAME as PACKED, Packing, packed_attention
 from .row_cache import RowKVCache
 from .state import RowState
+
+
+class StepShape(NamedTuple):
+    """One forward's work: new tokens and cache length per row, and the mask slots given logits."""
+
+    lengths: tuple[int, ...]
+    cached: tuple[int, ...]
+    masks: int
 
 
 class ModelRunner:
@@ -57,9 +66,8 @@ class ModelRunner:
         self.dtype = self.head.weight.dtype
         self.packable = impl == "sdpa"  # forwards are packed (packed_attention.py) on SDPA models
         self._scope = ExitStack()
-        # per forward: (rows, width, real slots, mask slots, sum of the rows' cache lengths); for
-        # benchmarks, which compare a step with a padding-free forward of the same work
-        self.steps: list[tuple[int, int, int, int, int]] = []
+        # the shape of every forward, for benchmarks that replay the same work without the decoding
+        self.steps: list[StepShape] = []
 
     def __enter__(self) -> "ModelRunner":
         if self.packable:
@@ -89,10 +97,9 @@ class ModelRunner:
             row.slots += len(order)
         lengths = [len(t) for t in ids]
         width = max(lengths)
-        self.steps.append((len(rows), width, sum(lengths), sum(map(len, columns)),
-                           sum(row.cache_length for row in rows) if self.prefilled else 0))
-
         cached = [row.cache_length if self.prefilled else 0 for row in rows]
+        self.steps.append(StepShape(tuple(lengths), tuple(cached), sum(map(len, columns))))
+
         if self.packable:  # no padding: one packed sequence, attention per row (packed_attention.py)
             packing = Packing.build(lengths, cached, self.cache, self.dtype)
             offsets = list(accumulate(lengths[:-1], initial=0))
