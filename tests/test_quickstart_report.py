@@ -197,25 +197,30 @@ if sys.argv[1] == "fail":
 """
 
 
+class ConsoleText:
+    """A console stream that keeps what was written, in ``text``."""
+
+    def __init__(self):
+        self.text = ""
+
+    def write(self, text):
+        self.text += text
+
+    def flush(self):
+        pass
+
+
 def test_stage_runner_logs_everything_filters_the_console_and_records_stages(tmp_path):
-    out = []
-
-    class Sink:
-        def write(self, text):
-            out.append(text)
-
-        def flush(self):
-            pass
-
+    out = ConsoleText()
     script = tmp_path / "child.py"
     script.write_text(CHILD)
-    runner = StageRunner(tmp_path, Console(Sink()))
+    runner = StageRunner(tmp_path, Console(out))
     record = runner.stage("child", "a real subprocess",
                           lambda: runner.run([sys.executable, str(script), "ok"]) or {"ok": 1})
     log = (tmp_path / "logs" / "child.log").read_text()
     for text in ("bar 0", "bar 2", "noisy library", "line one", "line two"):
         assert text in log
-    console = "".join(out)
+    console = out.text
     assert "line one" in console and "line two" in console and "noisy library" not in console
     assert "(1 Python warnings in child.log)" in console
     assert "bar 0" in console and "bar 1" not in console  # progress-bar updates are collapsed
@@ -230,22 +235,14 @@ def test_stage_runner_logs_everything_filters_the_console_and_records_stages(tmp
 def test_stage_runner_in_parallel_runs_jobs_at_once_and_raises_after_all_ended(tmp_path):
     """Two jobs that each wait for the other's file can only finish if they run at once; a failing
     job's error comes out only after the other job has ended (no child outlives its stage)."""
-    out = []
-
-    class Sink:
-        def write(self, text):
-            out.append(text)
-
-        def flush(self):
-            pass
-
+    out = ConsoleText()
     meet = ("import pathlib, sys, time\nmine, theirs = map(pathlib.Path, sys.argv[1:3])\nmine.touch()\n"
             "deadline = time.time() + 60\nwhile not theirs.exists():\n    assert time.time() < deadline, 'alone'\n"
             "    time.sleep(0.05)\ntime.sleep(float(sys.argv[4]))\nprint('met', mine.name)\nsys.exit(int(sys.argv[3]))\n")
     script = tmp_path / "meet.py"
     script.write_text(meet)
     a, b = tmp_path / "a", tmp_path / "b"
-    runner = StageRunner(tmp_path, Console(Sink()))
+    runner = StageRunner(tmp_path, Console(out))
 
     def job(mine, theirs, code, tag, linger=0.0):
         return lambda: runner.run([sys.executable, str(script), str(mine), str(theirs), str(code), str(linger)],
@@ -253,7 +250,7 @@ def test_stage_runner_in_parallel_runs_jobs_at_once_and_raises_after_all_ended(t
 
     record = runner.stage("both", "two at once", lambda: {"done": runner.in_parallel([job(a, b, 0, "x"), job(b, a, 0, "y")])})
     assert record.detail == {"done": ["x", "y"]} and len(record.commands) == 2
-    console = "".join(out)
+    console = out.text
     assert "[x] met a" in console and "[y] met b" in console  # each child's lines carry its own tag
 
     for f in (a, b):
