@@ -9,6 +9,7 @@
 * ``runner``           ``evaluate(model, tokenizer, tasks, methods, taus=...) -> EvalReport``
 * ``report``           ``write_report(report, out_dir)``: JSON, Markdown, speed-accuracy PNG
 * ``lm_eval_adapter``  the ``wedlm`` model for lm-evaluation-harness (imports lm_eval lazily)
+* ``slot_probe``       per distance, how many confidently filled mask slots are wrong (no decoding)
 """
 
 from megatron_wedlm.eval.builtin_tasks import builtin_task, training_corpus, training_pairs

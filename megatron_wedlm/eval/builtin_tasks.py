@@ -156,6 +156,11 @@ def builtin_task(name: str, num_examples: int = 50, seed: int = 0, split: str = 
     return BuiltinTask(name, num_examples=num_examples, seed=seed, split=split)
 
 
+def completion_of(answer: str) -> str:
+    """The text a correct model generates for ``answer`` (a leading space, then the stop string)."""
+    return f" {answer}\n"
+
+
 def training_pairs(
     n: int, seed: int | str = 0, families: Sequence[str] = FAMILIES
 ) -> list[tuple[str, str]]:
@@ -171,7 +176,7 @@ def training_pairs(
     pairs = []
     for i in range(n):
         _, prompt, answer = _draw(families[i % len(families)], rng, None)
-        pairs.append((prompt, f" {answer}\n"))
+        pairs.append((prompt, completion_of(answer)))
     return pairs
 
 

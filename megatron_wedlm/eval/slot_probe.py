@@ -1,0 +1,103 @@
+"""Where a model's parallel predictions go wrong: first predictions of mask slots, by distance.
+
+Streaming decoding commits a mask slot on confidence alone when ``H + lambda * d < tau`` (its
+entropy plus a penalty on its distance ``d`` from the leftmost mask), and a committed token is
+never revised. So a model decodes well in parallel exactly when its *confident* predictions are
+right, and accuracy over whole answers hides where they are not (one wrong slot spoils an answer,
+and later slots are then predicted from a wrong prefix). This probe measures that directly,
+without running the decoder, on reference answers: for every example and every cut ``c`` of its
+answer the model sees ``prompt + answer[:c]`` followed by ``W`` masks -- the state just after the
+decoder has committed ``c`` correct tokens -- and predicts all masks in one forward. Per distance
+``d`` it counts the states, how often the argmax is the reference token, and per ``tau`` how many
+slots the fill rule would take on confidence and how many of those are wrong.
+
+It is the *first* prediction of each slot: in a real decode a slot may also be filled later, with
+some slots before it already filled. The wrong commits per distance still say which ``(tau,
+lambda)`` a model can afford (each one ends an answer as wrong) and whether training, not the
+decoder, is what fails (issue 17: counting errors were confident wrong digits 3-5 slots ahead).
+
+The cuts of one example go through one forward as right-padded rows: attention is causal, so
+the padding after a row's last slot changes none of that row's logits. The mask token is never
+a prediction (its logit is excluded, as in the decoder).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_wedlm.decoding.sampling import entropy
+
+
+@dataclass
+class DistanceStats:
+    """First predictions of the mask slot ``distance`` slots after the committed prefix."""
+
+    distance: int
+    states: int = 0
+    correct: int = 0
+    commits: dict[float, int] = field(default_factory=dict)  # tau -> slots filled on confidence alone
+    wrong: dict[float, int] = field(default_factory=dict)  # tau -> of those, wrong tokens
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.states if self.states else float("nan")
+
+
+@torch.inference_mode()
+def probe_masked_slots(
+    model,
+    examples: Sequence[tuple[Sequence[int], Sequence[int]]],
+    *,
+    mask_token_id: int,
+    window_size: int,
+    distance_penalty: float,
+    taus: Sequence[float],
+) -> list[DistanceStats]:
+    """Per distance ``0 .. window_size - 1``, the first predictions over every cut of every
+    ``(prompt_ids, answer_ids)`` example (see the module docstring)."""
+    if window_size < 1:
+        raise ValueError(f"window_size must be >= 1, got {window_size}")
+    stats = [DistanceStats(d, commits={t: 0 for t in taus}, wrong={t: 0 for t in taus}) for d in range(window_size)]
+    penalty = distance_penalty * torch.arange(window_size, dtype=torch.float32)
+    device = model.device
+    for prompt, answer in examples:
+        if not answer:
+            continue
+        prompt, answer = list(prompt), list(answer)
+        rows = [prompt + answer[:c] + [mask_token_id] * window_size for c in range(len(answer))]
+        width = len(rows[-1])
+        ids = torch.tensor([r + [mask_token_id] * (width - len(r)) for r in rows], device=device)
+        logits = model(input_ids=ids).logits.float()
+        # row c's masks start at column len(prompt) + c
+        columns = len(prompt) + torch.arange(len(answer)).unsqueeze(1) + torch.arange(window_size)
+        at_masks = logits[torch.arange(len(answer)).unsqueeze(1), columns.to(device)].cpu()  # [cuts, W, vocab]
+        at_masks[..., mask_token_id] = torch.finfo(at_masks.dtype).min
+        adjusted = entropy(at_masks) + penalty  # H + lambda * d
+        predicted = at_masks.argmax(dim=-1)
+        for c in range(len(answer)):
+            for d in range(min(window_size, len(answer) - c)):
+                s = stats[d]
+                right = int(predicted[c, d]) == answer[c + d]
+                s.states += 1
+                s.correct += right
+                for tau in taus:
+                    if adjusted[c, d] < tau:
+                        s.commits[tau] += 1
+                        s.wrong[tau] += not right
+    return stats
+
+
+def format_probe(stats: Sequence[DistanceStats], taus: Sequence[float], max_distance: int | None = None) -> str:
+    """A table: one column per distance, rows for accuracy and ``wrong/committed`` per tau."""
+    shown = [s for s in stats if s.states and (max_distance is None or s.distance <= max_distance)]
+    cell = 11
+    lines = ["distance d".ljust(16) + "".join(f"{s.distance:>{cell}}" for s in shown),
+             "states".ljust(16) + "".join(f"{s.states:>{cell}}" for s in shown),
+             "argmax correct".ljust(16) + "".join(f"{s.accuracy:>{cell}.1%}" for s in shown)]
+    for tau in taus:
+        lines.append(f"wrong/commit {tau:g}".ljust(16)
+                     + "".join(f"{s.wrong[tau]:>{cell - 6}}/{s.commits[tau]:<5}" for s in shown))
+    return "\n".join(lines)

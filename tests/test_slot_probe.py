@@ -1,0 +1,102 @@
+"""The masked-slot probe (megatron_wedlm/eval/slot_probe.py, tools/probe_masked_slots.py) against
+one unpadded forward per cut, on a tiny saved model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_wedlm.decoding import load_tokenizer, load_wedlm_model
+from megatron_wedlm.decoding.sampling import entropy
+from megatron_wedlm.eval.builtin_tasks import completion_of, builtin_task
+from megatron_wedlm.eval.slot_probe import format_probe, probe_masked_slots
+from megatron_wedlm.testing.tiny_models import build_tiny_model, build_tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+TAUS = (0.6, 1.0)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny_wedlm_probe")
+    tokenizer = build_tiny_tokenizer()
+    torch.manual_seed(0)
+    model = build_tiny_model(tokenizer, arch="qwen2")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(100.0)  # entropies spread around the taus: some slots commit, some not
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def _examples(tokenizer, n=4):
+    out = []
+    for e in builtin_task("counting", n).examples:
+        prompt = tokenizer.encode(e.prompt)
+        out.append((prompt, tokenizer.encode(e.prompt + completion_of(e.reference))[len(prompt):]))
+    return out
+
+
+def test_probe_equals_one_forward_per_cut(checkpoint):
+    model, tokenizer = load_wedlm_model(checkpoint, device="cpu"), load_tokenizer(checkpoint)
+    mask, window, penalty = model.config.mask_token_id, 6, 0.02
+    examples = _examples(tokenizer)
+    stats = probe_masked_slots(model, examples, mask_token_id=mask, window_size=window, distance_penalty=penalty,
+                               taus=TAUS)
+    states, correct = [0] * window, [0] * window
+    commits = {t: [0] * window for t in TAUS}
+    wrong = {t: [0] * window for t in TAUS}
+    for prompt, answer in examples:
+        for c in range(len(answer)):
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + answer[:c] + [mask] * window])).logits[0, -window:]
+            logits[:, mask] = torch.finfo(logits.dtype).min
+            h = entropy(logits)
+            for d in range(min(window, len(answer) - c)):
+                right = int(logits[d].argmax()) == answer[c + d]
+                states[d] += 1
+                correct[d] += right
+                for t in TAUS:
+                    if h[d] + penalty * d < t:
+                        commits[t][d] += 1
+                        wrong[t][d] += not right
+    assert [s.states for s in stats] == states
+    assert states[0] == sum(len(a) for _, a in examples)
+    assert [s.correct for s in stats] == correct
+    for t in TAUS:
+        assert [s.commits[t] for s in stats] == commits[t]
+        assert [s.wrong[t] for s in stats] == wrong[t]
+    assert 0 < sum(commits[TAUS[0]]) < sum(commits[TAUS[1]])  # the taus separate: the check is not vacuous
+    assert sum(wrong[TAUS[1]]) > 0
+    table = format_probe(stats, TAUS, max_distance=3)
+    assert f"{wrong[TAUS[0]][0]}/{commits[TAUS[0]][0]}" in table and len(table.splitlines()) == 3 + len(TAUS)
+
+
+def _cli():
+    spec = importlib.util.spec_from_file_location("probe_cli", ROOT / "tools" / "probe_masked_slots.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cli_reads_pairs_and_names_a_bad_line(checkpoint, tmp_path, capsys):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"prompt": "Count from 3 to 6:", "response": " 3 4 5 6\\n"}\n\n'
+                     '{"prompt": "Repeat a b:", "response": " a b\\n"}\n')
+    out = tmp_path / "probe.json"
+    assert _cli().main(["--model", str(checkpoint), "--pairs", str(pairs), "--window-size", "4",
+                        "--taus", "0.5,2", "--json", str(out), "--device", "cpu"]) == 0
+    tokenizer = load_tokenizer(checkpoint)
+    lengths = [len(tokenizer.encode(p + r)) - len(tokenizer.encode(p))
+               for p, r in [("Count from 3 to 6:", " 3 4 5 6\n"), ("Repeat a b:", " a b\n")]]
+    result = json.loads(out.read_text())["tasks"]["pairs.jsonl"]
+    assert [d["states"] for d in result] == [sum(max(0, n - d) for n in lengths) for d in range(4)]
+    assert "2 answers" in capsys.readouterr().out
+
+    pairs.write_text('{"prompt": "Count from 3 to 6:", "response": " 3 4 5 6\\n"}\n{"prompt": "x"}\n')
+    with pytest.raises(SystemExit, match=r"pairs\.jsonl:2: expected a JSON object"):
+        _cli().main(["--model", str(checkpoint), "--pairs", str(pairs), "--device", "cpu"])
