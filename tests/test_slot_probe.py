@@ -46,7 +46,7 @@ def test_probe_equals_one_forward_per_cut(checkpoint):
     mask, window, penalty = model.config.mask_token_id, 6, 0.02
     examples = _examples(tokenizer)
     stats = probe_masked_slots(model, examples, mask_token_id=mask, window_size=window, distance_penalty=penalty,
-                               taus=TAUS)
+                               taus=TAUS, rows_per_forward=5)  # several forwards per answer
     states, correct = [0] * window, [0] * window
     commits = {t: [0] * window for t in TAUS}
     wrong = {t: [0] * window for t in TAUS}
@@ -100,3 +100,5 @@ def test_cli_reads_pairs_and_names_a_bad_line(checkpoint, tmp_path, capsys):
     pairs.write_text('{"prompt": "Count from 3 to 6:", "response": " 3 4 5 6\\n"}\n{"prompt": "x"}\n')
     with pytest.raises(SystemExit, match=r"pairs\.jsonl:2: expected a JSON object"):
         _cli().main(["--model", str(checkpoint), "--pairs", str(pairs), "--device", "cpu"])
+    with pytest.raises(SystemExit, match="--taus expects comma-separated numbers"):
+        _cli().main(["--model", str(checkpoint), "--pairs", str(pairs), "--taus", "0.2,high"])

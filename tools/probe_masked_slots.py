@@ -91,7 +91,10 @@ def _examples(args, tokenizer) -> dict[str, list[tuple[list[int], list[int]]]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    taus = [float(t) for t in args.taus.split(",") if t.strip()]
+    try:
+        taus = [float(t) for t in args.taus.split(",") if t.strip()]
+    except ValueError:
+        raise SystemExit(f"--taus expects comma-separated numbers, got {args.taus!r}") from None
     model, tokenizer = load_checkpoint(args.model, device=args.device, dtype=args.dtype)
     given = {"window_size": args.window_size, "distance_penalty": args.distance_penalty}
     values, sources = resolve_decoding_settings(given, args.model)

@@ -16,9 +16,9 @@ some slots before it already filled. The wrong commits per distance still say wh
 lambda)`` a model can afford (each one ends an answer as wrong) and whether training, not the
 decoder, is what fails (issue 17: counting errors were confident wrong digits 3-5 slots ahead).
 
-The cuts of one example go through one forward as right-padded rows: attention is causal, so
-the padding after a row's last slot changes none of that row's logits. The mask token is never
-a prediction (its logit is excluded, as in the decoder).
+The cuts of one example go through a forward together as right-padded rows: attention is
+causal, so the padding after a row's last slot changes none of that row's logits. The mask token
+is never a prediction (its logit is excluded, as in the decoder).
 """
 
 from __future__ import annotations
@@ -55,38 +55,43 @@ def probe_masked_slots(
     window_size: int,
     distance_penalty: float,
     taus: Sequence[float],
+    rows_per_forward: int = 32,
 ) -> list[DistanceStats]:
     """Per distance ``0 .. window_size - 1``, the first predictions over every cut of every
-    ``(prompt_ids, answer_ids)`` example (see the module docstring)."""
-    if window_size < 1:
-        raise ValueError(f"window_size must be >= 1, got {window_size}")
+    ``(prompt_ids, answer_ids)`` example (see the module docstring).
+
+    Like the decoder, the output layer runs on the mask slots only, and at most
+    ``rows_per_forward`` cuts share a forward, so memory stays bounded on large-vocabulary models.
+    """
+    if window_size < 1 or rows_per_forward < 1:
+        raise ValueError(f"window_size and rows_per_forward must be >= 1, got {window_size}, {rows_per_forward}")
     stats = [DistanceStats(d, commits={t: 0 for t in taus}, wrong={t: 0 for t in taus}) for d in range(window_size)]
     penalty = distance_penalty * torch.arange(window_size, dtype=torch.float32)
-    device = model.device
+    body, head, device = model.base_model, model.get_output_embeddings(), model.device
     for prompt, answer in examples:
-        if not answer:
-            continue
         prompt, answer = list(prompt), list(answer)
-        rows = [prompt + answer[:c] + [mask_token_id] * window_size for c in range(len(answer))]
-        width = len(rows[-1])
-        ids = torch.tensor([r + [mask_token_id] * (width - len(r)) for r in rows], device=device)
-        logits = model(input_ids=ids).logits.float()
-        # row c's masks start at column len(prompt) + c
-        columns = len(prompt) + torch.arange(len(answer)).unsqueeze(1) + torch.arange(window_size)
-        at_masks = logits[torch.arange(len(answer)).unsqueeze(1), columns.to(device)].cpu()  # [cuts, W, vocab]
-        at_masks[..., mask_token_id] = torch.finfo(at_masks.dtype).min
-        adjusted = entropy(at_masks) + penalty  # H + lambda * d
-        predicted = at_masks.argmax(dim=-1)
-        for c in range(len(answer)):
-            for d in range(min(window_size, len(answer) - c)):
-                s = stats[d]
-                right = int(predicted[c, d]) == answer[c + d]
-                s.states += 1
-                s.correct += right
-                for tau in taus:
-                    if adjusted[c, d] < tau:
-                        s.commits[tau] += 1
-                        s.wrong[tau] += not right
+        for first in range(0, len(answer), rows_per_forward):
+            cuts = range(first, min(first + rows_per_forward, len(answer)))
+            rows = [prompt + answer[:c] + [mask_token_id] * window_size for c in cuts]
+            width = len(rows[-1])
+            ids = torch.tensor([r + [mask_token_id] * (width - len(r)) for r in rows], device=device)
+            hidden = body(input_ids=ids).last_hidden_state
+            # cut c's masks start at column len(prompt) + c
+            columns = torch.tensor([[len(prompt) + c + d for d in range(window_size)] for c in cuts], device=device)
+            logits = head(hidden[torch.arange(len(rows), device=device).unsqueeze(1), columns]).float().cpu()
+            logits[..., mask_token_id] = torch.finfo(logits.dtype).min
+            adjusted = entropy(logits) + penalty  # [cuts, W]: H + lambda * d
+            predicted = logits.argmax(dim=-1)
+            for row, c in enumerate(cuts):
+                for d in range(min(window_size, len(answer) - c)):
+                    right = int(predicted[row, d]) == answer[c + d]
+                    s = stats[d]
+                    s.states += 1
+                    s.correct += right
+                    for tau in taus:
+                        if adjusted[row, d] < tau:
+                            s.commits[tau] += 1
+                            s.wrong[tau] += not right
     return stats
 
 
