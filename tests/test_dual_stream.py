@@ -22,10 +22,11 @@ from megatron_wedlm.data import (
 MASK = 0
 
 
-def reference_row(documents, block_size, prompts, masked_positions):
+def reference_row(documents, block_size, prompts, masked_positions, offsets=None):
     """Spec section 2 written out per document and per block, with the masking decision given.
 
-    ``masked_positions[d]`` is the set of logical positions of document d that are masked.
+    ``masked_positions[d]`` is the set of logical positions of document d that are masked;
+    ``offsets[d]`` how many positions before token 0 document d's block grid starts (default 0).
     Returns a dict of per-slot Python lists.
     """
     row = {k: [] for k in ("input_ids", "position_ids", "is_memory", "is_masked", "target_ids", "doc_ids", "ar_labels")}
@@ -45,8 +46,9 @@ def reference_row(documents, block_size, prompts, masked_positions):
             nxt = p + 1
             ar = x[nxt] if nxt < len(x) and nxt >= prompts[d] else IGNORE_INDEX
             put(token, p, True, False, d, ar)
-        for start in range(0, len(x), block_size):
-            block = list(range(start, min(start + block_size, len(x))))
+        shift = offsets[d] if offsets else 0
+        for start in range(-shift, len(x), block_size):
+            block = list(range(max(start, 0), min(start + block_size, len(x))))
             observed = [p for p in block if p not in masked_positions[d]]
             masked = [p for p in block if p in masked_positions[d]]
             for p in observed:
@@ -64,13 +66,15 @@ def masked_positions_of(batch, num_docs):
     return out
 
 
-def check_against_reference(batch, documents, block_size, prompts, eps=1e-8):
+def check_against_reference(batch, documents, block_size, prompts, eps=1e-8, offsets=None):
     prompts = prompts or [0] * len(documents)
+    offsets = offsets or [0] * len(documents)
     n = 2 * sum(len(d) for d in documents)
-    expected = reference_row(documents, block_size, prompts, masked_positions_of(batch, len(documents)))
+    expected = reference_row(documents, block_size, prompts, masked_positions_of(batch, len(documents)), offsets)
     for name, values in expected.items():
         assert getattr(batch, name)[:n].tolist() == values, name
-    assert batch.block_ids.tolist() == (batch.position_ids // block_size).tolist()
+    shift = torch.tensor([offsets[d] if d >= 0 else 0 for d in batch.doc_ids.tolist()], dtype=torch.long)
+    assert batch.block_ids.tolist() == ((batch.position_ids + shift) // block_size).tolist()
     # padding
     assert batch.is_padding.tolist() == [False] * n + [True] * (batch.seq_len - n)
     pad = batch.is_padding
@@ -80,8 +84,10 @@ def check_against_reference(batch, documents, block_size, prompts, eps=1e-8):
     pred = ~batch.is_memory & ~pad
     assert (batch.mask_ratio[~pred] == 0).all()
     for d, doc in enumerate(documents):
-        for b in range(math.ceil(len(doc) / block_size)):
+        for b in range(math.ceil((len(doc) + offsets[d]) / block_size)):
             sel = pred & (batch.doc_ids == d) & (batch.block_ids == b)
+            if not sel.any():
+                continue
             gammas = batch.mask_ratio[sel].unique()
             assert gammas.numel() == 1 and eps * 0.999 <= float(gammas) <= 1.0
             pos = batch.position_ids[sel]
@@ -111,10 +117,11 @@ documents_strategy = st.lists(st.integers(1, 24), min_size=1, max_size=5).flatma
     block_size=st.integers(1, 9),
     use_prompts=st.booleans(),
     ratio_mode=st.sampled_from(["block", "document"]),
+    random_offset=st.booleans(),
     pad=st.integers(0, 7),
     seed=st.integers(0, 2**31),
 )
-def test_layout_matches_per_block_reference(docs, block_size, use_prompts, ratio_mode, pad, seed):
+def test_layout_matches_per_block_reference(docs, block_size, use_prompts, ratio_mode, random_offset, pad, seed):
     lengths, flat, prompt_fracs = docs
     documents, at = [], 0
     for n in lengths:
@@ -124,9 +131,12 @@ def test_layout_matches_per_block_reference(docs, block_size, use_prompts, ratio
     n_slots = 2 * sum(lengths)
     batch = build_dual_stream_batch(
         documents, block_size=block_size, mask_token_id=MASK, generator=torch.Generator().manual_seed(seed),
-        prompt_lengths=prompts, ratio_mode=ratio_mode, pad_to=n_slots + pad,
+        prompt_lengths=prompts, ratio_mode=ratio_mode, random_block_offset=random_offset, pad_to=n_slots + pad,
     )
-    check_against_reference(batch, documents, block_size, prompts)
+    # documented draw order: with random offsets, one per document comes first
+    offsets = (torch.randint(0, block_size, (len(documents),), generator=torch.Generator().manual_seed(seed)).tolist()
+               if random_offset else None)
+    check_against_reference(batch, documents, block_size, prompts, offsets=offsets)
     if ratio_mode == "document":
         pred = ~batch.is_memory & ~batch.is_padding
         for d in range(len(documents)):
@@ -148,6 +158,20 @@ def test_gammas_and_counts_follow_documented_draw_order():
             assert int(batch.is_masked[sel].sum()) == math.floor(float(gamma[g]) * maskable + 0.5)
             assert torch.allclose(batch.mask_ratio[sel], gamma[g].float().expand(int(sel.sum())))
             g += 1
+
+
+def test_random_block_offsets_move_block_starts_and_leave_default_batches_unchanged():
+    """Offsets differ between documents and cover 0..B-1; without them the batch is the default one."""
+    documents = [torch.randint(1, 100, (40,)) for _ in range(200)]
+    shifted = build_dual_stream_batch(documents, 8, MASK, torch.Generator().manual_seed(5), random_block_offset=True)
+    offsets = torch.randint(0, 8, (200,), generator=torch.Generator().manual_seed(5))
+    assert set(offsets.tolist()) == set(range(8))
+    first_block_len = [int(((shifted.doc_ids == d) & shifted.is_memory & (shifted.block_ids == 0)).sum()) for d in range(200)]
+    assert first_block_len == (8 - offsets).tolist()
+    plain = build_dual_stream_batch(documents, 8, MASK, torch.Generator().manual_seed(5))
+    again = build_dual_stream_batch(documents, 8, MASK, torch.Generator().manual_seed(5), random_block_offset=False)
+    for name in plain.tensor_field_names():
+        assert torch.equal(getattr(plain, name), getattr(again, name)), name
 
 
 def test_selection_is_uniform_within_block_and_counts_follow_gamma():

@@ -75,6 +75,9 @@ class WeDLMConfig:
     block_size: int = 32
     mask_token_id: Optional[int] = None  # default: the id recorded by tools/prepare_data.py
     ratio_mode: str = "block"  # block | document
+    # each document's block grid starts 0..block_size-1 positions early (random), so the clean-context
+    # boundary falls at every position as in decoding; false = SPEC's grid from position 0
+    random_block_offset: bool = False
     mask_eps: float = 1e-8
     loss_weighting: str = "inverse_ratio"  # inverse_ratio (1/gamma) | uniform
     ar_weight: float = 1.0  # total = (mlm + w * ar) / (1 + w); 0 disables the AR loss

@@ -9,7 +9,8 @@ Per-slot metadata (:class:`AttentionMetadata`, tensors of shape ``[S]`` or ``[B,
 
 * ``doc_ids``   -- document of the slot inside the packed row, ``-1`` for padding;
 * ``is_memory`` -- True for the clean memory stream ``xo``, False for the prediction stream ``xt``;
-* ``block_ids`` -- logical position // block size.
+* ``block_ids`` -- block of the slot's logical position within its document (position //
+  block size, or shifted by the document's random block offset; see :mod:`.dual_stream`).
 
 The physical slot index is implicit (``arange(S)``); it is the order the causal kernel sees.
 
@@ -19,7 +20,7 @@ The rule, for a query q and key k of the same (non-padding) document:
 query          key           allowed when
 =============  ============  ==============================================
 memory         memory        k at or before q (physically; same as by position)
-prediction b   memory        block(k) < b  (i.e. key position < b * block_size)
+prediction b   memory        block(k) < b  (clean memory of earlier blocks)
 prediction b   prediction b  k at or before q in the physical (reordered) order
 prediction     other block   never
 memory         prediction    never

@@ -108,6 +108,7 @@ class LoaderSpec:
     mask_token_id: int
     pad_token_id: int
     ratio_mode: str = "block"
+    random_block_offset: bool = False
     mask_eps: float = 1e-8
     seed: int = 1234
     shuffle: bool = True
@@ -166,6 +167,7 @@ def loader_spec_from_manifest(
     block_size: int,
     mask_token_id: int | None = None,
     ratio_mode: str = "block",
+    random_block_offset: bool = False,
     mask_eps: float = 1e-8,
     seed: int = 1234,
     shuffle: bool = True,
@@ -200,6 +202,7 @@ def loader_spec_from_manifest(
         mask_token_id=recorded,
         pad_token_id=int(pad),
         ratio_mode=ratio_mode,
+        random_block_offset=random_block_offset,
         mask_eps=mask_eps,
         seed=seed,
         shuffle=shuffle,
@@ -332,6 +335,7 @@ def _build_row(spec: LoaderSpec, stream: int, row: int, docs: list[torch.Tensor]
             generator=generator,
             prompt_lengths=prompts,
             ratio_mode=spec.ratio_mode,  # type: ignore[arg-type]
+            random_block_offset=spec.random_block_offset,
             eps=spec.mask_eps,
             pad_to=spec.seq_length,
             pad_token_id=spec.pad_token_id,

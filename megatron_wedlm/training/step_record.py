@@ -85,6 +85,7 @@ def build_train_data(cfg: TrainConfig, state: dict[str, Any], dp_rank: int, dp_s
         block_size=cfg.wedlm.block_size,
         mask_token_id=cfg.wedlm.mask_token_id,
         ratio_mode=cfg.wedlm.ratio_mode,
+        random_block_offset=cfg.wedlm.random_block_offset,
         mask_eps=cfg.wedlm.mask_eps,
         seed=cfg.data.seed,
         shuffle=cfg.data.shuffle,
