@@ -73,7 +73,8 @@ class DualStreamBatch:
     every slot), ``doc_ids`` (-1 = padding), ``block_ids`` (block within the document:
     ``(position + offset) // block_size``, offset 0 unless drawn), ``mask_ratio`` (gamma on
     prediction slots), ``mlm_weights`` (1/gamma on masked slots), ``ar_labels`` (next token on
-    memory slots, -100 where there is none or it is a prompt token), ``is_padding``. Int fields: ``block_size``, ``mask_token_id``, ``pad_token_id``.
+    memory slots, -100 where there is none or it is a prompt token), ``is_padding``. Int
+    fields: ``block_size``, ``mask_token_id``, ``pad_token_id``.
     """
 
     input_ids: Tensor
