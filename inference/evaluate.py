@@ -34,15 +34,9 @@ from megatron_wedlm.decoding.options import (  # noqa: E402
     add_decoding_arguments,
     cli_values,
     describe,
+    float_list,
     resolve_decoding_settings,
 )
-
-
-def _float_list(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
 def _mapping(text: str) -> dict[str, str]:
@@ -62,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", default="counting,copying,arithmetic",
                    help="comma-separated task specs: NAME or NAME:PATH.jsonl")
     p.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
-    p.add_argument("--taus", type=_float_list, default=None,
+    p.add_argument("--taus", type=float_list, default=None,
                    help="entropy thresholds swept for streaming and block-wise (default: the model's "
                         "entropy_threshold, else 0.4)")
     p.add_argument("--out", required=True, help="output directory for report.json/.md/.png")

@@ -100,5 +100,7 @@ def test_cli_reads_pairs_and_names_a_bad_line(checkpoint, tmp_path, capsys):
     pairs.write_text('{"prompt": "Count from 3 to 6:", "response": " 3 4 5 6\\n"}\n{"prompt": "x"}\n')
     with pytest.raises(SystemExit, match=r"pairs\.jsonl:2: expected a JSON object"):
         _cli().main(["--model", str(checkpoint), "--pairs", str(pairs), "--device", "cpu"])
-    with pytest.raises(SystemExit, match="--taus expects comma-separated numbers"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
         _cli().main(["--model", str(checkpoint), "--pairs", str(pairs), "--taus", "0.2,high"])
+    assert "argument --taus: expected comma-separated numbers, got '0.2,high'" in capsys.readouterr().err

@@ -27,7 +27,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_wedlm.decoding.inputs import DTYPES, encode_prompt, find_mask_token_id, load_checkpoint  # noqa: E402
-from megatron_wedlm.decoding.options import describe, resolve_decoding_settings  # noqa: E402
+from megatron_wedlm.decoding.options import describe, float_list, resolve_decoding_settings  # noqa: E402
 from megatron_wedlm.eval.builtin_tasks import FAMILIES, completion_of  # noqa: E402
 from megatron_wedlm.eval.registry import load_task, parse_task_spec  # noqa: E402
 from megatron_wedlm.eval.slot_probe import format_probe, probe_masked_slots  # noqa: E402
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pairs", help="jsonl of {prompt, response} pairs, probed instead of --tasks")
     p.add_argument("--num-examples", type=int, default=50, help="examples per built-in task, or pairs read")
     p.add_argument("--seed", type=int, default=0, help="seed of the built-in tasks")
-    p.add_argument("--taus", default="0.2,0.3,0.4", help="entropy thresholds to count commits at")
+    p.add_argument("--taus", type=float_list, default=[0.2, 0.3, 0.4], help="entropy thresholds to count commits at")
     p.add_argument("--window-size", type=int, default=None, help="default: the model's, else 16")
     p.add_argument("--distance-penalty", type=float, default=None, help="default: the model's, else 0.02")
     p.add_argument("--max-distance", type=int, default=7, help="last distance shown in the table (all in --json)")
@@ -91,10 +91,7 @@ def _examples(args, tokenizer) -> dict[str, list[tuple[list[int], list[int]]]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        taus = [float(t) for t in args.taus.split(",") if t.strip()]
-    except ValueError:
-        raise SystemExit(f"--taus expects comma-separated numbers, got {args.taus!r}") from None
+    taus = args.taus
     model, tokenizer = load_checkpoint(args.model, device=args.device, dtype=args.dtype)
     given = {"window_size": args.window_size, "distance_penalty": args.distance_penalty}
     values, sources = resolve_decoding_settings(given, args.model)

@@ -47,6 +47,14 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, entropy_threshold: b
                              "engine; --no-stop-at-eos decodes past them)")
 
 
+def float_list(text: str) -> list[float]:
+    """argparse type of ``--taus``: ``"0.2,0.3"`` -> ``[0.2, 0.3]``; a bad item is an error naming the flag."""
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
 def cli_values(args: argparse.Namespace) -> dict[str, Any]:
     """The decoding settings given on the command line (None: not given), keyed as in :data:`DECODING_KEYS`."""
     tau = getattr(args, "entropy_threshold", None)
