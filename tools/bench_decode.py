@@ -246,7 +246,8 @@ def main(argv=None):
         text = (f"threads {s['threads']:>2}: streaming step / AR step {s['step_fused']:.2f}x (paper order "
                 f"{s['step_paper']:.2f}x); outside forward {s['outside']:.1%}; tokens/s vs AR {s['tps_vs_ar']:.2f}x")
         if "gain" in s:
-            which = "gain >= 6x" if s["bound_gain"] >= 6 else f"even the alike-rows bound gains only {s['bound_gain']:.2f}x < 6x: within 10% of a padding-free forward applies"
+            which = ("gain >= 6x" if s["bound_gain"] >= 6 else f"even the alike-rows bound gains only "
+                     f"{s['bound_gain']:.2f}x < 6x: within 10% of a padding-free forward applies")
             text += (f"; batched gain {s['gain']:.2f}x (AR {s['ar_gain']:.2f}x) [{which}]: batched / its forwards "
                      f"alone {s['vs_forwards']:.2f}x, / alike-rows bound {s['vs_bound']:.2f}x")
         print(text)
