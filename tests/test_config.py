@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from megatron_wedlm.config import ConfigError, config_from_yaml_text, config_to_yaml, load_config, validate_layout
 from megatron_wedlm.deepspeed_backend.settings import validate_deepspeed_run
@@ -141,6 +142,20 @@ def test_quickstart_presets_and_their_training_configs_load(preset):
         cfg = load_config(ROOT / getattr(settings, stage).config, overrides, defaults={"trainer": {"task": task}})
         assert cfg.wedlm.enabled == (stage != "ar_pretrain"), stage
         assert cfg.trainer.device == "cpu" and cfg.trainer.train_steps > 0, stage
+
+
+@pytest.mark.parametrize("section, key, value, message", [
+    ("eval", "calibration_tolerance", -0.01, r"eval.calibration_tolerance is a fraction in \[0, 1\)"),
+    ("eval", "calibration_tolerance", 1.5, r"eval.calibration_tolerance is a fraction in \[0, 1\)"),
+])
+def test_quickstart_settings_refuse_values_out_of_range_naming_the_file(tmp_path, section, key, value, message):
+    data = yaml.safe_load(preset_path("ci").read_text())
+    data.setdefault(section, {})[key] = value
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError, match=message) as err:
+        load_settings(path)
+    assert str(path) in str(err.value)
 
 
 def test_cli_rejects_a_typo_before_starting(tmp_path):

@@ -12,7 +12,7 @@ from megatron_wedlm.eval import builtin_task, evaluate
 from megatron_wedlm.eval.report import brief_model_name
 from megatron_wedlm.eval.results import EvalReport
 from megatron_wedlm.quickstart import summary as S
-from megatron_wedlm.quickstart.calibration import calibration_from_reports, choose_operating_tau
+from megatron_wedlm.quickstart.calibration import calibration_from_reports, choose_operating_tau, points
 from megatron_wedlm.quickstart.pipeline import previous_fingerprint
 from megatron_wedlm.quickstart.settings import load_settings, preset_path
 from megatron_wedlm.quickstart.stages import Console, StageError, StageRunner
@@ -166,6 +166,7 @@ def test_operating_tau_rule_on_hand_made_accuracies():
     assert choose_operating_tau({0.5: sweep[0.5], 0.1: sweep[0.1]}, base) == 0.1  # order of the sweep is irrelevant
     assert choose_operating_tau({0.5: sweep[0.5], 0.7: sweep[0.7]}, base) == 0.5  # none keeps up: the smallest
     assert choose_operating_tau(sweep, base, tolerance=0.03) == 0.7  # within 3 points: 0.7 keeps up
+    assert points(0.01) == "1 point" and points(0.02) == "2 points"
     with pytest.raises(ValueError, match=r"tau=0.3 has no accuracy for task\(s\) \['copying'\]"):
         choose_operating_tau({0.3: {"counting": 0.9}}, base)
     with pytest.raises(ValueError, match="at least one tau"):

@@ -5,9 +5,10 @@ a sweep measured on the same prompts would flatter the method, so the quickstart
 the *calibration* split of the built-in tasks (disjoint from the test split by construction, see
 ``megatron_wedlm.eval.builtin_tasks``) and then reports the test split at that tau.
 
-Rule: the largest tau of the sweep whose calibration accuracy stays within ``tolerance`` (1 point)
-of the base AR model's calibration accuracy on *every* calibration task; if no tau does, the
-smallest tau (the most careful one). One tau serves every task, because it travels with the
+Rule: the largest tau of the sweep whose calibration accuracy stays within ``tolerance`` (by
+default 1 point; a preset's ``eval.calibration_tolerance``) of the base AR model's calibration
+accuracy on *every* calibration task; if no tau does, the smallest tau (the most careful one).
+The tolerance is counted in prompts in practice: on 70 prompts, 1 point loses none, 2 points one. One tau serves every task, because it travels with the
 exported model as its decoding default.
 """
 
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 from megatron_wedlm.eval.results import EvalReport
 
-#: "Within 1 point of base AR": accuracies are fractions.
+#: Default "within 1 point of base AR": accuracies are fractions.
 CALIBRATION_TOLERANCE = 0.01
 _EPS = 1e-9  # accuracies are ratios of counts; keep an exact "1 point lower" inside the tolerance
 
@@ -70,6 +71,12 @@ def calibration_from_reports(base_report: EvalReport, wedlm_report: EvalReport, 
                        operating_tau=choose_operating_tau(sweep, base, tolerance))
 
 
+def points(fraction: float) -> str:
+    """``0.01`` -> ``"1 point"``, ``0.02`` -> ``"2 points"``."""
+    n = 100 * fraction
+    return f"{n:g} point" + ("" if abs(n - 1) < _EPS else "s")
+
+
 def describe(c: Calibration) -> list[str]:
     """Console lines: what was measured on the calibration prompts and which tau it chose."""
     def row(accuracy: Mapping[str, float]) -> str:
@@ -79,6 +86,6 @@ def describe(c: Calibration) -> list[str]:
     within = keeps_up(c.sweep[chosen], c.base_accuracy, c.tolerance)
     return ([f"base AR: {row(c.base_accuracy)} ({c.num_examples} calibration prompts per task)"]
             + [f"streaming tau {tau}: {row(acc)}" for tau, acc in c.sweep.items()]
-            + [f"operating tau {chosen}: " + (f"the largest within {100 * c.tolerance:g} point of base AR on every task"
-                                              if within else f"no tau stayed within {100 * c.tolerance:g} point "
+            + [f"operating tau {chosen}: " + (f"the largest within {points(c.tolerance)} of base AR on every task"
+                                              if within else f"no tau stayed within {points(c.tolerance)} "
                                               "of base AR on every task; the smallest")])

@@ -327,7 +327,8 @@ class Quickstart:
         e = self.settings.eval
         self.calibration = c = calibration_from_reports(
             EvalReport.load(str(self.layout.eval_dir(BASE, "calibration") / "report.json")),
-            EvalReport.load(str(self.layout.eval_dir(WEDLM, "calibration") / "report.json")), e.calibration_tasks)
+            EvalReport.load(str(self.layout.eval_dir(WEDLM, "calibration") / "report.json")), e.calibration_tasks,
+            tolerance=e.calibration_tolerance)
         for line in describe(c):
             self.console.print(f"[calibrate] {line}")
         defaults = {"window_size": e.window_size, "entropy_threshold": c.operating_tau,

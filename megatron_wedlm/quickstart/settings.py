@@ -62,6 +62,8 @@ class EvalSettings:
     # quickstart/calibration.py), then the test prompts are reported at it
     calibration_tasks: List[str] = field(default_factory=lambda: ["counting", "copying"])
     calibration_examples: int = 50  # calibration prompts per calibration task
+    # tau may cost at most this much calibration accuracy against base AR (a fraction: 0.01 = 1 point)
+    calibration_tolerance: float = 0.01
     taus: List[float] = field(default_factory=lambda: [0.2, 0.4])  # the sweep: calibrated, plotted
     window_size: int = 16
     distance_penalty: float = 0.02
@@ -131,6 +133,9 @@ def _validate(s: QuickstartSettings, path: Path) -> None:
     for key in ("num_examples", "calibration_examples"):
         if getattr(s.eval, key) < 1:
             raise ValueError(f"{path}: eval.{key} must be >= 1, got {getattr(s.eval, key)}")
+    if not 0 <= s.eval.calibration_tolerance < 1:
+        raise ValueError(f"{path}: eval.calibration_tolerance is a fraction in [0, 1) (0.01 = 1 point), "
+                         f"got {s.eval.calibration_tolerance}")
     if not s.eval.taus:
         raise ValueError(f"{path}: eval.taus needs at least one entropy threshold")
     outside = [t for t in s.eval.calibration_tasks if t not in s.eval.tasks]

@@ -36,7 +36,7 @@ from typing import Any
 
 from megatron_wedlm.eval.report import COLUMNS, PLOT_NAME, brief_model_name, format_interval, plot_speed_accuracy
 from megatron_wedlm.eval.results import EvalReport, MethodResult, SampleRecord
-from megatron_wedlm.quickstart.calibration import Calibration, keeps_up
+from megatron_wedlm.quickstart.calibration import Calibration, keeps_up, points
 from megatron_wedlm.quickstart.settings import QuickstartSettings
 
 BASE_METHOD = "base-ar"
@@ -235,7 +235,7 @@ def _calibration_lines(q: dict[str, Any]) -> list[str]:
     lines = ["## Calibration", "",
              f"The operating tau is chosen on {c['num_examples']} calibration prompts per task, disjoint from "
              f"the test prompts below: the largest tau whose streaming accuracy stays within "
-             f"{100 * c['tolerance']:g} point of base AR on every task ({', '.join(tasks)}), else the smallest. "
+             f"{points(c['tolerance'])} of base AR on every task ({', '.join(tasks)}), else the smallest. "
              f"Chosen: **tau = {c['operating_tau']:g}** (written into the WeDLM model's generation_config.json "
              f"with window {q['settings']['eval']['window_size']} and distance penalty "
              f"{q['settings']['eval']['distance_penalty']:g}).", "",
