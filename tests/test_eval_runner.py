@@ -12,6 +12,7 @@ import torch
 
 from megatron_wedlm.decoding import GenerationResult, generate, load_tokenizer
 from megatron_wedlm.eval import EvalReport, builtin_task, evaluate, write_report
+from megatron_wedlm.eval.runner import combine_reports
 from megatron_wedlm.eval.tasks import truncate_at_stop
 from megatron_wedlm.testing.tiny_models import build_tiny_model, build_tiny_tokenizer
 
@@ -140,6 +141,30 @@ def _table_rows(markdown: str) -> dict[tuple[str, str, str], dict[str, str]]:
             cells = dict(zip(header, (c.strip() for c in line.strip("|").split("|"))))
             rows[(task, cells["method"], cells["tau"])] = cells
     return rows
+
+
+def test_methods_decoded_in_separate_runs_combine_into_the_report_of_one_run(model, tokenizer):
+    """The quickstart decodes the block-wise baseline in a second process; the joined report must be
+    the one a single run writes: same rows and samples in the same order, speed-ups against AR."""
+    tasks = [builtin_task("counting", 3, seed=2), builtin_task("copying", 2, seed=2)]
+    oracle = OracleDecoder(tokenizer, {e.prompt: " " + e.reference for t in tasks for e in t.examples})
+
+    def run(methods):
+        report = evaluate(model, tokenizer, tasks, methods, taus=(0.3, 0.6), decode_fn=oracle, model_name="tiny",
+                          warmup=False)
+        report.settings.pop("time")
+        return report
+
+    whole = run(["streaming", "blockwise", "ar"])
+    blockwise, rest = run(["blockwise"]), run(["streaming", "ar"])
+    assert all(r.speedup_vs_ar is None for r in blockwise.results)  # no AR row in that run
+    assert combine_reports([blockwise, rest]).to_dict() == whole.to_dict()  # any order of the parts
+    assert combine_reports([rest, blockwise]).to_dict() == whole.to_dict()
+    assert all(r.speedup_vs_ar is None for r in blockwise.results)  # the parts are left as they were
+    with pytest.raises(ValueError, match="different models"):
+        combine_reports([rest, EvalReport("other", blockwise.settings, blockwise.results)])
+    with pytest.raises(ValueError, match=r"methods \['blockwise'\] are not in the order given"):
+        combine_reports([rest, blockwise], methods=["streaming", "ar"])
 
 
 def test_report_files_round_trip(model, tokenizer, tmp_path):

@@ -74,8 +74,10 @@ def test_every_stage_ran_in_order_with_visible_progress(run):
         assert f"model.init_from={checkpoint}" in by_name[stage]["commands"][0]
     assert f"data.path={out / 'data' / 'sft_shards'}" in by_name["sft"]["commands"][0]
     assert all("convert_checkpoint.py megatron-to-hf" in c for c in by_name["export"]["commands"])
-    evaluations = by_name["evaluate"]["commands"]  # base/WeDLM x calibration/test
-    assert len(evaluations) == 4 and all("inference/evaluate.py" in c for c in evaluations)
+    evaluations = by_name["evaluate"]["commands"]  # base/WeDLM x calibration/test, WeDLM block-wise apart
+    assert len(evaluations) == 5 and all("inference/evaluate.py" in c for c in evaluations)
+    assert sum("--methods blockwise" in c for c in evaluations) == 1
+    assert not (out / "eval" / "wedlm" / "blockwise").exists()  # joined into the WeDLM report
     assert sum("calibration" in c for c in evaluations) == 2
     for tag in ("evaluate:wedlm", "evaluate:ar-base_calibration", "export:wedlm", "prepare_data:sft"):
         assert f"[{tag}] $ " in stdout  # commands run at once are told apart on the console
@@ -192,6 +194,7 @@ def test_tau_is_chosen_on_calibration_prompts_disjoint_from_the_test_prompts(run
     for tau, accuracy in c["sweep"].items():
         assert accuracy == {t: wedlm.result(t, "streaming", float(tau)).accuracy for t in c["tasks"]}
     sweep = {float(tau): acc for tau, acc in c["sweep"].items()}
+    assert c["tolerance"] == q["settings"]["eval"]["calibration_tolerance"] == 0.5  # the preset's, not the default
     assert c["operating_tau"] == choose_operating_tau(sweep, c["base_accuracy"], c["tolerance"])
     assert q["settings"]["eval"]["operating_tau"] == c["operating_tau"]
     assert f"operating tau {c['operating_tau']:g}" in stdout

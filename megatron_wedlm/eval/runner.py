@@ -177,6 +177,38 @@ def _fill_speedups(task_results: list[MethodResult]) -> None:
             r.speedup_vs_ar = r.tokens_per_second / ar.tokens_per_second
 
 
+def combine_reports(reports: Sequence[EvalReport], methods: Sequence[str] = METHODS) -> EvalReport:
+    """One model's reports from several processes, each decoding some of the methods, as one report.
+
+    Why: one process decodes its configurations one after the other, so a caller with idle cores
+    (the quickstart) splits the methods across processes. Rows and samples come back per task in
+    ``methods`` order, as one process would have written them, and every speed-up is taken against
+    its task's AR row again. Only rows measured in the same process as that AR row were
+    interleaved with it example by example (see the module docstring); the others ran beside it
+    at the same time.
+    """
+    if not reports:
+        raise ValueError("combine_reports needs at least one report")
+    models = {r.model for r in reports}
+    if len(models) > 1:
+        raise ValueError(f"combine_reports got reports of different models: {sorted(models)}")
+    unknown = sorted({m for r in reports for m in r.methods} - set(methods))
+    if unknown:
+        raise ValueError(f"methods {unknown} are not in the order given ({list(methods)})")
+    tasks = list(dict.fromkeys(t for r in reports for t in r.tasks))
+    rank = {m: i for i, m in enumerate(methods)}
+
+    def order(row: Any) -> tuple[int, int]:
+        return tasks.index(row.task), rank[row.method]
+
+    results = sorted((dataclasses.replace(r) for report in reports for r in report.results), key=order)
+    for task in tasks:
+        _fill_speedups([r for r in results if r.task == task])
+    samples = sorted((s for report in reports for s in report.samples), key=order)
+    settings = {**reports[0].settings, "methods": [m for m in methods if any(m in r.methods for r in reports)]}
+    return EvalReport(model=reports[0].model, settings=settings, results=results, samples=samples)
+
+
 def _summary_line(r: MethodResult) -> str:
     tpf = f"{r.tokens_per_forward:.2f}" if r.tokens_per_forward is not None else "-"
     tps = f"{r.tokens_per_second:.1f}" if r.tokens_per_second is not None else "-"

@@ -292,20 +292,38 @@ class Quickstart:
         return info
 
     def evaluate_all(self) -> dict[str, Any]:
-        """The four evaluations in two lanes, longest first: the WeDLM test sweep takes about as long
-        as the other three together."""
-        lanes = [[(WEDLM, ["streaming", "blockwise", "ar"], "test")],
-                 [(BASE, ["ar"], "calibration"), (WEDLM, ["streaming"], "calibration"), (BASE, ["ar"], "test")]]
+        """The evaluations in two lanes of about equal length (one decoding thread each). The WeDLM
+        test sweep alone took as long as the rest, half of it the block-wise baseline, so that
+        baseline decodes in the other lane and its rows join the WeDLM report afterwards."""
+        lanes = [[(WEDLM, ["streaming", "ar"], "test", ""), (BASE, ["ar"], "test", "")],
+                 [(BASE, ["ar"], "calibration", ""), (WEDLM, ["streaming"], "calibration", ""),
+                  (WEDLM, ["blockwise"], "test", "blockwise")]]
         done = self._in_parallel([lambda lane=lane: [self.evaluate(*job) for job in lane] for lane in lanes])
-        return {f"{model}:{split}": report for lane, reports in zip(lanes, done)
-                for (model, _, split), report in zip(lane, reports)}
+        joined = self.join_report_parts(WEDLM, ["blockwise"])
+        return {f"{model}:{split}": joined if (model, split) == (WEDLM, "test") else report
+                for lane, reports in zip(lanes, done) for (model, _, split, part), report in zip(lane, reports)
+                if not part}
 
-    def evaluate(self, model: str, methods: list[str], split: str = "test") -> dict[str, Any]:
+    def join_report_parts(self, model: str, parts: list[str]) -> dict[str, Any]:
+        """Fold the test reports written under ``eval/<model>/<part>/`` into ``eval/<model>/``."""
+        from megatron_wedlm.eval.report import write_report
+        from megatron_wedlm.eval.results import EvalReport
+        from megatron_wedlm.eval.runner import combine_reports
+
+        out = self.layout.eval_dir(model)
+        reports = [EvalReport.load(str(d / "report.json")) for d in [out, *(out / p for p in parts)]]
+        paths = write_report(combine_reports(reports), str(out))
+        for part in parts:
+            shutil.rmtree(out / part)
+        return {"report": paths["json"], "joined": parts}
+
+    def evaluate(self, model: str, methods: list[str], split: str = "test", part: str = "") -> dict[str, Any]:
         """One decoding thread: decoding a tiny model one prompt at a time is latency-bound, a second
-        thread only adds synchronisation (and on a busy machine, spinning threads stall badly)."""
+        thread only adds synchronisation (and on a busy machine, spinning threads stall badly).
+        A ``part`` writes under ``eval/<model>/<part>/``, to be joined by :meth:`join_report_parts`."""
         e = self.settings.eval
-        suffix = "" if split == "test" else f"_{split}"
-        out = self.layout.eval_dir(model, split)
+        suffix = ("" if split == "test" else f"_{split}") + (f"_{part}" if part else "")
+        out = self.layout.eval_dir(model, split) / part if part else self.layout.eval_dir(model, split)
         if split == "test":
             tasks, num_examples = list(e.tasks), e.num_examples
         else:
