@@ -22,10 +22,12 @@ else is the command a user would run, launched as a subprocess with the argument
   judges the targets on the test prompts at that tau.
 
 Commands that do not depend on each other run two at a time (the two data preparations, the
-two exports, the evaluations in two lanes: the WeDLM test sweep, and the other three), each
-single-threaded, so the machine's 2 cores are both busy. Tokens/s ratios are measured within
-one evaluation process; with another evaluation on the second core they moved by < 2%
-(2-core EPYC VM, 2026-11-23).
+two exports, the evaluations in two lanes of about equal length: the WeDLM test sweep without
+its block-wise baseline, then the base model's test; the calibrations, then that baseline, whose
+rows join the WeDLM report afterwards), each single-threaded, so the machine's 2 cores are both
+busy. The targets' tokens/s ratios (streaming vs AR of the same model) are measured within one
+evaluation process; with another evaluation on the second core they moved by < 2% (2-core EPYC
+VM, 2026-11-23).
 
 Layout of the output directory (each stage owns its subdirectory; a rerun replaces them)::
 
