@@ -196,10 +196,10 @@ def combine_reports(reports: Sequence[EvalReport], methods: Sequence[str] = METH
     if unknown:
         raise ValueError(f"methods {unknown} are not in the order given ({list(methods)})")
     tasks = list(dict.fromkeys(t for r in reports for t in r.tasks))
-    rank = {m: i for i, m in enumerate(methods)}
+    task_rank, method_rank = {t: i for i, t in enumerate(tasks)}, {m: i for i, m in enumerate(methods)}
 
     def order(row: Any) -> tuple[int, int]:
-        return tasks.index(row.task), rank[row.method]
+        return task_rank[row.task], method_rank[row.method]
 
     results = sorted((dataclasses.replace(r) for report in reports for r in report.results), key=order)
     for task in tasks:

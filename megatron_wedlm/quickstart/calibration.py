@@ -8,8 +8,8 @@ the *calibration* split of the built-in tasks (disjoint from the test split by c
 Rule: the largest tau of the sweep whose calibration accuracy stays within ``tolerance`` (by
 default 1 point; a preset's ``eval.calibration_tolerance``) of the base AR model's calibration
 accuracy on *every* calibration task; if no tau does, the smallest tau (the most careful one).
-The tolerance is counted in prompts in practice: on 70 prompts, 1 point loses none, 2 points one. One tau serves every task, because it travels with the
-exported model as its decoding default.
+The tolerance is counted in prompts in practice: on 70 prompts, 1 point loses none, 2 points one.
+One tau serves every task, because it travels with the exported model as its decoding default.
 """
 
 from __future__ import annotations

@@ -301,10 +301,11 @@ class Quickstart:
                  [(BASE, ["ar"], "calibration", ""), (WEDLM, ["streaming"], "calibration", ""),
                   (WEDLM, ["blockwise"], "test", "blockwise")]]
         done = self._in_parallel([lambda lane=lane: [self.evaluate(*job) for job in lane] for lane in lanes])
-        joined = self.join_report_parts(WEDLM, ["blockwise"])
-        return {f"{model}:{split}": joined if (model, split) == (WEDLM, "test") else report
-                for lane, reports in zip(lanes, done) for (model, _, split, part), report in zip(lane, reports)
-                if not part}
+        reports = {f"{model}:{split}": report for lane, results in zip(lanes, done)
+                   for (model, _, split, part), report in zip(lane, results) if not part}
+        parts = [part for lane in lanes for (_, _, _, part) in lane if part]
+        reports[f"{WEDLM}:test"] = self.join_report_parts(WEDLM, parts)
+        return reports
 
     def join_report_parts(self, model: str, parts: list[str]) -> dict[str, Any]:
         """Fold the test reports written under ``eval/<model>/<part>/`` into ``eval/<model>/``."""
@@ -325,7 +326,7 @@ class Quickstart:
         A ``part`` writes under ``eval/<model>/<part>/``, to be joined by :meth:`join_report_parts`."""
         e = self.settings.eval
         suffix = ("" if split == "test" else f"_{split}") + (f"_{part}" if part else "")
-        out = self.layout.eval_dir(model, split) / part if part else self.layout.eval_dir(model, split)
+        out = self.layout.eval_dir(model, split) / part  # an empty part is the directory itself
         if split == "test":
             tasks, num_examples = list(e.tasks), e.num_examples
         else:
