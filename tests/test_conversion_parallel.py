@@ -33,9 +33,9 @@ ATOL = 1e-5
 LAYOUTS = [(2, 1), (1, 2)]
 def _pipeline_forward(model, inputs: dict) -> torch.Tensor | None:
     """Megatron's forward-only schedule over one micro-batch; full logits on the last stage."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from megatron_wedlm.training.megatron_engine import run_schedule
 
     def step(data_iterator, model):
         batch = next(data_iterator)
@@ -43,11 +43,8 @@ def _pipeline_forward(model, inputs: dict) -> torch.Tensor | None:
 
     batch_size, seq = inputs["input_ids"].shape
     with torch.no_grad():
-        outputs = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter([inputs]), model=[model], num_microbatches=1,
-            seq_length=seq, micro_batch_size=batch_size, forward_only=True,
-        )
-        if not ps.is_pipeline_last_stage():
+        outputs = run_schedule([model], step, [inputs], seq, batch_size, forward_only=True)
+        if outputs is None:  # not the last pipeline stage
             return None
         return gather_from_tensor_model_parallel_region(outputs[0])
 

@@ -296,6 +296,107 @@ def test_a_non_finite_step_is_skipped_and_too_many_stop_the_run(two_ranks):
 
 
 # --------------------------------------------------------------------------------------------
+# The engine contract: the loop decides whether a step's update is applied, on both engines
+# --------------------------------------------------------------------------------------------
+
+
+def _watched(engine_class):
+    """``engine_class`` recording, per optimizer step, whether the loop asked for the update and
+    whether the weights or the optimizer state changed across it."""
+
+    class Watched(engine_class):
+        steps: list[dict] = []
+
+        def _torch_optimizer(self):
+            return self.base_optimizer if hasattr(self, "base_optimizer") else self.optimizer.optimizer
+
+        def _snapshot(self) -> list[torch.Tensor]:
+            module = self.engine.module if hasattr(self, "engine") and self.engine is not None else None
+            params = list(module.parameters()) if module is not None else [p for c in self.model for p in c.parameters()]
+            # ZeRO-3 keeps each parameter's shard in ds_tensor
+            tensors = [getattr(p, "ds_tensor", p).detach().clone() for p in params]
+            for state in self._torch_optimizer().state.values():
+                tensors += [v.detach().clone() for v in state.values() if torch.is_tensor(v)]
+            return tensors
+
+        def optimizer_step(self, apply):
+            before = self._snapshot()
+            update = super().optimizer_step(apply)
+            after = self._snapshot()
+            changed = len(before) != len(after) or any(not torch.equal(a, b) for a, b in zip(before, after))
+            Watched.steps.append({"apply": apply, "applied": update.applied, "changed": changed})
+            return update
+
+    return Watched
+
+
+def contract_worker(common: list[str], data: dict[str, str], out: str, names: list[str]) -> dict[str, list[dict]]:
+    """The engines of ``names`` with two poisoned steps: at step 2 a NaN gradient (every micro-batch's
+    differentiated loss), at step 3 a NaN logged loss with finite gradients, which no optimizer
+    overflow check can see."""
+    import math
+
+    from megatron_wedlm.config import load_config
+    from megatron_wedlm.deepspeed_backend.engine import DeepSpeedEngine
+    from megatron_wedlm.training.loop import run_training
+    from megatron_wedlm.training.megatron_engine import MegatronEngine
+    from megatron_wedlm.training.objective import Objective
+
+    honest_contribution, honest_logged = Objective.contribution, Objective.logged_loss
+    calls = {"contribution": 0, "logged": 0}
+
+    def poisoned_contribution(self, per_slot, batch, normalizer):
+        total, loss = honest_contribution(self, per_slot, batch, normalizer)
+        calls["contribution"] += 1
+        step = (calls["contribution"] - 1) // 2 + 1  # 2 micro-batches per rank and step
+        return (total * float("nan"), loss) if step == 2 else (total, loss)
+
+    def poisoned_logged(self, summary):
+        calls["logged"] += 1  # once per step, on the rank that reports
+        return math.nan if calls["logged"] == 3 else honest_logged(self, summary)
+
+    Objective.contribution, Objective.logged_loss = poisoned_contribution, poisoned_logged
+    runs = {
+        "megatron": (MegatronEngine, [f"model.init_from={data['megatron']}"]),
+        "zero2": (DeepSpeedEngine, ["trainer.backend=deepspeed", f"model.init_from={data['hf']}",
+                                    "deepspeed.zero_stage=2", "deepspeed.export_hf=false"]),
+        "zero3": (DeepSpeedEngine, ["trainer.backend=deepspeed", f"model.init_from={data['hf']}",
+                                    "deepspeed.zero_stage=3", "deepspeed.export_hf=false"]),
+    }
+    seen = {}
+    try:
+        for name in names:
+            engine_class, extra = runs[name]
+            calls.update(contribution=0, logged=0)
+            cfg = load_config(None, [*common, *extra, f"trainer.output_dir={out}/{name}",
+                                     "checkpointing.save_at_end=false"])
+            watched = _watched(engine_class)
+            watched.steps = []
+            run_training(cfg, watched(cfg))
+            seen[name] = watched.steps
+    finally:
+        Objective.contribution, Objective.logged_loss = honest_contribution, honest_logged
+    return seen
+
+
+def test_a_non_finite_step_leaves_weights_and_optimizer_state_unchanged_on_both_engines(data, tmp_path):
+    # one launch per engine: a DeepSpeed run keeps the process group the Megatron run would end
+    launches = [["megatron"], ["zero2", "zero3"]]
+    by_rank = [run_distributed(contract_worker, 2, _common(data), data, str(tmp_path), names, env=ENV,
+                               timeout_s=LAUNCH_TIMEOUT) for names in launches]
+    for rank in range(2):
+        seen = {**by_rank[0][rank], **by_rank[1][rank]}
+        assert sorted(seen) == ["megatron", "zero2", "zero3"]
+        for name, steps in seen.items():
+            assert [s["apply"] for s in steps] == [True, False, False, True], (rank, name, steps)
+            # the clean steps change the weights (the check can fail); the poisoned ones do not
+            assert [s["changed"] for s in steps] == [True, False, False, True], (rank, name, steps)
+            assert [s["applied"] for s in steps] == [True, False, False, True], (rank, name, steps)
+    for name in ("megatron", "zero2", "zero3"):
+        assert [r["step"] for r in read_metrics(tmp_path / name) if r["skipped"]] == [2, 3], name
+
+
+# --------------------------------------------------------------------------------------------
 # Command line and config checks (in process, nothing is launched)
 # --------------------------------------------------------------------------------------------
 

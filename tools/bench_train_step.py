@@ -24,7 +24,6 @@ import json
 import statistics
 import sys
 import time
-from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,9 +83,8 @@ def _megatron_gpt(args, device):
     return build_gpt(_model_args(args), BuildSettings(device=device))
 
 
-def _ar_forward_step(batch, data_iterator, model):
-    next(data_iterator)
-    tokens, labels = batch
+def _ar_forward_step(data_iterator, model):
+    tokens, labels = next(data_iterator)
     positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
     out = model(tokens, positions, attention_mask=None, labels=labels)
 
@@ -97,15 +95,13 @@ def _ar_forward_step(batch, data_iterator, model):
     return out, loss_func
 
 
-def _step_fn(model, forward_step, seq_length: int, rows: int):
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+def _step_fn(model, forward_step, batch, seq_length: int, rows: int):
+    """One training step's forward and backward of ``batch`` through training's schedule call."""
+    from megatron_wedlm.training.megatron_engine import run_schedule
 
     def run():
         model.zero_grad(set_to_none=True)
-        get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter([None]), model=[model], num_microbatches=1,
-            seq_length=seq_length, micro_batch_size=rows, forward_only=False,
-        )
+        run_schedule([model], forward_step, [batch], seq_length, rows)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
 
@@ -137,21 +133,16 @@ def main(argv=None) -> int:
     gpt.load_state_dict(dense.state_dict())
     normalizer = global_loss_normalizer([dual], group=None)
     wedlm_step = megatron_forward_step(Objective(), normalizer, 1)
-    wedlm_iter = lambda: iter([dual])  # noqa: E731
-
-    def wedlm_forward(data_iterator, model):
-        return wedlm_step(wedlm_iter(), model)
-
     variants = {
-        "wedlm_dense": _step_fn(dense, wedlm_forward, 2 * args.tokens, args.rows),
-        "ar_same_model": _step_fn(dense, partial(_ar_forward_step, ar_batch), args.tokens, args.rows),
-        "ar_megatron_gpt": _step_fn(gpt, partial(_ar_forward_step, ar_batch), args.tokens, args.rows),
+        "wedlm_dense": _step_fn(dense, wedlm_step, dual, 2 * args.tokens, args.rows),
+        "ar_same_model": _step_fn(dense, _ar_forward_step, ar_batch, args.tokens, args.rows),
+        "ar_megatron_gpt": _step_fn(gpt, _ar_forward_step, ar_batch, args.tokens, args.rows),
     }
     if torch.cuda.is_available():
         flex = _wedlm_model(args, "flex", device)
         flex.load_state_dict(dense.state_dict())
         padded = dual  # rows of 2 x tokens slots; tokens should make this a multiple of 128
-        variants["wedlm_flex"] = _step_fn(flex, lambda it, m: wedlm_step(iter([padded]), m), 2 * args.tokens, args.rows)
+        variants["wedlm_flex"] = _step_fn(flex, wedlm_step, padded, 2 * args.tokens, args.rows)
 
     times: dict[str, list[float]] = {name: [] for name in variants}
     for fn in variants.values():

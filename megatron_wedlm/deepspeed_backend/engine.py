@@ -10,9 +10,12 @@ quantities and follow the same schedule. What this engine does differently:
 * per micro-batch: forward (per-slot cross entropy), the objective's contribution to the global
   loss, ``engine.backward(contribution * G * world)`` -- DeepSpeed divides by ``G`` and
   averages gradients over ranks, so the applied gradient is that of the global loss -- and
-  ``engine.step()`` (DeepSpeed clips and updates at the accumulation boundary);
-* a step whose gradient norm is not finite is skipped by DeepSpeed (``was_step_applied``),
-  which the loop counts as a non-finite step;
+  ``engine.step()`` between micro-batches, which only advances DeepSpeed's accumulation counter;
+* the accumulation boundary's ``engine.step()`` (DeepSpeed clips and updates there) is the
+  loop's decision: :meth:`DeepSpeedEngine.optimizer_step` runs it with the update when the
+  step is finite on every rank, and without it otherwise (:func:`_update_withheld`), so a
+  non-finite step never reaches the weights whatever DeepSpeed's own overflow checks cover in
+  this precision;
 * checkpoints are DeepSpeed's (exact resume) with optional HF exports, and the trained model is
   exported to ``<trainer.output_dir>/hf`` at the end.
 """
@@ -21,12 +24,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron_wedlm.config.schema import ConfigError, TrainConfig
+from megatron_wedlm.training.engine import RankRole, StepUpdate
 
 from .settings import validate_deepspeed_run
 
@@ -118,17 +123,46 @@ def _build_optimizer(cfg: TrainConfig, module, device: torch.device, offload: bo
     return torch.optim.AdamW(groups, fused=device.type == "cuda", **kwargs)
 
 
+@contextmanager
+def _update_withheld(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """DeepSpeed's ``step()`` without the weight update: for its duration the base optimizer's
+    ``step`` does nothing. ZeRO still consumes and releases the step's reduced gradients and
+    advances its counters, while the weights and the Adam state stay as they were (ZeRO copies
+    its unchanged fp32 partitions back into the parameters)."""
+    optimizer.step = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del optimizer.step  # the class's own step again
+
+
+def _grads_have_inf_or_nan(ds_engine) -> bool:
+    """Collective over the data-parallel group: any inf/NaN in the step's reduced gradients.
+
+    Asked of the ZeRO optimizer, which holds them after the accumulation boundary's backward
+    (partitioned under ZeRO-2/3); the same check it runs itself before a fp16 update."""
+    zero = ds_engine.optimizer
+    return bool(zero.has_overflow(partition_gradients=getattr(zero, "partition_gradients", True)))
+
+
 class DeepSpeedEngine:
     """A HF causal LM trained by a DeepSpeed ZeRO engine; DeepSpeed checkpoints and HF exports."""
 
-    reports_losses = False  # set by start: rank 0 (every rank holds the step's losses)
-    counts_tokens = True  # every rank is a data-parallel replica
-
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
+        self.device = torch.device("cpu")
+        self.bf16 = False
+        self.dtype = torch.float32
+        self.manifest: dict[str, Any] = {}
+        self.world = 1
+        self.ds_config: dict[str, Any] = {}
+        self.backend = ""  # the attention backend, resolved by start()
+        self.hf_model = None  # the transformers model, by build()
+        self.engine = None  # the DeepSpeed engine around it, by build()
+        self.base_optimizer: torch.optim.Optimizer | None = None  # the AdamW DeepSpeed steps
 
     # ---- before the output directory is claimed ----
-    def start(self, device: torch.device, bf16: bool, manifest: dict[str, Any]) -> None:
+    def start(self, device: torch.device, bf16: bool, manifest: dict[str, Any]) -> RankRole:
         """Check the run, derive the DeepSpeed config, create the process group."""
         from megatron_wedlm.runtime.parallel import init_distributed
         from megatron_wedlm.model.attention_backends import resolve_attention_backend
@@ -150,9 +184,10 @@ class DeepSpeedEngine:
 
         deepspeed.init_distributed(dist_backend=dist.get_backend())
         torch.manual_seed(cfg.trainer.seed)
-        self.dp_rank, self.dp_size = dist.get_rank(), self.world
-        self.is_logger = self.reports_losses = self.dp_rank == 0
-        self.loss_group = dist.group.WORLD if self.world > 1 else None
+        rank = dist.get_rank()
+        # every rank is a data-parallel replica holding the step's summed losses: rank 0 reports them
+        return RankRole(dp_rank=rank, dp_size=self.world, is_logger=rank == 0, reports_losses=rank == 0,
+                        counts_tokens=True, loss_group=dist.group.WORLD if self.world > 1 else None)
 
     def describe(self) -> str:
         ds = self.cfg.deepspeed
@@ -161,15 +196,15 @@ class DeepSpeedEngine:
                 f"{self.cfg.model.init_from}, attention {self.backend}")
 
     # ---- model, optimizer, state ----
-    def build(self, resuming: bool) -> None:
+    def build(self, resuming: bool) -> Any:
         import deepspeed
 
         cfg, ds = self.cfg, self.cfg.deepspeed
         zero3_init = ds.zero_stage == 3 and ds.zero3_init
         self.hf_model, module = _build_model(cfg, self.manifest, self.ds_config, self.dtype, self.backend, zero3_init)
-        optimizer = _build_optimizer(cfg, module, self.device, offload=ds.offload_optimizer != "none")
-        self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=self.ds_config)
-        self.optimizer = self.engine.optimizer
+        self.base_optimizer = _build_optimizer(cfg, module, self.device, offload=ds.offload_optimizer != "none")
+        self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=self.base_optimizer, config=self.ds_config)
+        return self.engine.optimizer
 
     def _manager(self):
         from .checkpoint import DeepSpeedCheckpointManager
@@ -197,30 +232,37 @@ class DeepSpeedEngine:
     # ---- one step ----
     def forward_backward(self, batches: Sequence[DualStreamBatch], normalizer: LossNormalizer,
                          objective: Objective) -> list[dict[str, torch.Tensor]]:
-        """Forward, backward and ``engine.step()`` per micro-batch (DeepSpeed updates at the
-        accumulation boundary); the loss reports."""
+        """Forward and backward per micro-batch, ``engine.step()`` between them (no update before
+        the accumulation boundary); the loss reports. The boundary's step is :meth:`optimizer_step`."""
         from .forward import dual_stream_cross_entropy, pad_rows
 
         scale = len(batches) * self.world
         reports = []
-        for batch in batches:
+        for index, batch in enumerate(batches):
             batch = pad_rows(batch.to(self.device), self.backend)
             per_slot = dual_stream_cross_entropy(self.engine, batch, self.backend, self.dtype)
             contribution, loss = objective.contribution(per_slot, batch, normalizer)
             self.engine.backward(contribution * scale)
-            self.engine.step()
+            if index < len(batches) - 1:
+                self.engine.step()
             reports.append(loss.report())
         return reports
 
     def grads_finite(self) -> bool:
-        return bool(self.engine.was_step_applied())
+        return not _grads_have_inf_or_nan(self.engine)
 
-    def optimizer_step(self, finite: bool) -> tuple[bool, float]:
-        """DeepSpeed applied (or skipped) the update in its last ``step()``; the gradient norm."""
-        if not finite:
-            return False, float("nan")
+    def optimizer_step(self, apply: bool) -> StepUpdate:
+        """The accumulation boundary's ``engine.step()``: DeepSpeed clips and updates when
+        ``apply`` (and may still skip on its own overflow check); without the update otherwise."""
+        if not apply:
+            with _update_withheld(self.base_optimizer):
+                self.engine.step()
+            return StepUpdate(applied=False, grad_norm=float("nan"))
+        self.engine.step()
+        if not self.engine.was_step_applied():
+            return StepUpdate(applied=False, grad_norm=float("nan"))
         norm = self.engine.get_global_grad_norm()
-        return True, float(norm) if norm is not None else float("nan")
+        return StepUpdate(applied=True, grad_norm=float(norm) if norm is not None else float("nan"))
 
     def finish(self, logger) -> None:
         final = self._export(Path(self.cfg.trainer.output_dir) / FINAL_EXPORT_DIR)

@@ -14,12 +14,14 @@ The recipe, run through :func:`megatron_wedlm.runtime.multiprocess.run_distribut
 Using dist_checkpointing for both directions avoids a hand-written gather with per-parameter
 layout rules (GLU halves, QKV groups) that could share a bug with the code under test.
 
-The model-agnostic pieces (:class:`TinyShape`, :func:`init_layout`, :func:`run_schedule`,
-:func:`save_sharded`, :func:`load_sharded`, :func:`grads_into_params`, :func:`gather_full`) are
-the base of :mod:`.wedlm_equivalence`, which runs the same recipe for the WeDLM model on the
-full training path (DDP, finalize_model_grads). Both models are described by a ``ModelArgs`` and
-configured by the one ``wedlm_transformer_config``; :func:`build_gpt` (Megatron's own GPT on that
-config) is also the independent reference the conversion and model tests compare against.
+The model-agnostic pieces (:class:`TinyShape`, :func:`init_layout`, :func:`save_sharded`,
+:func:`load_sharded`, :func:`grads_into_params`, :func:`gather_full`) are the base of
+:mod:`.wedlm_equivalence`, which runs the same recipe for the WeDLM model on the full training
+path (DDP, finalize_model_grads). Both step through training's own schedule call
+(:func:`megatron_wedlm.training.megatron_engine.run_schedule`). Both models are described by a
+``ModelArgs`` and configured by the one ``wedlm_transformer_config``; :func:`build_gpt`
+(Megatron's own GPT on that config) is also the independent reference the conversion and model
+tests compare against.
 """
 
 from __future__ import annotations
@@ -131,31 +133,12 @@ def _forward_step(data_iterator, model):
     return output, partial(_loss_func, batch["loss_mask"])
 
 
-def run_schedule(model, forward_step: Callable, batches: list, seq_length: int, micro_batch_size: int) -> list | None:
-    """Forward and backward of ``batches`` through Megatron's real (pipeline-aware) schedule, no
-    optimizer; the per-micro-batch reports on the last pipeline stage, None on the others.
-
-    ``model``: one module, or this rank's list of virtual-pipeline chunks (interleaved
-    schedule; every chunk reads the same micro-batches)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    chunks = model if isinstance(model, list) else [model]
-    reports = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=[iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches),
-        model=chunks,
-        num_microbatches=len(batches),
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        forward_only=False,
-    )
-    return reports if ps.is_pipeline_last_stage() else None
-
-
 def forward_backward(model, spec: TinyGPTSpec, forward_step: Callable = _forward_step) -> float | None:
     """One schedule step of the GPT batches; the mean loss on the last stage, else None."""
-    losses = run_schedule(model, forward_step, make_batches(spec), spec.seq_length, spec.micro_batch_size)
+    from megatron_wedlm.training.megatron_engine import run_schedule
+
+    chunks = model if isinstance(model, list) else [model]
+    losses = run_schedule(chunks, forward_step, make_batches(spec), spec.seq_length, spec.micro_batch_size)
     if losses is None:
         return None
     return float(torch.stack([d["lm loss"] for d in losses]).mean())

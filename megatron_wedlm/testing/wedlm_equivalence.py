@@ -1,14 +1,15 @@
 """Does a parallel layout train the WeDLM model exactly as one process does? Workers that answer.
 
-Same recipe as :mod:`.gpt_equivalence`, built on its pieces (shape, layouts, schedule,
-checkpoint round-trips), on the real training path: a spec is turned into the model description
+Same recipe as :mod:`.gpt_equivalence`, built on its pieces (shape, layouts, checkpoint
+round-trips), on the real training path: a spec is turned into the model description
 (``ModelArgs``) and build settings, and the model is built by training's own
 :func:`megatron_wedlm.model.wedlm_model.build_model_chunks`, wrapped by training's
 :func:`megatron_wedlm.training.optimization.wrap_ddp` (Megatron's ``DistributedDataParallel``)
-and stepped by Megatron's pipeline schedule with
-:func:`megatron_wedlm.training.megatron_engine.megatron_forward_step`, globally normalised
-losses, and ``finalize_model_grads`` (which all-reduces sequence-parallel norm and QK-norm
-gradients across TP and tied embeddings across pipeline stages). Gradients are read from DDP's
+and stepped by the Megatron engine's own step
+(:func:`megatron_wedlm.training.megatron_engine.forward_backward_step`: the pipeline schedule,
+training's forward step, globally normalised losses, ``finalize_model_grads``, which
+all-reduces sequence-parallel norm and QK-norm gradients across TP and tied embeddings across
+pipeline stages). Gradients are read from DDP's
 ``main_grad`` after finalisation -- what an optimizer would consume.
 
 1. :func:`reference_worker` (1 rank): per spec, build the model at TP=PP=1 from its seed, save
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .gpt_equivalence import TinyShape, gather_full, grads_into_params, init_layout, load_sharded, run_schedule, save_sharded
+from .gpt_equivalence import TinyShape, gather_full, grads_into_params, init_layout, load_sharded, save_sharded
 
 if TYPE_CHECKING:
     from megatron_wedlm.model.hf_config import ModelArgs
@@ -116,17 +117,15 @@ def build_model(spec: TinyWeDLMSpec, sequence_parallel: bool = False, recompute:
 
 def train_step(ddp_model: list, spec: TinyWeDLMSpec, batches: list):
     """One forward/backward of training's step over this rank's micro-batches (``ddp_model``: the
-    chunks as training's ``wrap_ddp`` wraps them); the global loss summary (last stage)."""
+    chunks as training's ``wrap_ddp`` wraps them) -- the Megatron engine's own step function;
+    the global loss summary (last stage)."""
     from megatron_wedlm.model import global_loss_normalizer, reduce_loss_reports
-    from megatron_wedlm.training.megatron_engine import megatron_forward_step
+    from megatron_wedlm.training.megatron_engine import forward_backward_step
     from megatron_wedlm.training.objective import Objective
 
     normalizer = global_loss_normalizer(batches, spec.mlm_weighting)
     objective = Objective(ar_weight=spec.ar_weight, mlm_weighting=spec.mlm_weighting)
-    step = megatron_forward_step(objective, normalizer, len(batches))
-    for chunk in ddp_model:
-        chunk.zero_grad_buffer()
-    reports = run_schedule(ddp_model, step, batches, spec.row_length, spec.micro_batch_size)
+    reports = forward_backward_step(ddp_model, batches, normalizer, objective, spec.row_length, spec.micro_batch_size)
     if reports is None:
         return None
     return asdict(reduce_loss_reports(reports, spec.ar_weight))

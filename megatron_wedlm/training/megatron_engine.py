@@ -31,9 +31,13 @@ from megatron_wedlm.config.schema import TrainConfig, validate_layout
 from megatron_wedlm.data.dual_stream import DualStreamBatch
 from megatron_wedlm.model.losses import LossNormalizer
 
+from .engine import RankRole, StepUpdate
 from .objective import Objective
 
-__all__ = ["MegatronEngine", "megatron_forward_step", "run_model_on_shard", "schedule_loss_scale"]
+__all__ = [
+    "MegatronEngine", "forward_backward_step", "megatron_forward_step", "run_model_on_shard", "run_schedule",
+    "schedule_loss_scale",
+]
 
 
 def schedule_loss_scale(num_microbatches: int) -> int:
@@ -97,6 +101,42 @@ def megatron_forward_step(
     return forward_step
 
 
+def run_schedule(chunks: Sequence, forward_step: Callable, batches: Sequence, seq_length: int,
+                 micro_batch_size: int, forward_only: bool = False) -> list | None:
+    """``batches`` through Megatron's pipeline-aware schedule for this layout (the one place that
+    calls ``get_forward_backward_func``); the per-micro-batch reports on the last pipeline
+    stage, None on the others.
+
+    ``chunks``: this rank's model chunks (several under the interleaved schedule, every chunk
+    reading the same micro-batches: all stages need positions and mask metadata).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    reports = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=[iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches),
+        model=list(chunks),
+        num_microbatches=len(batches),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+    )
+    return reports if ps.is_pipeline_last_stage() else None
+
+
+def forward_backward_step(ddp_chunks: Sequence, batches: Sequence[DualStreamBatch], normalizer: LossNormalizer,
+                          objective: Objective, seq_length: int, micro_batch_size: int,
+                          device: torch.device | str | None = None) -> list[dict[str, Tensor]] | None:
+    """A training step's forward and backward: gradients of the globally normalised step loss
+    over this rank's micro-batches in the DDP buffers (zeroed first), weights untouched; the
+    loss reports on the last pipeline stage, None elsewhere."""
+    for chunk in ddp_chunks:
+        chunk.zero_grad_buffer()
+    step = megatron_forward_step(objective, normalizer, len(batches), device)
+    return run_schedule(ddp_chunks, step, batches, seq_length, micro_batch_size)
+
+
 def _grads_nonfinite(ddp_chunks: list) -> bool:
     """Any non-finite value in this rank's gradient buffers (after the DP reduction)."""
     for ddp_model in ddp_chunks:
@@ -110,13 +150,19 @@ def _grads_nonfinite(ddp_chunks: list) -> bool:
 class MegatronEngine:
     """Megatron-Core model chunks, DDP, optimizer, schedule and torch_dist checkpoints."""
 
-    loss_group = "data_parallel"  # Megatron's DP group (DP x CP for the reports)
-
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
+        self.device = torch.device("cpu")
+        self.bf16 = False
+        self.world = 1
+        self.dp_size = 1
+        self.model_args = None  # ModelArgs, resolved by start() from the config and the data
+        self.model: list = []  # this rank's model chunks, by build()
+        self.ddp: list = []  # the chunks in Megatron DDP
+        self.optimizer = None  # Megatron's optimizer
 
     # ---- before the output directory is claimed ----
-    def start(self, device: torch.device, bf16: bool, manifest: dict[str, Any]) -> None:
+    def start(self, device: torch.device, bf16: bool, manifest: dict[str, Any]) -> RankRole:
         """Check the layout and the model description, create the process groups."""
         from megatron_wedlm.runtime.parallel import ParallelConfig, init_distributed, initialize_parallel_state
 
@@ -142,12 +188,16 @@ class MegatronEngine:
         )
         from megatron.core import parallel_state as ps
 
-        self.dp_rank = layout.dp_rank
-        self.is_logger = layout.rank == 0
         # the CP ranks of a replica share its rows (and the reports are already summed over DP x CP)
         first_cp = ps.get_context_parallel_rank() == 0
-        self.reports_losses = ps.is_pipeline_last_stage() and layout.tp_rank == 0 and layout.dp_rank == 0 and first_cp
-        self.counts_tokens = layout.tp_rank == 0 and layout.pp_rank == 0 and first_cp
+        return RankRole(
+            dp_rank=layout.dp_rank,
+            dp_size=self.dp_size,
+            is_logger=layout.rank == 0,
+            reports_losses=ps.is_pipeline_last_stage() and layout.tp_rank == 0 and layout.dp_rank == 0 and first_cp,
+            counts_tokens=layout.tp_rank == 0 and layout.pp_rank == 0 and first_cp,
+            loss_group="data_parallel",  # Megatron's DP group (DP x CP for the reports)
+        )
 
     def describe(self) -> str:
         p = self.cfg.parallelism
@@ -155,7 +205,7 @@ class MegatronEngine:
         return f"Megatron-Core, tp {p.tp} x pp {p.pp}{chunks} x cp {p.cp} x dp {self.dp_size}"
 
     # ---- model, optimizer, state ----
-    def build(self, resuming: bool) -> None:
+    def build(self, resuming: bool) -> Any:
         from megatron_wedlm.model.wedlm_model import build_model_chunks
 
         from .model_setup import build_settings, load_init_weights
@@ -168,6 +218,7 @@ class MegatronEngine:
             load_init_weights(self.model, cfg.model.init_from)
         self.ddp = wrap_ddp(self.model, cfg.optimizer.use_distributed_optimizer)
         self.optimizer = build_optimizer(cfg, self.ddp, self.bf16)
+        return self.optimizer
 
     def _manager(self):
         from .checkpointing import CheckpointManager
@@ -189,35 +240,20 @@ class MegatronEngine:
                          objective: Objective) -> list[dict[str, Tensor]] | None:
         """Gradients of the step loss over this rank's micro-batches; the loss reports (last
         pipeline stage; None elsewhere)."""
-        from megatron.core import parallel_state as ps
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        for chunk in self.ddp:
-            chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        reports = get_forward_backward_func()(
-            forward_step_func=megatron_forward_step(objective, normalizer, len(batches), self.device),
-            # every virtual-pipeline chunk reads the micro-batches (positions and mask metadata)
-            data_iterator=[iter(batches) for _ in self.ddp] if len(self.ddp) > 1 else iter(batches),
-            model=self.ddp,
-            num_microbatches=len(batches),
-            seq_length=self.cfg.data.seq_length,
-            micro_batch_size=self.cfg.data.micro_batch_size,
-            forward_only=False,
-        )
-        return reports if ps.is_pipeline_last_stage() else None
+        return forward_backward_step(self.ddp, batches, normalizer, objective, self.cfg.data.seq_length,
+                                     self.cfg.data.micro_batch_size, self.device)
 
     def grads_finite(self) -> bool:
         return not _grads_nonfinite(self.ddp)
 
-    def optimizer_step(self, finite: bool) -> tuple[bool, float]:
-        """Apply the update (Megatron clips inside) when the step was finite, else drop the
-        gradients. Returns (updated, gradient norm)."""
-        if not finite:
+    def optimizer_step(self, apply: bool) -> StepUpdate:
+        """Apply the update (Megatron clips inside) when asked, else drop the gradients."""
+        if not apply:
             self.optimizer.zero_grad()
-            return False, float("nan")
+            return StepUpdate(applied=False, grad_norm=float("nan"))
         updated, grad_norm, _ = self.optimizer.step()
-        return bool(updated), float(grad_norm) if grad_norm is not None else float("nan")
+        return StepUpdate(applied=bool(updated), grad_norm=float(grad_norm) if grad_norm is not None else float("nan"))
 
     def finish(self, logger) -> None:
         """Nothing beyond the last checkpoint (``tools/convert_checkpoint.py`` exports to HF)."""

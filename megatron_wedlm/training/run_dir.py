@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 from megatron_wedlm.config.schema import ConfigError, TrainConfig
 from megatron_wedlm.runtime.atomic_output import pid_alive
+from megatron_wedlm.runtime.rank_zero import agreed
 
 from .checkpointing import (
     Lineage,
@@ -218,8 +219,6 @@ def claim_output_dir(cfg: TrainConfig, warn: Callable[[str], None] = _stderr) ->
     against ``checkpointing.resume`` and ``trainer.overwrite``, resolve the checkpoint to resume
     and the run's lineage. Sets ``checkpointing.dir`` to its default when unset. Every rank
     raises the same error when rank 0 refuses; call :meth:`RunClaim.release` at the end."""
-    from .loop import agreed
-
     output_dir = Path(cfg.trainer.output_dir)
     ckpt_root = Path(cfg.checkpointing.dir or output_dir / "checkpoints")
     cfg.checkpointing.dir = str(ckpt_root)

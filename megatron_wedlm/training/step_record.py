@@ -1,7 +1,7 @@
 """What happens around a training step that does not depend on the model engine.
 
-The one loop (:mod:`.loop`) uses these with either engine, so both read the same prepared
-data, log the same ``metrics.jsonl`` records, count and stop on non-finite steps the same way,
+The one loop (:mod:`.loop`) uses these with either engine, so both log the same
+``metrics.jsonl`` records, count and stop on non-finite steps the same way,
 save on the same schedule and resume from the same trainer-state keys.
 """
 
@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_wedlm.config.schema import ConfigError, TrainConfig
+from omegaconf import OmegaConf
+
+from megatron_wedlm.config.loading import config_to_yaml, save_config
+from megatron_wedlm.config.schema import TrainConfig
+from megatron_wedlm.data.webdataset_loader import merge_data_states
+
+from .metrics import MetricsLogger
 
 if TYPE_CHECKING:
     from .run_dir import RunClaim
@@ -25,10 +31,8 @@ __all__ = [
     "NonFiniteLossError",
     "StepRecorder",
     "TrainResult",
-    "build_train_data",
-    "read_run_manifest",
+    "StepTotals",
     "result_dict",
-    "sum_over_ranks",
 ]
 
 
@@ -51,52 +55,31 @@ def result_dict(result: TrainResult) -> dict[str, Any]:
     return asdict(result)
 
 
-def sum_over_ranks(values: list[float], device: torch.device) -> list[float]:
-    """Sum a small float vector over all ranks (one all-reduce for every number a step logs)."""
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor)
-    return tensor.cpu().tolist()
+@dataclass
+class StepTotals:
+    """A step's logged numbers, summed over the ranks with one all-reduce (each rank adds what
+    its :class:`~.engine.RankRole` says it counts, so every number is counted once)."""
 
+    loss: float = 0.0
+    mlm: float = 0.0
+    ar: float = 0.0
+    masked_tokens: float = 0.0
+    ar_tokens: float = 0.0
+    tokens: float = 0.0
+    ranks_with_bad_grads: float = 0.0
 
-def read_run_manifest(cfg: TrainConfig) -> dict[str, Any]:
-    """The manifest of ``data.path``, refused when it was prepared for the other task."""
-    from megatron_wedlm.data.prepare import read_manifest
+    def summed_over_ranks(self, device: torch.device) -> StepTotals:
+        names = [f.name for f in fields(self)]
+        tensor = torch.tensor([getattr(self, name) for name in names], dtype=torch.float64, device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(tensor)
+        return StepTotals(**dict(zip(names, tensor.cpu().tolist())))
 
-    manifest = read_manifest(cfg.data.path)  # type: ignore[arg-type]
-    if manifest["task"] != cfg.trainer.task:
-        raise ConfigError(
-            f"data.path={cfg.data.path} holds '{manifest['task']}' data but this is a {cfg.trainer.task} run; "
-            f"prepare it with tools/prepare_data.py --task {cfg.trainer.task}"
-        )
-    return manifest
-
-
-def build_train_data(cfg: TrainConfig, state: dict[str, Any], dp_rank: int, dp_size: int):
-    """This data-parallel rank's resumable micro-batch iterator (rows, masks and positions are
-    the same under either backend, so a run can be compared or resumed across them)."""
-    from megatron_wedlm.data.webdataset_loader import TrainDataIterator, loader_spec_from_manifest
-
-    spec = loader_spec_from_manifest(
-        cfg.data.path,  # type: ignore[arg-type]
-        num_streams=cfg.data.num_streams,
-        seq_length=cfg.data.seq_length,
-        wedlm=cfg.wedlm.enabled,
-        block_size=cfg.wedlm.block_size,
-        mask_token_id=cfg.wedlm.mask_token_id,
-        ratio_mode=cfg.wedlm.ratio_mode,
-        random_block_offset=cfg.wedlm.random_block_offset,
-        mask_eps=cfg.wedlm.mask_eps,
-        seed=cfg.data.seed,
-        shuffle=cfg.data.shuffle,
-        task=cfg.trainer.task,
-    )
-    data_state = state.get("data") if cfg.checkpointing.load_data_state else None
-    return TrainDataIterator(
-        spec, dp_rank, dp_size, cfg.data.micro_batch_size, num_workers=cfg.data.num_workers,
-        prefetch_factor=cfg.data.prefetch_factor, state=data_state,
-        allow_data_change=cfg.checkpointing.allow_data_change,
-    )
+    @property
+    def finite(self) -> bool:
+        """Whether the step may be applied: finite losses and finite gradients on every rank."""
+        return math.isfinite(self.loss) and math.isfinite(self.mlm) and math.isfinite(self.ar) \
+            and self.ranks_with_bad_grads == 0
 
 
 class StepRecorder:
@@ -105,12 +88,6 @@ class StepRecorder:
     checkpoint's trainer state holds besides the engine's tensors."""
 
     def __init__(self, cfg: TrainConfig, state: dict[str, Any], is_logger: bool, claim: RunClaim) -> None:
-        from omegaconf import OmegaConf
-
-        from megatron_wedlm.config.loading import config_to_yaml, save_config
-
-        from .metrics import MetricsLogger
-
         self.cfg = cfg
         self.claim = claim
         self.output_dir = Path(cfg.trainer.output_dir)
@@ -135,24 +112,11 @@ class StepRecorder:
     def steps(self) -> range:
         return range(self.start_step + 1, self.end_step + 1)
 
-    def record(
-        self,
-        step: int,
-        *,
-        started: float,
-        finite: bool,
-        loss: float,
-        mlm: float,
-        ar: float,
-        masked_tokens: float,
-        ar_tokens: float,
-        lr: float,
-        grad_norm: float,
-        tokens: float,
-    ) -> bool:
-        """Log step ``step`` (begun at ``time.perf_counter() == started``; ``finite``: its update
-        was applied); raise :class:`NonFiniteLossError` on too many skips in a row. Returns
-        whether a checkpoint is due now."""
+    def record(self, step: int, *, started: float, totals: StepTotals, lr: float, grad_norm: float) -> bool:
+        """Log step ``step`` (begun at ``time.perf_counter() == started``; its update was applied
+        when ``totals.finite``); raise :class:`NonFiniteLossError` on too many skips in a row.
+        Returns whether a checkpoint is due now."""
+        finite, loss, tokens = totals.finite, totals.loss, totals.tokens
         if finite:
             self.nonfinite_in_a_row = 0
         else:
@@ -168,10 +132,10 @@ class StepRecorder:
         self.logger.log_step({
             "step": step,
             "loss": loss,
-            "mlm_loss": mlm,
-            "ar_loss": ar,
-            "masked_tokens": int(masked_tokens),
-            "ar_tokens": int(ar_tokens),
+            "mlm_loss": totals.mlm,
+            "ar_loss": totals.ar,
+            "masked_tokens": int(totals.masked_tokens),
+            "ar_tokens": int(totals.ar_tokens),
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens_per_sec": tokens / elapsed if elapsed > 0 else 0.0,
@@ -194,8 +158,6 @@ class StepRecorder:
 
     def trainer_state(self, scheduler, data) -> dict[str, Any]:
         """Collective (gathers every rank's data position): the checkpoint's non-tensor state."""
-        from megatron_wedlm.data.webdataset_loader import merge_data_states
-
         local = data.state_dict()
         world = dist.get_world_size() if dist.is_initialized() else 1
         data_states: list[Any] = [None] * world

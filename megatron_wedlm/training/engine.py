@@ -1,0 +1,99 @@
+"""The contract between the one training loop and a model engine.
+
+:func:`~.loop.run_training` owns the run; an engine (:class:`~.megatron_engine.MegatronEngine`,
+:class:`megatron_wedlm.deepspeed_backend.engine.DeepSpeedEngine`) owns the model side. The split
+that matters: an engine computes gradients, the loop decides whether they are applied. No
+engine updates weights inside :meth:`Engine.forward_backward`; the update happens in
+:meth:`Engine.optimizer_step` and only when the loop asks for it, after it has summed the step's
+losses and gradient health over every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
+    from megatron_wedlm.data.dual_stream import DualStreamBatch
+    from megatron_wedlm.model.losses import LossNormalizer
+
+    from .metrics import MetricsLogger
+    from .objective import Objective
+
+__all__ = ["Engine", "RankRole", "StepUpdate"]
+
+
+@dataclass(frozen=True)
+class RankRole:
+    """Where this rank stands in the loop's bookkeeping, known once the process groups exist.
+
+    Ranks that hold copies of the same number (tensor-parallel peers, pipeline stages, the
+    context-parallel ranks of a replica) must count it once when the loop sums over all ranks:
+    ``reports_losses`` and ``counts_tokens`` pick the one rank that does.
+    """
+
+    dp_rank: int
+    dp_size: int
+    is_logger: bool  # writes the console, metrics.jsonl and wandb
+    reports_losses: bool  # this rank's loss reports are the step's
+    counts_tokens: bool  # this rank's micro-batch tokens count towards the step's
+    loss_group: Any  # the process group loss denominators and reports are summed over (None: one rank)
+
+
+@dataclass(frozen=True)
+class StepUpdate:
+    """What :meth:`Engine.optimizer_step` did."""
+
+    applied: bool  # the weights changed (an engine may still skip, e.g. on a fp16 overflow)
+    grad_norm: float  # of the applied update; NaN when none was applied
+
+
+class Engine(Protocol):
+    """What a model engine provides to :func:`~.loop.run_training`, called in this order:
+    ``start`` once, ``describe``, ``build``, ``load`` when resuming; per step
+    ``forward_backward``, ``grads_finite``, ``optimizer_step``, and ``save`` when due;
+    ``finish`` after the last step."""
+
+    def start(self, device: torch.device, bf16: bool, manifest: dict[str, Any]) -> RankRole:
+        """Check the run against this engine, create the process groups."""
+        ...
+
+    def describe(self) -> str:
+        """One line for the run's first message (layout, backend)."""
+        ...
+
+    def build(self, resuming: bool) -> Any:
+        """Build the model and optimizer (initial weights unless ``resuming``); returns the
+        optimizer whose param groups the lr schedule drives."""
+        ...
+
+    def load(self, path: Path) -> dict[str, Any]:
+        """Load a checkpoint's tensors; returns its trainer state."""
+        ...
+
+    def save(self, step: int, trainer_state: dict[str, Any], files: dict[str, str]) -> Path:
+        """Collective: save a checkpoint holding ``trainer_state`` and ``files``; returns its path."""
+        ...
+
+    def forward_backward(self, batches: Sequence[DualStreamBatch], normalizer: LossNormalizer,
+                         objective: Objective) -> list[dict[str, Tensor]] | None:
+        """Gradients of the step loss over this rank's micro-batches, weights untouched; the
+        per-micro-batch loss reports where this rank computes losses, else None."""
+        ...
+
+    def grads_finite(self) -> bool:
+        """Whether this rank's gradients of the step (after any data-parallel reduction) are finite."""
+        ...
+
+    def optimizer_step(self, apply: bool) -> StepUpdate:
+        """Apply the step's gradients when ``apply``; otherwise drop them, leaving weights and
+        optimizer state as they were. Either way the next step starts from clean gradients."""
+        ...
+
+    def finish(self, logger: MetricsLogger) -> None:
+        """After the last step of the run (e.g. an export)."""
+        ...
