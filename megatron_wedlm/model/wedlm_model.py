@@ -35,8 +35,8 @@ from torch import Tensor
 from megatron.core.models.gpt import GPTModel
 
 from megatron_wedlm.data.attention_rule import AttentionMetadata
+from megatron_wedlm.data.packed_metadata import causal_packed_metadata, pack_attention_metadata
 
-from .attention import causal_packed_metadata, pack_attention_metadata
 from .attention_backends import get_attention_backend
 from .hf_config import ModelArgs
 from .layer_spec import get_wedlm_block_spec
@@ -85,7 +85,7 @@ class WeDLMGPTModel(GPTModel):
 
     * ``input_ids``, ``position_ids``: ``[B, S]`` physical dual-stream rows (``S = 2L`` per
       document); ``position_ids`` are logical and are needed on *every* pipeline stage.
-    * ``attention_mask``: packed metadata ``[B, 3, S]`` (:func:`.attention.pack_attention_metadata`),
+    * ``attention_mask``: packed metadata ``[B, 3, S]`` (:func:`megatron_wedlm.data.pack_attention_metadata`),
       or a Megatron bool mask ``[B, 1, S, S]`` (True = masked out; dense/TE backends), or None
       for plain causal attention. An ``AttentionMetadata`` (positionally or as
       ``attention_metadata=``) is the convenient alternative and is packed here.
