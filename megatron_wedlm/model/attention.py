@@ -42,6 +42,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from megatron_wedlm.data.attention_rule import (
     AttentionMetadata,
@@ -402,8 +403,6 @@ _COMPILED_FLEX: Callable | None = None
 def _flex_kernel(compile_kernel: bool) -> Callable:
     """FlexAttention, compiled once per process when asked (eager is a slow reference)."""
     global _COMPILED_FLEX
-    from torch.nn.attention.flex_attention import flex_attention
-
     if not compile_kernel:
         return flex_attention
     if _COMPILED_FLEX is None:
@@ -476,8 +475,6 @@ def _context_parallel_block_mask(attention_mask: Tensor, query_slots: Tensor, ti
     FlexAttention's own ``create_block_mask`` (O(S_q x S / tile) work per micro-batch, once:
     it is cached).
     """
-    from torch.nn.attention.flex_attention import create_block_mask
-
     meta = unpack_attention_metadata(attention_mask)
     mask_mod = flex_mask_mod(meta, padding_attends_self=True, query_slots=query_slots)
     return create_block_mask(
