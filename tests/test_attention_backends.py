@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from megatron_wedlm.config import ConfigError, load_config
+from megatron_wedlm.data import pack_attention_metadata
 from megatron_wedlm.deepspeed_backend.settings import validate_deepspeed_run
-from megatron_wedlm.model.attention import layer_mask, pack_attention_metadata
+from megatron_wedlm.model.attention import layer_mask
 from megatron_wedlm.model.attention_backends import (
     ATTENTION_BACKEND_NAMES,
     ATTENTION_BACKENDS,

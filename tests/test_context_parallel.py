@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_wedlm.data import build_dual_stream_batch, stack_dual_stream_batches
+from megatron_wedlm.data import build_dual_stream_batch, pack_attention_metadata, stack_dual_stream_batches
 from megatron_wedlm.data.attention_rule import allowed_pairs_per_query_tile, dense_attention_mask
-from megatron_wedlm.model.attention import _context_parallel_block_mask, pack_attention_metadata
+from megatron_wedlm.model.attention import _context_parallel_block_mask
 from megatron_wedlm.model.context_parallel import (
     balanced_slot_order,
     chunks_per_rank_for,

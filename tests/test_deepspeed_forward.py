@@ -206,7 +206,7 @@ def test_loss_on_a_fixed_batch_equals_the_megatron_models_on_converted_weights(t
     from megatron_wedlm.config import load_config
     from megatron_wedlm.conversion import convert_hf_to_megatron, megatron_process_group
     from megatron_wedlm.deepspeed_backend.hf_model import load_hf_causal_lm
-    from megatron_wedlm.model.attention import pack_attention_metadata
+    from megatron_wedlm.data import pack_attention_metadata
     from megatron_wedlm.model.wedlm_model import build_model_chunks
     from megatron_wedlm.training.model_setup import build_settings, load_init_weights, resolve_model_args
 

@@ -65,7 +65,7 @@ def _brute_force_row_logits(model, row) -> torch.Tensor:
 
 
 def model_packed(rows):
-    from megatron_wedlm.model import pack_attention_metadata
+    from megatron_wedlm.data import pack_attention_metadata
 
     return pack_attention_metadata(rows.attention_metadata())
 

@@ -30,6 +30,7 @@ from megatron_wedlm.model.hf_config import (
     save_model_args,
 )
 from megatron_wedlm.runtime.atomic_output import atomic_output_dir, check_output_dir
+from megatron_wedlm.runtime.multiprocess import run_distributed
 
 from .hf_checkpoint import ConversionError, HFSafetensorsReader, read_json
 from .layout import resize_rows
@@ -180,8 +181,6 @@ def convert_hf_to_megatron(
             if tp * pp == 1:
                 _write_rank(args.to_dict(), str(input_dir), str(staging), 1, 1, mask_init)
             else:
-                from megatron_wedlm.runtime.multiprocess import run_distributed
-
                 run_distributed(
                     _write_rank, tp * pp, args.to_dict(), str(input_dir), str(staging), tp, pp, mask_init,
                     timeout_s=timeout_s,

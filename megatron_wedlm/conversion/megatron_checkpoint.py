@@ -22,8 +22,12 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from megatron_wedlm.model.hf_config import ModelArgs
+from megatron_wedlm.runtime import cpu as cpu_runtime
+from megatron_wedlm.runtime.multiprocess import find_free_port
+from megatron_wedlm.runtime.parallel import init_distributed
 
 from .hf_checkpoint import ConversionError
 from .layout import tp_local_shard
@@ -53,11 +57,7 @@ def megatron_process_group(
     existed is kept. Without CUDA the project's CPU runtime is switched on for the duration
     (Megatron cannot build a model on a CPU-only torch without it).
     """
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
-
-    from megatron_wedlm.runtime import cpu as cpu_runtime
-    from megatron_wedlm.runtime.parallel import init_distributed
 
     with contextlib.ExitStack() as stack:
         if not torch.cuda.is_available() and not cpu_runtime.cpu_runtime_active():
@@ -96,8 +96,6 @@ def megatron_process_group(
 @contextlib.contextmanager
 def _single_process_env() -> Iterator[None]:
     """torchrun's variables for a world of one on a free port, restored on exit."""
-    from megatron_wedlm.runtime.multiprocess import find_free_port
-
     names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     saved = {name: os.environ.get(name) for name in names}
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
@@ -119,7 +117,7 @@ def build_conversion_model(args: ModelArgs, *, initialize: bool = False):
     ``initialize=False`` allocates without random init -- every tensor is about to be
     overwritten, and initialising a multi-billion-parameter model on CPU takes minutes.
     """
-    from megatron_wedlm.model.wedlm_model import BuildSettings, build_model_chunks
+    from megatron_wedlm.model.wedlm_model import BuildSettings, build_model_chunks  # imports Megatron-Core
 
     (model,) = build_model_chunks(args, BuildSettings(params_dtype=args.torch_dtype, initialize=initialize))
     return model
@@ -241,7 +239,7 @@ def torch_dist_problem(directory: str | Path) -> str | None:
     copy or save) otherwise surfaces as a bare EOFError from deep inside
     torch.distributed.checkpoint, naming neither the file nor the checkpoint.
     """
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import FileSystemReader  # about 1 s to import
 
     directory = Path(directory)
     try:

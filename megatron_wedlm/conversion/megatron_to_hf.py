@@ -18,6 +18,7 @@ import torch
 
 from megatron_wedlm.model.hf_config import ModelArgs, find_model_args_file, hf_config_from_model_args, load_model_args
 from megatron_wedlm.runtime.atomic_output import atomic_output_dir, check_output_dir
+from megatron_wedlm.runtime.hf_local import has_token_id, load_tokenizer
 
 from .hf_checkpoint import ConversionError, ShardedSafetensorsWriter, parse_size
 from .mapping import EMBEDDING, FINAL_NORM, OUTPUT_LAYER, layer_rules, to_hf, zero_hf_tensors
@@ -110,8 +111,6 @@ def _resolve_model_args(input_dir: Path, model_args) -> tuple[ModelArgs, Path | 
 def _check_mask_in_tokenizer(tokenizer_dir: Path, args: ModelArgs) -> None:
     if args.mask_token_id is None:
         return
-    from megatron_wedlm.runtime.hf_local import has_token_id, load_tokenizer
-
     tokenizer = load_tokenizer(tokenizer_dir)
     if not has_token_id(tokenizer, args.mask_token_id):
         raise ConversionError(

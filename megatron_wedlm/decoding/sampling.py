@@ -26,12 +26,10 @@ padded batch of masked tensors.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from .settings import DecodeSettings
+from .settings import DecodeSettings
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -65,7 +63,7 @@ def select_slots(
 class SlotSampler:
     """Step d of Algorithm 1 for a batch: entropies and tokens of all mask slots, then each row's fill rule."""
 
-    def __init__(self, settings: "DecodeSettings", generator: torch.Generator | None = None):
+    def __init__(self, settings: DecodeSettings, generator: torch.Generator | None = None):
         self.settings, self.generator = settings, generator
 
     def choose(self, logits: torch.Tensor, mask_slots: list[list[int]]) -> list[tuple[list[int], list[int]]]:
@@ -118,13 +116,3 @@ def sample_tokens(
     probs = torch.softmax(scores, dim=-1)
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
-
-
-def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
-    """Reject sampler settings that have no meaning, naming the argument."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")

@@ -11,8 +11,6 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from .sampling import validate_sampling
-
 STREAMING = "streaming"
 BLOCKWISE = "blockwise"
 AUTOREGRESSIVE = "ar"
@@ -20,6 +18,16 @@ METHODS = (STREAMING, BLOCKWISE, AUTOREGRESSIVE)
 PARALLEL_METHODS = (STREAMING, BLOCKWISE)
 #: Settings that only the parallel decoders read (AR ignores them, so one object drives all methods).
 PARALLEL_ONLY = ("window_size", "entropy_threshold", "distance_penalty", "fused_refill")
+
+
+def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    """Reject sampler settings that have no meaning, naming the argument."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@
   ``WeDLMGPTModel`` chunks, a ``GPTModel`` subclass), ``wedlm_transformer_config``.
 * :mod:`.layer_spec`  -- ``get_wedlm_layer_spec`` / ``get_wedlm_block_spec`` (Megatron ModuleSpecs).
 * :mod:`.attention`   -- core-attention backends: ``dense`` (SDPA + bool mask), ``flex``
-  (FlexAttention + BlockMask), ``te`` (Transformer Engine arbitrary mask); packed metadata.
+  (FlexAttention + BlockMask), ``te`` (Transformer Engine arbitrary mask).
 * :mod:`.attention_backends` -- the one table of backends (name -> core-attention ``ModuleSpec``
   params, HF attention, row padding, CUDA, CP) and the ``auto`` rule.
 * :mod:`.rope`        -- ``LogicalRotaryEmbedding``: RoPE from per-slot logical positions.
@@ -23,9 +23,6 @@ from typing import Any
 
 _EXPORTS = {
     "ATTENTION_BACKENDS": "attention_backends",
-    "causal_packed_metadata": "attention",
-    "pack_attention_metadata": "attention",
-    "unpack_attention_metadata": "attention",
     "get_wedlm_block_spec": "layer_spec",
     "get_wedlm_layer_spec": "layer_spec",
     "LossNormalizer": "losses",

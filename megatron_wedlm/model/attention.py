@@ -42,6 +42,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from megatron_wedlm.data.attention_rule import (
     AttentionMetadata,
@@ -49,57 +50,17 @@ from megatron_wedlm.data.attention_rule import (
     dense_attention_mask,
     flex_mask_mod,
 )
+from megatron_wedlm.data.packed_metadata import causal_packed_metadata, packed_slot_order, unpack_attention_metadata
+
+from .context_parallel import gather_along_sequence
 
 __all__ = [
     "LayerMask",
     "WeDLMSDPAttention",
     "WeDLMFlexAttention",
-    "causal_packed_metadata",
     "layer_mask",
-    "pack_attention_metadata",
-    "packed_slot_order",
     "te_attention_class",
-    "unpack_attention_metadata",
 ]
-
-
-# --------------------------------------------------------------------------------------------
-# Packed metadata: the tensor form of AttentionMetadata that Megatron carries as attention_mask
-# --------------------------------------------------------------------------------------------
-
-
-def pack_attention_metadata(metadata: AttentionMetadata, slot_order: Tensor | None = None) -> Tensor:
-    """``AttentionMetadata`` (``[S]`` or ``[B, S]``) -> int32 ``[B, 3, S]`` for ``attention_mask``.
-
-    ``slot_order`` (context parallelism, :mod:`.context_parallel`): the physical slots in the
-    order the CP ranks hold them, stored as a fourth row (``[B, 4, S]``); the first three rows
-    stay the whole row's metadata in physical order.
-    """
-    meta = metadata.batched()
-    rows = [meta.doc_ids.to(torch.int32), meta.is_memory.to(torch.int32), meta.block_ids.to(torch.int32)]
-    if slot_order is not None:
-        if slot_order.shape != (meta.seq_len,):
-            raise ValueError(f"slot_order must be [S] = [{meta.seq_len}], got {tuple(slot_order.shape)}")
-        rows.append(slot_order.to(device=meta.doc_ids.device, dtype=torch.int32).expand_as(rows[0]))
-    return torch.stack(rows, dim=1).contiguous()
-
-
-def unpack_attention_metadata(packed: Tensor) -> AttentionMetadata:
-    if packed.dim() != 3 or packed.shape[1] not in (3, 4):
-        raise ValueError(f"packed attention metadata must be [B, 3, S] (or [B, 4, S] under CP), got {tuple(packed.shape)}")
-    return AttentionMetadata(doc_ids=packed[:, 0], is_memory=packed[:, 1].bool(), block_ids=packed[:, 2])
-
-
-def packed_slot_order(packed: Tensor) -> Tensor | None:
-    """The context-parallel slot order of packed metadata (``[S]`` int64), None without CP."""
-    return packed[0, 3].long() if packed.shape[1] == 4 else None
-
-
-def causal_packed_metadata(batch_size: int, seq_len: int, device: torch.device | str) -> Tensor:
-    """Packed metadata of a plain causal LM row (one document, memory stream only)."""
-    packed = torch.zeros(batch_size, 3, seq_len, dtype=torch.int32, device=device)
-    packed[:, 1] = 1
-    return packed
 
 
 def _is_packed_metadata(mask: Tensor) -> bool:
@@ -264,8 +225,6 @@ class _WeDLMCoreAttentionBase(torch.nn.Module):
                     "shard batches with megatron_wedlm.model.context_parallel.shard_batch"
                 )
             return key, value, None
-        from .context_parallel import gather_along_sequence
-
         local = key.shape[0]
         if local * cp_size != order.numel():
             raise ValueError(
@@ -444,8 +403,6 @@ _COMPILED_FLEX: Callable | None = None
 def _flex_kernel(compile_kernel: bool) -> Callable:
     """FlexAttention, compiled once per process when asked (eager is a slow reference)."""
     global _COMPILED_FLEX
-    from torch.nn.attention.flex_attention import flex_attention
-
     if not compile_kernel:
         return flex_attention
     if _COMPILED_FLEX is None:
@@ -518,8 +475,6 @@ def _context_parallel_block_mask(attention_mask: Tensor, query_slots: Tensor, ti
     FlexAttention's own ``create_block_mask`` (O(S_q x S / tile) work per micro-batch, once:
     it is cached).
     """
-    from torch.nn.attention.flex_attention import create_block_mask
-
     meta = unpack_attention_metadata(attention_mask)
     mask_mod = flex_mask_mod(meta, padding_attends_self=True, query_slots=query_slots)
     return create_block_mask(

@@ -43,6 +43,7 @@ AUTO = "auto"
 FLEX_TILE_SIZE = 128  # the flex BlockMask tile: the module's default and the DeepSpeed path's row padding
 
 
+# The backend classes are imported when a spec is built: .attention imports torch, this table must not.
 def _dense() -> type:
     from .attention import WeDLMSDPAttention
 

@@ -20,7 +20,7 @@ same split without talking. :func:`pairs_per_rank` states the resulting balance.
 **What travels.** Rank r's slots are ``slot_order[r*n:(r+1)*n]`` (ascending within a rank).
 Its model inputs are those slots of the batch (:meth:`DualStreamBatch.select_slots`: token,
 logical position, labels), and ``attention_mask`` is the packed metadata of the *whole* row
-plus the slot order (``[B, 4, S]``, :func:`megatron_wedlm.model.attention.pack_attention_metadata`),
+plus the slot order (``[B, 4, S]``, :func:`megatron_wedlm.data.pack_attention_metadata`),
 so every layer builds the mask of its local queries against the gathered keys on global slot
 indices -- the same rule, derived, not re-written.
 
@@ -39,6 +39,7 @@ from torch import Tensor
 
 from megatron_wedlm.data.attention_rule import AttentionMetadata, allowed_pairs_per_query_tile
 from megatron_wedlm.data.dual_stream import DualStreamBatch
+from megatron_wedlm.data.packed_metadata import pack_attention_metadata
 
 __all__ = [
     "ContextParallelShard",
@@ -148,8 +149,6 @@ def shard_batch(batch: DualStreamBatch, cp_rank: int | None = None, cp_size: int
 
     ``cp_rank`` / ``cp_size`` default to Megatron's context-parallel group.
     """
-    from .attention import pack_attention_metadata
-
     if cp_size is None:
         group = context_parallel_group()
         cp_size = 1 if group is None else group.size()

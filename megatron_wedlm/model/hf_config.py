@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from megatron_wedlm.runtime.hf_local import wedlm_config_to_hf
+
 #: File written next to a converted Megatron checkpoint.
 MODEL_ARGS_FILE = "wedlm_model.json"
 
@@ -156,8 +158,6 @@ def _normalised_hf_config(raw: dict[str, Any]):
     model_type = raw.get("model_type")
     if model_type == "wedlm":
         # Official WeDLM checkpoints: same weights as the AR family they came from.
-        from megatron_wedlm.runtime.hf_local import wedlm_config_to_hf
-
         _, config = wedlm_config_to_hf(raw)
         if raw.get("mask_token_id") is not None:
             config.mask_token_id = raw["mask_token_id"]

@@ -32,11 +32,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
 
 from megatron_wedlm.data.attention_rule import AttentionMetadata
+from megatron_wedlm.data.packed_metadata import causal_packed_metadata, pack_attention_metadata
+from megatron_wedlm.runtime.parallel import batched_p2p_supported
 
-from .attention import causal_packed_metadata, pack_attention_metadata
 from .attention_backends import get_attention_backend
 from .hf_config import ModelArgs
 from .layer_spec import get_wedlm_block_spec
@@ -85,7 +88,7 @@ class WeDLMGPTModel(GPTModel):
 
     * ``input_ids``, ``position_ids``: ``[B, S]`` physical dual-stream rows (``S = 2L`` per
       document); ``position_ids`` are logical and are needed on *every* pipeline stage.
-    * ``attention_mask``: packed metadata ``[B, 3, S]`` (:func:`.attention.pack_attention_metadata`),
+    * ``attention_mask``: packed metadata ``[B, 3, S]`` (:func:`megatron_wedlm.data.pack_attention_metadata`),
       or a Megatron bool mask ``[B, 1, S, S]`` (True = masked out; dense/TE backends), or None
       for plain causal attention. An ``AttentionMetadata`` (positionally or as
       ``attention_metadata=``) is the convenient alternative and is packed here.
@@ -208,11 +211,6 @@ def wedlm_transformer_config(args: ModelArgs, settings: BuildSettings):
     fusion is switched on, and only on a GPU. TP/PP/VPP/CP sizes come from Megatron's parallel
     state, so the config always matches the layout the model is built in.
     """
-    from megatron.core import parallel_state as ps
-    from megatron.core.transformer import TransformerConfig
-
-    from megatron_wedlm.runtime.parallel import batched_p2p_supported
-
     dtype = settings.params_dtype
     return TransformerConfig(
         num_layers=args.num_layers,
@@ -276,8 +274,6 @@ def build_wedlm_model(
     straight to the layer spec. The chunk's pipeline position comes from Megatron's parallel
     state, which must be initialised. Most callers want :func:`build_model_chunks`.
     """
-    from megatron.core import parallel_state as ps
-
     tp = ps.get_tensor_model_parallel_world_size()
     if args.padded_vocab_size % tp:
         raise ValueError(
@@ -317,8 +313,6 @@ def build_model_chunks(args: ModelArgs, settings: BuildSettings) -> ModelChunks:
     The one build: training, the parallel-equivalence workers (``tools/verify_parallel.py``),
     conversion and the benchmarks all come through here, so a check of one is a check of all.
     """
-    from megatron.core import parallel_state as ps
-
     config = wedlm_transformer_config(args, settings)
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     stages: list[int | None] = [None] if vpp is None else list(range(vpp))

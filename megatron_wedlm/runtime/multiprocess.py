@@ -32,10 +32,12 @@ import sys
 import tempfile
 import time
 import traceback
+from multiprocessing.managers import SyncManager
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 
 #: Seconds between SIGTERM and SIGKILL when a launch's process groups are stopped.
@@ -87,8 +89,6 @@ def _rank_main(
         torch.save({"ok": False, "error": traceback.format_exc()}, out)
         raise SystemExit(1)
     finally:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -122,8 +122,6 @@ def _checkpoint_results_queue() -> Any:
     """Megatron's ``filesystem_async._get_write_results_queue`` (0.16.1, lines 51-56), except
     that the Manager's server process is started with ``die_with_parent``: same spawn context,
     same queue, cached in the same module global."""
-    from multiprocessing.managers import SyncManager
-
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:

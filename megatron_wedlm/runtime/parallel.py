@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_wedlm.runtime.cpu import activate_cpu_runtime
+from megatron_wedlm.runtime.multiprocess import find_free_port, make_checkpoint_manager_die_with_rank
+
 
 @dataclass
 class ParallelConfig:
@@ -87,12 +90,8 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        from megatron_wedlm.runtime.multiprocess import find_free_port
-
         os.environ["MASTER_PORT"] = str(find_free_port())
     if "megatron.core" in sys.modules:  # a Megatron rank (importing it only for this costs seconds)
-        from megatron_wedlm.runtime.multiprocess import make_checkpoint_manager_die_with_rank
-
         make_checkpoint_manager_die_with_rank()  # a rank killed with -9 must not leave it behind
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
@@ -114,13 +113,9 @@ def initialize_parallel_state(
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_wedlm.runtime.multiprocess import make_checkpoint_manager_die_with_rank
-
     make_checkpoint_manager_die_with_rank()  # also when the process group already existed
     torch_device = resolve_device(device)
     if torch_device.type == "cpu":
-        from megatron_wedlm.runtime.cpu import activate_cpu_runtime
-
         activate_cpu_runtime()
     init_distributed(torch_device)
     world = dist.get_world_size()
