@@ -43,7 +43,7 @@ import io
 import json
 import sys
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -618,6 +618,3 @@ def read_manifest(data_dir: str | Path) -> dict[str, Any]:
         )
     return manifest
 
-
-def summary_dict(summary: PrepareSummary) -> dict[str, Any]:
-    return asdict(summary)
