@@ -201,6 +201,41 @@ def _padded_length(length: int, pad_to: int | None, pad_to_multiple_of: int | No
     return target
 
 
+#: What a padding slot holds in each tensor field (``input_ids`` and ``target_ids``: the pad token).
+_PAD_VALUES = {
+    "position_ids": 0,
+    "is_memory": False,
+    "is_masked": False,
+    "doc_ids": -1,
+    "block_ids": 0,
+    "mask_ratio": 0.0,
+    "mlm_weights": 0.0,
+    "ar_labels": IGNORE_INDEX,
+    "is_padding": True,
+}
+_FIELD_DTYPES = {
+    "input_ids": torch.long,
+    "position_ids": torch.long,
+    "is_memory": torch.bool,
+    "is_masked": torch.bool,
+    "target_ids": torch.long,
+    "doc_ids": torch.long,
+    "block_ids": torch.long,
+    "mask_ratio": torch.float32,
+    "mlm_weights": torch.float32,
+    "ar_labels": torch.long,
+    "is_padding": torch.bool,
+}
+
+
+def _padding_slots(length: int, pad_token_id: int) -> dict[str, Tensor]:
+    """The tensor fields of a row of ``length`` padding slots, for a builder to write its tokens into."""
+    return {
+        name: torch.full((length,), _PAD_VALUES.get(name, pad_token_id), dtype=dtype)
+        for name, dtype in _FIELD_DTYPES.items()
+    }
+
+
 def build_dual_stream_batch(
     documents: Sequence[Tensor],
     block_size: int = 32,
@@ -305,20 +340,10 @@ def build_dual_stream_batch(
     next_token = torch.cat([tokens[1:], tokens.new_full((1,), IGNORE_INDEX)])
     ar_for_token = torch.where(has_next, next_token, torch.full_like(tokens, IGNORE_INDEX))
 
-    def slots(fill, dtype) -> Tensor:
-        return torch.full((total,), fill, dtype=dtype)
-
-    input_ids = slots(pad_id, torch.long)
-    target_ids = slots(pad_id, torch.long)
-    position_ids = slots(0, torch.long)
-    is_memory = slots(False, torch.bool)
-    masked = slots(False, torch.bool)
-    doc_ids = slots(-1, torch.long)
-    mask_ratio = slots(0.0, torch.float32)
-    mlm_weights = slots(0.0, torch.float32)
-    ar_labels = slots(IGNORE_INDEX, torch.long)
-    is_padding = slots(True, torch.bool)
-    block_ids = slots(0, torch.long)
+    row = _padding_slots(total, pad_id)
+    input_ids, target_ids, position_ids = row["input_ids"], row["target_ids"], row["position_ids"]
+    is_memory, masked, doc_ids, block_ids = row["is_memory"], row["is_masked"], row["doc_ids"], row["block_ids"]
+    mask_ratio, mlm_weights, ar_labels, is_padding = row["mask_ratio"], row["mlm_weights"], row["ar_labels"], row["is_padding"]
 
     for slot in (memory_slot, prediction_slot):
         target_ids[slot] = tokens
@@ -351,19 +376,6 @@ def build_dual_stream_batch(
         mask_token_id=int(mask_token_id),
         pad_token_id=int(pad_id),
     )
-
-
-_PAD_VALUES = {
-    "position_ids": 0,
-    "is_memory": False,
-    "is_masked": False,
-    "doc_ids": -1,
-    "block_ids": 0,
-    "mask_ratio": 0.0,
-    "mlm_weights": 0.0,
-    "ar_labels": IGNORE_INDEX,
-    "is_padding": True,
-}
 
 
 def pad_dual_stream_batch(batch: DualStreamBatch, length: int) -> DualStreamBatch:
