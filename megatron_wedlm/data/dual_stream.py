@@ -55,6 +55,7 @@ from .attention_rule import AttentionMetadata, build_block_mask, dense_attention
 __all__ = [
     "DualStreamBatch",
     "build_dual_stream_batch",
+    "build_memory_only_row",
     "pad_dual_stream_batch",
     "stack_dual_stream_batches",
     "IGNORE_INDEX",
@@ -236,6 +237,38 @@ def _padding_slots(length: int, pad_token_id: int) -> dict[str, Tensor]:
     }
 
 
+@dataclass
+class _DocumentTokens:
+    """Documents concatenated into one token tensor (global token index t), and what each token
+    takes from its document."""
+
+    tokens: Tensor  # [T]
+    lengths: Tensor  # [D] tokens per document
+    doc: Tensor  # [T] document of each token
+    start: Tensor  # [T] index t of its document's first token
+    position: Tensor  # [T] logical position in its document
+    prompt_length: Tensor  # [T] prompt length of its document
+    ar_labels: Tensor  # [T] the next token of its document; IGNORE_INDEX after the last one or on a prompt token
+
+    @property
+    def is_prompt(self) -> Tensor:
+        return self.position < self.prompt_length
+
+
+def _document_tokens(tokens: Tensor, lengths: Tensor, prompts: Tensor) -> _DocumentTokens:
+    """Per-token bookkeeping of ``tokens``, the concatenation of documents of ``lengths`` with ``prompts``
+    prompt tokens each; shared by the dual-stream and the memory-only row."""
+    doc = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    start = (lengths.cumsum(0) - lengths)[doc]
+    position = torch.arange(tokens.numel()) - start
+    prompt_length = prompts[doc]
+    next_position = position + 1
+    has_next = (next_position < lengths[doc]) & (next_position >= prompt_length)
+    next_token = torch.cat([tokens[1:], tokens.new_full((1,), IGNORE_INDEX)])
+    ar_labels = torch.where(has_next, next_token, torch.full_like(tokens, IGNORE_INDEX))
+    return _DocumentTokens(tokens, lengths, doc, start, position, prompt_length, ar_labels)
+
+
 def build_dual_stream_batch(
     documents: Sequence[Tensor],
     block_size: int = 32,
@@ -281,10 +314,8 @@ def build_dual_stream_batch(
 
     # Token-level bookkeeping over the concatenated documents (global token index t).
     num_docs = lengths.numel()
-    doc_of_token = torch.repeat_interleave(torch.arange(num_docs), lengths)
-    doc_start = lengths.cumsum(0) - lengths
-    position = torch.arange(num_tokens) - doc_start[doc_of_token]
-    is_prompt = position < prompts[doc_of_token]
+    docs = _document_tokens(tokens, lengths, prompts)
+    doc_of_token, position, is_prompt = docs.doc, docs.position, docs.is_prompt
 
     # Blocks, numbered globally across documents (blocks never span documents); a document's grid
     # starts `offset` positions before its first token.
@@ -330,15 +361,8 @@ def build_dual_stream_batch(
     dest = first + torch.where(is_masked, observed_in_block[global_block] + msk_rank, obs_rank)
 
     # Physical slots: document d occupies [2*start_d, 2*start_d + 2*L_d).
-    length_of_token = lengths[doc_of_token]
-    start_of_token = doc_start[doc_of_token]
-    memory_slot = start_of_token + torch.arange(num_tokens)
-    prediction_slot = start_of_token + length_of_token + dest
-
-    next_position = position + 1
-    has_next = (next_position < length_of_token) & (next_position >= prompts[doc_of_token])
-    next_token = torch.cat([tokens[1:], tokens.new_full((1,), IGNORE_INDEX)])
-    ar_for_token = torch.where(has_next, next_token, torch.full_like(tokens, IGNORE_INDEX))
+    memory_slot = docs.start + torch.arange(num_tokens)
+    prediction_slot = docs.start + lengths[doc_of_token] + dest
 
     row = _padding_slots(total, pad_id)
     input_ids, target_ids, position_ids = row["input_ids"], row["target_ids"], row["position_ids"]
@@ -358,7 +382,7 @@ def build_dual_stream_batch(
     token_gamma = gamma[global_block]
     mask_ratio[prediction_slot] = token_gamma.float()
     mlm_weights[prediction_slot] = torch.where(is_masked, 1.0 / token_gamma, torch.zeros_like(token_gamma)).float()
-    ar_labels[memory_slot] = ar_for_token
+    ar_labels[memory_slot] = docs.ar_labels
 
     return DualStreamBatch(
         input_ids=input_ids,
@@ -375,6 +399,88 @@ def build_dual_stream_batch(
         block_size=block_size,
         mask_token_id=int(mask_token_id),
         pad_token_id=int(pad_id),
+    )
+
+
+def build_memory_only_row(
+    documents: Sequence[Tensor],
+    prompt_lengths: Sequence[int],
+    block_size: int,
+    mask_token_id: int,
+    pad_token_id: int,
+) -> DualStreamBatch:
+    """An AR training row: the documents' memory streams only (plain next-token prediction).
+
+    Same fields as a dual-stream row, so one model and one loss serve both modes: every slot is
+    memory, nothing is masked (no MLM loss), ``ar_labels`` hold the next token inside each
+    document (none after the last token or on prompt tokens), documents do not attend each
+    other and each starts at position 0.
+    """
+    tokens = torch.cat([d.to(torch.long) for d in documents])
+    lengths = torch.tensor([d.numel() for d in documents])
+    docs = _document_tokens(tokens, lengths, torch.as_tensor(list(prompt_lengths), dtype=torch.long))
+    zeros = torch.zeros(tokens.numel())
+    return DualStreamBatch(
+        input_ids=tokens,
+        position_ids=docs.position,
+        is_memory=torch.ones_like(tokens, dtype=torch.bool),
+        is_masked=torch.zeros_like(tokens, dtype=torch.bool),
+        target_ids=tokens.clone(),
+        doc_ids=docs.doc,
+        block_ids=docs.position // block_size,
+        mask_ratio=zeros.clone(),
+        mlm_weights=zeros.clone(),
+        ar_labels=docs.ar_labels,
+        is_padding=torch.zeros_like(tokens, dtype=torch.bool),
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        pad_token_id=pad_token_id,
+    )
+
+
+def pad_dual_stream_batch(batch: DualStreamBatch, length: int) -> DualStreamBatch:
+    """Append padding slots (attend nothing, no loss) up to ``length`` along the last dim."""
+    extra = length - batch.seq_len
+    if extra < 0:
+        raise ValueError(f"cannot pad a row of length {batch.seq_len} down to {length}")
+    if extra == 0:
+        return batch
+    padded = {}
+    for name in DualStreamBatch.tensor_field_names():
+        tensor = getattr(batch, name)
+        fill = _PAD_VALUES.get(name, batch.pad_token_id)
+        tail = torch.full((*tensor.shape[:-1], extra), fill, dtype=tensor.dtype, device=tensor.device)
+        padded[name] = torch.cat([tensor, tail], dim=-1)
+    return DualStreamBatch(
+        **padded, block_size=batch.block_size, mask_token_id=batch.mask_token_id, pad_token_id=batch.pad_token_id
+    )
+
+
+def stack_dual_stream_batches(batches: Sequence[DualStreamBatch], pad_to: int | None = None) -> DualStreamBatch:
+    """Collate single rows into one ``[B, S]`` batch, padding each to the longest (or ``pad_to``).
+
+    The result's ``dense_attention_mask()`` is ``[B, S, S]``; ``attention_metadata()`` is the
+    ``[B, S]`` metadata for FlexAttention / pipeline stages.
+    """
+    if len(batches) == 0:
+        raise ValueError("no batches to stack")
+    for i, b in enumerate(batches):
+        if b.input_ids.dim() != 1:
+            raise ValueError(f"batch {i} is already stacked (shape {tuple(b.input_ids.shape)}); stack single rows")
+        for attr in ("block_size", "mask_token_id", "pad_token_id"):
+            if getattr(b, attr) != getattr(batches[0], attr):
+                raise ValueError(f"batch {i} has {attr}={getattr(b, attr)} but batch 0 has {getattr(batches[0], attr)}")
+    longest = max(b.seq_len for b in batches)
+    length = longest if pad_to is None else pad_to
+    if length < longest:
+        raise ValueError(f"pad_to {pad_to} is shorter than the longest row ({longest})")
+    padded = [pad_dual_stream_batch(b, length) for b in batches]
+    first = batches[0]
+    return DualStreamBatch(
+        **{name: torch.stack([getattr(p, name) for p in padded]) for name in DualStreamBatch.tensor_field_names()},
+        block_size=first.block_size,
+        mask_token_id=first.mask_token_id,
+        pad_token_id=first.pad_token_id,
     )
 
 
