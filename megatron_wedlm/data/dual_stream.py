@@ -269,6 +269,132 @@ def _document_tokens(tokens: Tensor, lengths: Tensor, prompts: Tensor) -> _Docum
     return _DocumentTokens(tokens, lengths, doc, start, position, prompt_length, ar_labels)
 
 
+@dataclass
+class _BlockGrid:
+    """The blocks of the prediction streams, numbered across documents (a block never spans two)."""
+
+    of_token: Tensor  # [T] global block of each token
+    in_document: Tensor  # [T] block of each token within its document
+    per_document: Tensor  # [D] blocks per document
+    length: Tensor  # [K] tokens per block
+    start: Tensor  # [K] index t of each block's first token
+    maskable: Tensor  # [K] non-prompt tokens per block (float64)
+
+
+def _as_mask_token_id(mask_token_id: object) -> int:
+    if mask_token_id is None or isinstance(mask_token_id, bool) or int(mask_token_id) != mask_token_id:
+        raise ValueError(f"mask_token_id must be the integer id of the mask token, got {mask_token_id!r}")
+    return int(mask_token_id)
+
+
+def _concatenate(documents: Sequence[Tensor], mask_token_id: int) -> tuple[Tensor, Tensor]:
+    """``(tokens, lengths)``: the checked documents as one CPU long tensor, and their lengths."""
+    docs = [_as_token_tensor(d, i) for i, d in enumerate(documents)]
+    tokens = torch.cat([d.to(device="cpu", dtype=torch.long) for d in docs])
+    lengths = torch.tensor([d.numel() for d in docs], dtype=torch.long)
+    hits = (tokens == mask_token_id).nonzero()
+    if hits.numel():
+        doc = int(torch.searchsorted(lengths.cumsum(0), hits[0], right=True))
+        raise ValueError(
+            f"mask_token_id {mask_token_id} occurs inside document {doc}; the mask token must not "
+            "appear in training text (filter or remap it)"
+        )
+    return tokens, lengths
+
+
+def _draw_offsets(
+    num_docs: int, block_size: int, random_block_offset: bool, generator: torch.Generator | None
+) -> Tensor:
+    """How many positions before its first token each document's block grid starts."""
+    if random_block_offset:
+        return torch.randint(0, block_size, (num_docs,), generator=generator)
+    return torch.zeros(num_docs, dtype=torch.long)
+
+
+def _block_grid(docs: _DocumentTokens, block_size: int, offset: Tensor) -> _BlockGrid:
+    offset_of_token = offset[docs.doc]
+    per_document = (docs.lengths + offset + block_size - 1) // block_size
+    first_block_of_doc = per_document.cumsum(0) - per_document
+    in_document = (docs.position + offset_of_token) // block_size
+    of_token = first_block_of_doc[docs.doc] + in_document
+    num_blocks = int(per_document.sum())
+    length = torch.bincount(of_token, minlength=num_blocks)
+    maskable = torch.bincount(of_token, weights=(~docs.is_prompt).double(), minlength=num_blocks)
+    return _BlockGrid(of_token, in_document, per_document, length, length.cumsum(0) - length, maskable)
+
+
+def _draw_gammas(blocks: _BlockGrid, ratio_mode: str, eps: float, generator: torch.Generator | None) -> Tensor:
+    """The mask ratio of each block, ``1 - U[0, 1)`` clamped to ``>= eps`` (float64, ``[K]``)."""
+    if ratio_mode == "block":
+        gamma = 1.0 - torch.rand(blocks.length.numel(), generator=generator, dtype=torch.float64)
+    else:
+        per_doc = 1.0 - torch.rand(blocks.per_document.numel(), generator=generator, dtype=torch.float64)
+        gamma = torch.repeat_interleave(per_doc, blocks.per_document)
+    return gamma.clamp(min=eps)
+
+
+def _choose_masked(
+    docs: _DocumentTokens, blocks: _BlockGrid, gamma: Tensor, generator: torch.Generator | None
+) -> tuple[Tensor, Tensor]:
+    """``(is_masked [T], masked per block [K])``: in each block the ``round(gamma * maskable)``
+    maskable tokens with the smallest random keys (prompt tokens get keys above every drawn one)."""
+    num_tokens = docs.tokens.numel()
+    num_masked = torch.floor(gamma * blocks.maskable + 0.5).long()
+    keys = torch.randint(0, 2**_KEY_BITS, (num_tokens,), generator=generator, dtype=torch.long)
+    keys = torch.where(docs.is_prompt, torch.full_like(keys, 2**_KEY_BITS), keys)
+    order = torch.argsort((blocks.of_token << (_KEY_BITS + 1)) | keys, stable=True)
+    rank_in_block = torch.arange(num_tokens) - blocks.start[blocks.of_token[order]]
+    is_masked = torch.empty(num_tokens, dtype=torch.bool)
+    is_masked[order] = rank_in_block < num_masked[blocks.of_token[order]]
+    return is_masked, num_masked
+
+
+def _reordered_places(blocks: _BlockGrid, is_masked: Tensor, num_masked: Tensor) -> Tensor:
+    """Index t of the place each token takes once every block is reordered: observed tokens
+    (ascending) then masked ones (ascending). Exclusive cumsums give each token its rank inside
+    its group without sorting."""
+    observed = ~is_masked
+    obs_before = torch.cumsum(observed.long(), 0) - observed.long()
+    msk_before = torch.cumsum(is_masked.long(), 0) - is_masked.long()
+    first = blocks.start[blocks.of_token]
+    obs_rank = obs_before - obs_before[first]
+    msk_rank = msk_before - msk_before[first]
+    observed_in_block = blocks.length - num_masked
+    return first + torch.where(is_masked, observed_in_block[blocks.of_token] + msk_rank, obs_rank)
+
+
+def _write_streams(
+    row: dict[str, Tensor],
+    docs: _DocumentTokens,
+    blocks: _BlockGrid,
+    gamma: Tensor,
+    is_masked: Tensor,
+    place: Tensor,
+    mask_token_id: int,
+) -> None:
+    """Write every token into its memory slot and its prediction slot: document d occupies
+    physical slots ``[2*start_d, 2*start_d + 2*L_d)``, memory stream first."""
+    tokens = docs.tokens
+    memory_slot = docs.start + torch.arange(tokens.numel())
+    prediction_slot = docs.start + docs.lengths[docs.doc] + place
+    for slot in (memory_slot, prediction_slot):
+        row["target_ids"][slot] = tokens
+        row["position_ids"][slot] = docs.position
+        row["doc_ids"][slot] = docs.doc
+        row["block_ids"][slot] = blocks.in_document
+        row["is_padding"][slot] = False
+    row["input_ids"][memory_slot] = tokens
+    row["input_ids"][prediction_slot] = torch.where(is_masked, torch.full_like(tokens, mask_token_id), tokens)
+    row["is_memory"][memory_slot] = True
+    row["is_masked"][prediction_slot] = is_masked
+    token_gamma = gamma[blocks.of_token]
+    row["mask_ratio"][prediction_slot] = token_gamma.float()
+    row["mlm_weights"][prediction_slot] = torch.where(
+        is_masked, 1.0 / token_gamma, torch.zeros_like(token_gamma)
+    ).float()
+    row["ar_labels"][memory_slot] = docs.ar_labels
+
+
 def build_dual_stream_batch(
     documents: Sequence[Tensor],
     block_size: int = 32,
@@ -293,113 +419,23 @@ def build_dual_stream_batch(
     """
     if len(documents) == 0:
         raise ValueError("documents is empty; need at least one document to build a row")
-    if mask_token_id is None or isinstance(mask_token_id, bool) or int(mask_token_id) != mask_token_id:
-        raise ValueError(f"mask_token_id must be the integer id of the mask token, got {mask_token_id!r}")
-    mask_token_id = int(mask_token_id)
+    mask_token_id = _as_mask_token_id(mask_token_id)
     _validate_options(block_size, eps, ratio_mode, pad_to, pad_to_multiple_of)
-    docs = [_as_token_tensor(d, i) for i, d in enumerate(documents)]
-    tokens = torch.cat([d.to(device="cpu", dtype=torch.long) for d in docs])
-    lengths = torch.tensor([d.numel() for d in docs], dtype=torch.long)
-    hits = (tokens == mask_token_id).nonzero()
-    if hits.numel():
-        doc = int(torch.searchsorted(lengths.cumsum(0), hits[0], right=True))
-        raise ValueError(
-            f"mask_token_id {mask_token_id} occurs inside document {doc}; the mask token must not "
-            "appear in training text (filter or remap it)"
-        )
+    tokens, lengths = _concatenate(documents, mask_token_id)
     prompts = _prompt_tensor(prompt_lengths, lengths)
-    num_tokens = tokens.numel()
-    total = _padded_length(2 * num_tokens, pad_to, pad_to_multiple_of, max_length)
+    total = _padded_length(2 * tokens.numel(), pad_to, pad_to_multiple_of, max_length)
     pad_id = mask_token_id if pad_token_id is None else pad_token_id
 
-    # Token-level bookkeeping over the concatenated documents (global token index t).
-    num_docs = lengths.numel()
     docs = _document_tokens(tokens, lengths, prompts)
-    doc_of_token, position, is_prompt = docs.doc, docs.position, docs.is_prompt
-
-    # Blocks, numbered globally across documents (blocks never span documents); a document's grid
-    # starts `offset` positions before its first token.
-    if random_block_offset:
-        offset = torch.randint(0, block_size, (num_docs,), generator=generator)
-    else:
-        offset = torch.zeros(num_docs, dtype=torch.long)
-    blocks_per_doc = (lengths + offset + block_size - 1) // block_size
-    first_block_of_doc = blocks_per_doc.cumsum(0) - blocks_per_doc
-    block_in_doc = (position + offset[doc_of_token]) // block_size
-    global_block = first_block_of_doc[doc_of_token] + block_in_doc
-    num_blocks = int(blocks_per_doc.sum())
-    block_len = torch.bincount(global_block, minlength=num_blocks)
-    block_start = block_len.cumsum(0) - block_len
-    maskable = torch.bincount(global_block, weights=(~is_prompt).double(), minlength=num_blocks)
-
-    # Random draws: gammas first, then one selection key per token.
-    if ratio_mode == "block":
-        gamma = 1.0 - torch.rand(num_blocks, generator=generator, dtype=torch.float64)
-    else:
-        per_doc = 1.0 - torch.rand(num_docs, generator=generator, dtype=torch.float64)
-        gamma = torch.repeat_interleave(per_doc, blocks_per_doc)
-    gamma = gamma.clamp(min=eps)
-    num_masked = torch.floor(gamma * maskable + 0.5).long()
-    keys = torch.randint(0, 2**_KEY_BITS, (num_tokens,), generator=generator, dtype=torch.long)
-    keys = torch.where(is_prompt, torch.full_like(keys, 2**_KEY_BITS), keys)
-
-    # Within each block, mask the tokens with the `num_masked` smallest keys.
-    order = torch.argsort((global_block << (_KEY_BITS + 1)) | keys, stable=True)
-    rank_in_block = torch.arange(num_tokens) - block_start[global_block[order]]
-    is_masked = torch.empty(num_tokens, dtype=torch.bool)
-    is_masked[order] = rank_in_block < num_masked[global_block[order]]
-
-    # Reorder each block: observed (ascending) then masked (ascending). Exclusive cumsums
-    # give each token its rank inside its group without sorting.
-    observed = ~is_masked
-    obs_before = torch.cumsum(observed.long(), 0) - observed.long()
-    msk_before = torch.cumsum(is_masked.long(), 0) - is_masked.long()
-    first = block_start[global_block]
-    obs_rank = obs_before - obs_before[first]
-    msk_rank = msk_before - msk_before[first]
-    observed_in_block = block_len - (num_masked)
-    dest = first + torch.where(is_masked, observed_in_block[global_block] + msk_rank, obs_rank)
-
-    # Physical slots: document d occupies [2*start_d, 2*start_d + 2*L_d).
-    memory_slot = docs.start + torch.arange(num_tokens)
-    prediction_slot = docs.start + lengths[doc_of_token] + dest
+    # The random draws, in the order the module docstring gives: offsets, gammas, selection keys.
+    offset = _draw_offsets(lengths.numel(), block_size, random_block_offset, generator)
+    blocks = _block_grid(docs, block_size, offset)
+    gamma = _draw_gammas(blocks, ratio_mode, eps, generator)
+    is_masked, num_masked = _choose_masked(docs, blocks, gamma, generator)
 
     row = _padding_slots(total, pad_id)
-    input_ids, target_ids, position_ids = row["input_ids"], row["target_ids"], row["position_ids"]
-    is_memory, masked, doc_ids, block_ids = row["is_memory"], row["is_masked"], row["doc_ids"], row["block_ids"]
-    mask_ratio, mlm_weights, ar_labels, is_padding = row["mask_ratio"], row["mlm_weights"], row["ar_labels"], row["is_padding"]
-
-    for slot in (memory_slot, prediction_slot):
-        target_ids[slot] = tokens
-        position_ids[slot] = position
-        doc_ids[slot] = doc_of_token
-        block_ids[slot] = block_in_doc
-        is_padding[slot] = False
-    input_ids[memory_slot] = tokens
-    input_ids[prediction_slot] = torch.where(is_masked, torch.full_like(tokens, mask_token_id), tokens)
-    is_memory[memory_slot] = True
-    masked[prediction_slot] = is_masked
-    token_gamma = gamma[global_block]
-    mask_ratio[prediction_slot] = token_gamma.float()
-    mlm_weights[prediction_slot] = torch.where(is_masked, 1.0 / token_gamma, torch.zeros_like(token_gamma)).float()
-    ar_labels[memory_slot] = docs.ar_labels
-
-    return DualStreamBatch(
-        input_ids=input_ids,
-        position_ids=position_ids,
-        is_memory=is_memory,
-        is_masked=masked,
-        target_ids=target_ids,
-        doc_ids=doc_ids,
-        block_ids=block_ids,
-        mask_ratio=mask_ratio,
-        mlm_weights=mlm_weights,
-        ar_labels=ar_labels,
-        is_padding=is_padding,
-        block_size=block_size,
-        mask_token_id=int(mask_token_id),
-        pad_token_id=int(pad_id),
-    )
+    _write_streams(row, docs, blocks, gamma, is_masked, _reordered_places(blocks, is_masked, num_masked), mask_token_id)
+    return DualStreamBatch(**row, block_size=block_size, mask_token_id=mask_token_id, pad_token_id=int(pad_id))
 
 
 def build_memory_only_row(
@@ -435,52 +471,6 @@ def build_memory_only_row(
         block_size=block_size,
         mask_token_id=mask_token_id,
         pad_token_id=pad_token_id,
-    )
-
-
-def pad_dual_stream_batch(batch: DualStreamBatch, length: int) -> DualStreamBatch:
-    """Append padding slots (attend nothing, no loss) up to ``length`` along the last dim."""
-    extra = length - batch.seq_len
-    if extra < 0:
-        raise ValueError(f"cannot pad a row of length {batch.seq_len} down to {length}")
-    if extra == 0:
-        return batch
-    padded = {}
-    for name in DualStreamBatch.tensor_field_names():
-        tensor = getattr(batch, name)
-        fill = _PAD_VALUES.get(name, batch.pad_token_id)
-        tail = torch.full((*tensor.shape[:-1], extra), fill, dtype=tensor.dtype, device=tensor.device)
-        padded[name] = torch.cat([tensor, tail], dim=-1)
-    return DualStreamBatch(
-        **padded, block_size=batch.block_size, mask_token_id=batch.mask_token_id, pad_token_id=batch.pad_token_id
-    )
-
-
-def stack_dual_stream_batches(batches: Sequence[DualStreamBatch], pad_to: int | None = None) -> DualStreamBatch:
-    """Collate single rows into one ``[B, S]`` batch, padding each to the longest (or ``pad_to``).
-
-    The result's ``dense_attention_mask()`` is ``[B, S, S]``; ``attention_metadata()`` is the
-    ``[B, S]`` metadata for FlexAttention / pipeline stages.
-    """
-    if len(batches) == 0:
-        raise ValueError("no batches to stack")
-    for i, b in enumerate(batches):
-        if b.input_ids.dim() != 1:
-            raise ValueError(f"batch {i} is already stacked (shape {tuple(b.input_ids.shape)}); stack single rows")
-        for attr in ("block_size", "mask_token_id", "pad_token_id"):
-            if getattr(b, attr) != getattr(batches[0], attr):
-                raise ValueError(f"batch {i} has {attr}={getattr(b, attr)} but batch 0 has {getattr(batches[0], attr)}")
-    longest = max(b.seq_len for b in batches)
-    length = longest if pad_to is None else pad_to
-    if length < longest:
-        raise ValueError(f"pad_to {pad_to} is shorter than the longest row ({longest})")
-    padded = [pad_dual_stream_batch(b, length) for b in batches]
-    first = batches[0]
-    return DualStreamBatch(
-        **{name: torch.stack([getattr(p, name) for p in padded]) for name in DualStreamBatch.tensor_field_names()},
-        block_size=first.block_size,
-        mask_token_id=first.mask_token_id,
-        pad_token_id=first.pad_token_id,
     )
 
 
