@@ -256,8 +256,8 @@ class _DocumentTokens:
 
 
 def _document_tokens(tokens: Tensor, lengths: Tensor, prompts: Tensor) -> _DocumentTokens:
-    """Per-token bookkeeping of ``tokens``, the concatenation of documents of ``lengths`` with ``prompts``
-    prompt tokens each; shared by the dual-stream and the memory-only row."""
+    """What each token of ``tokens`` takes from its document: the documents (``lengths`` tokens each,
+    the first ``prompts`` of them a prompt) concatenated. Both row builders derive it here."""
     doc = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
     start = (lengths.cumsum(0) - lengths)[doc]
     position = torch.arange(tokens.numel()) - start
@@ -433,8 +433,9 @@ def build_dual_stream_batch(
     gamma = _draw_gammas(blocks, ratio_mode, eps, generator)
     is_masked, num_masked = _choose_masked(docs, blocks, gamma, generator)
 
+    place = _reordered_places(blocks, is_masked, num_masked)
     row = _padding_slots(total, pad_id)
-    _write_streams(row, docs, blocks, gamma, is_masked, _reordered_places(blocks, is_masked, num_masked), mask_token_id)
+    _write_streams(row, docs, blocks, gamma, is_masked, place, mask_token_id)
     return DualStreamBatch(**row, block_size=block_size, mask_token_id=mask_token_id, pad_token_id=int(pad_id))
 
 
