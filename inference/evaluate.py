@@ -27,16 +27,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from inference.cli_options import add_decoding_arguments, cli_values, float_list  # noqa: E402
 from megatron_wedlm.eval import evaluate, load_tasks, write_report  # noqa: E402
 from megatron_wedlm.decoding import METHODS  # noqa: E402
 from megatron_wedlm.decoding.inputs import DTYPES, load_checkpoint  # noqa: E402
-from megatron_wedlm.decoding.options import (  # noqa: E402
-    add_decoding_arguments,
-    cli_values,
-    describe,
-    float_list,
-    resolve_decoding_settings,
-)
+from megatron_wedlm.decoding.options import describe, resolve_decoding_settings  # noqa: E402
 
 
 def _mapping(text: str) -> dict[str, str]:

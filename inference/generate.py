@@ -34,14 +34,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from inference.cli_options import add_decoding_arguments, cli_values  # noqa: E402
 from megatron_wedlm.decoding import METHODS, generate  # noqa: E402
 from megatron_wedlm.decoding.inputs import DTYPES, encode_prompt, eos_token_ids, load_checkpoint  # noqa: E402
-from megatron_wedlm.decoding.options import (  # noqa: E402
-    add_decoding_arguments,
-    cli_values,
-    describe,
-    resolve_decoding_settings,
-)
+from megatron_wedlm.decoding.options import describe, resolve_decoding_settings  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,14 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_wedlm.data.dual_stream import IGNORE_INDEX
+from megatron_wedlm.data.dual_stream import IGNORE_INDEX, build_memory_only_row
 from megatron_wedlm.data.packing import pack_documents_into_rows
 from megatron_wedlm.data.prepare import prepare_dataset
 from megatron_wedlm.data.webdataset_loader import (
     StreamPosition,
     StreamingRowDataset,
     TrainDataIterator,
-    build_memory_only_row,
     loader_spec_from_manifest,
     merge_data_states,
     row_capacity,

@@ -27,7 +27,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_wedlm.decoding.inputs import DTYPES, encode_prompt, find_mask_token_id, load_checkpoint  # noqa: E402
-from megatron_wedlm.decoding.options import describe, float_list, resolve_decoding_settings  # noqa: E402
+from inference.cli_options import float_list  # noqa: E402
+from megatron_wedlm.decoding.options import describe, resolve_decoding_settings  # noqa: E402
 from megatron_wedlm.eval.builtin_tasks import FAMILIES, completion_of  # noqa: E402
 from megatron_wedlm.eval.registry import load_task, parse_task_spec  # noqa: E402
 from megatron_wedlm.eval.slot_probe import format_probe, probe_masked_slots  # noqa: E402

@@ -247,39 +247,59 @@ def _get(cfg: TrainConfig, dotted: str):
     return value
 
 
+#: Keys that must be > 0 and keys that must be >= 0 when set (None: not set, nothing to check).
+_POSITIVE = (
+    "wedlm.block_size", "parallelism.tp", "parallelism.pp", "parallelism.cp", "parallelism.dp",
+    "parallelism.recompute_num_layers", "data.seq_length", "data.micro_batch_size",
+    "data.global_batch_size", "data.num_streams", "data.prefetch_factor",
+    "trainer.train_steps", "trainer.max_consecutive_nonfinite", "logging.log_interval",
+    "model.make_vocab_size_divisible_by", "optimizer.lr", "trainer.exit_at_step",
+    "model.num_layers", "model.hidden_size", "model.ffn_hidden_size",
+    "model.num_attention_heads", "model.num_query_groups", "model.head_dim",
+    "model.vocab_size", "model.max_position_embeddings",
+)
+_NON_NEGATIVE = (
+    "data.num_workers", "checkpointing.save_interval", "checkpointing.keep_last",
+    "optimizer.min_lr", "optimizer.warmup_steps", "optimizer.weight_decay",
+    "optimizer.clip_grad", "wedlm.ar_weight", "data.seed", "trainer.seed",
+)
+
+
 def validate_config(cfg: TrainConfig) -> None:
     """Check the rules a type cannot express; raise :class:`ConfigError` naming the key."""
+    _check_choices_and_signs(cfg)
+    _check_heads(cfg.model)
+    _check_deepspeed(cfg.deepspeed)
+    if not 0.0 < cfg.wedlm.mask_eps <= 1.0:
+        raise ConfigError(f"wedlm.mask_eps={cfg.wedlm.mask_eps} must be in (0, 1]")
+    _check_schedule(cfg)
+    _check_sequence_parallel(cfg)
+    _validate_context_and_virtual_pipeline(cfg)
+    _check_attention_device(cfg)
+    _check_data(cfg)
+    if cfg.trainer.exit_at_step is not None and cfg.trainer.exit_at_step > cfg.trainer.train_steps:
+        raise ConfigError(
+            f"trainer.exit_at_step={cfg.trainer.exit_at_step} is past trainer.train_steps={cfg.trainer.train_steps}"
+        )
+    if not cfg.checkpointing.resume:
+        raise ConfigError("checkpointing.resume must be 'none', 'auto' or a checkpoint path")
+    _check_model_from_scratch(cfg.model)
+
+
+def _check_choices_and_signs(cfg: TrainConfig) -> None:
+    """Every key of :data:`CHOICES` holds one of its values; the keys of _POSITIVE and _NON_NEGATIVE their sign."""
     for key, allowed in CHOICES.items():
         value = _get(cfg, key)
         if value is not None and value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+    for keys, allow_zero in ((_POSITIVE, False), (_NON_NEGATIVE, True)):
+        for key in keys:
+            value = _get(cfg, key)
+            if value is not None and (value < 0 or (value == 0 and not allow_zero)):
+                raise ConfigError(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
 
-    def positive(key: str, allow_zero: bool = False) -> None:
-        value = _get(cfg, key)
-        if value is None:
-            return
-        if value < 0 or (value == 0 and not allow_zero):
-            raise ConfigError(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
 
-    for key in (
-        "wedlm.block_size", "parallelism.tp", "parallelism.pp", "parallelism.cp", "parallelism.dp",
-        "parallelism.recompute_num_layers", "data.seq_length", "data.micro_batch_size",
-        "data.global_batch_size", "data.num_streams", "data.prefetch_factor",
-        "trainer.train_steps", "trainer.max_consecutive_nonfinite", "logging.log_interval",
-        "model.make_vocab_size_divisible_by", "optimizer.lr", "trainer.exit_at_step",
-        "model.num_layers", "model.hidden_size", "model.ffn_hidden_size",
-        "model.num_attention_heads", "model.num_query_groups", "model.head_dim",
-        "model.vocab_size", "model.max_position_embeddings",
-    ):
-        positive(key)
-    for key in (
-        "data.num_workers", "checkpointing.save_interval", "checkpointing.keep_last",
-        "optimizer.min_lr", "optimizer.warmup_steps", "optimizer.weight_decay",
-        "optimizer.clip_grad", "wedlm.ar_weight", "data.seed", "trainer.seed",
-    ):
-        positive(key, allow_zero=True)
-    _check_heads(cfg.model)
-    ds = cfg.deepspeed
+def _check_deepspeed(ds: DeepSpeedConfig) -> None:
     if ds.zero_stage not in (1, 2, 3):
         raise ConfigError(f"deepspeed.zero_stage={ds.zero_stage} must be 1, 2 or 3")
     if ds.offload_params != "none" and ds.zero_stage != 3:
@@ -287,8 +307,10 @@ def validate_config(cfg: TrainConfig) -> None:
             f"deepspeed.offload_params={ds.offload_params!r} needs deepspeed.zero_stage=3 "
             f"(got {ds.zero_stage}): only ZeRO-3 partitions the parameters"
         )
-    if not 0.0 < cfg.wedlm.mask_eps <= 1.0:
-        raise ConfigError(f"wedlm.mask_eps={cfg.wedlm.mask_eps} must be in (0, 1]")
+
+
+def _check_schedule(cfg: TrainConfig) -> None:
+    """The learning-rate schedule: a floor below the peak, warmup inside the decay horizon."""
     if cfg.optimizer.min_lr > cfg.optimizer.lr:
         raise ConfigError(f"optimizer.min_lr={cfg.optimizer.min_lr} is larger than optimizer.lr={cfg.optimizer.lr}")
     decay_steps = cfg.optimizer.decay_steps or cfg.trainer.train_steps
@@ -297,6 +319,9 @@ def validate_config(cfg: TrainConfig) -> None:
             f"optimizer.warmup_steps={cfg.optimizer.warmup_steps} must be smaller than the decay "
             f"horizon ({decay_steps} = optimizer.decay_steps or trainer.train_steps)"
         )
+
+
+def _check_sequence_parallel(cfg: TrainConfig) -> None:
     if cfg.parallelism.sequence_parallel and cfg.parallelism.tp == 1:
         raise ConfigError("parallelism.sequence_parallel=true needs parallelism.tp > 1")
     if cfg.parallelism.sequence_parallel and cfg.data.seq_length % cfg.parallelism.tp:
@@ -304,13 +329,19 @@ def validate_config(cfg: TrainConfig) -> None:
             f"data.seq_length={cfg.data.seq_length} must be a multiple of parallelism.tp={cfg.parallelism.tp} "
             "with sequence parallelism (rows are split along the sequence)"
         )
-    _validate_context_and_virtual_pipeline(cfg)
+
+
+def _check_attention_device(cfg: TrainConfig) -> None:
     backend = ATTENTION_BACKENDS.get(cfg.model.attention_backend)
     if backend is not None and backend.needs_cuda and cfg.trainer.device == "cpu":
         raise ConfigError(
             f"model.attention_backend={backend.name} needs a CUDA device, not trainer.device=cpu; use "
             f"{', '.join(backend_names(lambda b: not b.needs_cuda))}"
         )
+
+
+def _check_data(cfg: TrainConfig) -> None:
+    """A data directory, rows that hold a block in both streams, whole micro-batches per batch."""
     if cfg.data.path is None:
         raise ConfigError("data.path is required: the directory written by tools/prepare_data.py")
     if cfg.wedlm.enabled and cfg.data.seq_length < 2 * cfg.wedlm.block_size:
@@ -323,24 +354,22 @@ def validate_config(cfg: TrainConfig) -> None:
             f"data.global_batch_size={cfg.data.global_batch_size} is not a multiple of "
             f"data.micro_batch_size={cfg.data.micro_batch_size}"
         )
-    if cfg.trainer.exit_at_step is not None and cfg.trainer.exit_at_step > cfg.trainer.train_steps:
+
+
+def _check_model_from_scratch(model: ModelConfig) -> None:
+    """Without ``model.init_from`` the architecture must be given in full."""
+    if model.init_from is not None:
+        return
+    missing = [
+        f"model.{k}"
+        for k in ("architecture", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
+        if getattr(model, k) is None
+    ]
+    if missing:
         raise ConfigError(
-            f"trainer.exit_at_step={cfg.trainer.exit_at_step} is past trainer.train_steps={cfg.trainer.train_steps}"
+            f"{', '.join(missing)} must be set to build a model from scratch "
+            "(or set model.init_from to a converted checkpoint)"
         )
-    resume = cfg.checkpointing.resume
-    if not resume:
-        raise ConfigError("checkpointing.resume must be 'none', 'auto' or a checkpoint path")
-    if cfg.model.init_from is None:
-        missing = [
-            f"model.{k}"
-            for k in ("architecture", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
-            if getattr(cfg.model, k) is None
-        ]
-        if missing:
-            raise ConfigError(
-                f"{', '.join(missing)} must be set to build a model from scratch "
-                "(or set model.init_from to a converted checkpoint)"
-            )
 
 
 def _check_heads(model: ModelConfig) -> None:

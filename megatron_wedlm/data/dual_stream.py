@@ -55,6 +55,7 @@ from .attention_rule import AttentionMetadata, build_block_mask, dense_attention
 __all__ = [
     "DualStreamBatch",
     "build_dual_stream_batch",
+    "build_memory_only_row",
     "pad_dual_stream_batch",
     "stack_dual_stream_batches",
     "IGNORE_INDEX",
@@ -201,6 +202,199 @@ def _padded_length(length: int, pad_to: int | None, pad_to_multiple_of: int | No
     return target
 
 
+#: What a padding slot holds in each tensor field (``input_ids`` and ``target_ids``: the pad token).
+_PAD_VALUES = {
+    "position_ids": 0,
+    "is_memory": False,
+    "is_masked": False,
+    "doc_ids": -1,
+    "block_ids": 0,
+    "mask_ratio": 0.0,
+    "mlm_weights": 0.0,
+    "ar_labels": IGNORE_INDEX,
+    "is_padding": True,
+}
+_FIELD_DTYPES = {
+    "input_ids": torch.long,
+    "position_ids": torch.long,
+    "is_memory": torch.bool,
+    "is_masked": torch.bool,
+    "target_ids": torch.long,
+    "doc_ids": torch.long,
+    "block_ids": torch.long,
+    "mask_ratio": torch.float32,
+    "mlm_weights": torch.float32,
+    "ar_labels": torch.long,
+    "is_padding": torch.bool,
+}
+
+
+def _padding_slots(length: int, pad_token_id: int) -> dict[str, Tensor]:
+    """The tensor fields of a row of ``length`` padding slots, for a builder to write its tokens into."""
+    return {
+        name: torch.full((length,), _PAD_VALUES.get(name, pad_token_id), dtype=dtype)
+        for name, dtype in _FIELD_DTYPES.items()
+    }
+
+
+@dataclass
+class _DocumentTokens:
+    """Documents concatenated into one token tensor (global token index t), and what each token
+    takes from its document."""
+
+    tokens: Tensor  # [T]
+    lengths: Tensor  # [D] tokens per document
+    doc: Tensor  # [T] document of each token
+    start: Tensor  # [T] index t of its document's first token
+    position: Tensor  # [T] logical position in its document
+    prompt_length: Tensor  # [T] prompt length of its document
+    ar_labels: Tensor  # [T] the next token of its document; IGNORE_INDEX after the last one or on a prompt token
+
+    @property
+    def is_prompt(self) -> Tensor:
+        return self.position < self.prompt_length
+
+
+def _document_tokens(tokens: Tensor, lengths: Tensor, prompts: Tensor) -> _DocumentTokens:
+    """What each token of ``tokens`` takes from its document: the documents (``lengths`` tokens each,
+    the first ``prompts`` of them a prompt) concatenated. Both row builders derive it here."""
+    doc = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    start = (lengths.cumsum(0) - lengths)[doc]
+    position = torch.arange(tokens.numel()) - start
+    prompt_length = prompts[doc]
+    next_position = position + 1
+    has_next = (next_position < lengths[doc]) & (next_position >= prompt_length)
+    next_token = torch.cat([tokens[1:], tokens.new_full((1,), IGNORE_INDEX)])
+    ar_labels = torch.where(has_next, next_token, torch.full_like(tokens, IGNORE_INDEX))
+    return _DocumentTokens(tokens, lengths, doc, start, position, prompt_length, ar_labels)
+
+
+@dataclass
+class _BlockGrid:
+    """The blocks of the prediction streams, numbered across documents (a block never spans two)."""
+
+    of_token: Tensor  # [T] global block of each token
+    in_document: Tensor  # [T] block of each token within its document
+    per_document: Tensor  # [D] blocks per document
+    length: Tensor  # [K] tokens per block
+    start: Tensor  # [K] index t of each block's first token
+    maskable: Tensor  # [K] non-prompt tokens per block (float64)
+
+
+def _as_mask_token_id(mask_token_id: object) -> int:
+    if mask_token_id is None or isinstance(mask_token_id, bool) or int(mask_token_id) != mask_token_id:
+        raise ValueError(f"mask_token_id must be the integer id of the mask token, got {mask_token_id!r}")
+    return int(mask_token_id)
+
+
+def _concatenate(documents: Sequence[Tensor], mask_token_id: int) -> tuple[Tensor, Tensor]:
+    """``(tokens, lengths)``: the checked documents as one CPU long tensor, and their lengths."""
+    docs = [_as_token_tensor(d, i) for i, d in enumerate(documents)]
+    tokens = torch.cat([d.to(device="cpu", dtype=torch.long) for d in docs])
+    lengths = torch.tensor([d.numel() for d in docs], dtype=torch.long)
+    hits = (tokens == mask_token_id).nonzero()
+    if hits.numel():
+        doc = int(torch.searchsorted(lengths.cumsum(0), hits[0], right=True))
+        raise ValueError(
+            f"mask_token_id {mask_token_id} occurs inside document {doc}; the mask token must not "
+            "appear in training text (filter or remap it)"
+        )
+    return tokens, lengths
+
+
+def _draw_offsets(
+    num_docs: int, block_size: int, random_block_offset: bool, generator: torch.Generator | None
+) -> Tensor:
+    """How many positions before its first token each document's block grid starts."""
+    if random_block_offset:
+        return torch.randint(0, block_size, (num_docs,), generator=generator)
+    return torch.zeros(num_docs, dtype=torch.long)
+
+
+def _block_grid(docs: _DocumentTokens, block_size: int, offset: Tensor) -> _BlockGrid:
+    offset_of_token = offset[docs.doc]
+    per_document = (docs.lengths + offset + block_size - 1) // block_size
+    first_block_of_doc = per_document.cumsum(0) - per_document
+    in_document = (docs.position + offset_of_token) // block_size
+    of_token = first_block_of_doc[docs.doc] + in_document
+    num_blocks = int(per_document.sum())
+    length = torch.bincount(of_token, minlength=num_blocks)
+    maskable = torch.bincount(of_token, weights=(~docs.is_prompt).double(), minlength=num_blocks)
+    return _BlockGrid(of_token, in_document, per_document, length, length.cumsum(0) - length, maskable)
+
+
+def _draw_gammas(blocks: _BlockGrid, ratio_mode: str, eps: float, generator: torch.Generator | None) -> Tensor:
+    """The mask ratio of each block, ``1 - U[0, 1)`` clamped to ``>= eps`` (float64, ``[K]``)."""
+    if ratio_mode == "block":
+        gamma = 1.0 - torch.rand(blocks.length.numel(), generator=generator, dtype=torch.float64)
+    else:
+        per_doc = 1.0 - torch.rand(blocks.per_document.numel(), generator=generator, dtype=torch.float64)
+        gamma = torch.repeat_interleave(per_doc, blocks.per_document)
+    return gamma.clamp(min=eps)
+
+
+def _choose_masked(
+    docs: _DocumentTokens, blocks: _BlockGrid, gamma: Tensor, generator: torch.Generator | None
+) -> tuple[Tensor, Tensor]:
+    """``(is_masked [T], masked per block [K])``: in each block the ``round(gamma * maskable)``
+    maskable tokens with the smallest random keys (prompt tokens get keys above every drawn one)."""
+    num_tokens = docs.tokens.numel()
+    num_masked = torch.floor(gamma * blocks.maskable + 0.5).long()
+    keys = torch.randint(0, 2**_KEY_BITS, (num_tokens,), generator=generator, dtype=torch.long)
+    keys = torch.where(docs.is_prompt, torch.full_like(keys, 2**_KEY_BITS), keys)
+    order = torch.argsort((blocks.of_token << (_KEY_BITS + 1)) | keys, stable=True)
+    rank_in_block = torch.arange(num_tokens) - blocks.start[blocks.of_token[order]]
+    is_masked = torch.empty(num_tokens, dtype=torch.bool)
+    is_masked[order] = rank_in_block < num_masked[blocks.of_token[order]]
+    return is_masked, num_masked
+
+
+def _reordered_places(blocks: _BlockGrid, is_masked: Tensor, num_masked: Tensor) -> Tensor:
+    """Index t of the place each token takes once every block is reordered: observed tokens
+    (ascending) then masked ones (ascending). Exclusive cumsums give each token its rank inside
+    its group without sorting."""
+    observed = ~is_masked
+    obs_before = torch.cumsum(observed.long(), 0) - observed.long()
+    msk_before = torch.cumsum(is_masked.long(), 0) - is_masked.long()
+    first = blocks.start[blocks.of_token]
+    obs_rank = obs_before - obs_before[first]
+    msk_rank = msk_before - msk_before[first]
+    observed_in_block = blocks.length - num_masked
+    return first + torch.where(is_masked, observed_in_block[blocks.of_token] + msk_rank, obs_rank)
+
+
+def _write_streams(
+    row: dict[str, Tensor],
+    docs: _DocumentTokens,
+    blocks: _BlockGrid,
+    gamma: Tensor,
+    is_masked: Tensor,
+    place: Tensor,
+    mask_token_id: int,
+) -> None:
+    """Write every token into its memory slot and its prediction slot: document d occupies
+    physical slots ``[2*start_d, 2*start_d + 2*L_d)``, memory stream first."""
+    tokens = docs.tokens
+    memory_slot = docs.start + torch.arange(tokens.numel())
+    prediction_slot = docs.start + docs.lengths[docs.doc] + place
+    for slot in (memory_slot, prediction_slot):
+        row["target_ids"][slot] = tokens
+        row["position_ids"][slot] = docs.position
+        row["doc_ids"][slot] = docs.doc
+        row["block_ids"][slot] = blocks.in_document
+        row["is_padding"][slot] = False
+    row["input_ids"][memory_slot] = tokens
+    row["input_ids"][prediction_slot] = torch.where(is_masked, torch.full_like(tokens, mask_token_id), tokens)
+    row["is_memory"][memory_slot] = True
+    row["is_masked"][prediction_slot] = is_masked
+    token_gamma = gamma[blocks.of_token]
+    row["mask_ratio"][prediction_slot] = token_gamma.float()
+    row["mlm_weights"][prediction_slot] = torch.where(
+        is_masked, 1.0 / token_gamma, torch.zeros_like(token_gamma)
+    ).float()
+    row["ar_labels"][memory_slot] = docs.ar_labels
+
+
 def build_dual_stream_batch(
     documents: Sequence[Tensor],
     block_size: int = 32,
@@ -225,145 +419,60 @@ def build_dual_stream_batch(
     """
     if len(documents) == 0:
         raise ValueError("documents is empty; need at least one document to build a row")
-    if mask_token_id is None or isinstance(mask_token_id, bool) or int(mask_token_id) != mask_token_id:
-        raise ValueError(f"mask_token_id must be the integer id of the mask token, got {mask_token_id!r}")
-    mask_token_id = int(mask_token_id)
+    mask_token_id = _as_mask_token_id(mask_token_id)
     _validate_options(block_size, eps, ratio_mode, pad_to, pad_to_multiple_of)
-    docs = [_as_token_tensor(d, i) for i, d in enumerate(documents)]
-    tokens = torch.cat([d.to(device="cpu", dtype=torch.long) for d in docs])
-    lengths = torch.tensor([d.numel() for d in docs], dtype=torch.long)
-    hits = (tokens == mask_token_id).nonzero()
-    if hits.numel():
-        doc = int(torch.searchsorted(lengths.cumsum(0), hits[0], right=True))
-        raise ValueError(
-            f"mask_token_id {mask_token_id} occurs inside document {doc}; the mask token must not "
-            "appear in training text (filter or remap it)"
-        )
+    tokens, lengths = _concatenate(documents, mask_token_id)
     prompts = _prompt_tensor(prompt_lengths, lengths)
-    num_tokens = tokens.numel()
-    total = _padded_length(2 * num_tokens, pad_to, pad_to_multiple_of, max_length)
+    total = _padded_length(2 * tokens.numel(), pad_to, pad_to_multiple_of, max_length)
     pad_id = mask_token_id if pad_token_id is None else pad_token_id
 
-    # Token-level bookkeeping over the concatenated documents (global token index t).
-    num_docs = lengths.numel()
-    doc_of_token = torch.repeat_interleave(torch.arange(num_docs), lengths)
-    doc_start = lengths.cumsum(0) - lengths
-    position = torch.arange(num_tokens) - doc_start[doc_of_token]
-    is_prompt = position < prompts[doc_of_token]
+    docs = _document_tokens(tokens, lengths, prompts)
+    # The random draws, in the order the module docstring gives: offsets, gammas, selection keys.
+    offset = _draw_offsets(lengths.numel(), block_size, random_block_offset, generator)
+    blocks = _block_grid(docs, block_size, offset)
+    gamma = _draw_gammas(blocks, ratio_mode, eps, generator)
+    is_masked, num_masked = _choose_masked(docs, blocks, gamma, generator)
 
-    # Blocks, numbered globally across documents (blocks never span documents); a document's grid
-    # starts `offset` positions before its first token.
-    if random_block_offset:
-        offset = torch.randint(0, block_size, (num_docs,), generator=generator)
-    else:
-        offset = torch.zeros(num_docs, dtype=torch.long)
-    blocks_per_doc = (lengths + offset + block_size - 1) // block_size
-    first_block_of_doc = blocks_per_doc.cumsum(0) - blocks_per_doc
-    block_in_doc = (position + offset[doc_of_token]) // block_size
-    global_block = first_block_of_doc[doc_of_token] + block_in_doc
-    num_blocks = int(blocks_per_doc.sum())
-    block_len = torch.bincount(global_block, minlength=num_blocks)
-    block_start = block_len.cumsum(0) - block_len
-    maskable = torch.bincount(global_block, weights=(~is_prompt).double(), minlength=num_blocks)
+    place = _reordered_places(blocks, is_masked, num_masked)
+    row = _padding_slots(total, pad_id)
+    _write_streams(row, docs, blocks, gamma, is_masked, place, mask_token_id)
+    return DualStreamBatch(**row, block_size=block_size, mask_token_id=mask_token_id, pad_token_id=int(pad_id))
 
-    # Random draws: gammas first, then one selection key per token.
-    if ratio_mode == "block":
-        gamma = 1.0 - torch.rand(num_blocks, generator=generator, dtype=torch.float64)
-    else:
-        per_doc = 1.0 - torch.rand(num_docs, generator=generator, dtype=torch.float64)
-        gamma = torch.repeat_interleave(per_doc, blocks_per_doc)
-    gamma = gamma.clamp(min=eps)
-    num_masked = torch.floor(gamma * maskable + 0.5).long()
-    keys = torch.randint(0, 2**_KEY_BITS, (num_tokens,), generator=generator, dtype=torch.long)
-    keys = torch.where(is_prompt, torch.full_like(keys, 2**_KEY_BITS), keys)
 
-    # Within each block, mask the tokens with the `num_masked` smallest keys.
-    order = torch.argsort((global_block << (_KEY_BITS + 1)) | keys, stable=True)
-    rank_in_block = torch.arange(num_tokens) - block_start[global_block[order]]
-    is_masked = torch.empty(num_tokens, dtype=torch.bool)
-    is_masked[order] = rank_in_block < num_masked[global_block[order]]
+def build_memory_only_row(
+    documents: Sequence[Tensor],
+    prompt_lengths: Sequence[int],
+    block_size: int,
+    mask_token_id: int,
+    pad_token_id: int,
+) -> DualStreamBatch:
+    """An AR training row: the documents' memory streams only (plain next-token prediction).
 
-    # Reorder each block: observed (ascending) then masked (ascending). Exclusive cumsums
-    # give each token its rank inside its group without sorting.
-    observed = ~is_masked
-    obs_before = torch.cumsum(observed.long(), 0) - observed.long()
-    msk_before = torch.cumsum(is_masked.long(), 0) - is_masked.long()
-    first = block_start[global_block]
-    obs_rank = obs_before - obs_before[first]
-    msk_rank = msk_before - msk_before[first]
-    observed_in_block = block_len - (num_masked)
-    dest = first + torch.where(is_masked, observed_in_block[global_block] + msk_rank, obs_rank)
-
-    # Physical slots: document d occupies [2*start_d, 2*start_d + 2*L_d).
-    length_of_token = lengths[doc_of_token]
-    start_of_token = doc_start[doc_of_token]
-    memory_slot = start_of_token + torch.arange(num_tokens)
-    prediction_slot = start_of_token + length_of_token + dest
-
-    next_position = position + 1
-    has_next = (next_position < length_of_token) & (next_position >= prompts[doc_of_token])
-    next_token = torch.cat([tokens[1:], tokens.new_full((1,), IGNORE_INDEX)])
-    ar_for_token = torch.where(has_next, next_token, torch.full_like(tokens, IGNORE_INDEX))
-
-    def slots(fill, dtype) -> Tensor:
-        return torch.full((total,), fill, dtype=dtype)
-
-    input_ids = slots(pad_id, torch.long)
-    target_ids = slots(pad_id, torch.long)
-    position_ids = slots(0, torch.long)
-    is_memory = slots(False, torch.bool)
-    masked = slots(False, torch.bool)
-    doc_ids = slots(-1, torch.long)
-    mask_ratio = slots(0.0, torch.float32)
-    mlm_weights = slots(0.0, torch.float32)
-    ar_labels = slots(IGNORE_INDEX, torch.long)
-    is_padding = slots(True, torch.bool)
-    block_ids = slots(0, torch.long)
-
-    for slot in (memory_slot, prediction_slot):
-        target_ids[slot] = tokens
-        position_ids[slot] = position
-        doc_ids[slot] = doc_of_token
-        block_ids[slot] = block_in_doc
-        is_padding[slot] = False
-    input_ids[memory_slot] = tokens
-    input_ids[prediction_slot] = torch.where(is_masked, torch.full_like(tokens, mask_token_id), tokens)
-    is_memory[memory_slot] = True
-    masked[prediction_slot] = is_masked
-    token_gamma = gamma[global_block]
-    mask_ratio[prediction_slot] = token_gamma.float()
-    mlm_weights[prediction_slot] = torch.where(is_masked, 1.0 / token_gamma, torch.zeros_like(token_gamma)).float()
-    ar_labels[memory_slot] = ar_for_token
-
+    Same fields as a dual-stream row, so one model and one loss serve both modes: every slot is
+    memory, nothing is masked (no MLM loss), ``ar_labels`` hold the next token inside each
+    document (none after the last token or on prompt tokens), documents do not attend each
+    other and each starts at position 0.
+    """
+    tokens = torch.cat([d.to(torch.long) for d in documents])
+    lengths = torch.tensor([d.numel() for d in documents])
+    docs = _document_tokens(tokens, lengths, torch.as_tensor(list(prompt_lengths), dtype=torch.long))
+    zeros = torch.zeros(tokens.numel())
     return DualStreamBatch(
-        input_ids=input_ids,
-        position_ids=position_ids,
-        is_memory=is_memory,
-        is_masked=masked,
-        target_ids=target_ids,
-        doc_ids=doc_ids,
-        block_ids=block_ids,
-        mask_ratio=mask_ratio,
-        mlm_weights=mlm_weights,
-        ar_labels=ar_labels,
-        is_padding=is_padding,
+        input_ids=tokens,
+        position_ids=docs.position,
+        is_memory=torch.ones_like(tokens, dtype=torch.bool),
+        is_masked=torch.zeros_like(tokens, dtype=torch.bool),
+        target_ids=tokens.clone(),
+        doc_ids=docs.doc,
+        block_ids=docs.position // block_size,
+        mask_ratio=zeros.clone(),
+        mlm_weights=zeros.clone(),
+        ar_labels=docs.ar_labels,
+        is_padding=torch.zeros_like(tokens, dtype=torch.bool),
         block_size=block_size,
-        mask_token_id=int(mask_token_id),
-        pad_token_id=int(pad_id),
+        mask_token_id=mask_token_id,
+        pad_token_id=pad_token_id,
     )
-
-
-_PAD_VALUES = {
-    "position_ids": 0,
-    "is_memory": False,
-    "is_masked": False,
-    "doc_ids": -1,
-    "block_ids": 0,
-    "mask_ratio": 0.0,
-    "mlm_weights": 0.0,
-    "ar_labels": IGNORE_INDEX,
-    "is_padding": True,
-}
 
 
 def pad_dual_stream_batch(batch: DualStreamBatch, length: int) -> DualStreamBatch:

@@ -43,7 +43,7 @@ import io
 import json
 import sys
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -503,30 +503,14 @@ def prepare_dataset(
     tokenizer loaded before anything is written; the output replaces an earlier one only when
     complete. Returns the run summary (also stored in ``manifest.json``).
     """
-    if task not in ("pretrain", "sft"):
-        raise ValueError(f"task must be 'pretrain' or 'sft', got {task!r}")
-    if text_unit not in _TEXT_UNITS:
-        raise ValueError(f"text_unit must be one of {_TEXT_UNITS}, got {text_unit!r}")
-    if samples_per_shard < 1:
-        raise ValueError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
+    _check_options(task, text_unit, samples_per_shard)
     decoder = _Utf8Decoder(encoding_errors)
     report = report or (lambda line: print(line, file=sys.stderr))
     out = Path(output_dir)
-    files = collect_input_files(inputs)
-    if task == "sft":
-        for path in files:
-            if path.suffix not in _JSON_SUFFIXES:
-                raise ValueError(f"SFT input {path} is not .jsonl: SFT data must be JSON lines with 'messages'")
+    files = _input_files(inputs, task)
     read = [*inputs, *files, tokenizer_dir]
     check_output_dir(out, read, overwrite)
-    tokenizer, mask_id, added = load_tokenizer_with_mask(tokenizer_dir, mask_token)
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
-    if task == "sft" and not raw_sft and not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            f"the tokenizer in {tokenizer_dir} has no chat template: pass one (--chat-template FILE) "
-            "or use raw prompt+response concatenation (--raw-sft)"
-        )
+    tokenizer, mask_id, added = _load_tokenizer(tokenizer_dir, mask_token, chat_template, task, raw_sft)
     if task == "pretrain":
         samples = _pretrain_samples(tokenizer, _pretrain_texts(files, text_field, text_unit, decoder), add_eos)
     else:
@@ -543,26 +527,67 @@ def prepare_dataset(
             report(f"{file}:{entry['first_line']}: replaced {entry['bytes']} invalid UTF-8 byte(s) on "
                    f"{entry['lines']} line(s) by U+FFFD")
         tokenizer.save_pretrained(str(staging / TOKENIZER_DIR))
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "task": task,
-            "tokenizer": TOKENIZER_DIR,
-            "mask_token": tokenizer.mask_token,
-            "mask_token_id": mask_id,
-            "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id,
-            "tokenizer_length": len(tokenizer),
-            "num_samples": summary.num_samples,
-            "num_tokens": summary.num_tokens,
-            "shards": shards,
-            "inputs": [str(f) for f in files],
-            "bad_lines": summary.bad_lines,
-            "bad_by_reason": summary.bad_by_reason,
-            "encoding_errors": encoding_errors,
-            "invalid_utf8": summary.invalid_utf8,
-        }
+        manifest = _manifest(tokenizer, summary, shards, files, encoding_errors)
         (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     return summary
+
+
+def _check_options(task: str, text_unit: str, samples_per_shard: int) -> None:
+    if task not in ("pretrain", "sft"):
+        raise ValueError(f"task must be 'pretrain' or 'sft', got {task!r}")
+    if text_unit not in _TEXT_UNITS:
+        raise ValueError(f"text_unit must be one of {_TEXT_UNITS}, got {text_unit!r}")
+    if samples_per_shard < 1:
+        raise ValueError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
+
+
+def _input_files(inputs: Sequence[str | Path], task: str) -> list[Path]:
+    """The input files (:func:`collect_input_files`); SFT reads JSON lines only."""
+    files = collect_input_files(inputs)
+    if task == "sft":
+        for path in files:
+            if path.suffix not in _JSON_SUFFIXES:
+                raise ValueError(f"SFT input {path} is not .jsonl: SFT data must be JSON lines with 'messages'")
+    return files
+
+
+def _load_tokenizer(
+    tokenizer_dir: str | Path, mask_token: str, chat_template: str | None, task: str, raw_sft: bool
+) -> tuple[Any, int, bool]:
+    """:func:`load_tokenizer_with_mask`, with ``chat_template`` set; SFT without ``raw_sft`` needs a chat template."""
+    tokenizer, mask_id, added = load_tokenizer_with_mask(tokenizer_dir, mask_token)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    if task == "sft" and not raw_sft and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"the tokenizer in {tokenizer_dir} has no chat template: pass one (--chat-template FILE) "
+            "or use raw prompt+response concatenation (--raw-sft)"
+        )
+    return tokenizer, mask_id, added
+
+
+def _manifest(
+    tokenizer, summary: PrepareSummary, shards: list[dict[str, Any]], files: list[Path], encoding_errors: str
+) -> dict[str, Any]:
+    """What ``manifest.json`` records: the format, the tokenizer's special ids, the shards and the summary."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "task": summary.task,
+        "tokenizer": TOKENIZER_DIR,
+        "mask_token": tokenizer.mask_token,
+        "mask_token_id": summary.mask_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "tokenizer_length": len(tokenizer),
+        "num_samples": summary.num_samples,
+        "num_tokens": summary.num_tokens,
+        "shards": shards,
+        "inputs": [str(f) for f in files],
+        "bad_lines": summary.bad_lines,
+        "bad_by_reason": summary.bad_by_reason,
+        "encoding_errors": encoding_errors,
+        "invalid_utf8": summary.invalid_utf8,
+    }
 
 
 def _write_samples(
@@ -618,6 +643,3 @@ def read_manifest(data_dir: str | Path) -> dict[str, Any]:
         )
     return manifest
 
-
-def summary_dict(summary: PrepareSummary) -> dict[str, Any]:
-    return asdict(summary)

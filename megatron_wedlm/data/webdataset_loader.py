@@ -58,7 +58,13 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from .dual_stream import IGNORE_INDEX, DualStreamBatch, build_dual_stream_batch, pad_dual_stream_batch, stack_dual_stream_batches
+from .dual_stream import (
+    DualStreamBatch,
+    build_dual_stream_batch,
+    build_memory_only_row,
+    pad_dual_stream_batch,
+    stack_dual_stream_batches,
+)
 from .packing import next_piece_length, piece_prompt_length
 from .prepare import read_manifest
 from .seeding import rank_seed
@@ -69,7 +75,6 @@ __all__ = [
     "RowItem",
     "StreamingRowDataset",
     "TrainDataIterator",
-    "build_memory_only_row",
     "loader_spec_from_manifest",
     "merge_data_states",
     "row_capacity",
@@ -342,48 +347,6 @@ def _build_row(spec: LoaderSpec, stream: int, row: int, docs: list[torch.Tensor]
         )
     row = build_memory_only_row(docs, prompts, spec.block_size, spec.mask_token_id, spec.pad_token_id)
     return pad_dual_stream_batch(row, spec.seq_length)
-
-
-def build_memory_only_row(
-    documents: Sequence[torch.Tensor],
-    prompt_lengths: Sequence[int],
-    block_size: int,
-    mask_token_id: int,
-    pad_token_id: int,
-) -> DualStreamBatch:
-    """An AR training row: the documents' memory streams only (plain next-token prediction).
-
-    Same fields as a dual-stream row, so one model and one loss serve both modes: every slot is
-    memory, nothing is masked (no MLM loss), ``ar_labels`` hold the next token inside each
-    document (none after the last token or on prompt tokens), documents do not attend each
-    other and each starts at position 0.
-    """
-    tokens = torch.cat([d.to(torch.long) for d in documents])
-    lengths = torch.tensor([d.numel() for d in documents])
-    doc_ids = torch.repeat_interleave(torch.arange(len(documents)), lengths)
-    starts = lengths.cumsum(0) - lengths
-    positions = torch.arange(tokens.numel()) - starts[doc_ids]
-    prompts = torch.as_tensor(list(prompt_lengths), dtype=torch.long)[doc_ids]
-    next_tokens = torch.cat([tokens[1:], tokens.new_full((1,), IGNORE_INDEX)])
-    has_next = (positions + 1 < lengths[doc_ids]) & (positions + 1 >= prompts)
-    ar_labels = torch.where(has_next, next_tokens, torch.full_like(tokens, IGNORE_INDEX))
-    zeros = torch.zeros(tokens.numel())
-    return DualStreamBatch(
-        input_ids=tokens,
-        position_ids=positions,
-        is_memory=torch.ones_like(tokens, dtype=torch.bool),
-        is_masked=torch.zeros_like(tokens, dtype=torch.bool),
-        target_ids=tokens.clone(),
-        doc_ids=doc_ids,
-        block_ids=positions // block_size,
-        mask_ratio=zeros.clone(),
-        mlm_weights=zeros.clone(),
-        ar_labels=ar_labels,
-        is_padding=torch.zeros_like(tokens, dtype=torch.bool),
-        block_size=block_size,
-        mask_token_id=mask_token_id,
-        pad_token_id=pad_token_id,
-    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -41,74 +41,99 @@ def ar_decode(
     the longest prompt. ``settings.mask_token_id`` (default ``config.mask_token_id``, may be
     absent) is only suppressed here; the parallel-only settings are ignored.
     """
-    max_new_tokens, temperature = settings.max_new_tokens, settings.temperature
-    top_k, top_p, stop_strings = settings.top_k, settings.top_p, settings.stop_strings
     check_full_attention(model)
     for prompt in prompts:
         check_fits(model, len(prompt), 1)
-    budget = min(generation_budget(model, len(p), max_new_tokens) for p in prompts)
+    budget = min(generation_budget(model, len(p), settings.max_new_tokens) for p in prompts)
     mask_token_id = settings.mask_token_id
     if mask_token_id is None:
         mask_token_id = getattr(model.config, "mask_token_id", None)
     stops = list(settings.stop_token_ids)
     pad_id = stops[0] if stops else 0
+    input_ids, attention_mask = _left_padded(prompts, pad_id, model.device)
+    config = _generation_config(settings, budget, stops, pad_id, mask_token_id)
+    out, seconds = _timed_generate(model, input_ids, attention_mask, config, tokenizer, generator)
+    return [
+        _row_result(row, stops, budget, settings, seconds, tokenizer)
+        for row in out[:, input_ids.shape[1] :].tolist()
+    ]
 
-    device = model.device
+
+def _left_padded(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` with every row's last prompt token aligned (left padding)."""
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
     attention_mask = torch.zeros_like(input_ids)
-    for i, prompt in enumerate(prompts):  # left padding: every row's last prompt token is aligned
+    for i, prompt in enumerate(prompts):
         input_ids[i, width - len(prompt) :] = torch.tensor(prompt, device=device)
         attention_mask[i, width - len(prompt) :] = 1
+    return input_ids, attention_mask
 
-    # generate() fills every unset (None) field from the model's own generation_config (e.g. Qwen's
-    # top_k=20, repetition_penalty, EOS): set all that change the output, so the settings here rule.
-    sampling = temperature > 0
-    config = GenerationConfig(
+
+def _generation_config(
+    settings: DecodeSettings, budget: int, stops: list[int], pad_id: int, mask_token_id: int | None
+) -> GenerationConfig:
+    """Every field that changes the output, set from ``settings``.
+
+    generate() fills every unset (None) field from the model's own generation_config (e.g. Qwen's
+    top_k=20, repetition_penalty, EOS), so the settings here rule only if all of them are set.
+    """
+    sampling = settings.temperature > 0
+    return GenerationConfig(
         max_new_tokens=budget,
         do_sample=sampling,
-        temperature=temperature if sampling else None,
-        top_k=top_k if sampling else None,
-        top_p=top_p if sampling else None,
+        temperature=settings.temperature if sampling else None,
+        top_k=settings.top_k if sampling else None,
+        top_p=settings.top_p if sampling else None,
         repetition_penalty=1.0,
         eos_token_id=stops,  # [] = no stop token
         pad_token_id=pad_id,
         suppress_tokens=[int(mask_token_id)] if mask_token_id is not None else None,
-        stop_strings=list(stop_strings) if stop_strings else None,
+        stop_strings=list(settings.stop_strings) if settings.stop_strings else None,
         use_cache=True,
     )
+
+
+def _timed_generate(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, config: GenerationConfig, tokenizer,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, float]:
+    """``model.generate`` and its wall time; HF samples from the global RNG, which is seeded from
+    ``generator`` inside a fork so the caller's global RNG state is left as it was."""
+    device = model.device
     start = time.perf_counter()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        if generator is not None:  # HF samples from the global RNG: seed it from the caller's generator
+        if generator is not None:
             torch.manual_seed(int(torch.randint(2**62, (1,), generator=generator, device=generator.device)))
         out = model.generate(
             input_ids=input_ids, attention_mask=attention_mask, generation_config=config, tokenizer=tokenizer
         )
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - start
+    return out, time.perf_counter() - start
 
-    results = []
-    for row in out[:, width:].tolist():
-        tokens, reason = _cut_at_stop_token(row, stops)
-        found = find_stop_string(tokenizer, tokens, stop_strings) if stop_strings else None
-        if found is not None:
-            tokens, reason = tokens[: found[0]], STOP_STRING
-        elif reason is None:
-            reason = MAX_NEW_TOKENS if budget == max_new_tokens else MAX_POSITIONS
-        results.append(
-            GenerationResult(
-                token_ids=tokens,
-                num_forwards=len(tokens),  # generate stops a row right after its last kept token
-                num_slots=len(tokens),
-                seconds=seconds,
-                method=AUTOREGRESSIVE,
-                stop_reason=reason,
-                text=decode_text(tokenizer, tokens, found[1] if found else None) if tokenizer is not None else None,
-                stop_string=found[1] if found else None,
-            )
-        )
-    return results
+
+def _row_result(
+    tokens: list[int], stops: list[int], budget: int, settings: DecodeSettings, seconds: float, tokenizer
+) -> GenerationResult:
+    """One row's generated tokens, cut at its first stop token or stop string, with why it ended."""
+    stop_strings = settings.stop_strings
+    tokens, reason = _cut_at_stop_token(tokens, stops)
+    found = find_stop_string(tokenizer, tokens, stop_strings) if stop_strings else None
+    if found is not None:
+        tokens, reason = tokens[: found[0]], STOP_STRING
+    elif reason is None:
+        reason = MAX_NEW_TOKENS if budget == settings.max_new_tokens else MAX_POSITIONS
+    return GenerationResult(
+        token_ids=tokens,
+        num_forwards=len(tokens),  # generate stops a row right after its last kept token
+        num_slots=len(tokens),
+        seconds=seconds,
+        method=AUTOREGRESSIVE,
+        stop_reason=reason,
+        text=decode_text(tokenizer, tokens, found[1] if found else None) if tokenizer is not None else None,
+        stop_string=found[1] if found else None,
+    )
 
 
 def _cut_at_stop_token(tokens: list[int], stops: list[int]) -> tuple[list[int], str | None]:

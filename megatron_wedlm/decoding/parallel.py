@@ -102,8 +102,7 @@ def decode(
 def _start_rows(model, prompts: list[list[int]], settings: DecodeSettings) -> list[RowState]:
     check_full_attention(model)
     mask_id = resolve_mask_token_id(model, settings.mask_token_id)
-    if mask_id in settings.stop_token_ids:
-        raise ValueError("the mask token cannot be a stop token")
+    DecodeSettings.build(settings, mask_token_id=mask_id)  # its checks, with the model's mask token: not a stop token
     rows = []
     for index, prompt in enumerate(prompts):
         check_fits(model, len(prompt), min(settings.window_size, settings.max_new_tokens))

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from megatron_wedlm.eval import answer_extraction as ax
@@ -90,74 +90,77 @@ def _uid(task: str, record: Mapping[str, Any], index: int) -> str:
 # --------------------------------------------------------------------------- GSM8K / MATH
 
 
-class GSM8KTask(Task):
+class _WorkedSolutionTask(Task):
+    """Few-shot chain of thought: worked solutions as shots, then the question; the answer is
+    extracted from the solution the model writes. A subclass names its jsonl fields, formats a
+    record, and says how to read a reference and an answer and when two answers agree."""
+
+    #: The jsonl fields of a question and of its worked solution.
+    fields: tuple[str, str]
+    #: The final answer of a worked solution (the reference).
+    reference: Callable[[str], str]
+    #: The final answer of a completion.
+    extract: Callable[[str], str]
+    #: Whether an extracted answer equals the reference.
+    equal: Callable[[str, str], bool]
+
+    @staticmethod
+    def format(record: Mapping[str, Any], with_answer: bool) -> str:
+        raise NotImplementedError
+
+    def __init__(self, path: str, num_shots: int | None = None, shots_path: str | None = None):
+        num_shots = DEFAULT_SHOTS[self.name] if num_shots is None else num_shots
+        records = read_jsonl(path, self.fields, self.name)
+        shot_records = read_jsonl(shots_path, self.fields, self.name) if shots_path else None
+        shots, rows = split_shots(records, num_shots, shot_records, self.name)
+        prefix = "".join(self.format(r, True) + "\n\n" for r in shots[:num_shots])
+        examples = [
+            EvalExample(
+                uid=_uid(self.name, r, i),
+                prompt=prefix + self.format(r, False),
+                reference=self.reference(r[self.fields[1]]),
+            )
+            for i, r in enumerate(rows)
+        ]
+        super().__init__(examples)
+
+    def judge(self, example: EvalExample, completion: str) -> Judgement:
+        extracted = self.extract(completion)
+        return Judgement(extracted, self.equal(extracted, example.reference))
+
+
+class GSM8KTask(_WorkedSolutionTask):
     """Grade-school maths: ``Question: ...\\nAnswer: <worked solution> #### N``."""
 
     name = "gsm8k"
     stop_strings = ("Question:", "\n\n")
     max_new_tokens = 256
+    fields = ("question", "answer")
+    reference = staticmethod(ax.gsm8k_reference)
+    extract = staticmethod(ax.extract_number_answer)
+    equal = staticmethod(ax.numbers_equal)
 
     @staticmethod
     def format(record: Mapping[str, Any], with_answer: bool) -> str:
         text = f"Question: {record['question']}\nAnswer:"
         return text + f" {record['answer']}" if with_answer else text
 
-    def __init__(
-        self, path: str, num_shots: int = DEFAULT_SHOTS["gsm8k"], shots_path: str | None = None
-    ):
-        fields = ("question", "answer")
-        records = read_jsonl(path, fields, self.name)
-        shot_records = read_jsonl(shots_path, fields, self.name) if shots_path else None
-        shots, rows = split_shots(records, num_shots, shot_records, self.name)
-        prefix = "".join(self.format(r, True) + "\n\n" for r in shots[:num_shots])
-        examples = [
-            EvalExample(
-                uid=_uid(self.name, r, i),
-                prompt=prefix + self.format(r, False),
-                reference=ax.gsm8k_reference(r["answer"]),
-            )
-            for i, r in enumerate(rows)
-        ]
-        super().__init__(examples)
 
-    def judge(self, example: EvalExample, completion: str) -> Judgement:
-        extracted = ax.extract_number_answer(completion)
-        return Judgement(extracted, ax.numbers_equal(extracted, example.reference))
-
-
-class MathTask(Task):
+class MathTask(_WorkedSolutionTask):
     """Competition maths: ``Problem:\\n...\\n\\nSolution:\\n<solution with \\boxed{}>``."""
 
     name = "math"
     stop_strings = ("Problem:",)
     max_new_tokens = 512
+    fields = ("problem", "solution")
+    reference = staticmethod(ax.math_reference)
+    extract = staticmethod(ax.extract_math_answer)
+    equal = staticmethod(ax.math_answers_equal)
 
     @staticmethod
     def format(record: Mapping[str, Any], with_answer: bool) -> str:
         text = f"Problem:\n{record['problem']}\n\nSolution:"
         return text + f"\n{record['solution']}" if with_answer else text
-
-    def __init__(
-        self, path: str, num_shots: int = DEFAULT_SHOTS["math"], shots_path: str | None = None
-    ):
-        fields = ("problem", "solution")
-        records = read_jsonl(path, fields, self.name)
-        shot_records = read_jsonl(shots_path, fields, self.name) if shots_path else None
-        shots, rows = split_shots(records, num_shots, shot_records, self.name)
-        prefix = "".join(self.format(r, True) + "\n\n" for r in shots[:num_shots])
-        examples = [
-            EvalExample(
-                uid=_uid(self.name, r, i),
-                prompt=prefix + self.format(r, False),
-                reference=ax.math_reference(r["solution"]),
-            )
-            for i, r in enumerate(rows)
-        ]
-        super().__init__(examples)
-
-    def judge(self, example: EvalExample, completion: str) -> Judgement:
-        extracted = ax.extract_math_answer(completion)
-        return Judgement(extracted, ax.math_answers_equal(extracted, example.reference))
 
 
 # --------------------------------------------------------------------------- multiple choice

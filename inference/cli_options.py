@@ -1,0 +1,54 @@
+"""Command-line options shared by the decoding entry points.
+
+``inference/generate.py``, ``inference/evaluate.py`` and ``tools/probe_masked_slots.py`` declare
+their decoding flags here; what a flag leaves unset (None) is resolved by
+:func:`megatron_wedlm.decoding.options.resolve_decoding_settings`, which the ``lm_eval`` adapter
+uses too. The argparse wiring stays with the scripts, out of the library.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from megatron_wedlm.decoding.options import ONE_SLOT, REFILL_ORDERS
+
+
+def add_decoding_arguments(parser: argparse.ArgumentParser, entropy_threshold: bool = True) -> None:
+    """``--window-size``, ``--entropy-threshold``, ``--distance-penalty``, ``--refill`` and ``--stop-at-eos``.
+
+    The first four default to None = "not given", so the model's stored value can apply.
+    """
+    parser.add_argument("--window-size", type=int, default=None,
+                        help="window W (default: the model's generation_config.json, else 16)")
+    if entropy_threshold:
+        parser.add_argument("--entropy-threshold", type=float, default=None,
+                            help="fill every slot whose penalised entropy is below this; negative = one slot per "
+                                 "step (default: the model's, else 0.4)")
+    parser.add_argument("--distance-penalty", type=float, default=None, help="lambda (default: the model's, else 0.02)")
+    parser.add_argument("--refill", choices=sorted(REFILL_ORDERS), default=None,
+                        help="fused: the reference engine's schedule (the window is refilled before the forward, "
+                             "so committing needs no forward of its own); paper: Algorithm 1's step order "
+                             "(default: the model's, else fused)")
+    parser.add_argument("--stop-at-eos", action=argparse.BooleanOptionalAction, default=True,
+                        help="end generation at the tokenizer's / model's EOS token(s) (default, as the reference "
+                             "engine; --no-stop-at-eos decodes past them)")
+
+
+def float_list(text: str) -> list[float]:
+    """argparse type of ``--taus``: ``"0.2,0.3"`` -> ``[0.2, 0.3]``; a bad item is an error naming the flag."""
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def cli_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The decoding settings given on the command line (None: not given), keyed as in ``DECODING_KEYS``."""
+    tau = getattr(args, "entropy_threshold", None)
+    return {
+        "window_size": args.window_size,
+        "entropy_threshold": ONE_SLOT if tau is not None and tau < 0 else tau,
+        "distance_penalty": args.distance_penalty,
+        "fused_refill": None if args.refill is None else REFILL_ORDERS[args.refill],
+    }
