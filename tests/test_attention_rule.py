@@ -1,4 +1,5 @@
-"""The attention rule's forms (dense, FlexAttention, BlockMask tiles, pair count) vs the spec table."""
+"""The attention rule's forms (dense, FlexAttention, BlockMask tiles, pair count) vs the table of
+docs/method.md §2.3."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ MASK = 0
 
 
 def spec_table_mask(batch) -> torch.Tensor:
-    """SPEC section 2's table, pair by pair, in its own words (positions, blocks, physical order)."""
+    """The table of docs/method.md §2.3, pair by pair, in its own words (positions, blocks, physical
+    order)."""
     B = batch.block_size
     pos = batch.position_ids.tolist()
     mem = batch.is_memory.tolist()

@@ -165,7 +165,7 @@ def test_cached_decoder_equals_no_cache_reference(
 
 
 def test_engine_schedule_is_the_default_and_halves_forwards_on_confident_output(tokenizer):
-    """SPEC section 3: tau = infinity, W = 4, 40 tokens: the engine's schedule needs 10 forwards,
+    """docs/method.md §3.3: tau = infinity, W = 4, 40 tokens: the engine's schedule needs 10 forwards,
     the paper's step order 19 (every other forward only commits)."""
     model = tiny_model(tokenizer, "qwen2", 200.0)
     prompt = tokenizer.encode("1 2 3")

@@ -48,7 +48,7 @@ def _batch(seed: int = 0, block_size: int = 4):
 
 
 def _visible_slots(batch, row: int, q: int) -> list[int]:
-    """The WeDLM rule (SPEC section 2), spelled out per slot."""
+    """The WeDLM rule (docs/method.md §2.3), spelled out per slot."""
     doc, mem, blk = batch.doc_ids[row], batch.is_memory[row], batch.block_ids[row]
     seen = []
     for k in range(q + 1):

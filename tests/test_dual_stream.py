@@ -169,7 +169,7 @@ def test_random_block_offsets_move_block_starts_and_leave_default_batches_unchan
     first_block_len = [int(((shifted.doc_ids == d) & shifted.is_memory & (shifted.block_ids == 0)).sum()) for d in range(200)]
     assert first_block_len == (8 - offsets).tolist()
     plain = build_dual_stream_batch(documents, 8, MASK, torch.Generator().manual_seed(5))
-    assert torch.equal(plain.block_ids, plain.position_ids // 8)  # off: SPEC's grid from position 0
+    assert torch.equal(plain.block_ids, plain.position_ids // 8)  # off: docs/method.md §2.2, grid from 0
     assert not torch.equal(shifted.block_ids, shifted.position_ids // 8)
     again = build_dual_stream_batch(documents, 8, MASK, torch.Generator().manual_seed(5), random_block_offset=False)
     for name in plain.tensor_field_names():

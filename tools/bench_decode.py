@@ -21,14 +21,15 @@ thread, then torch's default), so the ratios below come from one run on one mach
    widths and cache lengths, attention per row as the decoder runs it), and the *alike-rows
    bound* (each row of a step at the step's mean width and cache length, so the rows share one
    attention call per layer). The first gap is the decoding logic; the second adds what
-   separate attention calls per row cost (~10-13 us each on a CPU, one per row and layer), which
-   a batch of different prompts cannot avoid without a variable-length attention kernel
-   (flash-attention's ``varlen`` on a GPU; padding rows into shared calls measured slower, see
+   separate attention calls per row cost (a fixed cost per call, one call per row and layer),
+   which a batch of different prompts cannot avoid without a variable-length attention kernel
+   (flash-attention's ``varlen`` on a GPU; padding rows into shared calls costs more, see
    ``megatron_wedlm/decoding/packed_attention.py``).
 
-Summary lines (the targets of issue 18): streaming step / AR step (<= 1.4x at W = 16), time
-outside the forward (<= 10% of streaming wall time), batched gain (>= 6x, or within 10% of a
+Summary lines, against the decoder's speed targets: streaming step / AR step (<= 1.4x at W = 16),
+time outside the forward (<= 10% of streaming wall time), batched gain (>= 6x, or within 10% of a
 padding-free batched forward of the same slots where that is lower: both replays are printed).
+Measured figures are kept in docs/results.md.
 
     python tools/bench_decode.py                          # quickstart shape, CPU, ~2-4 minutes
     python tools/bench_decode.py --preset 31m --threads 0 --batch 0

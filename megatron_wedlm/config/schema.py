@@ -68,7 +68,7 @@ class ModelConfig:
 
 @dataclass
 class WeDLMConfig:
-    """Dual-stream masking and the loss (SPEC section 2). ``enabled=false`` trains plain
+    """Dual-stream masking and the loss (docs/method.md §2). ``enabled=false`` trains plain
     next-token prediction on the same packed rows (memory stream only)."""
 
     enabled: bool = True
@@ -76,7 +76,7 @@ class WeDLMConfig:
     mask_token_id: Optional[int] = None  # default: the id recorded by tools/prepare_data.py
     ratio_mode: str = "block"  # block | document
     # each document's block grid starts 0..block_size-1 positions early (random), so the clean-context
-    # boundary falls at every position as in decoding; false = SPEC's grid from position 0
+    # boundary falls at every position as in decoding; false = the grid from position 0 (docs/method.md §2.2)
     random_block_offset: bool = False
     mask_eps: float = 1e-8
     loss_weighting: str = "inverse_ratio"  # inverse_ratio (1/gamma) | uniform

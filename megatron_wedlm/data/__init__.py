@@ -1,4 +1,4 @@
-"""Dual-stream WeDLM training data and the WeDLM attention-mask rule (SPEC section 2).
+"""Dual-stream WeDLM training data and the WeDLM attention-mask rule (docs/method.md §2).
 
 * :mod:`.dual_stream`    -- ``build_dual_stream_batch`` -> :class:`DualStreamBatch` (one packed
   row), ``stack_dual_stream_batches`` (collate to ``[B, S]``), ``pad_dual_stream_batch``.

@@ -3,7 +3,7 @@
 Why one rule: the CPU training path (dense bool mask), the GPU kernel (FlexAttention
 ``mask_mod`` + ``BlockMask``) and the tests must agree bit for bit. They all call
 :func:`may_attend`, an elementwise function of per-slot metadata, so there is a single
-place where the method's table (SPEC section 2) lives.
+place where the method's table (docs/method.md §2.3) lives.
 
 Per-slot metadata (:class:`AttentionMetadata`, tensors of shape ``[S]`` or ``[B, S]``):
 

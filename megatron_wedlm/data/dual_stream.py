@@ -1,4 +1,4 @@
-"""Dual-stream WeDLM training rows (SPEC section 2), built without loops over blocks or tokens.
+"""Dual-stream WeDLM training rows (docs/method.md §2.1), built without loops over blocks or tokens.
 
 A row packs several documents, each as ``[xo ; xt]``: the clean memory stream ``xo`` in order,
 then the prediction stream ``xt``, cut into blocks of ``block_size`` logical positions (from
@@ -17,10 +17,9 @@ Choices (fixed here so every training path behaves the same):
   block's start, and streaming decoding commits prefixes of every length, so training must put
   that boundary at every position of the text. With one SFT pair per document and the grid at
   position 0 it sits at the same few places of every answer (16 and 32 for a 9-token prompt),
-  and a small model learns to predict ahead only from there: on the quickstart (seed 0, counting)
-  the offsets cut the slots committed wrongly at tau 0.3 from 50 to 4 of ~18,000 and kept
-  streaming at 99% up to tau 0.4 (6.8 tokens per forward) where it had dropped to 87% at 0.3.
-  Default off: SPEC section 2 cuts blocks from position 0.
+  and a small model learns to predict ahead only from there (docs/quickstart.md has the
+  quickstart's measurements). Default off: the method cuts blocks from position 0
+  (docs/method.md §2.2).
 * Masked count per block: ``floor(gamma * maskable + 0.5)`` (round half up), computed in
   float64. ``gamma <= 1`` so it never exceeds the maskable count; it may be 0 for tiny gamma.
 * Which tokens: uniform among the block's maskable tokens (random 31-bit keys, smallest

@@ -45,7 +45,7 @@ def generate(model, prompt_ids, settings: DecodeSettings | None = None, **kwargs
 
 
 def streaming_generate(model, prompt_ids, settings: DecodeSettings | None = None, **kwargs) -> GenerationResult:
-    """Streaming Parallel Decoding (SPEC section 3, Algorithm 1) of one prompt."""
+    """Streaming Parallel Decoding (docs/method.md §3.2, Algorithm 1) of one prompt."""
     return generate(model, prompt_ids, settings, method=STREAMING, **kwargs)
 
 

@@ -79,7 +79,7 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward(self, rows: list[RowState]) -> tuple[torch.Tensor, list[list[int]]]:
-        """One forward over every row's reordered window (SPEC steps a, b).
+        """One forward over every row's reordered window (docs/method.md §3.2 steps a, b).
 
         Returns the logits of all rows' mask slots, concatenated ``[slots, vocab]`` with the mask
         token excluded, and per row the window indices of those slots (ascending).

@@ -2,9 +2,9 @@
 
 Rows of a batched decode carry windows of different widths (W..2W slots under the engine's
 schedule) on top of caches of different lengths. Padding every row to the widest window and
-the longest cache costs the padding too: in the projections, MLPs and norms (measured on the
-quickstart-sized model: 1.5x more token slots than real ones over a 32-prompt decode), and in
-attention, where a short row would be scored against the longest row's keys.
+the longest cache costs the padding too: in the projections, MLPs and norms (on a batch of
+different prompts a large share of the slots; docs/results.md), and in attention, where a
+short row would be scored against the longest row's keys.
 
 So a step feeds the model one *packed* sequence ``[1, T]`` (all rows' real tokens, row after
 row, each with its logical position id). The linear layers, norms and RoPE are per token and
@@ -13,12 +13,11 @@ HF's attention registry under :data:`NAME`, runs SDPA for each row on that row's
 and its own cache length (rows alike in width and cache length share one call), and the
 cache writes each packed token's keys/values to its row and slot (:class:`Packing`).
 
-Why not pad neighbouring rows into one call: an SDPA call costs ~10-13 us on a CPU whatever
-its size, but padding costs more. Measured on ``tools/bench_decode.py``'s 32-prompt batch (one
-thread, 2026-11-23): sharing a call only while the padded query-key pairs cost less than a call
-(~1000 pairs) made the decode 1.26x -> 1.30x the padding-free bound; one padded call per layer
-1.44x. What removes the per-row calls without padding is a variable-length kernel
-(flash-attention's ``varlen`` on a GPU).
+Why not pad neighbouring rows into one call: an SDPA call has a fixed cost whatever its size,
+but on ``tools/bench_decode.py``'s batch the padding costs more than the calls it saves, even
+when rows share a call only while their padded pairs cost less than a call
+(docs/results.md has the figures). What removes the per-row calls without padding is a
+variable-length kernel (flash-attention's ``varlen`` on a GPU).
 
 One row is the same path with one group, which is also what makes a single-row step cheap:
 

@@ -13,12 +13,12 @@ Refill order (``fused_refill``):
   filled run of n slots that the next forward commits rides in that forward together with the n
   new masks appended after the window, so a forward carries W + n <= 2W slots and no forward is
   spent on committing alone (tau = infinity, W = 4: 10 forwards instead of 19).
-* ``False`` (Algorithm 1 in the paper's step order, SPEC step (e)): after a forward commits its
+* ``False`` (Algorithm 1 in the paper's step order, docs/method.md §3.3): after a forward commits its
   leftmost filled run of n slots, n new masks are appended, so every forward carries exactly
   ``window_size`` slots (the paper's fixed parallel workload). The new masks get their first
   prediction in the next forward. ``tools/bench_decode.py`` measures both.
 
-Engine rules followed (SPEC section 3): a slot's confidence is the entropy of its raw logits at
+Engine rules followed (docs/method.md §3.4): a slot's confidence is the entropy of its raw logits at
 temperature 1; a slot qualifies when ``H + lambda * d < tau`` (strict), d = its window index
 minus that of the first remaining mask; if none qualifies (or tau is None) exactly the argmin
 is filled (first on ties); greedy = argmax; a stop token is emitted and ends the row.
@@ -29,7 +29,7 @@ truncates), and the mask token is never emitted (its logit is excluded before en
 sampling). Whether the tokenizer's EOS is a stop token is the caller's choice
 (``stop_token_ids``); the command lines stop at it by default, as the engine does.
 
-Choices this module makes (the spec leaves them open):
+Choices this module makes (the method leaves them open; docs/method.md §3.5):
 
 * A generation that is over needs no keys/values for its last tokens: when, after the predict
   step, the leftmost filled run already reaches a stop token or the token budget, it is emitted

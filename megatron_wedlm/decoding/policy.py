@@ -1,6 +1,6 @@
 """Commit policies: what a forward may commit, and how the window is refilled (the scheduler's part).
 
-The two schedules of SPEC section 3 share every step but one question, *how many of the
+The two schedules (docs/method.md §3.2, §3.6) share every step but one question, *how many of the
 leftmost window slots does this forward commit*:
 
 * :class:`StreamingPolicy`: the leftmost filled run, whatever its length (WeDLM).
@@ -33,7 +33,7 @@ class StreamingPolicy:
         (its size: what is left of the window, which is W or the rest of the budget)."""
 
     def refill(self, row: RowState, lead: int) -> None:
-        """SPEC step e; ``lead`` = the slots the next forward will commit."""
+        """Step e (docs/method.md §3.2, §3.3); ``lead`` = the slots the next forward will commit."""
         if self.fused_refill:  # the run the next forward commits makes room for W masks in that forward
             if lead:
                 row.grow_to(lead + self.window_size)

@@ -1,6 +1,6 @@
 """What every decoding method returns, and the stop-string rule they share.
 
-Metric definitions (SPEC section 3, post-prefill), identical for all methods so they can be
+Metric definitions (docs/method.md §3.7), identical for all methods so they can be
 compared side by side:
 
 * ``token_ids``: the generated tokens only (prompt excluded), a ``list[int]``. A stop token is

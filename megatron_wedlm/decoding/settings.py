@@ -36,7 +36,7 @@ class DecodeSettings:
 
     * ``method``: ``"streaming"`` (WeDLM Algorithm 1), ``"blockwise"`` (the baseline) or ``"ar"``.
     * ``window_size`` W, ``entropy_threshold`` tau (None: one slot per forward),
-      ``distance_penalty`` lambda: the fill rule of SPEC section 3.
+      ``distance_penalty`` lambda: the fill rule of docs/method.md §3.4.
     * ``fused_refill``: True (default) is the reference engine's schedule, False the paper's step
       order (see :mod:`megatron_wedlm.decoding.parallel`).
     * ``max_new_tokens``; ``temperature`` (0 = greedy), ``top_k`` (0 = off), ``top_p`` (1 = off).

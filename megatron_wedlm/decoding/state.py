@@ -33,7 +33,7 @@ class RowState:
         self.index, self.prompt, self.mask_id, self.stop_ids = index, prompt, mask_id, stop_ids
         self.budget = budget
         self.capped_by_positions = budget < max_new_tokens
-        self.window = [mask_id] * min(window_size, budget)  # the window is capped by the budget (SPEC deviation)
+        self.window = [mask_id] * min(window_size, budget)  # capped by the budget (docs/method.md §3.5)
         self.start = self.cache_length = len(prompt)
         self.emitted: list[int] = []
         self.block = len(self.window)
@@ -51,7 +51,10 @@ class RowState:
         return self.budget - len(self.emitted)
 
     def reordered(self) -> list[int]:
-        """Window indices in the order a forward feeds them: filled slots first, then masks (SPEC step a)."""
+        """Window indices in the order a forward feeds them: filled slots first, then masks.
+
+        Step a of docs/method.md §3.2.
+        """
         mask = self.mask_id
         filled = [i for i, t in enumerate(self.window) if t != mask]
         return filled + [i for i, t in enumerate(self.window) if t == mask]

@@ -43,7 +43,7 @@ CALIBRATION_PERCENT = 4
 SPLITS: tuple[str, ...] = ("test", "calibration")
 #: Counting ranges span this many steps. At most 12 (not more) because the end of a range is the one
 #: thing a small model must look up in the prompt; with longer ranges a model trained for minutes
-#: only learns a length prior and overshoots (measured on the quickstart model).
+#: only learns a length prior and overshoots (docs/quickstart.md).
 COUNT_MIN_STEPS, COUNT_MAX_STEPS = 4, 12
 
 _Instance = tuple[str, str, str]  # (key, prompt, answer without the leading space)

@@ -14,10 +14,10 @@ A row (:class:`AttentionBackend`) says, for one backend:
 ``auto`` is not a backend but a rule (:func:`resolve_attention_backend`): flex on GPU, dense on
 CPU. Configs accept it (:data:`ATTENTION_BACKEND_NAMES`); a layer spec takes a resolved name.
 
-Why one table: the names used to be listed in four modules and the options passed by subclasses
-made on the fly; adding a backend or an option now means adding it here only. The module is
-light to import (no torch, no Megatron at import time), so the config schema validates names
-against it.
+Why one table: every consumer (config schema, layer spec, DeepSpeed path) reads the names and
+options from here, so adding a backend or an option means adding it here only, and no list of
+names can fall out of step with another. The module is light to import (no torch, no Megatron at
+import time), so the config schema validates names against it.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ inside ``GPTModel.compute_language_model_loss``) serves both losses, because the
 disjoint: masked prediction-stream slots predict their *own* token (MLM, no shift), memory
 slots predict the next token (AR). :func:`wedlm_labels` builds that single label row.
 
-Loss (SPEC section 2)::
+Loss (docs/method.md §2.4)::
 
     mlm   = sum_i w_i * ce_i / sum_i w_i        over masked slots i, w_i = 1/gamma (or 1: "uniform")
     ar    = sum_j ce_j / N_ar                   over memory slots j with a next-token label

@@ -185,11 +185,9 @@ def write_sft_pairs(task_examples: Mapping[str, int], path: str | Path, seed: in
     The input of ``tools/prepare_data.py --task sft --raw-sft``. Why an SFT stage in the
     quickstart: in continued pretraining a masked slot right after the end of a counting range
     rarely has the whole prompt and answer before it in view, so a minutes-trained model does not
-    learn where to stop (measured on a 6-layer quickstart model: P(newline) 0.46 there, streaming
-    counting 10%). SFT keeps every prompt observed and masks only answers, which is the decoding
-    situation; 1000 SFT steps took the same model to P(newline) 0.91 and streaming counting to
-    50%. Pairs are an independent draw of the training split
-    (held-out prompts never appear), in a seeded shuffled order.
+    learn where to stop. SFT keeps every prompt observed and masks only answers, which is the
+    decoding situation (docs/quickstart.md: what it changed). Pairs are an independent draw of
+    the training split (held-out prompts never appear), in a seeded shuffled order.
     """
     check_task_examples(task_examples, "sft")
     pairs = [pair for family, n in task_examples.items() if n > 0

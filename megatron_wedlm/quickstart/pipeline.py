@@ -26,8 +26,8 @@ two exports, the evaluations in two lanes of about equal length: the WeDLM test 
 its block-wise baseline, then the base model's test; the calibrations, then that baseline, whose
 rows join the WeDLM report afterwards), each single-threaded, so the machine's 2 cores are both
 busy. The targets' tokens/s ratios (streaming vs AR of the same model) are measured within one
-evaluation process; with another evaluation on the second core they moved by < 2% (2-core EPYC
-VM, 2026-11-23).
+evaluation process, so an evaluation running on the other core affects both sides of a ratio
+alike (docs/quickstart.md: how much it moves them).
 
 Layout of the output directory (each stage owns its subdirectory; a rerun replaces them)::
 

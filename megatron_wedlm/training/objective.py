@@ -1,7 +1,7 @@
 """What a run optimises: WeDLM (``wedlm.enabled=true``) or plain next-token AR, for both engines.
 
-One object answers the three questions that used to be asked with ``if cfg.wedlm.enabled`` in
-every loop and forward step:
+One object answers the three questions whose answers differ between the objectives, so no loop
+or forward step asks ``if cfg.wedlm.enabled``:
 
 * the label row of a micro-batch (:func:`megatron_wedlm.model.losses.wedlm_labels`: own token
   on masked slots, next token on memory slots -- the same row in AR mode, whose rows hold only
