@@ -26,7 +26,7 @@ thread, then torch's default), so the ratios below come from one run on one mach
    (flash-attention's ``varlen`` on a GPU; padding rows into shared calls measured slower, see
    ``megatron_wedlm/decoding/packed_attention.py``).
 
-Summary lines (the targets of issue 18): streaming step / AR step (<= 1.4x at W = 16), time
+Summary lines (the decoder's speed targets): streaming step / AR step (<= 1.4x at W = 16), time
 outside the forward (<= 10% of streaming wall time), batched gain (>= 6x, or within 10% of a
 padding-free batched forward of the same slots where that is lower: both replays are printed).
 
