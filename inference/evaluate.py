@@ -22,10 +22,13 @@ that is *not* a security sandbox: run on a machine without network or valuable d
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+try:
+    import megatron_wedlm  # noqa: F401
+except ModuleNotFoundError:
+    sys.exit("megatron_wedlm is not installed: run `pip install -e .` in the repository checkout "
+             "(or put the checkout on PYTHONPATH)")
 
 from inference.cli_options import add_decoding_arguments, cli_values, float_list  # noqa: E402
 from megatron_wedlm.eval import evaluate, load_tasks, write_report  # noqa: E402

@@ -27,10 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+try:
+    import megatron_wedlm  # noqa: F401
+except ModuleNotFoundError:
+    sys.exit("megatron_wedlm is not installed: run `pip install -e .` in the repository checkout "
+             "(or put the checkout on PYTHONPATH)")
 
 import torch  # noqa: E402
 

@@ -10,9 +10,12 @@ Data: ``tools/prepare_data.py --task sft``. See docs/training.md.
 """
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+try:
+    import megatron_wedlm  # noqa: F401
+except ModuleNotFoundError:
+    sys.exit("megatron_wedlm is not installed: run `pip install -e .` in the repository checkout "
+             "(or put the checkout on PYTHONPATH)")
 
 from megatron_wedlm.deepspeed_backend.cli import DEEPSPEED  # noqa: E402
 from megatron_wedlm.training.cli import MEGATRON, run_entry_point  # noqa: E402

@@ -28,11 +28,12 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+try:
+    import megatron_wedlm  # noqa: F401
+except ModuleNotFoundError:
+    sys.exit("megatron_wedlm is not installed: run `pip install -e .` in the repository checkout "
+             "(or put the checkout on PYTHONPATH)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -15,12 +15,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 import warnings
 
-import torch
+try:
+    import megatron_wedlm  # noqa: F401
+except ModuleNotFoundError:
+    sys.exit("megatron_wedlm is not installed: run `pip install -e .` in the repository checkout "
+             "(or put the checkout on PYTHONPATH)")
 
-from megatron_wedlm.data import (
+import torch  # noqa: E402
+
+from megatron_wedlm.data import (  # noqa: E402
     build_block_mask,
     build_dual_stream_batch,
     classify_tiles,

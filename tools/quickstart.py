@@ -12,7 +12,9 @@ writes it into the exported model's generation_config.json, decodes the held-out
 (disjoint from the calibration ones) with AR, streaming and block-wise decoding, and prints a
 table (accuracy with its 95% interval, tokens/forward, p_cache, tokens/s, speed-up vs AR) with the
 targets at that tau, writing report.json, report.md and speed_accuracy.png under --out. Each step runs the project's own
-entry point (printed before it runs); see megatron_wedlm/quickstart/pipeline.py.
+entry point (printed before it runs); see megatron_wedlm/quickstart/pipeline.py. So it needs a
+checkout of the repository, installed with ``pip install -e .``: an installed wheel has the package
+but not the entry points and configs, and the quickstart says so before it starts.
 
 Presets: ``full`` (the README's command; about 10-15 minutes on 2 cores) and ``ci`` (a small
 model and few steps, for tests). ``--compare-with OLD/report.json`` checks that this run
@@ -25,9 +27,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+try:
+    import megatron_wedlm  # noqa: F401
+except ModuleNotFoundError:
+    sys.exit("megatron_wedlm is not installed: run `pip install -e .` in the repository checkout "
+             "(or put the checkout on PYTHONPATH)")
 
 from megatron_wedlm.quickstart.settings import PRESETS  # noqa: E402
 

@@ -49,6 +49,7 @@ from typing import Any
 
 from megatron_wedlm.quickstart.calibration import Calibration, calibration_from_reports, describe
 from megatron_wedlm.quickstart.settings import (
+    PRESET_DIR,
     REPO_ROOT,
     TRAINING_STAGES,
     QuickstartSettings,
@@ -65,6 +66,29 @@ STAGES = ("corpus", "tokenizer", "prepare_data", "ar_pretrain", "wedlm_pretrain"
 #: Entry point of each training stage.
 TRAINING_SCRIPTS = {"ar_pretrain": "pretrain/pretrain_wedlm.py", "wedlm_pretrain": "pretrain/pretrain_wedlm.py",
                     "sft": "sft/sft_wedlm.py"}
+#: The other entry points the stages run.
+PREPARE_DATA = "tools/prepare_data.py"
+CONVERT_CHECKPOINT = "tools/convert_checkpoint.py"
+EVALUATE = "inference/evaluate.py"
+#: What the run needs from the repository checkout, relative to its root.
+CHECKOUT_PATHS = (PREPARE_DATA, *dict.fromkeys(TRAINING_SCRIPTS.values()), CONVERT_CHECKPOINT, EVALUATE,
+                  str(PRESET_DIR.relative_to(REPO_ROOT)))
+
+
+def require_checkout(root: Path) -> None:
+    """Refuse, saying why, to run from a package without the repository around it.
+
+    The stages run the repository's entry points and configs, found next to the imported
+    package; a checkout (installed with ``pip install -e .``) has them, an installed wheel does not.
+    """
+    missing = [path for path in CHECKOUT_PATHS if not (root / path).exists()]
+    if missing:
+        raise ValueError(
+            f"the quickstart needs a checkout of the repository: it runs the entry points and configs next to "
+            f"the megatron_wedlm package it imported ({root / 'megatron_wedlm'}), and {root} has no "
+            f"{', '.join(missing)}. An installed package does not carry them: clone the repository, run "
+            "`pip install -e .` in it and run `python tools/quickstart.py` from the checkout."
+        )
 
 
 @dataclass(frozen=True)
@@ -218,7 +242,7 @@ class Quickstart:
 
         def prepare(name: str) -> dict[str, Any]:
             source, out, extra = jobs[name]
-            self._run([*_python(), "tools/prepare_data.py", "--input", source, "--tokenizer", self.layout.tokenizer,
+            self._run([*_python(), PREPARE_DATA, "--input", source, "--tokenizer", self.layout.tokenizer,
                        "--output", out, *extra, "--samples-per-shard", str(self.settings.corpus.samples_per_shard),
                        "--overwrite"], log_name=f"prepare_data_{name}", tag=f"prepare_data:{name}")
             manifest = json.loads((out / "manifest.json").read_text())
@@ -252,7 +276,7 @@ class Quickstart:
 
     def export(self, checkpoints: dict[str, Path]) -> dict[str, Any]:
         def convert(model: str) -> None:
-            self._run([*_python(), "tools/convert_checkpoint.py", "megatron-to-hf", "--input", checkpoints[model],
+            self._run([*_python(), CONVERT_CHECKPOINT, "megatron-to-hf", "--input", checkpoints[model],
                        "--output", self.layout.hf_dir(model), "--tokenizer", self.layout.shards / "tokenizer",
                        "--overwrite"], log_name=f"export_{model}", tag=f"export:{model}")
 
@@ -331,7 +355,7 @@ class Quickstart:
             tasks, num_examples = list(e.tasks), e.num_examples
         else:
             tasks, num_examples = [f"{t}:{split}" for t in e.calibration_tasks], e.calibration_examples
-        self._run([*_python(), "inference/evaluate.py", "--model", self.layout.hf_dir(model),
+        self._run([*_python(), EVALUATE, "--model", self.layout.hf_dir(model),
                    "--tasks", ",".join(tasks), "--methods", ",".join(methods),
                    "--taus", ",".join(f"{t:g}" for t in e.taus), "--num-examples", str(num_examples),
                    "--seed", str(self.seed), "--window-size", str(e.window_size),
@@ -422,5 +446,6 @@ class Quickstart:
 def run_quickstart(out_dir: str | Path, preset: str = "full", seed: int = 0, settings_path: str | Path | None = None,
                    compare_with: str | Path | None = None, console: Console | None = None) -> dict[str, Any]:
     """Run every stage; returns the report stage's paths. See the module docstring."""
+    require_checkout(REPO_ROOT)
     settings = load_settings(settings_path or preset_path(preset))
     return Quickstart(out_dir, settings, seed=seed, console=console, compare_with=compare_with).run()
