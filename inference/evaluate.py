@@ -30,7 +30,7 @@ except ModuleNotFoundError:
     sys.exit("megatron_wedlm is not installed: run `pip install -e .` in the repository checkout "
              "(or put the checkout on PYTHONPATH)")
 
-from inference.cli_options import add_decoding_arguments, cli_values, float_list  # noqa: E402
+from megatron_wedlm.decoding.cli import add_decoding_arguments, cli_values, float_list  # noqa: E402
 from megatron_wedlm.eval import evaluate, load_tasks, write_report  # noqa: E402
 from megatron_wedlm.decoding import METHODS  # noqa: E402
 from megatron_wedlm.decoding.inputs import DTYPES, load_checkpoint  # noqa: E402

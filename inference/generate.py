@@ -37,7 +37,7 @@ except ModuleNotFoundError:
 
 import torch  # noqa: E402
 
-from inference.cli_options import add_decoding_arguments, cli_values  # noqa: E402
+from megatron_wedlm.decoding.cli import add_decoding_arguments, cli_values  # noqa: E402
 from megatron_wedlm.decoding import METHODS, generate  # noqa: E402
 from megatron_wedlm.decoding.inputs import DTYPES, encode_prompt, eos_token_ids, load_checkpoint  # noqa: E402
 from megatron_wedlm.decoding.options import describe, resolve_decoding_settings  # noqa: E402

@@ -31,7 +31,7 @@ except ModuleNotFoundError:
              "(or put the checkout on PYTHONPATH)")
 
 from megatron_wedlm.decoding.inputs import DTYPES, encode_prompt, find_mask_token_id, load_checkpoint  # noqa: E402
-from inference.cli_options import float_list  # noqa: E402
+from megatron_wedlm.decoding.cli import float_list  # noqa: E402
 from megatron_wedlm.decoding.options import describe, resolve_decoding_settings  # noqa: E402
 from megatron_wedlm.eval.builtin_tasks import FAMILIES, completion_of  # noqa: E402
 from megatron_wedlm.eval.registry import load_task, parse_task_spec  # noqa: E402

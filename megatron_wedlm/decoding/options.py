@@ -5,7 +5,7 @@ operating point its trainer calibrated (window, tau, lambda, refill order) under
 ``generation_config.json``, as HF keeps a model's own generation settings next to its weights.
 ``inference/generate.py``, ``inference/evaluate.py`` and the ``lm_eval`` adapter resolve each of
 these settings here, in one order, and report where each value came from (the command-line flags
-themselves live with the scripts, in ``inference/cli_options.py``):
+themselves are the decoding command line, :mod:`.cli`):
 
 * ``cli``: given on the command line (or in lm_eval's ``--model_args``);
 * ``model``: stored with the model;

@@ -1,9 +1,9 @@
-"""Command-line options shared by the decoding entry points.
+"""The decoding command line: flags shared by the decoding entry points.
 
 ``inference/generate.py``, ``inference/evaluate.py`` and ``tools/probe_masked_slots.py`` declare
-their decoding flags here; what a flag leaves unset (None) is resolved by
-:func:`megatron_wedlm.decoding.options.resolve_decoding_settings`, which the ``lm_eval`` adapter
-uses too. The argparse wiring stays with the scripts, out of the library.
+their decoding flags here (as ``training/cli.py`` is the training command line); what a flag
+leaves unset (None) is resolved by :func:`megatron_wedlm.decoding.options.resolve_decoding_settings`,
+which the ``lm_eval`` adapter uses too. Nothing else in the package imports argparse wiring.
 """
 
 from __future__ import annotations
