@@ -54,6 +54,7 @@ from typing import Callable
 
 import torch
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
 
 __all__ = [
     "AttentionMetadata",
@@ -313,8 +314,6 @@ def build_block_mask(
     skipped. ``S`` must be a multiple of ``tile_size`` (pad the batch), which also keeps the
     kernel from indexing metadata out of bounds.
     """
-    from torch.nn.attention.flex_attention import BlockMask
-
     meta = metadata.batched()
     tiles = classify_tiles(meta, tile_size, padding_attends_self)
     kv_num, kv_idx = _ordered_indices(tiles.partial)

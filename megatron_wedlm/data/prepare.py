@@ -50,6 +50,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from megatron_wedlm.runtime.atomic_output import atomic_output_dir, check_output_dir
+from megatron_wedlm.runtime.hf_local import load_tokenizer, read_config, reference_mask_token_id
 
 __all__ = [
     "BadLine",
@@ -132,8 +133,6 @@ def load_tokenizer_with_mask(tokenizer_dir: str | Path, mask_token: str = DEFAUL
     the model's embedding must have that row (conversion pads/initialises it, see
     ``tools/convert_checkpoint.py``; a model trained from scratch sizes itself from the tokenizer).
     """
-    from megatron_wedlm.runtime.hf_local import load_tokenizer, read_config, reference_mask_token_id
-
     path = Path(tokenizer_dir)
     if not path.is_dir():
         raise FileNotFoundError(f"tokenizer directory {path} does not exist (give a local HF tokenizer directory)")

@@ -49,6 +49,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import multiprocessing as mp
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -479,8 +480,6 @@ class TrainDataIterator:
 
 
 def _fork_ok() -> bool:
-    import multiprocessing as mp
-
     return "fork" in mp.get_all_start_methods()
 
 

@@ -72,7 +72,7 @@ def export_hf_model(engine, hf_model: nn.Module, directory: str | Path, tokenize
 
     An earlier export in ``directory`` is replaced only once the new one is complete.
     """
-    from megatron_wedlm.conversion.tokenizer_files import copy_tokenizer_files, tokenizer_files_in
+    from megatron_wedlm.conversion.tokenizer_files import copy_tokenizer_files, tokenizer_files_in  # imports safetensors
 
     directory = Path(directory)
     state = full_state_dict(engine)

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
+from megatron_wedlm.training.cli import run_entry_point
+
+from .settings import validate_deepspeed_run
+
 if TYPE_CHECKING:
     from megatron_wedlm.config.schema import TrainConfig
 
@@ -19,13 +23,11 @@ __all__ = ["DEEPSPEED", "main"]
 
 
 def _check(cfg: TrainConfig) -> None:
-    from .settings import validate_deepspeed_run
-
     validate_deepspeed_run(cfg)
 
 
 def _train(cfg: TrainConfig) -> Any:
-    from .engine import run_deepspeed_sft
+    from .engine import run_deepspeed_sft  # imports torch
 
     return run_deepspeed_sft(cfg)
 
@@ -36,6 +38,4 @@ DEEPSPEED = {"deepspeed": (_check, _train)}
 
 def main(argv: Sequence[str] | None = None, task: str = "sft") -> int:
     """Exit codes as the Megatron entry point: 0 ok, 1 crash, 2 config error, 3 non-finite stop."""
-    from megatron_wedlm.training.cli import run_entry_point
-
     return run_entry_point(argv, task, DEEPSPEED)

@@ -31,9 +31,16 @@ import torch
 import torch.distributed as dist
 
 from megatron_wedlm.config.schema import ConfigError, TrainConfig
+from megatron_wedlm.data.prepare import TOKENIZER_DIR
+from megatron_wedlm.model.attention_backends import resolve_attention_backend
+from megatron_wedlm.runtime.parallel import init_distributed
 from megatron_wedlm.training.engine import RankRole, StepUpdate
+from megatron_wedlm.training.loop import run_training
 
-from .settings import validate_deepspeed_run
+from .checkpoint import DeepSpeedCheckpointManager, export_hf_model
+from .forward import DualStreamCausalLM, dual_stream_cross_entropy, hf_attention_backend, pad_rows
+from .hf_model import apply_mask_token, load_hf_causal_lm, plan_mask_token, weight_decay_param_groups
+from .settings import build_ds_config, validate_deepspeed_run
 
 if TYPE_CHECKING:
     from megatron_wedlm.data.dual_stream import DualStreamBatch
@@ -79,9 +86,6 @@ class _ZeRO3Init:
 
 def _build_model(cfg: TrainConfig, manifest: dict[str, Any], ds_config: dict[str, Any], dtype: torch.dtype,
                  backend: str, zero3_init: bool):
-    from .forward import DualStreamCausalLM, hf_attention_backend
-    from .hf_model import apply_mask_token, load_hf_causal_lm, plan_mask_token
-
     init = _ZeRO3Init(ds_config, zero3_init)
     try:
         implementation = hf_attention_backend(backend).hf_attn_implementation
@@ -111,8 +115,6 @@ def _build_model(cfg: TrainConfig, manifest: dict[str, Any], ds_config: dict[str
 
 def _build_optimizer(cfg: TrainConfig, module, device: torch.device, offload: bool):
     """AdamW over Megatron-style weight-decay groups; DeepSpeed's CPU Adam when states are offloaded."""
-    from .hf_model import weight_decay_param_groups
-
     o = cfg.optimizer
     groups = weight_decay_param_groups(module, o.weight_decay)
     kwargs = dict(lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, weight_decay=o.weight_decay)
@@ -164,11 +166,6 @@ class DeepSpeedEngine:
     # ---- before the output directory is claimed ----
     def start(self, device: torch.device, bf16: bool, manifest: dict[str, Any]) -> RankRole:
         """Check the run, derive the DeepSpeed config, create the process group."""
-        from megatron_wedlm.runtime.parallel import init_distributed
-        from megatron_wedlm.model.attention_backends import resolve_attention_backend
-
-        from .settings import build_ds_config
-
         cfg = self.cfg
         validate_deepspeed_run(cfg)
         self.device, self.bf16, self.manifest = device, bf16, manifest
@@ -180,7 +177,7 @@ class DeepSpeedEngine:
 
         _prepare_deepspeed(device)
         init_distributed(device, timeout_s=cfg.trainer.distributed_timeout_s)
-        import deepspeed
+        import deepspeed  # only after _prepare_deepspeed (DS_ACCELERATOR)
 
         deepspeed.init_distributed(dist_backend=dist.get_backend())
         torch.manual_seed(cfg.trainer.seed)
@@ -207,18 +204,12 @@ class DeepSpeedEngine:
         return self.engine.optimizer
 
     def _manager(self):
-        from .checkpoint import DeepSpeedCheckpointManager
-
         return DeepSpeedCheckpointManager(self.cfg.checkpointing.dir, self.cfg.checkpointing.keep_last)
 
     def _tokenizer_dir(self) -> Path:
-        from megatron_wedlm.data.prepare import TOKENIZER_DIR
-
         return Path(self.cfg.data.path) / self.manifest.get("tokenizer", TOKENIZER_DIR)  # type: ignore[arg-type]
 
     def _export(self, directory: Path) -> Path:
-        from .checkpoint import export_hf_model
-
         return export_hf_model(self.engine, self.hf_model, directory, self._tokenizer_dir())
 
     def load(self, path: Path) -> dict[str, Any]:
@@ -234,8 +225,6 @@ class DeepSpeedEngine:
                          objective: Objective) -> list[dict[str, torch.Tensor]]:
         """Forward and backward per micro-batch, ``engine.step()`` between them (no update before
         the accumulation boundary); the loss reports. The boundary's step is :meth:`optimizer_step`."""
-        from .forward import dual_stream_cross_entropy, pad_rows
-
         scale = len(batches) * self.world
         reports = []
         for index, batch in enumerate(batches):
@@ -271,6 +260,4 @@ class DeepSpeedEngine:
 
 def run_deepspeed_sft(cfg: TrainConfig) -> TrainResult:
     """:func:`megatron_wedlm.training.loop.run_training` with the DeepSpeed engine."""
-    from megatron_wedlm.training.loop import run_training
-
     return run_training(cfg, DeepSpeedEngine(cfg))

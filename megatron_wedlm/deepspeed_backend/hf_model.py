@@ -58,7 +58,7 @@ def load_hf_causal_lm(path: str | Path, dtype: torch.dtype, attn_implementation:
     (``deepspeed.zero3_init``) the parameters are already partitioned when this returns. The
     checkpoint need not know a mask token yet (:func:`apply_mask_token` adds it).
     """
-    from megatron_wedlm.decoding.loading import load_wedlm_model
+    from megatron_wedlm.decoding.loading import load_wedlm_model  # imports transformers
 
     try:
         model = load_wedlm_model(

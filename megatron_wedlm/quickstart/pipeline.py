@@ -47,7 +47,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_wedlm.data.tokenizer import check_reload, save_tokenizer, train_tokenizer
+from megatron_wedlm.decoding.generation_defaults import write_decoding_defaults
+from megatron_wedlm.eval.builtin_tasks import builtin_task
+from megatron_wedlm.eval.report import write_report
+from megatron_wedlm.eval.results import EvalReport
+from megatron_wedlm.eval.runner import combine_reports
 from megatron_wedlm.quickstart.calibration import Calibration, calibration_from_reports, describe
+from megatron_wedlm.quickstart.corpus import CorpusSpec, read_corpus, sample_texts, write_corpus, write_sft_pairs
 from megatron_wedlm.quickstart.settings import (
     PRESET_DIR,
     REPO_ROOT,
@@ -57,6 +64,8 @@ from megatron_wedlm.quickstart.settings import (
     preset_path,
 )
 from megatron_wedlm.quickstart.stages import Console, StageRunner
+from megatron_wedlm.quickstart.summary import build_summary, print_summary, write_summary
+from megatron_wedlm.runtime.hf_local import load_pretrained, load_tokenizer
 
 #: Subdirectories and files of the output directory that a run writes (and a rerun replaces).
 OWNED_PATHS = ("data", "tokenizer", "runs", "hf", "eval", "logs", "stages.json",
@@ -202,8 +211,6 @@ class Quickstart:
 
     # -- stages ------------------------------------------------------------------------------
     def corpus(self) -> dict[str, Any]:
-        from megatron_wedlm.quickstart.corpus import CorpusSpec, write_corpus, write_sft_pairs
-
         c = self.settings.corpus
         spec = CorpusSpec(task_examples=dict(c.task_examples), record_documents=c.record_documents,
                           code_chars=c.code_chars, examples_per_document=c.examples_per_document)
@@ -218,10 +225,6 @@ class Quickstart:
         return {**asdict(stats), "sft_pairs": n_pairs, "sft_path": str(self.layout.sft_pairs)}
 
     def tokenizer(self) -> dict[str, Any]:
-        from megatron_wedlm.eval.builtin_tasks import builtin_task
-        from megatron_wedlm.quickstart.corpus import read_corpus, sample_texts
-        from megatron_wedlm.data.tokenizer import check_reload, save_tokenizer, train_tokenizer
-
         texts = list(read_corpus(self.layout.corpus))
         tok = train_tokenizer(texts, self.settings.tokenizer.vocab_size)
         save_tokenizer(tok, self.layout.tokenizer)
@@ -291,10 +294,6 @@ class Quickstart:
 
         hf_logging.disable_progress_bar()  # the console shows one line per export instead
 
-        from megatron_wedlm.quickstart.corpus import read_corpus, sample_texts
-        from megatron_wedlm.data.tokenizer import check_reload
-        from megatron_wedlm.runtime.hf_local import load_pretrained, load_tokenizer
-
         model = load_pretrained(AutoModelForCausalLM, hf_dir).eval()
         ours = load_tokenizer(self.layout.tokenizer)
         exported = load_tokenizer(hf_dir)
@@ -333,10 +332,6 @@ class Quickstart:
 
     def join_report_parts(self, model: str, parts: list[str]) -> dict[str, Any]:
         """Fold the test reports written under ``eval/<model>/<part>/`` into ``eval/<model>/``."""
-        from megatron_wedlm.eval.report import write_report
-        from megatron_wedlm.eval.results import EvalReport
-        from megatron_wedlm.eval.runner import combine_reports
-
         out = self.layout.eval_dir(model)
         reports = [EvalReport.load(str(d / "report.json")) for d in [out, *(out / p for p in parts)]]
         paths = write_report(combine_reports(reports), str(out))
@@ -366,9 +361,6 @@ class Quickstart:
 
     def calibrate(self) -> dict[str, Any]:
         """Choose tau on the calibration prompts and store it, with window and penalty, in the WeDLM export."""
-        from megatron_wedlm.decoding.generation_defaults import write_decoding_defaults
-        from megatron_wedlm.eval.results import EvalReport
-
         e = self.settings.eval
         self.calibration = c = calibration_from_reports(
             EvalReport.load(str(self.layout.eval_dir(BASE, "calibration") / "report.json")),
@@ -383,8 +375,6 @@ class Quickstart:
         return {**asdict(c), "generation_config": str(path)}
 
     def report(self, timings: dict[str, Any]) -> dict[str, Any]:
-        from megatron_wedlm.quickstart.summary import build_summary, print_summary, write_summary
-
         assert self.runner is not None
         assert self.calibration is not None
         summary = build_summary(

@@ -26,14 +26,18 @@ tests compare against.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from megatron_wedlm.model.hf_config import ModelArgs
+from megatron_wedlm.runtime.parallel import ParallelConfig, initialize_parallel_state
+from megatron_wedlm.training.megatron_engine import run_schedule
+
 if TYPE_CHECKING:
-    from megatron_wedlm.model.hf_config import ModelArgs
     from megatron_wedlm.model.wedlm_model import BuildSettings
 
 
@@ -71,8 +75,6 @@ class TinyGPTSpec(TinyShape):
     seed: int = 1234
 
     def model_args(self) -> ModelArgs:
-        from megatron_wedlm.model.hf_config import ModelArgs
-
         return ModelArgs(
             **self.shape_fields(), architecture="llama", max_position_embeddings=self.seq_length, rope_theta=10000.0,
             qk_layernorm=False, add_qkv_bias=False, tie_word_embeddings=False,
@@ -89,7 +91,7 @@ def build_gpt(args: ModelArgs, settings: BuildSettings | None = None):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_wedlm.model.wedlm_model import BuildSettings, wedlm_transformer_config
+    from megatron_wedlm.model.wedlm_model import BuildSettings, wedlm_transformer_config  # imports Megatron-Core
 
     settings = settings or BuildSettings()
     return GPTModel(
@@ -135,8 +137,6 @@ def _forward_step(data_iterator, model):
 
 def forward_backward(model, spec: TinyGPTSpec, forward_step: Callable = _forward_step) -> float | None:
     """One schedule step of the GPT batches; the mean loss on the last stage, else None."""
-    from megatron_wedlm.training.megatron_engine import run_schedule
-
     chunks = model if isinstance(model, list) else [model]
     losses = run_schedule(chunks, forward_step, make_batches(spec), spec.seq_length, spec.micro_batch_size)
     if losses is None:
@@ -157,8 +157,6 @@ def grads_into_params(model, use_main_grad: bool = False) -> None:
 
 def save_sharded(model, directory: str) -> None:
     """Save ``model``'s sharded state (a module or ``ModelChunks``) as ``torch_dist`` (all ranks call)."""
-    import os
-
     from megatron.core import dist_checkpointing
 
     os.makedirs(directory, exist_ok=True)
@@ -176,8 +174,6 @@ def load_sharded(model, directory: str) -> None:
 def init_layout(tp: int, pp: int, seed: int, sequence_parallel: bool = False, cp: int = 1, vpp: int | None = None):
     """(Re-)create Megatron's groups for TP x PP x CP on CPU (``vpp`` model chunks per pipeline
     stage); DP is what the world size leaves."""
-    from megatron_wedlm.runtime.parallel import ParallelConfig, initialize_parallel_state
-
     return initialize_parallel_state(
         ParallelConfig(
             tensor_model_parallel_size=tp,
@@ -214,7 +210,7 @@ def save_reference(spec_dict: dict, weights_dir: str) -> dict[str, Any]:
 def run_layout(
     spec_dict: dict, weights_dir: str, grads_dir: str, tp: int, pp: int, sequence_parallel: bool = False
 ) -> dict[str, Any]:
-    from megatron_wedlm.model.wedlm_model import BuildSettings
+    from megatron_wedlm.model.wedlm_model import BuildSettings  # imports Megatron-Core
 
     spec = TinyGPTSpec(**spec_dict)
     init_layout(tp, pp, spec.seed, sequence_parallel)

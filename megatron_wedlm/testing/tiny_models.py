@@ -10,10 +10,22 @@ an exported WeDLM checkpoint.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerFast
+from safetensors.torch import save_file
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 # One tokenizer recipe for the tests and the quickstart.
 from megatron_wedlm.data.tokenizer import EOS_TOKEN, PAD_TOKEN, as_hf_tokenizer, train_byte_level_bpe
@@ -55,8 +67,6 @@ def build_tiny_model(
     seed: int = 0,
 ) -> PreTrainedModel:
     """A random causal LM of the given family sized for CPU tests, in eval mode, float32."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
     families = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
     if arch not in families:
         raise ValueError(f"unknown tiny-model arch {arch!r}; choose one of {sorted(families)}")
@@ -115,8 +125,6 @@ def build_tiny_causal_lm(
     are scaled up from the config's tiny init (std 0.02) so layers visibly change the logits --
     a mapping bug then shows as a large difference rather than one lost in rounding.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
     families = {
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
@@ -184,11 +192,6 @@ def write_official_checkpoint(
     their name to :data:`REMOTE_CODE_MARKER` in ``directory`` and raise if ever imported. The
     tokenizer (if given) is saved with an ``auto_map`` of its own, as remote-code checkpoints have.
     """
-    import json
-    from pathlib import Path
-
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     c = model.config
@@ -240,7 +243,5 @@ def write_official_checkpoint(
 
 def remote_code_ran(directory) -> list[str]:
     """Names of the remote-code files of :func:`write_official_checkpoint` that were imported (should be none)."""
-    from pathlib import Path
-
     marker = Path(directory) / REMOTE_CODE_MARKER
     return marker.read_text().split() if marker.is_file() else []

@@ -29,11 +29,18 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
+
+from megatron_wedlm.data import build_dual_stream_batch, stack_dual_stream_batches
+from megatron_wedlm.model import global_loss_normalizer, reduce_loss_reports
+from megatron_wedlm.model.hf_config import ModelArgs
+from megatron_wedlm.training.megatron_engine import forward_backward_step
+from megatron_wedlm.training.objective import Objective
+from megatron_wedlm.training.optimization import wrap_ddp
 
 from .gpt_equivalence import TinyShape, gather_full, grads_into_params, init_layout, load_sharded, save_sharded
 
 if TYPE_CHECKING:
-    from megatron_wedlm.model.hf_config import ModelArgs
     from megatron_wedlm.model.wedlm_model import BuildSettings, ModelChunks
 
 
@@ -68,8 +75,6 @@ class TinyWeDLMSpec(TinyShape):
 
     def model_args(self) -> ModelArgs:
         """The model description of this spec (rows of ``row_length`` slots hold positions below it)."""
-        from megatron_wedlm.model.hf_config import ModelArgs
-
         architecture = "qwen3" if self.qk_layernorm else "qwen2" if self.add_qkv_bias else "llama"
         return ModelArgs(
             **self.shape_fields(), architecture=architecture, max_position_embeddings=self.row_length,
@@ -80,7 +85,7 @@ class TinyWeDLMSpec(TinyShape):
     def build_settings(self, sequence_parallel: bool = False, recompute: str | None = None) -> BuildSettings:
         """How a layout builds this spec's model: fp32 on CPU, init std 0.05 (larger than training's
         0.02, so that gradient differences between layouts stand out of rounding)."""
-        from megatron_wedlm.model.wedlm_model import BuildSettings
+        from megatron_wedlm.model.wedlm_model import BuildSettings  # imports Megatron-Core
 
         options = {"tile_size": self.dense_tile_size} if self.attention_backend == "dense" else {}
         return BuildSettings(
@@ -91,8 +96,6 @@ class TinyWeDLMSpec(TinyShape):
 
 def make_global_batch(spec: TinyWeDLMSpec, step: int = 0) -> list:
     """``global_microbatches`` stacked dual-stream micro-batches ``[micro_batch_size, row_length]``."""
-    from megatron_wedlm.data import build_dual_stream_batch, stack_dual_stream_batches
-
     g = torch.Generator().manual_seed(spec.seed * 1000 + step)
     batches = []
     row = 0
@@ -110,7 +113,7 @@ def make_global_batch(spec: TinyWeDLMSpec, step: int = 0) -> list:
 
 def build_model(spec: TinyWeDLMSpec, sequence_parallel: bool = False, recompute: str | None = None) -> ModelChunks:
     """This rank's model chunks for the current Megatron layout, built by training's own build."""
-    from megatron_wedlm.model.wedlm_model import build_model_chunks
+    from megatron_wedlm.model.wedlm_model import build_model_chunks  # imports Megatron-Core
 
     return build_model_chunks(spec.model_args(), spec.build_settings(sequence_parallel, recompute))
 
@@ -119,10 +122,6 @@ def train_step(ddp_model: list, spec: TinyWeDLMSpec, batches: list):
     """One forward/backward of training's step over this rank's micro-batches (``ddp_model``: the
     chunks as training's ``wrap_ddp`` wraps them) -- the Megatron engine's own step function;
     the global loss summary (last stage)."""
-    from megatron_wedlm.model import global_loss_normalizer, reduce_loss_reports
-    from megatron_wedlm.training.megatron_engine import forward_backward_step
-    from megatron_wedlm.training.objective import Objective
-
     normalizer = global_loss_normalizer(batches, spec.mlm_weighting)
     objective = Objective(ar_weight=spec.ar_weight, mlm_weighting=spec.mlm_weighting)
     reports = forward_backward_step(ddp_model, batches, normalizer, objective, spec.row_length, spec.micro_batch_size)
@@ -149,8 +148,6 @@ def _named_grads(model: ModelChunks) -> dict[str, torch.Tensor]:
 
 def reference_worker(specs: dict[str, dict], root: str) -> dict[str, dict]:
     """TP=PP=1 on one rank: save weights to ``root/<name>/weights``; loss and grads per spec."""
-    from megatron_wedlm.training.optimization import wrap_ddp
-
     out = {}
     for name, spec_dict in specs.items():
         spec = TinyWeDLMSpec(**spec_dict)
@@ -169,10 +166,6 @@ def layouts_worker(specs: dict[str, dict], root: str, layouts: list[dict]) -> di
     Returns, per layout, this rank's loss summary (None off the last stage) and, on global
     rank 0, the full gradients reassembled at TP=PP=1.
     """
-    import torch.distributed as dist
-
-    from megatron_wedlm.training.optimization import wrap_ddp
-
     out = {}
     for layout in layouts:
         spec = TinyWeDLMSpec(**specs[layout["spec"]])
@@ -196,8 +189,6 @@ def layouts_worker(specs: dict[str, dict], root: str, layouts: list[dict]) -> di
 def optimizer_worker(spec_dict: dict, weights_dir: str, distributed_optimizer: bool, steps: int) -> list:
     """``steps`` Adam steps at TP=PP=1 with DP = world size; the global loss of every step."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    from megatron_wedlm.training.optimization import wrap_ddp
 
     spec = TinyWeDLMSpec(**spec_dict)
     init_layout(1, 1, spec.seed)

@@ -165,7 +165,7 @@ def checkpoint_problem(path: str | Path) -> str | None:
     except CheckpointReadError as err:
         return str(err)
     if (path / ".metadata").is_file():
-        from megatron_wedlm.conversion.megatron_checkpoint import torch_dist_problem
+        from megatron_wedlm.conversion.megatron_checkpoint import torch_dist_problem  # imports safetensors
 
         problem = torch_dist_problem(path)
         if problem is not None:

@@ -17,6 +17,9 @@ import sys
 import traceback
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
+from megatron_wedlm.config.loading import config_to_yaml, load_config
+from megatron_wedlm.config.schema import ConfigError
+
 if TYPE_CHECKING:
     from megatron_wedlm.config.schema import TrainConfig
 
@@ -54,9 +57,6 @@ def run_entry_point(argv: Sequence[str] | None, task: str, backends: Backends) -
     Every backend's command line goes through here, so they share the arguments and the exit
     codes: 0 ok, 1 crash, 2 config error, 3 non-finite stop.
     """
-    from megatron_wedlm.config.loading import config_to_yaml, load_config
-    from megatron_wedlm.config.schema import ConfigError
-
     args, overrides = parse_args(argv, task)
     if args.resume is not None:
         overrides = [*overrides, f"checkpointing.resume={args.resume}"]
@@ -81,10 +81,10 @@ def run_entry_point(argv: Sequence[str] | None, task: str, backends: Backends) -
         if rank == 0:
             print(config_to_yaml(cfg), end="")
         return 0
-    from megatron_wedlm.runtime.parallel import destroy_parallel_state
+    from megatron_wedlm.runtime.parallel import destroy_parallel_state  # imports torch
 
-    from .checkpointing import CheckpointReadError
-    from .step_record import NonFiniteLossError, result_dict
+    from .checkpointing import CheckpointReadError  # imports torch
+    from .step_record import NonFiniteLossError, result_dict  # imports torch
 
     try:
         result = train(cfg)
@@ -110,7 +110,7 @@ def _no_further_checks(cfg: TrainConfig) -> None:
 
 
 def _run_megatron(cfg: TrainConfig):
-    from .loop import run_training
+    from .loop import run_training  # imports torch
 
     return run_training(cfg)
 

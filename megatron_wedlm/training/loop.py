@@ -30,6 +30,7 @@ from megatron_wedlm.model.losses import global_loss_normalizer, reduce_loss_repo
 from megatron_wedlm.runtime.parallel import resolve_device
 
 from .engine import Engine, RankRole, StepUpdate
+from .megatron_engine import MegatronEngine
 from .objective import Objective
 from .optimization import build_scheduler, current_lr
 from .run_data import build_train_data, read_run_manifest
@@ -53,8 +54,6 @@ def run_training(cfg: TrainConfig, engine: Engine | None = None) -> TrainResult:
     """Train as described by ``cfg`` in this process (one rank of a torchrun launch) with
     ``engine`` (default: Megatron-Core)."""
     if engine is None:
-        from .megatron_engine import MegatronEngine  # Megatron-Core is imported only for its engine
-
         engine = MegatronEngine(cfg)
     device = resolve_device(cfg.trainer.device)
     bf16 = bf16_enabled(cfg, device)

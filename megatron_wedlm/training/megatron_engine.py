@@ -29,10 +29,16 @@ from torch import Tensor
 
 from megatron_wedlm.config.schema import TrainConfig, validate_layout
 from megatron_wedlm.data.dual_stream import DualStreamBatch
+from megatron_wedlm.model.context_parallel import shard_batch
+from megatron_wedlm.model.hf_config import MODEL_ARGS_FILE
 from megatron_wedlm.model.losses import LossNormalizer
+from megatron_wedlm.runtime.parallel import ParallelConfig, init_distributed, initialize_parallel_state
 
+from .checkpointing import CheckpointManager
 from .engine import RankRole, StepUpdate
+from .model_setup import build_settings, load_init_weights, resolve_model_args
 from .objective import Objective
+from .optimization import build_optimizer, wrap_ddp
 
 __all__ = [
     "MegatronEngine", "forward_backward_step", "megatron_forward_step", "run_model_on_shard", "run_schedule",
@@ -58,8 +64,6 @@ def run_model_on_shard(model, batch: DualStreamBatch, objective: Objective) -> t
     Returns the part (the whole batch without context parallelism) -- the loss must read its
     labels and weights -- and the model's output (per-slot CE on the last stage).
     """
-    from megatron_wedlm.model.context_parallel import shard_batch
-
     shard = shard_batch(batch)
     local = shard.batch
     output = model(
@@ -164,10 +168,6 @@ class MegatronEngine:
     # ---- before the output directory is claimed ----
     def start(self, device: torch.device, bf16: bool, manifest: dict[str, Any]) -> RankRole:
         """Check the layout and the model description, create the process groups."""
-        from megatron_wedlm.runtime.parallel import ParallelConfig, init_distributed, initialize_parallel_state
-
-        from .model_setup import resolve_model_args
-
         cfg = self.cfg
         self.device, self.bf16 = device, bf16
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -206,10 +206,7 @@ class MegatronEngine:
 
     # ---- model, optimizer, state ----
     def build(self, resuming: bool) -> Any:
-        from megatron_wedlm.model.wedlm_model import build_model_chunks
-
-        from .model_setup import build_settings, load_init_weights
-        from .optimization import build_optimizer, wrap_ddp
+        from megatron_wedlm.model.wedlm_model import build_model_chunks  # imports Megatron-Core
 
         cfg = self.cfg
         dtype = torch.bfloat16 if self.bf16 else torch.float32
@@ -221,16 +218,12 @@ class MegatronEngine:
         return self.optimizer
 
     def _manager(self):
-        from .checkpointing import CheckpointManager
-
         return CheckpointManager(self.cfg.checkpointing.dir, self.cfg.checkpointing.keep_last)
 
     def load(self, path: Path) -> dict[str, Any]:
         return self._manager().load(path, self.model, self.optimizer, self.cfg.checkpointing.load_optimizer)
 
     def save(self, step: int, trainer_state: dict[str, Any], files: dict[str, str]) -> Path:
-        from megatron_wedlm.model.hf_config import MODEL_ARGS_FILE
-
         model_args = json.dumps(self.model_args.to_dict(), indent=2, sort_keys=True) + "\n"
         return self._manager().save(step, self.model, self.optimizer, trainer_state,
                                     files={**files, MODEL_ARGS_FILE: model_args})

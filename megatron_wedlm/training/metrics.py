@@ -83,7 +83,7 @@ class MetricsLogger:
     def _set_aside_other_history(self, run_id: str | None, lineage: list[dict[str, Any]]) -> None:
         """Move the records that are not on ``lineage`` to ``metrics.abandoned.jsonl`` (appended and
         synced first, so a kill in between duplicates records rather than losing them)."""
-        from .checkpointing import on_lineage
+        from .checkpointing import on_lineage  # imports torch
 
         if not self.path.exists():
             return

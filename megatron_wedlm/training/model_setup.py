@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megatron_wedlm.config.schema import ConfigError, TrainConfig
+from megatron_wedlm.model.attention_backends import resolve_attention_backend
 from megatron_wedlm.model.hf_config import ModelArgs, load_model_args, pad_vocab_size
 
 if TYPE_CHECKING:
@@ -120,8 +121,7 @@ def build_settings(cfg: TrainConfig, device: torch.device, params_dtype: torch.d
     """How this run builds its model (:func:`megatron_wedlm.model.wedlm_model.build_model_chunks`):
     the config's layout features, recompute, init and attention backend, on ``device`` in
     ``params_dtype``."""
-    from megatron_wedlm.model.attention_backends import resolve_attention_backend
-    from megatron_wedlm.model.wedlm_model import BuildSettings
+    from megatron_wedlm.model.wedlm_model import BuildSettings  # imports Megatron-Core
 
     p = cfg.parallelism
     return BuildSettings(
@@ -142,6 +142,6 @@ def load_init_weights(model, directory: str | Path) -> None:
     back with the requested weights; every parameter is requested as a sharded tensor, and
     ``dist_checkpointing`` raises if the checkpoint lacks one.
     """
-    from megatron_wedlm.conversion.megatron_checkpoint import load_megatron_weights
+    from megatron_wedlm.conversion.megatron_checkpoint import load_megatron_weights  # imports safetensors
 
     load_megatron_weights(model, directory, strict=False)

@@ -39,6 +39,7 @@ from megatron_wedlm.runtime.rank_zero import agreed
 
 from .checkpointing import (
     Lineage,
+    _stderr,
     complete_checkpoints,
     read_trainer_state,
     record_lineage,
@@ -165,10 +166,6 @@ class RunClaim:
     def release(self) -> None:
         if self.lock is not None:
             self.lock.release()
-
-
-def _stderr(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
 
 
 def _move_aside(output_dir: Path, ckpt_root: Path, run_id: str) -> Path:
