@@ -369,3 +369,41 @@ def test_specs_of_the_suite(tmp_path):
         load_tasks(f"paper:arc_c:{arc}", shots={"paper:arc_c": 5})
     both = load_tasks(f"paper:arc_c:{arc},paper:arc_e:{arc}")
     assert [t.name for t in both] == ["paper:arc_c", "paper:arc_e"]
+
+
+@pytest.mark.skipif(not os.environ.get(reference_prompts.REFERENCE_ENV), reason="no Tencent/WeDLM checkout given")
+def test_rules_agree_with_the_reference_evaluators_on_random_text(monkeypatch):
+    """Differential check: the reference's own evaluator functions, imported from the checkout,
+    and ``paper_extraction`` read the same answers out of random mixtures of the rules' tokens."""
+    import random
+
+    from megatron_wedlm.eval import paper_extraction as px
+
+    monkeypatch.syspath_prepend(os.environ[reference_prompts.REFERENCE_ENV])
+    from evaluation.evaluators.arc_c_evaluator import ARCCEvaluator
+    from evaluation.evaluators.gsm8k_evaluator import Gsm8kEvaluator
+    from evaluation.evaluators.hellaswag_evaluator import HellaSwagEvaluator
+    from evaluation.evaluators.humaneval_evaluator import HumanEvalEvaluator
+    from evaluation.evaluators.math_evaluator import MATHEvaluator, _strip_string
+    from evaluation.evaluators.mbpp_evaluator import MBPPEvaluator
+    from evaluation.evaluators.mmlu_evaluator import MMLUEvaluator
+
+    rng = random.Random(0)
+    tokens = ["####", " ", "\n", "\n\n", "Question:", "\nProblem:", "The answer is ", "Answer: ", "is", "(C)",
+              "A", "B", "C", "D", "a", "c", ")", ".", "1,234", "42", "5-3", ".5", "$", "\\boxed{", "\\fbox{",
+              "{", "}", "\\frac{1}{2}", "\\dfrac", "\\left(", "^\\circ", "\\%", "\\\\", "1,2,3", "option"]
+    code = ["def f(x):", "def g(a,\n      b):", "    return x", "return x", "        y = 1", "  z = 2", "# note",
+            "'''doc'''", "import os", "from a import b", "```python", "```", "~~~", "print(f(1))", "", "[DONE]", "'"]
+    gsm8k, math, mmlu, arc, hellaswag = Gsm8kEvaluator(), MATHEvaluator(), MMLUEvaluator(), ARCCEvaluator(), HellaSwagEvaluator()
+    humaneval, mbpp = object.__new__(HumanEvalEvaluator), MBPPEvaluator()  # no evalplus needed for extraction
+    for _ in range(3000):
+        text = "".join(rng.choice(tokens) for _ in range(rng.randint(0, 12)))
+        assert px.gsm8k_prediction(text) == gsm8k._postprocess_prediction(text).replace("NULL", ""), text
+        assert px.math_prediction(text) == math._extract_answer(text), text
+        assert px.math_normalize(text) == _strip_string(text), text
+        assert px.mmlu_letter(text) == mmlu._extract_answer(text), text
+        assert px.arc_letter(text, "ABC") == arc._extract_answer(text, ["A", "B", "C"]), text
+        assert px.hellaswag_letter(text) == hellaswag._extract_answer(text), text
+        program = "\n".join(rng.choice(code) for _ in range(rng.randint(0, 10)))
+        assert px.humaneval_body(program) == humaneval._postprocess(program), program
+        assert px.mbpp_code(program) == mbpp._process_answer(program), program
