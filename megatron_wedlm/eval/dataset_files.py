@@ -39,7 +39,7 @@ def _files(path: str, layout: Layout) -> list[str]:
     if os.path.isdir(path):
         files = sorted(
             os.path.join(path, f) for f in os.listdir(path)
-            if f.endswith(SUFFIXES) and os.path.isfile(os.path.join(path, f))
+            if f.endswith(SUFFIXES) and not f.startswith(".") and os.path.isfile(os.path.join(path, f))
         )
         if not files:
             raise ValueError(

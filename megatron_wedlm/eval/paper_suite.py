@@ -107,7 +107,11 @@ class PaperCodeTask(_Protocol, CodeTask):
 
 
 class PaperGSM8K(PaperTask):
-    """Three worked solutions ending ``#### N``, then ``Question: ...\\nAnswer:\\n``."""
+    """Three worked solutions ending ``#### N``, then ``Question: ...\\nAnswer:\\n``.
+
+    The shots put each question on the line after ``Question:``, the final question on the same
+    line: the reference's layout, kept.
+    """
 
     benchmark = "gsm8k"
     layout = Layout("paper:gsm8k", ("question", "answer"),
