@@ -12,6 +12,7 @@ import pytest
 from megatron_wedlm.decoding import GenerationResult
 from megatron_wedlm.eval import evaluate
 from megatron_wedlm.eval.paper_suite import load_paper_task
+from megatron_wedlm.eval.registry import load_task
 from megatron_wedlm.eval.results import EvalReport, SampleRecord
 from megatron_wedlm.eval.scoring import score_file, score_report
 from megatron_wedlm.testing.tiny_models import build_tiny_model, build_tiny_tokenizer
@@ -99,3 +100,21 @@ def test_rescoring_a_runner_report_gives_the_runners_verdicts(tmp_path):
     assert [s.correct for s in report.samples] == [True, False, False]
     assert [j.correct for j in run.judgements] == [s.correct for s in report.samples]
     assert [j.extracted for j in run.judgements] == [s.extracted for s in report.samples] == ["A", "C", "A"]
+
+
+def test_a_report_of_this_projects_own_gsm8k_task_is_rescored_with_its_own_rules(tmp_path):
+    records = [{"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"} for i in range(6)]
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    # the first 4 records are the default shots; records 4 and 5 are scored
+    uids = [ex.uid for ex in load_task(f"gsm8k:{data}").examples]
+    samples = [SampleRecord("gsm8k", "ar", None, uids[0], "4 + 1 = 5\n#### 5", "", "", False, 3, 3, 0.1),
+               SampleRecord("gsm8k", "ar", None, uids[1], "The answer is 7", "", "", False, 3, 3, 0.1)]
+    report = tmp_path / "report.json"
+    report.write_text(EvalReport("tiny", {}, [], samples).to_json())
+
+    (run,) = score_file(str(report), f"gsm8k:{data}")
+
+    assert run.task == "gsm8k" and [(j.extracted, j.correct) for j in run.judgements] == [("5", True), ("7", False)]
+    with pytest.raises(ValueError, match="holds no samples of task 'paper:gsm8k'"):
+        score_file(str(report), f"paper:gsm8k:{data}")
