@@ -29,7 +29,11 @@ and ``Problem`` for every benchmark. That matches the word where it begins a tok
 newline or punctuation), not inside a sentence (`` Question`` is another token); the stop
 strings here are ``\\nQuestion`` and ``\\nProblem``, which agree with it wherever an answer is
 followed by a new few-shot item. There is no other stop: an MBPP answer runs on after
-``[DONE]`` and is cut there when scored, as in the reference.
+``[DONE]`` and is cut there when scored, as in the reference. The reference's text keeps the
+stop word at its end, where the runner drops the stop string; verdicts differ only where a rule
+would read that word: GPQA's ``#### D\\nQuestion`` (the reference reads ``D\\nQuestion``,
+wrong; here ``D``, right) and a multiple-choice answer with no letter before ``Problem`` (the
+reference's last MMLU/ARC rule reads the ``b`` of ``Problem`` as B).
 
 ``temperature`` is the reference's per benchmark (0.1 where it samples); the runner decodes at
 the temperature it is given, so pass it to reproduce the reference's sampling.
