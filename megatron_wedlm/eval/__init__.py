@@ -5,6 +5,11 @@
 * ``jsonl_tasks``      GSM8K, MATH, ARC, MMLU from local jsonl in few-shot formats
 * ``code_tasks``       HumanEval, MBPP, scored by running code in ``sandbox``
 * ``answer_extraction`` how final answers are pulled out of generated text
+* ``paper_suite``      the paper's protocol: ``paper:gsm8k``, ``paper:math``, ... (docs/evaluation.md)
+* ``paper_extraction`` the reference evaluator's answer extraction and equivalence rules
+* ``reference_prompts`` the paper's few-shot text, read from a Tencent/WeDLM checkout
+* ``dataset_files``    benchmark records from local hub downloads (jsonl, JSON, parquet, csv)
+* ``scoring``          scoring saved completions (``inference/score.py``) as the runner does
 * ``registry``         ``load_tasks("counting,gsm8k:path.jsonl")``
 * ``runner``           ``evaluate(model, tokenizer, tasks, methods, taus=...) -> EvalReport``
 * ``report``           ``write_report(report, out_dir)``: JSON, Markdown, speed-accuracy PNG

