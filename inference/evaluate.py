@@ -24,17 +24,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-try:
-    import megatron_wedlm  # noqa: F401
-except ModuleNotFoundError:
-    sys.exit("megatron_wedlm is not installed: run `pip install -e .` in the repository checkout "
-             "(or put the checkout on PYTHONPATH)")
-
-from megatron_wedlm.decoding.cli import add_decoding_arguments, cli_values, float_list  # noqa: E402
-from megatron_wedlm.eval import evaluate, load_tasks, write_report  # noqa: E402
-from megatron_wedlm.decoding import METHODS  # noqa: E402
-from megatron_wedlm.decoding.inputs import DTYPES, load_checkpoint  # noqa: E402
-from megatron_wedlm.decoding.options import describe, resolve_decoding_settings  # noqa: E402
+from megatron_wedlm.decoding.cli import add_decoding_arguments, cli_values, float_list
+from megatron_wedlm.eval import evaluate, load_tasks, write_report
+from megatron_wedlm.decoding import METHODS
+from megatron_wedlm.decoding.inputs import DTYPES, load_checkpoint
+from megatron_wedlm.decoding.options import describe, resolve_decoding_settings
 
 
 def _mapping(text: str) -> dict[str, str]:

@@ -29,18 +29,12 @@ import argparse
 import json
 import sys
 
-try:
-    import megatron_wedlm  # noqa: F401
-except ModuleNotFoundError:
-    sys.exit("megatron_wedlm is not installed: run `pip install -e .` in the repository checkout "
-             "(or put the checkout on PYTHONPATH)")
+import torch
 
-import torch  # noqa: E402
-
-from megatron_wedlm.decoding.cli import add_decoding_arguments, cli_values  # noqa: E402
-from megatron_wedlm.decoding import METHODS, generate  # noqa: E402
-from megatron_wedlm.decoding.inputs import DTYPES, encode_prompt, eos_token_ids, load_checkpoint  # noqa: E402
-from megatron_wedlm.decoding.options import describe, resolve_decoding_settings  # noqa: E402
+from megatron_wedlm.decoding.cli import add_decoding_arguments, cli_values
+from megatron_wedlm.decoding import METHODS, generate
+from megatron_wedlm.decoding.inputs import DTYPES, encode_prompt, eos_token_ids, load_checkpoint
+from megatron_wedlm.decoding.options import describe, resolve_decoding_settings
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,13 +22,7 @@ import argparse
 import json
 import sys
 
-try:
-    import megatron_wedlm  # noqa: F401
-except ModuleNotFoundError:
-    sys.exit("megatron_wedlm is not installed: run `pip install -e .` in the repository checkout "
-             "(or put the checkout on PYTHONPATH)")
-
-from megatron_wedlm.eval.scoring import score_file  # noqa: E402
+from megatron_wedlm.eval.scoring import score_file
 
 
 def build_parser() -> argparse.ArgumentParser:

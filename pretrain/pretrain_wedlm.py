@@ -10,13 +10,7 @@ See docs/training.md.
 
 import sys
 
-try:
-    import megatron_wedlm  # noqa: F401
-except ModuleNotFoundError:
-    sys.exit("megatron_wedlm is not installed: run `pip install -e .` in the repository checkout "
-             "(or put the checkout on PYTHONPATH)")
-
-from megatron_wedlm.training.cli import main  # noqa: E402
+from megatron_wedlm.training.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:], task="pretrain"))

@@ -11,14 +11,8 @@ Data: ``tools/prepare_data.py --task sft``. See docs/training.md.
 
 import sys
 
-try:
-    import megatron_wedlm  # noqa: F401
-except ModuleNotFoundError:
-    sys.exit("megatron_wedlm is not installed: run `pip install -e .` in the repository checkout "
-             "(or put the checkout on PYTHONPATH)")
-
-from megatron_wedlm.deepspeed_backend.cli import DEEPSPEED  # noqa: E402
-from megatron_wedlm.training.cli import MEGATRON, run_entry_point  # noqa: E402
+from megatron_wedlm.deepspeed_backend.cli import DEEPSPEED
+from megatron_wedlm.training.cli import MEGATRON, run_entry_point
 
 
 def run(argv: list[str]) -> int:

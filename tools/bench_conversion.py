@@ -34,12 +34,6 @@ import tempfile
 import time
 from pathlib import Path
 
-try:
-    import megatron_wedlm  # noqa: F401
-except ModuleNotFoundError:
-    sys.exit("megatron_wedlm is not installed: run `pip install -e .` in the repository checkout "
-             "(or put the checkout on PYTHONPATH)")
-
 PHASES = ("hf-to-megatron", "hf-to-megatron-naive", "megatron-to-hf", "megatron-to-hf-500MB", "megatron-to-hf-naive")
 
 

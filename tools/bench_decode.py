@@ -39,22 +39,15 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 
-try:
-    import megatron_wedlm  # noqa: F401
-except ModuleNotFoundError:
-    sys.exit("megatron_wedlm is not installed: run `pip install -e .` in the repository checkout "
-             "(or put the checkout on PYTHONPATH)")
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-import torch  # noqa: E402
-from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
-
-from megatron_wedlm.decoding import DecodeSettings, generate, generate_batch  # noqa: E402
-from megatron_wedlm.decoding.parallel import decode  # noqa: E402
-from megatron_wedlm.decoding.packed_attention import Packing, packed_attention  # noqa: E402
-from megatron_wedlm.decoding.row_cache import RowKVCache  # noqa: E402
+from megatron_wedlm.decoding import DecodeSettings, generate, generate_batch
+from megatron_wedlm.decoding.parallel import decode
+from megatron_wedlm.decoding.packed_attention import Packing, packed_attention
+from megatron_wedlm.decoding.row_cache import RowKVCache
 
 PRESETS = {  # name -> (family, hidden, ffn, layers, heads, kv heads, vocab)
     "quickstart": ("qwen2", 128, 256, 6, 4, 2, 1024),

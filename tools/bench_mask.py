@@ -15,19 +15,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 import warnings
 
-try:
-    import megatron_wedlm  # noqa: F401
-except ModuleNotFoundError:
-    sys.exit("megatron_wedlm is not installed: run `pip install -e .` in the repository checkout "
-             "(or put the checkout on PYTHONPATH)")
+import torch
 
-import torch  # noqa: E402
-
-from megatron_wedlm.data import (  # noqa: E402
+from megatron_wedlm.data import (
     build_block_mask,
     build_dual_stream_batch,
     classify_tiles,

@@ -25,13 +25,7 @@ import statistics
 import sys
 import time
 
-try:
-    import megatron_wedlm  # noqa: F401
-except ModuleNotFoundError:
-    sys.exit("megatron_wedlm is not installed: run `pip install -e .` in the repository checkout "
-             "(or put the checkout on PYTHONPATH)")
-
-import torch  # noqa: E402
+import torch
 
 
 def parse_args(argv=None) -> argparse.Namespace:

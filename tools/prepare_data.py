@@ -18,13 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-try:
-    import megatron_wedlm  # noqa: F401
-except ModuleNotFoundError:
-    sys.exit("megatron_wedlm is not installed: run `pip install -e .` in the repository checkout "
-             "(or put the checkout on PYTHONPATH)")
-
-from megatron_wedlm.data.prepare import DEFAULT_MASK_TOKEN, ENCODING_ERRORS, prepare_dataset  # noqa: E402
+from megatron_wedlm.data.prepare import DEFAULT_MASK_TOKEN, ENCODING_ERRORS, prepare_dataset
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,18 +24,12 @@ import json
 import os
 import sys
 
-try:
-    import megatron_wedlm  # noqa: F401
-except ModuleNotFoundError:
-    sys.exit("megatron_wedlm is not installed: run `pip install -e .` in the repository checkout "
-             "(or put the checkout on PYTHONPATH)")
-
-from megatron_wedlm.decoding.inputs import DTYPES, encode_prompt, find_mask_token_id, load_checkpoint  # noqa: E402
-from megatron_wedlm.decoding.cli import float_list  # noqa: E402
-from megatron_wedlm.decoding.options import describe, resolve_decoding_settings  # noqa: E402
-from megatron_wedlm.eval.builtin_tasks import FAMILIES, completion_of  # noqa: E402
-from megatron_wedlm.eval.registry import load_task, parse_task_spec  # noqa: E402
-from megatron_wedlm.eval.slot_probe import format_probe, probe_masked_slots  # noqa: E402
+from megatron_wedlm.decoding.inputs import DTYPES, encode_prompt, find_mask_token_id, load_checkpoint
+from megatron_wedlm.decoding.cli import float_list
+from megatron_wedlm.decoding.options import describe, resolve_decoding_settings
+from megatron_wedlm.eval.builtin_tasks import FAMILIES, completion_of
+from megatron_wedlm.eval.registry import load_task, parse_task_spec
+from megatron_wedlm.eval.slot_probe import format_probe, probe_masked_slots
 
 
 def build_parser() -> argparse.ArgumentParser:

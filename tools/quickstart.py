@@ -28,13 +28,7 @@ import argparse
 import os
 import sys
 
-try:
-    import megatron_wedlm  # noqa: F401
-except ModuleNotFoundError:
-    sys.exit("megatron_wedlm is not installed: run `pip install -e .` in the repository checkout "
-             "(or put the checkout on PYTHONPATH)")
-
-from megatron_wedlm.quickstart.settings import PRESETS  # noqa: E402
+from megatron_wedlm.quickstart.settings import PRESETS
 
 
 def build_parser() -> argparse.ArgumentParser:
