@@ -212,7 +212,7 @@ def test_jsonl_errors_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         GSM8KTask(str(tmp_path / "missing.jsonl"))
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"question": "q"}])
-    with pytest.raises(ValueError, match=r"lacks field\(s\) \['answer'\]"):
+    with pytest.raises(ValueError, match=r"lacks column\(s\) \['answer'\]"):
         GSM8KTask(bad)
     (tmp_path / "broken.jsonl").write_text("{not json\n")
     with pytest.raises(ValueError, match="not valid JSON"):

@@ -26,40 +26,20 @@ under comparison must produce the answer, including the chain of thought.
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from megatron_wedlm.eval import answer_extraction as ax
+from megatron_wedlm.eval.dataset_files import Layout, read_records
 from megatron_wedlm.eval.tasks import EvalExample, Judgement, Task
 
 DEFAULT_SHOTS = {"gsm8k": 4, "math": 4, "arc": 0, "mmlu": 5, "mbpp": 3}
 
 
 def read_jsonl(path: str, required: Sequence[str], task: str) -> list[dict[str, Any]]:
-    """Records of a jsonl file, each checked to have the ``required`` fields."""
-    if not os.path.isfile(path):
-        raise ValueError(f"{task}: data file {path!r} does not exist; pass a local jsonl path")
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{task}: {path}:{lineno} is not valid JSON ({e})") from None
-            missing = [k for k in required if k not in record]
-            if missing:
-                raise ValueError(
-                    f"{task}: {path}:{lineno} lacks field(s) {missing}; "
-                    f"each line needs {list(required)}"
-                )
-            records.append(record)
-    if not records:
-        raise ValueError(f"{task}: {path!r} holds no records")
-    return records
+    """Records of a local jsonl file (our own protocol's layout), each checked to have the
+    ``required`` fields; read by the one benchmark-file reader."""
+    return read_records(path, Layout(task, tuple(required), "a local jsonl file, one record per line"))
 
 
 def split_shots(
