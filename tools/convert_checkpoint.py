@@ -8,7 +8,9 @@ hf-to-megatron writes a torch_dist checkpoint that loads under any TP/PP (--tp/-
 the layout it is written with, using T x P local processes), plus wedlm_model.json (what the
 training entry points build: point ``model.init_from`` at DIR) and the tokenizer, with a mask
 token added if it had none. megatron-to-hf also accepts one iteration directory of a training
-run; wedlm_model.json is looked up there and in its two parents (or give --model-args).
+run (any TP/PP/CP it was saved with); wedlm_model.json is looked up there and in its two parents
+(or give --model-args), and the tokenizer next to it: a training checkpoint holds both, so
+--tokenizer is needed only for a checkpoint saved without one.
 
 Inputs are checked before anything is written; the output is written next to --output and
 renamed into place at the end, so a failed run leaves an earlier output as it was, and an
@@ -49,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--input", required=True, help="torch_dist checkpoint directory")
     to_hf.add_argument("--output", required=True, help="HF directory to write")
     to_hf.add_argument("--model-args", help="wedlm_model.json (default: found in --input or its parents)")
-    to_hf.add_argument("--tokenizer", help="tokenizer directory (default: next to wedlm_model.json)")
+    to_hf.add_argument("--tokenizer", help="tokenizer directory (default: next to wedlm_model.json, where training checkpoints hold it)")
     to_hf.add_argument("--max-shard-size", default="2GB", help="safetensors shard size (default 2GB)")
     to_hf.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                        help="dtype of the exported weights (default: as recorded in wedlm_model.json)")

@@ -212,9 +212,9 @@ class DeepSpeedEngine:
         return DeepSpeedCheckpointManager(self.cfg.checkpointing.dir, self.cfg.checkpointing.keep_last)
 
     def _tokenizer_dir(self) -> Path:
-        from megatron_wedlm.data.prepare import TOKENIZER_DIR
+        from megatron_wedlm.data.prepare import tokenizer_dir_of
 
-        return Path(self.cfg.data.path) / self.manifest.get("tokenizer", TOKENIZER_DIR)  # type: ignore[arg-type]
+        return tokenizer_dir_of(self.cfg.data.path, self.manifest)  # type: ignore[arg-type]
 
     def _export(self, directory: Path) -> Path:
         from .checkpoint import export_hf_model
