@@ -33,7 +33,8 @@ except ModuleNotFoundError:
 from megatron_wedlm.decoding.cli import add_decoding_arguments, cli_values, float_list  # noqa: E402
 from megatron_wedlm.eval import evaluate, load_tasks, write_report  # noqa: E402
 from megatron_wedlm.decoding import METHODS  # noqa: E402
-from megatron_wedlm.decoding.inputs import DTYPES, load_checkpoint  # noqa: E402
+from megatron_wedlm.decoding.inputs import DTYPES  # noqa: E402
+from megatron_wedlm.training.hf_export import load_checkpoint  # noqa: E402
 from megatron_wedlm.decoding.options import describe, resolve_decoding_settings  # noqa: E402
 
 
@@ -50,7 +51,9 @@ def _mapping(text: str) -> dict[str, str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="local checkpoint directory (HF format)")
+    p.add_argument("--model", required=True,
+                   help="HF checkpoint directory, or a Megatron training checkpoint (iter_N) or run directory "
+                        "(its newest complete checkpoint)")
     p.add_argument("--tasks", default="counting,copying,arithmetic",
                    help="comma-separated task specs: NAME or NAME:PATH.jsonl")
     p.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
