@@ -109,4 +109,5 @@ def load_checkpoint(
         export = Path(tmp) / "hf"
         convert_megatron_to_hf(checkpoint, export, require_mask_token=require_mask_token)
         # loaded into memory; on Linux even weights still mapped from the files outlive their removal
-        return decoding_inputs.load_checkpoint(export, device=device, dtype=dtype, require_mask_token=require_mask_token)
+        return decoding_inputs.load_checkpoint(export, device=device, dtype=dtype,
+                                               require_mask_token=require_mask_token)
