@@ -1,0 +1,69 @@
+"""``inference/evaluate.py --follow`` on a real 2-process tiny training run (torchrun, wandb
+offline): one row per saved checkpoint, with its training step, in ``evals.jsonl`` and in the
+training run's own wandb run, read back from wandb's offline log."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_wedlm.eval.follow import read_evals
+from megatron_wedlm.testing.wandb_offline import read_history
+from megatron_wedlm.training.checkpointing import complete_checkpoints, read_trainer_state
+from test_training import ROOT, TINY, _base, data, torchrun  # noqa: F401
+
+TASK_METRICS = {f"eval/counting/{config}/{name}" for config in ("streaming_tau0.4", "ar")
+                for name in ("accuracy", "tokens_per_forward", "p_cache")}
+
+
+@pytest.fixture(scope="module")
+def run(data, tmp_path_factory) -> Path:
+    """6 steps, DP=2, a checkpoint every 2 steps, all kept, wandb offline."""
+    out = tmp_path_factory.mktemp("follow") / "run"
+    torchrun("pretrain/pretrain_wedlm.py", [
+        "--config", str(TINY), *_base(data["pretrain"], out), "trainer.train_steps=6",
+        "checkpointing.save_interval=2", "checkpointing.keep_last=0",
+        "logging.wandb.enabled=true", "logging.wandb.mode=offline",
+    ])
+    return out
+
+
+def follow(run: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+    cmd = [sys.executable, str(ROOT / "inference" / "evaluate.py"), "--follow", str(run), "--tasks", "counting",
+           "--num-examples", "2", "--methods", "streaming,ar", "--taus", "0.4", "--max-new-tokens", "8",
+           "--device", "cpu", "--out", str(out), "--quiet", "--poll-interval", "0.5", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def test_follow_logs_one_row_per_checkpoint_to_evals_jsonl_and_the_runs_wandb(run, tmp_path):
+    assert [step for step, _ in complete_checkpoints(run / "checkpoints")] == [2, 4, 6]
+
+    follow(run, tmp_path / "reports", "--follow-until", "4")
+    assert [row["step"] for row in read_evals(run)] == [2, 4]
+
+    follow(run, tmp_path / "reports")  # carries on from evals.jsonl; stops at the run's train_steps
+    rows = read_evals(run)
+    assert [row["step"] for row in rows] == [2, 4, 6]
+    for row in rows:
+        assert set(row["metrics"]) == TASK_METRICS
+        assert Path(row["checkpoint"]).name == f"iter_{row['step']:07d}"
+        report = json.loads((tmp_path / "reports" / f"iter_{row['step']:07d}" / "report.json").read_text())
+        assert [r["num_correct"] for r in report["results"]] == [r["num_correct"] for r in row["results"]]
+
+    # the training run's own wandb run (same id), eval metrics against the training step
+    run_id = read_trainer_state(run / "checkpoints" / "iter_0000006")["wandb_run_id"]
+    assert {d.name.rsplit("-", 1)[1] for d in (run / "wandb").glob("offline-run-*")} == {run_id}
+    logged = [h for h in read_history(run / "wandb") if "eval/step" in h]
+    assert [h["eval/step"] for h in logged] == [2, 4, 6]
+    for h, row in zip(logged, rows):
+        assert {k: h[k] for k in TASK_METRICS} == pytest.approx(row["metrics"])
+    training = [h for h in read_history(run / "wandb") if "loss" in h]
+    assert [h["_step"] for h in training] == list(range(1, 7))
