@@ -10,12 +10,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_wedlm.conversion import ConversionError, convert_megatron_to_hf
 from megatron_wedlm.runtime.hf_local import tokenizer_files_in
 from megatron_wedlm.runtime.multiprocess import run_distributed
 from megatron_wedlm.training.checkpointing import complete_checkpoints
-from megatron_wedlm.training.hf_export import TrainingCheckpointError, training_checkpoint
+from megatron_wedlm.training.hf_export import TrainingCheckpointError, load_checkpoint, training_checkpoint
 from test_training import LAUNCH_TIMEOUT, ROOT, TINY, _base, _train, data  # noqa: F401
 
 
@@ -40,6 +41,14 @@ def _evaluate(model: Path, out: Path) -> dict:
                      "--methods", "streaming,ar", "--taus", "0.4", "--max-new-tokens", "12", "--device", "cpu",
                      "--out", str(out), "--quiet"]) == 0
     return json.loads((out / "report.json").read_text())
+
+
+def _generate(model: Path) -> dict:
+    spec = importlib.util.spec_from_file_location("wedlm_generate_cli", ROOT / "inference" / "generate.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    return cli.main(["--model", str(model), "--prompt", "count: 1 2 3", "--max-new-tokens", "10", "--device", "cpu",
+                     "--no-stop-at-eos", "--json"])
 
 
 def _decoded(report: dict) -> tuple[list, list]:
@@ -69,6 +78,29 @@ def test_tp2_pp2_checkpoint_evaluates_exactly_as_its_hf_export(tp2_pp2_run, tmp_
     counts, samples = _decoded(from_run)
     assert (counts, samples) == _decoded(from_export)
     assert len(samples) == 2 * 2 * 3 and any(s[4] > 0 for s in samples)
+
+
+def test_generate_from_an_iteration_directory_equals_generate_from_its_export(tp2_pp2_run, tmp_path):
+    newest = complete_checkpoints(tp2_pp2_run / "checkpoints")[-1][1]
+    convert_megatron_to_hf(newest, tmp_path / "export")
+    from_checkpoint, from_export = _generate(newest), _generate(tmp_path / "export")
+    assert len(from_checkpoint["token_ids"]) == 10
+    assert (from_checkpoint["token_ids"], from_checkpoint["forwards"]) == (from_export["token_ids"], from_export["forwards"])
+
+
+def load_in_a_launch_worker(run: str) -> dict[str, torch.Tensor]:
+    """A rank of a 2-process launch loads the run's newest checkpoint (its export runs in a process of its own)."""
+    model, _ = load_checkpoint(run, device="cpu")
+    return {name: tensor.clone() for name, tensor in model.state_dict().items()}
+
+
+def test_ranks_of_a_launch_load_the_checkpoint_as_its_export(tp2_pp2_run, tmp_path):
+    newest = complete_checkpoints(tp2_pp2_run / "checkpoints")[-1][1]
+    convert_megatron_to_hf(newest, tmp_path / "export")
+    expected, _ = load_checkpoint(tmp_path / "export", device="cpu")
+    for loaded in run_distributed(load_in_a_launch_worker, 2, str(tp2_pp2_run), timeout_s=LAUNCH_TIMEOUT):
+        assert loaded.keys() == expected.state_dict().keys()
+        assert all(torch.equal(loaded[name], tensor) for name, tensor in expected.state_dict().items())
 
 
 def test_a_checkpoint_without_a_tokenizer_asks_for_one(tp2_pp2_run, tmp_path):

@@ -15,23 +15,33 @@ loaded exactly as the HF export would be, and the directory is removed: the mode
 is the model ``tools/convert_checkpoint.py megatron-to-hf`` would write. A checkpoint carries its
 model description and tokenizer (:meth:`.megatron_engine.MegatronEngine.save`), so nothing
 else is asked for. The temporary export needs disk space for one copy of the weights, under
-``$TMPDIR``.
+``$TMPDIR``. In a rank of a multi-process launch (torchrun) the export runs in a fresh process of
+its own, as the conversion needs a process group of its own; every rank then exports its own
+copy, so for a large model export once with ``megatron-to-hf`` and pass the HF directory.
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from megatron_wedlm.config import config_from_yaml_text
 from megatron_wedlm.conversion import convert_megatron_to_hf
 from megatron_wedlm.decoding import inputs as decoding_inputs
+from megatron_wedlm.runtime.multiprocess import run_distributed
 
 from .checkpointing import CONFIG_FILE, find_latest_checkpoint, is_complete_checkpoint
 
 #: the HF export a DeepSpeed checkpoint holds (``deepspeed.export_hf``), loaded as it is
 DEEPSPEED_EXPORT = "hf"
+
+#: the longest an export in a child process may take (a large model on a slow disk)
+EXPORT_TIMEOUT_S = 6 * 3600.0
+_CHILD_ENV = {"MEGATRON_WEDLM_CPU": "0"}  # the child chooses the CPU runtime itself, and only without CUDA
 
 __all__ = ["TrainingCheckpointError", "checkpoints_root", "load_checkpoint", "training_checkpoint"]
 
@@ -103,11 +113,22 @@ def load_checkpoint(
     if not (checkpoint / "metadata.json").is_file():
         raise TrainingCheckpointError(
             f"{checkpoint} holds neither Megatron weights (metadata.json) nor an HF export ({DEEPSPEED_EXPORT}/): "
-            "a DeepSpeed checkpoint saved with deepspeed.export_hf=false; resume it for one step with export_hf=true"
+            "a DeepSpeed checkpoint saved with deepspeed.export_hf=false; pass the run's final export "
+            "(<trainer.output_dir>/hf) or save checkpoints with deepspeed.export_hf=true"
         )
     with tempfile.TemporaryDirectory(prefix=f"wedlm-{checkpoint.name}-") as tmp:
         export = Path(tmp) / "hf"
-        convert_megatron_to_hf(checkpoint, export, require_mask_token=require_mask_token)
+        if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # A rank of a launch (torchrun): the conversion needs a process group of its own.
+            threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+            run_distributed(_export, 1, str(checkpoint), str(export), require_mask_token,
+                            timeout_s=EXPORT_TIMEOUT_S, env=_CHILD_ENV | threads)
+        else:
+            _export(str(checkpoint), str(export), require_mask_token)
         # loaded into memory; on Linux even weights still mapped from the files outlive their removal
         return decoding_inputs.load_checkpoint(export, device=device, dtype=dtype,
                                                require_mask_token=require_mask_token)
+
+
+def _export(checkpoint: str, output: str, require_mask_token: bool) -> None:
+    convert_megatron_to_hf(checkpoint, output, require_mask_token=require_mask_token)
