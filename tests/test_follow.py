@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from megatron_wedlm.eval.follow import read_evals
+from megatron_wedlm.eval.follow import EVALS_FILE, FollowSettings, follow_run, read_evals
+from megatron_wedlm.training.run_dir import RunLock, run_in_progress
 from megatron_wedlm.testing.wandb_offline import read_history
 from megatron_wedlm.training.checkpointing import complete_checkpoints, read_trainer_state
 from test_training import ROOT, TINY, _base, data, torchrun  # noqa: F401
@@ -67,3 +69,19 @@ def test_follow_logs_one_row_per_checkpoint_to_evals_jsonl_and_the_runs_wandb(ru
         assert {k: h[k] for k in TASK_METRICS} == pytest.approx(row["metrics"])
     training = [h for h in read_history(run / "wandb") if "loss" in h]
     assert [h["_step"] for h in training] == list(range(1, 7))
+
+
+def test_follow_ends_once_no_run_holds_the_directory_and_every_checkpoint_is_evaluated(run, tmp_path):
+    """Past train_steps nothing ends it but the run: a live lock keeps it waiting, none lets it go."""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("wandb", EVALS_FILE))
+    (copy / EVALS_FILE).write_text("".join(json.dumps({"step": step}) + "\n" for step in (2, 4, 6)))
+    lock = RunLock(copy, run_id="live")
+    lock.acquire(print)
+    try:
+        assert run_in_progress(copy)
+    finally:
+        lock.release()
+    assert not run_in_progress(copy)
+    settings = FollowSettings(tasks=[], methods=["ar"])  # nothing is left to evaluate
+    assert follow_run(copy, settings, until_step=100, poll_interval_s=0.01) == []

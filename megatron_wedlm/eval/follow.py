@@ -131,9 +131,10 @@ class _WandbLog:
         w = cfg.logging.wandb
         shared = w.mode == "online"
         settings = wandb.Settings(x_label="follow", x_primary=False, x_update_finish_state=False) if shared else None
-        run = wandb.init(
-            project=w.project, entity=w.entity, id=run_id, resume="allow", dir=str(w.dir or self.run_dir),
-            mode="shared" if shared else w.mode, settings=settings,
+        run = wandb.init(  # named as the training names it (MetricsLogger), so a sync keeps the run as it is
+            project=w.project, entity=w.entity, name=w.name or self.run_dir.name, group=w.group, tags=list(w.tags),
+            id=run_id, resume="allow", dir=str(w.dir or self.run_dir), mode="shared" if shared else w.mode,
+            settings=settings,
         )
         run.define_metric(STEP_METRIC)
         run.define_metric("eval/*", step_metric=STEP_METRIC)
@@ -198,6 +199,7 @@ def follow_run(
 
 def _evaluate_checkpoint(step: int, path: Path, settings: FollowSettings, say: Callable[[str], None]) -> dict | None:
     started = time.perf_counter()
+    say(f"--follow: evaluating {path}")
     parallel = any(method != "ar" for method in settings.methods)
     try:
         model, tokenizer = load_checkpoint(path, device=settings.device, dtype=settings.dtype,
