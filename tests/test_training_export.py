@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_wedlm.conversion import ConversionError, convert_megatron_to_hf
+from megatron_wedlm.conversion import ConversionError, convert_hf_to_megatron, convert_megatron_to_hf
 from megatron_wedlm.runtime.hf_local import tokenizer_files_in
 from megatron_wedlm.runtime.multiprocess import run_distributed
 from megatron_wedlm.training.checkpointing import complete_checkpoints
 from megatron_wedlm.training.hf_export import TrainingCheckpointError, load_checkpoint, training_checkpoint
+from test_conversion import make_hf_dir
 from test_training import LAUNCH_TIMEOUT, ROOT, TINY, _base, _train, data  # noqa: F401
 
 
@@ -119,3 +120,16 @@ def test_an_unfinished_save_is_refused_with_what_to_do(tmp_path):
         training_checkpoint(partial)
     with pytest.raises(TrainingCheckpointError, match="no complete checkpoint yet"):
         training_checkpoint(tmp_path)
+
+
+def test_a_converted_torch_dist_directory_loads_with_the_original_weights(tmp_path):
+    """What hf-to-megatron writes is a --model too; the mask token it adds is the one new embedding row."""
+    original, _ = make_hf_dir(tmp_path / "hf", "qwen2", tied=False)
+    convert_hf_to_megatron(tmp_path / "hf", tmp_path / "megatron")
+    assert training_checkpoint(tmp_path / "megatron") == tmp_path / "megatron"
+    assert training_checkpoint(tmp_path / "hf") is None
+    loaded, tokenizer = load_checkpoint(tmp_path / "megatron", device="cpu")
+    assert loaded.config.mask_token_id == tokenizer.mask_token_id
+    state = loaded.state_dict()
+    for name, tensor in original.state_dict().items():
+        assert torch.equal(state[name][: tensor.shape[0]], tensor), name

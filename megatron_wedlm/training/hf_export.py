@@ -3,7 +3,8 @@
 The decoding entry points (``inference/generate.py``, ``inference/evaluate.py``) and
 ``--follow`` take, besides an HF directory, what training writes:
 
-* one checkpoint, ``<run>/checkpoints/iter_0000100``;
+* one checkpoint, ``<run>/checkpoints/iter_0000100`` (or the ``torch_dist`` directory
+  ``hf-to-megatron`` writes);
 * a checkpoints root (``<run>/checkpoints``) or a run directory (``trainer.output_dir``, whose
   ``config.yaml`` names its ``checkpointing.dir``): its newest complete, readable checkpoint of
   the current lineage, as ``--resume auto`` would pick it (:func:`.checkpointing.find_latest_checkpoint`).
@@ -62,21 +63,22 @@ def checkpoints_root(run_dir: str | Path) -> Path:
     return run_dir / "checkpoints"
 
 
-def _looks_like_training(path: Path) -> bool:
-    """A checkpoint, a checkpoints root or a run directory (its config.yaml or checkpoints/; an HF
-    directory has config.json)."""
-    if path.name.startswith("iter_") or any(child.name.startswith("iter_") for child in path.iterdir()):
-        return True
-    run_dir = (path / CONFIG_FILE).is_file() or (path / "checkpoints").is_dir()
-    return run_dir and not (path / "config.json").is_file()
+def _holds_iterations(path: Path) -> bool:
+    return any(child.name.startswith("iter_") for child in path.iterdir())
 
 
 def training_checkpoint(path: str | Path) -> Path | None:
-    """The training checkpoint ``path`` stands for, or None when it is not a training path (an
-    HF directory). Raises :class:`TrainingCheckpointError` for a training path without a usable
-    checkpoint (an unfinished save, a run that has not saved yet)."""
+    """The Megatron checkpoint ``path`` stands for, or None when it is an HF directory (it has a
+    ``config.json``) or no checkpoint directory at all.
+
+    An ``iter_N`` directory or a ``torch_dist`` directory (``metadata.json``, e.g. written by
+    ``hf-to-megatron``) is itself; a checkpoints root (``iter_N`` subdirectories) or a run
+    directory (``config.yaml`` or ``checkpoints/``) stands for its newest complete checkpoint.
+    Raises :class:`TrainingCheckpointError` for a training path without a usable checkpoint (an
+    unfinished save, a run that has not saved yet).
+    """
     path = Path(path)
-    if not path.is_dir() or not _looks_like_training(path):
+    if not path.is_dir() or (path / "config.json").is_file():
         return None
     if path.name.startswith("iter_"):
         if not is_complete_checkpoint(path):
@@ -85,15 +87,21 @@ def training_checkpoint(path: str | Path) -> Path | None:
                 "pass a complete iter_NNNNNNN directory or the run directory for its newest complete checkpoint"
             )
         return path
-    roots = [path] if any(c.name.startswith("iter_") for c in path.iterdir()) else [checkpoints_root(path)]
-    for root in roots:
-        latest = find_latest_checkpoint(root)
-        if latest is not None:
-            return latest
-    raise TrainingCheckpointError(
-        f"{path} holds no complete checkpoint yet (looked in {roots[0]} for iter_NNNNNNN "
-        "directories with a trainer_state.json); wait for the run's first save"
-    )
+    if (path / "metadata.json").is_file():
+        return path
+    if _holds_iterations(path):
+        root = path
+    elif (path / CONFIG_FILE).is_file() or (path / "checkpoints").is_dir():
+        root = checkpoints_root(path)
+    else:
+        return None
+    latest = find_latest_checkpoint(root)
+    if latest is None:
+        raise TrainingCheckpointError(
+            f"{path} holds no complete checkpoint yet (looked in {root} for iter_NNNNNNN directories with a "
+            "trainer_state.json); wait for the run's first save"
+        )
+    return latest
 
 
 def load_checkpoint(
