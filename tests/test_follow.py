@@ -16,7 +16,12 @@ import pytest
 from megatron_wedlm.eval.follow import EVALS_FILE, FollowSettings, follow_run, read_evals
 from megatron_wedlm.training.run_dir import RunLock, run_in_progress
 from megatron_wedlm.testing.wandb_offline import read_history
-from megatron_wedlm.training.checkpointing import complete_checkpoints, read_trainer_state
+from megatron_wedlm.training.checkpointing import (
+    complete_checkpoints,
+    lineage_checkpoints,
+    read_trainer_state,
+    record_lineage,
+)
 from test_training import ROOT, TINY, _base, data, torchrun  # noqa: F401
 
 TASK_METRICS = {f"eval/counting/{config}/{name}" for config in ("streaming_tau0.4", "ar")
@@ -55,6 +60,7 @@ def test_follow_logs_one_row_per_checkpoint_to_evals_jsonl_and_the_runs_wandb(ru
     rows = read_evals(run)
     assert [row["step"] for row in rows] == [2, 4, 6]
     for row in rows:
+        assert row["run_id"] == read_trainer_state(row["checkpoint"])["run_id"]
         assert set(row["metrics"]) == TASK_METRICS
         assert Path(row["checkpoint"]).name == f"iter_{row['step']:07d}"
         report = json.loads((tmp_path / "reports" / f"iter_{row['step']:07d}" / "report.json").read_text())
@@ -71,11 +77,18 @@ def test_follow_logs_one_row_per_checkpoint_to_evals_jsonl_and_the_runs_wandb(ru
     assert [h["_step"] for h in training] == list(range(1, 7))
 
 
+def _copy_with_evaluated(run: Path, copy: Path, steps: list[int]) -> None:
+    """The run without its wandb files, with ``evals.jsonl`` rows saying ``steps`` are evaluated."""
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("wandb", EVALS_FILE))
+    states = {step: read_trainer_state(path) for step, path in complete_checkpoints(copy / "checkpoints")}
+    (copy / EVALS_FILE).write_text("".join(json.dumps({"step": s, "run_id": states[s]["run_id"]}) + "\n"
+                                           for s in steps))
+
+
 def test_follow_ends_once_no_run_holds_the_directory_and_every_checkpoint_is_evaluated(run, tmp_path):
     """Past train_steps nothing ends it but the run: a live lock keeps it waiting, none lets it go."""
     copy = tmp_path / "run"
-    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("wandb", EVALS_FILE))
-    (copy / EVALS_FILE).write_text("".join(json.dumps({"step": step}) + "\n" for step in (2, 4, 6)))
+    _copy_with_evaluated(run, copy, [2, 4, 6])
     lock = RunLock(copy, run_id="live")
     lock.acquire(print)
     try:
@@ -85,3 +98,15 @@ def test_follow_ends_once_no_run_holds_the_directory_and_every_checkpoint_is_eva
     assert not run_in_progress(copy)
     settings = FollowSettings(tasks=[], methods=["ar"])  # nothing is left to evaluate
     assert follow_run(copy, settings, until_step=100, poll_interval_s=0.01) == []
+
+
+def test_follow_passes_over_the_checkpoints_of_an_abandoned_branch(run, tmp_path):
+    """A rollback to step 2 (a new run resumed from it) leaves steps 4 and 6 in an abandoned future."""
+    copy = tmp_path / "run"
+    _copy_with_evaluated(run, copy, [2])
+    trained_by = read_trainer_state(copy / "checkpoints" / "iter_0000002")["run_id"]
+    lineage = [{"run_id": trained_by, "from_step": 0}, {"run_id": "rollback", "from_step": 2}]
+    record_lineage(copy / "checkpoints", lineage)
+    assert [step for step, _ in lineage_checkpoints(copy / "checkpoints")] == [2]
+    settings = FollowSettings(tasks=[], methods=["ar"])  # evaluating 4 or 6 would fail: no tasks
+    assert follow_run(copy, settings, poll_interval_s=0.01) == []

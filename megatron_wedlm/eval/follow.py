@@ -5,13 +5,15 @@ checkpoint not yet evaluated (oldest first) is loaded as its HF export would be
 (:func:`megatron_wedlm.training.hf_export.load_checkpoint`), evaluated with the user's tasks,
 methods and taus by :func:`megatron_wedlm.eval.runner.evaluate`, and recorded:
 
-* one JSON line per checkpoint in ``RUN_DIR/evals.jsonl``: ``step``, ``checkpoint``, ``time``
+* one JSON line per checkpoint in ``RUN_DIR/evals.jsonl``: ``step``, ``run_id`` (of the run
+  that saved it), ``checkpoint``, ``time``
   (UTC), ``seconds`` (load and evaluation), ``report`` (the directory of its full report,
   ``write_report``'s files, when a report directory is given), ``metrics`` (flat, as logged to wandb:
   ``eval/<task>/<config>/accuracy``, ``.../tokens_per_forward``, ``.../p_cache``, where
   ``<config>`` is ``ar`` or ``streaming_tau0.4``) and ``results`` (every
   :class:`~megatron_wedlm.eval.results.MethodResult` as a dict). The file is also the state:
-  a step already in it is not evaluated again, so a restarted ``--follow`` carries on.
+  a checkpoint already in it (step and run id) is not evaluated again, so a restarted
+  ``--follow`` carries on.
 * the same metrics in the training run's own wandb run (its id is in the checkpoint's trainer
   state, its project, entity and mode in the run's ``config.yaml``), with ``eval/step``, the
   training step, as their x-axis (``define_metric``): wandb's own ``step`` only grows, and the
@@ -25,7 +27,10 @@ When it stops: once the run has saved a checkpoint at or past ``until_step`` (de
 ``run.lock``; the run ended, was stopped early, or crashed) and every checkpoint there has been
 evaluated. While the directory has no checkpoint yet it waits, so ``--follow`` can be started
 before the training. A checkpoint pruned (``checkpointing.keep_last``) before its turn is
-skipped with a note.
+skipped with a note. Only the checkpoints of the run's current lineage count
+(:func:`~megatron_wedlm.training.checkpointing.lineage_checkpoints`): after a rollback (a run
+resumed from an earlier checkpoint) the abandoned branch is passed over, and the steps the new
+run saves again are evaluated again, as rows of its own run id.
 """
 
 from __future__ import annotations
@@ -45,7 +50,12 @@ from megatron_wedlm.eval.report import write_report
 from megatron_wedlm.eval.results import EvalReport
 from megatron_wedlm.eval.runner import evaluate
 from megatron_wedlm.eval.tasks import Task
-from megatron_wedlm.training.checkpointing import CONFIG_FILE, complete_checkpoints, read_trainer_state
+from megatron_wedlm.training.checkpointing import (
+    CONFIG_FILE,
+    CheckpointReadError,
+    lineage_checkpoints,
+    read_trainer_state,
+)
 from megatron_wedlm.training.hf_export import checkpoints_root, load_checkpoint
 from megatron_wedlm.training.run_dir import run_in_progress
 
@@ -166,29 +176,29 @@ def follow_run(
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"--follow {run_dir}: no such directory; give the training run's trainer.output_dir")
-    done = {int(row["step"]) for row in read_evals(run_dir)}
+    done = {_key(row) for row in read_evals(run_dir)}
     wandb_log = _WandbLog(run_dir, say)
     appended: list[dict[str, Any]] = []
     try:
         while True:
             root = checkpoints_root(run_dir)
             until = _until_step(run_dir, until_step)
-            found = complete_checkpoints(root)
-            for step, path in found:
-                if step in done or (until is not None and step > until):
+            found = _history(root)
+            for key, path in found:
+                if key in done or (until is not None and key[0] > until):
                     continue
-                row = _evaluate_checkpoint(step, path, settings, say)
+                row = _evaluate_checkpoint(key, path, settings, say)
                 if row is None:
                     continue
                 with open(run_dir / EVALS_FILE, "a", encoding="utf-8") as handle:
                     handle.write(json.dumps(row) + "\n")
-                wandb_log.log(path, row["metrics"], step)
-                done.add(step)
+                wandb_log.log(path, row["metrics"], row["step"])
+                done.add(key)
                 appended.append(row)
-            if until is not None and any(step >= until for step, _ in found):
-                say(f"--follow: the run has saved step {max(step for step, _ in found)} (>= {until}); done")
+            if until is not None and any(step >= until for (step, _), _ in found):
+                say(f"--follow: the run has saved step {max(step for (step, _), _ in found)} (>= {until}); done")
                 return appended
-            remaining = [step for step, _ in complete_checkpoints(root) if step not in done]
+            remaining = [key for key, _ in _history(root) if key not in done]
             if found and not remaining and not run_in_progress(run_dir):
                 say(f"--follow: no run is training in {run_dir} and every checkpoint is evaluated; done")
                 return appended
@@ -197,13 +207,32 @@ def follow_run(
         wandb_log.close()
 
 
-def _evaluate_checkpoint(step: int, path: Path, settings: FollowSettings, say: Callable[[str], None]) -> dict | None:
+def _key(row: dict[str, Any]) -> tuple[int, str | None]:
+    """A checkpoint is one step saved by one run: a rollback's new run saves steps again."""
+    return int(row["step"]), row.get("run_id")
+
+
+def _history(root: Path) -> list[tuple[tuple[int, str | None], Path]]:
+    """The run's checkpoints (:func:`_key`, path) on its current lineage, oldest first."""
+    found = []
+    for step, path in lineage_checkpoints(root):
+        try:
+            found.append(((step, read_trainer_state(path).get("run_id")), path))
+        except CheckpointReadError:  # removed meanwhile (pruned)
+            continue
+    return found
+
+
+def _evaluate_checkpoint(key: tuple[int, str | None], path: Path, settings: FollowSettings,
+                         say: Callable[[str], None]) -> dict | None:
+    step, run_id = key
     started = time.perf_counter()
     say(f"--follow: evaluating {path}")
-    parallel = any(method != "ar" for method in settings.methods)
+    # as evaluate.py: a mask token is needed by the parallel methods, unless one is given
+    needs_mask = settings.evaluate_options.get("mask_token_id") is None and list(settings.methods) != ["ar"]
     try:
         model, tokenizer = load_checkpoint(path, device=settings.device, dtype=settings.dtype,
-                                           require_mask_token=parallel)
+                                           require_mask_token=needs_mask)
     except Exception:
         if not path.exists():  # pruned by keep_last while waiting its turn
             say(f"note: checkpoint {path.name} was removed before it could be evaluated; skipped")
@@ -224,6 +253,7 @@ def _evaluate_checkpoint(step: int, path: Path, settings: FollowSettings, say: C
     say(f"--follow: step {step}: " + ", ".join(f"{k.removeprefix('eval/')}={v:.3f}" for k, v in metrics.items()))
     return {
         "step": step,
+        "run_id": run_id,
         "checkpoint": str(path),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "seconds": time.perf_counter() - started,

@@ -63,6 +63,7 @@ __all__ = [
     "find_latest_checkpoint",
     "host_rng_state",
     "is_complete_checkpoint",
+    "lineage_checkpoints",
     "on_lineage",
     "read_trainer_state",
     "record_lineage",
@@ -104,6 +105,22 @@ def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
         if match and is_complete_checkpoint(child):
             found.append((int(match.group(1)), child))
     return sorted(found)
+
+
+def lineage_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of the complete checkpoints under ``root`` that belong to its current lineage,
+    oldest first: an abandoned branch's are left out, and so are those whose trainer state cannot
+    be read. Every complete one when no lineage is recorded."""
+    lineage = current_lineage(root)
+    found = []
+    for step, path in complete_checkpoints(root):
+        try:
+            state = read_trainer_state(path)
+        except CheckpointReadError:
+            continue
+        if lineage is None or _state_on_lineage(state, lineage):
+            found.append((step, path))
+    return found
 
 
 class CheckpointReadError(RuntimeError):

@@ -53,10 +53,11 @@ class TrainingCheckpointError(FileNotFoundError):
 
 def checkpoints_root(run_dir: str | Path) -> Path:
     """Where the run in ``run_dir`` (its ``trainer.output_dir``) saves its checkpoints:
-    ``checkpointing.dir`` of its ``config.yaml``, else ``<run_dir>/checkpoints``."""
+    ``<run_dir>/checkpoints`` when it exists (the default, and where a copied or moved run
+    keeps them), else ``checkpointing.dir`` of its ``config.yaml`` (an absolute path when written)."""
     run_dir = Path(run_dir)
     config = run_dir / CONFIG_FILE
-    if config.is_file():
+    if not (run_dir / "checkpoints").is_dir() and config.is_file():
         configured = config_from_yaml_text(config.read_text()).checkpointing.dir
         if configured:
             return Path(configured)
