@@ -22,48 +22,53 @@ from megatron_wedlm.training.checkpointing import (
     read_trainer_state,
     record_lineage,
 )
-from test_training import ROOT, TINY, _base, data, torchrun  # noqa: F401
+from test_training import LAUNCH_TIMEOUT, ROOT, TINY, _base, data  # noqa: F401
 
 TASK_METRICS = {f"eval/counting/{config}/{name}" for config in ("streaming_tau0.4", "ar")
                 for name in ("accuracy", "tokens_per_forward", "p_cache")}
 
 
+def follow_command(run: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, str(ROOT / "inference" / "evaluate.py"), "--follow", str(run), "--tasks", "counting",
+            "--num-examples", "2", "--methods", "streaming,ar", "--taus", "0.4", "--max-new-tokens", "8",
+            "--device", "cpu", "--out", str(out), "--quiet", "--poll-interval", "0.5", *extra]
+
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"}
+
+
 @pytest.fixture(scope="module")
 def run(data, tmp_path_factory) -> Path:
-    """6 steps, DP=2, a checkpoint every 2 steps, all kept, wandb offline."""
+    """6 steps, DP=2, a checkpoint every 2 steps, all kept, wandb offline; ``--follow`` started
+    before the training, running beside it. Its reports go to ``<run>.reports``."""
     out = tmp_path_factory.mktemp("follow") / "run"
-    torchrun("pretrain/pretrain_wedlm.py", [
-        "--config", str(TINY), *_base(data["pretrain"], out), "trainer.train_steps=6",
-        "checkpointing.save_interval=2", "checkpointing.keep_last=0",
-        "logging.wandb.enabled=true", "logging.wandb.mode=offline",
-    ])
+    env = {k: v for k, v in ENV.items() if k != "MEGATRON_WEDLM_CPU"}
+    training = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(ROOT / "pretrain" / "pretrain_wedlm.py"), "--config", str(TINY), *_base(data["pretrain"], out),
+         "trainer.train_steps=6", "checkpointing.save_interval=2", "checkpointing.keep_last=0",
+         "logging.wandb.enabled=true", "logging.wandb.mode=offline"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
+    )
+    try:
+        follow = subprocess.run(follow_command(out, Path(f"{out}.reports")), capture_output=True, text=True,
+                                timeout=LAUNCH_TIMEOUT, env=ENV, cwd=ROOT)
+    finally:
+        log, _ = training.communicate(timeout=LAUNCH_TIMEOUT)
+    assert training.returncode == 0, log[-4000:]
+    assert follow.returncode == 0, follow.stderr[-4000:]
     return out
 
 
-def follow(run: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
-    cmd = [sys.executable, str(ROOT / "inference" / "evaluate.py"), "--follow", str(run), "--tasks", "counting",
-           "--num-examples", "2", "--methods", "streaming,ar", "--taus", "0.4", "--max-new-tokens", "8",
-           "--device", "cpu", "--out", str(out), "--quiet", "--poll-interval", "0.5", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
-
-
-def test_follow_logs_one_row_per_checkpoint_to_evals_jsonl_and_the_runs_wandb(run, tmp_path):
+def test_follow_beside_training_logs_one_row_per_checkpoint_to_evals_jsonl_and_the_runs_wandb(run):
     assert [step for step, _ in complete_checkpoints(run / "checkpoints")] == [2, 4, 6]
-
-    follow(run, tmp_path / "reports", "--follow-until", "4")
-    assert [row["step"] for row in read_evals(run)] == [2, 4]
-
-    follow(run, tmp_path / "reports")  # carries on from evals.jsonl; stops at the run's train_steps
     rows = read_evals(run)
     assert [row["step"] for row in rows] == [2, 4, 6]
     for row in rows:
         assert row["run_id"] == read_trainer_state(row["checkpoint"])["run_id"]
         assert set(row["metrics"]) == TASK_METRICS
         assert Path(row["checkpoint"]).name == f"iter_{row['step']:07d}"
-        report = json.loads((tmp_path / "reports" / f"iter_{row['step']:07d}" / "report.json").read_text())
+        report = json.loads((Path(f"{run}.reports") / f"iter_{row['step']:07d}" / "report.json").read_text())
         assert [r["num_correct"] for r in report["results"]] == [r["num_correct"] for r in row["results"]]
 
     # the training run's own wandb run (same id), eval metrics against the training step
@@ -75,6 +80,16 @@ def test_follow_logs_one_row_per_checkpoint_to_evals_jsonl_and_the_runs_wandb(ru
         assert {k: h[k] for k in TASK_METRICS} == pytest.approx(row["metrics"])
     training = [h for h in read_history(run / "wandb") if "loss" in h]
     assert [h["_step"] for h in training] == list(range(1, 7))
+
+
+def test_a_restarted_follow_carries_on_from_evals_jsonl_and_stops_at_follow_until(run, tmp_path):
+    copy = tmp_path / "run"
+    _copy_with_evaluated(run, copy, [2])
+    proc = subprocess.run(follow_command(copy, tmp_path / "reports", "--follow-until", "4"), capture_output=True,
+                          text=True, timeout=LAUNCH_TIMEOUT, env=ENV, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [row["step"] for row in read_evals(copy)] == [2, 4]
+    assert [h["eval/step"] for h in read_history(copy / "wandb") if "eval/step" in h] == [4]
 
 
 def _copy_with_evaluated(run: Path, copy: Path, steps: list[int]) -> None:

@@ -22,15 +22,15 @@ methods and taus by :func:`megatron_wedlm.eval.runner.evaluate`, and recorded:
   state; an offline one writes an offline run directory of the same id next to the run's, which
   ``wandb sync`` appends to it.
 
-When it stops: once the run has saved a checkpoint at or past ``until_step`` (default: the run's
-``trainer.train_steps``) and every checkpoint up to it has been evaluated, or once no live run holds ``RUN_DIR`` (its
-``run.lock``; the run ended, was stopped early, or crashed) and every checkpoint there has been
-evaluated. While the directory has no checkpoint yet it waits, so ``--follow`` can be started
-before the training. A checkpoint pruned (``checkpointing.keep_last``) before its turn is
-skipped with a note. Only the checkpoints of the run's current lineage count
-(:func:`~megatron_wedlm.training.checkpointing.lineage_checkpoints`): after a rollback (a run
-resumed from an earlier checkpoint) the abandoned branch is passed over, and the steps the new
-run saves again are evaluated again, as rows of its own run id.
+When it stops: once the run has saved a checkpoint at or past ``until_step`` (default: the
+run's ``trainer.train_steps``) and every checkpoint up to it has been evaluated, or once no live
+run holds ``RUN_DIR`` (its ``run.lock``; the run ended, was stopped early, or crashed) and every
+checkpoint there has been evaluated. While the directory, or its first checkpoint, does not
+exist yet it waits, so ``--follow`` can be started before the training. A checkpoint pruned
+(``checkpointing.keep_last``) before its turn is skipped with a note. Only the checkpoints of
+the run's current lineage count (:func:`~megatron_wedlm.training.checkpointing.lineage_checkpoints`):
+after a rollback (a run resumed from an earlier checkpoint) the abandoned branch is passed over,
+and the steps the new run saves again are evaluated again, as rows of its own run id.
 """
 
 from __future__ import annotations
@@ -175,7 +175,9 @@ def follow_run(
     docstring); return the rows this call appended to ``evals.jsonl``."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise FileNotFoundError(f"--follow {run_dir}: no such directory; give the training run's trainer.output_dir")
+        say(f"--follow: waiting for {run_dir} to appear (the training run's trainer.output_dir; is the path right?)")
+        while not run_dir.is_dir():
+            time.sleep(poll_interval_s)
     done = {_key(row) for row in read_evals(run_dir)}
     wandb_log = _WandbLog(run_dir, say)
     appended: list[dict[str, Any]] = []
