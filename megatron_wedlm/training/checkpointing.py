@@ -358,7 +358,9 @@ class CheckpointManager:
         _barrier()
         return final, partial
 
-    def finish_save(self, partial: Path, final: Path, state: dict[str, Any], files: dict[str, str | Path]) -> Path:
+    def finish_save(
+        self, partial: Path, final: Path, state: dict[str, Any], files: dict[str, str | Path]
+    ) -> Path:
         """Collective, after every rank wrote its tensors: rank 0 writes ``files`` (text, or a
         :class:`Path` to copy) and the trainer state (last, it marks the checkpoint complete),
         publishes and prunes."""
