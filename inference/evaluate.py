@@ -32,6 +32,7 @@ except ModuleNotFoundError:
 
 from megatron_wedlm.decoding.cli import add_decoding_arguments, cli_values, float_list  # noqa: E402
 from megatron_wedlm.eval import evaluate, load_tasks, write_report  # noqa: E402
+from megatron_wedlm.eval.follow import FollowSettings, follow_run  # noqa: E402
 from megatron_wedlm.decoding import METHODS  # noqa: E402
 from megatron_wedlm.decoding.inputs import DTYPES  # noqa: E402
 from megatron_wedlm.training.hf_export import load_checkpoint  # noqa: E402
@@ -53,8 +54,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model",
-                   help="HF checkpoint directory, or a Megatron training checkpoint (iter_N) or run directory "
-                        "(its newest complete checkpoint)")
+                        help="HF checkpoint directory, or a Megatron training checkpoint (iter_N) or run directory "
+                             "(its newest complete checkpoint)")
+    source.add_argument("--follow", metavar="RUN_DIR", default=None,
+                        help="instead of --model: evaluate each checkpoint of a training run once it is complete, "
+                             "while it trains; rows in RUN_DIR/evals.jsonl and the run's wandb run, reports in "
+                             "--out/iter_N (see megatron_wedlm.eval.follow)")
+    p.add_argument("--follow-until", type=int, default=None,
+                   help="stop once the run saved a checkpoint at or past this step and those up to it are "
+                        "evaluated (default: the run's train_steps)")
+    p.add_argument("--poll-interval", type=float, default=60.0, help="seconds between looks for new checkpoints")
     p.add_argument("--tasks", default="counting,copying,arithmetic",
                    help="comma-separated task specs: NAME or NAME:PATH.jsonl")
     p.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
@@ -82,14 +91,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sandbox-workers", type=int, default=4)
     p.add_argument("--no-samples", action="store_true", help="leave per-example outputs out of the JSON")
     p.add_argument("--quiet", action="store_true", help="no progress output")
-    source.add_argument("--follow", metavar="RUN_DIR", default=None,
-                        help="instead of --model: evaluate each checkpoint of a training run once it is complete, "
-                             "while it trains; rows in RUN_DIR/evals.jsonl and the run's wandb run, reports in "
-                             "--out/iter_N (see megatron_wedlm.eval.follow)")
-    p.add_argument("--follow-until", type=int, default=None,
-                   help="stop once the run saved a checkpoint at or past this step and those up to it are "
-                        "evaluated (default: the run's train_steps)")
-    p.add_argument("--poll-interval", type=float, default=60.0, help="seconds between looks for new checkpoints")
     return p
 
 
@@ -139,8 +140,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _follow(args: argparse.Namespace, tasks: list, methods: list[str]) -> int:
     """``--follow``: evaluate every checkpoint of a training run as it appears."""
-    from megatron_wedlm.eval.follow import FollowSettings, follow_run
-
     options = dict(mask_token_id=args.mask_token_id, stop_at_eos=args.stop_at_eos, max_new_tokens=args.max_new_tokens,
                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat,
                    keep_samples=not args.no_samples, progress=not args.quiet)
