@@ -17,7 +17,7 @@ from megatron_wedlm.runtime.hf_local import tokenizer_files_in
 from megatron_wedlm.runtime.multiprocess import run_distributed
 from megatron_wedlm.training.checkpointing import complete_checkpoints
 from megatron_wedlm.training.hf_export import TrainingCheckpointError, load_checkpoint, training_checkpoint
-from test_conversion import make_hf_dir
+from test_conversion import make_hf_dir, safetensors_of
 from test_training import LAUNCH_TIMEOUT, ROOT, TINY, _base, _train, data  # noqa: F401
 
 
@@ -68,6 +68,17 @@ def test_checkpoint_carries_the_tokenizer_and_exports_without_one(tp2_pp2_run, t
     assert {f.name for f in tokenizer_files_in(newest)} >= {"tokenizer.json", "tokenizer_config.json"}
     convert_megatron_to_hf(newest, tmp_path / "export")  # no tokenizer_dir given
     assert tokenizer_files_in(tmp_path / "export")
+
+
+def test_convert_checkpoint_exports_a_run_directory_as_its_newest_checkpoint(tp2_pp2_run, tmp_path):
+    spec = importlib.util.spec_from_file_location("convert_checkpoint_cli", ROOT / "tools" / "convert_checkpoint.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    assert cli.main(["megatron-to-hf", "--input", str(tp2_pp2_run), "--output", str(tmp_path / "from_run")]) == 0
+    convert_megatron_to_hf(tp2_pp2_run / "checkpoints" / "iter_0000003", tmp_path / "from_iter")
+    from_run, from_iter = safetensors_of(tmp_path / "from_run"), safetensors_of(tmp_path / "from_iter")
+    assert from_run.keys() == from_iter.keys() and all(torch.equal(from_run[k], from_iter[k]) for k in from_iter)
+    assert tokenizer_files_in(tmp_path / "from_run")
 
 
 def test_tp2_pp2_checkpoint_evaluates_exactly_as_its_hf_export(tp2_pp2_run, tmp_path):
