@@ -24,11 +24,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_wedlm.decoding.cli import add_decoding_arguments, cli_values, float_list
-from megatron_wedlm.eval import evaluate, load_tasks, write_report
 from megatron_wedlm.decoding import METHODS
-from megatron_wedlm.decoding.inputs import DTYPES, load_checkpoint
+from megatron_wedlm.decoding.cli import add_decoding_arguments, cli_values, float_list
+from megatron_wedlm.decoding.inputs import DTYPES
 from megatron_wedlm.decoding.options import describe, resolve_decoding_settings
+from megatron_wedlm.eval import evaluate, load_tasks, write_report
+from megatron_wedlm.eval.follow import FollowSettings, follow_run
+from megatron_wedlm.training.hf_export import load_checkpoint
 
 
 def _mapping(text: str) -> dict[str, str]:
@@ -44,7 +46,18 @@ def _mapping(text: str) -> dict[str, str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="local checkpoint directory (HF format)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model",
+                        help="HF checkpoint directory, or a Megatron training checkpoint (iter_N) or run directory "
+                             "(its newest complete checkpoint)")
+    source.add_argument("--follow", metavar="RUN_DIR", default=None,
+                        help="instead of --model: evaluate each checkpoint of a training run once it is complete, "
+                             "while it trains; rows in RUN_DIR/evals.jsonl and the run's wandb run, reports in "
+                             "--out/iter_N (see megatron_wedlm.eval.follow)")
+    p.add_argument("--follow-until", type=int, default=None,
+                   help="stop once the run saved a checkpoint at or past this step and those up to it are "
+                        "evaluated (default: the run's train_steps)")
+    p.add_argument("--poll-interval", type=float, default=60.0, help="seconds between looks for new checkpoints")
     p.add_argument("--tasks", default="counting,copying,arithmetic",
                    help="comma-separated task specs: NAME or NAME:PATH.jsonl")
     p.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
@@ -87,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         num_examples=args.num_examples, seed=args.seed, sandbox_timeout_s=args.sandbox_timeout,
         sandbox_memory_mb=args.sandbox_memory_mb, sandbox_workers=args.sandbox_workers,
     )
+    if args.follow:
+        return _follow(args, tasks, methods)
     model, tokenizer = load_checkpoint(
         args.model, device=args.device, dtype=args.dtype,
         require_mask_token=args.mask_token_id is None and methods != ["ar"],
@@ -114,6 +129,17 @@ def main(argv: list[str] | None = None) -> int:
     with open(paths["markdown"], encoding="utf-8") as f:
         print(f.read())
     print("wrote " + ", ".join(paths.values()), file=sys.stderr)
+    return 0
+
+
+def _follow(args: argparse.Namespace, tasks: list, methods: list[str]) -> int:
+    """``--follow``: evaluate every checkpoint of a training run as it appears."""
+    options = dict(mask_token_id=args.mask_token_id, stop_at_eos=args.stop_at_eos, max_new_tokens=args.max_new_tokens,
+                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat,
+                   keep_samples=not args.no_samples, progress=not args.quiet)
+    settings = FollowSettings(tasks, methods, taus=args.taus, device=args.device, dtype=args.dtype,
+                              decoding=cli_values(args), evaluate_options=options, report_dir=args.out)
+    follow_run(args.follow, settings, until_step=args.follow_until, poll_interval_s=args.poll_interval)
     return 0
 
 

@@ -33,13 +33,16 @@ import torch
 
 from megatron_wedlm.decoding.cli import add_decoding_arguments, cli_values
 from megatron_wedlm.decoding import METHODS, generate
-from megatron_wedlm.decoding.inputs import DTYPES, encode_prompt, eos_token_ids, load_checkpoint
+from megatron_wedlm.decoding.inputs import DTYPES, encode_prompt, eos_token_ids
+from megatron_wedlm.training.hf_export import load_checkpoint
 from megatron_wedlm.decoding.options import describe, resolve_decoding_settings
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="local checkpoint directory (HF format, with tokenizer)")
+    p.add_argument("--model", required=True,
+                   help="HF checkpoint directory (with tokenizer), or a Megatron training checkpoint (iter_N) or run "
+                        "directory (its newest complete checkpoint)")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object with text and metrics")

@@ -8,7 +8,9 @@ hf-to-megatron writes a torch_dist checkpoint that loads under any TP/PP (--tp/-
 the layout it is written with, using T x P local processes), plus wedlm_model.json (what the
 training entry points build: point ``model.init_from`` at DIR) and the tokenizer, with a mask
 token added if it had none. megatron-to-hf also accepts one iteration directory of a training
-run; wedlm_model.json is looked up there and in its two parents (or give --model-args).
+run (any TP/PP/CP it was saved with), or the run directory for its newest complete checkpoint; wedlm_model.json is looked up there and in its two parents
+(or give --model-args), and the tokenizer next to it: a training checkpoint holds both, so
+--tokenizer is needed only for a checkpoint saved without one.
 
 Inputs are checked before anything is written; the output is written next to --output and
 renamed into place at the end, so a failed run leaves an earlier output as it was, and an
@@ -40,10 +42,12 @@ def _parser() -> argparse.ArgumentParser:
                           help="replace a non-empty output directory (once the new one is complete)")
 
     to_hf = sub.add_parser("megatron-to-hf", help="Megatron torch_dist -> HF safetensors directory")
-    to_hf.add_argument("--input", required=True, help="torch_dist checkpoint directory")
+    to_hf.add_argument("--input", required=True,
+                       help="torch_dist checkpoint directory: an iter_N of a training run, or the run directory "
+                            "for its newest complete checkpoint")
     to_hf.add_argument("--output", required=True, help="HF directory to write")
     to_hf.add_argument("--model-args", help="wedlm_model.json (default: found in --input or its parents)")
-    to_hf.add_argument("--tokenizer", help="tokenizer directory (default: next to wedlm_model.json)")
+    to_hf.add_argument("--tokenizer", help="tokenizer directory (default: next to wedlm_model.json, where training checkpoints hold it)")
     to_hf.add_argument("--max-shard-size", default="2GB", help="safetensors shard size (default 2GB)")
     to_hf.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                        help="dtype of the exported weights (default: as recorded in wedlm_model.json)")
@@ -59,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_wedlm.conversion import ConversionError, convert_hf_to_megatron, convert_megatron_to_hf
     from megatron_wedlm.model.hf_config import UnsupportedModelError
     from megatron_wedlm.runtime.atomic_output import DiskFullError, OutputDirError
+    from megatron_wedlm.training.hf_export import training_checkpoint
 
     try:
         if args.command == "hf-to-megatron":
@@ -74,12 +79,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"(padded {model.padded_vocab_size}), mask_token_id={model.mask_token_id}, {model.dtype}"
             )
         else:
+            checkpoint = training_checkpoint(args.input) or args.input  # a run directory: its newest checkpoint
             files = convert_megatron_to_hf(
-                args.input, args.output, model_args=args.model_args, tokenizer_dir=args.tokenizer,
+                checkpoint, args.output, model_args=args.model_args, tokenizer_dir=args.tokenizer,
                 max_shard_size=args.max_shard_size, dtype=args.dtype,
                 require_mask_token=not args.allow_no_mask_token, overwrite=args.overwrite,
             )
-            print(f"wrote {args.output}: {len(files)} safetensors file(s)")
+            print(f"wrote {args.output} from {checkpoint}: {len(files)} safetensors file(s)")
     except (ConversionError, UnsupportedModelError, OutputDirError, DiskFullError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

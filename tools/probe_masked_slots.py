@@ -24,7 +24,8 @@ import json
 import os
 import sys
 
-from megatron_wedlm.decoding.inputs import DTYPES, encode_prompt, find_mask_token_id, load_checkpoint
+from megatron_wedlm.decoding.inputs import DTYPES, encode_prompt, find_mask_token_id
+from megatron_wedlm.training.hf_export import load_checkpoint
 from megatron_wedlm.decoding.cli import float_list
 from megatron_wedlm.decoding.options import describe, resolve_decoding_settings
 from megatron_wedlm.eval.builtin_tasks import FAMILIES, completion_of
@@ -34,7 +35,8 @@ from megatron_wedlm.eval.slot_probe import format_probe, probe_masked_slots
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="local WeDLM checkpoint directory (HF format)")
+    p.add_argument("--model", required=True,
+                   help="WeDLM checkpoint directory (HF format), or a training checkpoint (iter_N) or run directory")
     p.add_argument("--tasks", default="counting,copying",
                    help=f"built-in tasks ({', '.join(FAMILIES)}), each optionally :calibration (default split: test)")
     p.add_argument("--pairs", help="jsonl of {prompt, response} pairs, probed instead of --tasks")

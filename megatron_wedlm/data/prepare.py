@@ -65,6 +65,7 @@ __all__ = [
     "load_tokenizer_with_mask",
     "prepare_dataset",
     "read_manifest",
+    "tokenizer_dir_of",
 ]
 
 MANIFEST_FILE = "manifest.json"
@@ -642,3 +643,8 @@ def read_manifest(data_dir: str | Path) -> dict[str, Any]:
         )
     return manifest
 
+
+
+def tokenizer_dir_of(data_dir: str | Path, manifest: dict[str, Any]) -> Path:
+    """The tokenizer a prepared directory was tokenized with (the manifest names its subdirectory)."""
+    return Path(data_dir) / manifest.get("tokenizer", TOKENIZER_DIR)

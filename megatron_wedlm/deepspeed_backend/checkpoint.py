@@ -34,11 +34,12 @@ from megatron_wedlm.training.checkpointing import (
     read_trainer_state,
     set_host_rng_state,
 )
+from megatron_wedlm.training.hf_export import DEEPSPEED_EXPORT
 
 __all__ = ["DEEPSPEED_TAG", "HF_EXPORT_DIR", "DeepSpeedCheckpointManager", "export_hf_model", "full_state_dict"]
 
 DEEPSPEED_TAG = "deepspeed"
-HF_EXPORT_DIR = "hf"
+HF_EXPORT_DIR = DEEPSPEED_EXPORT  # where the decoding entry points look for it, too
 _RNG_DIR = "rng"
 _WRAPPER_PREFIX = "hf_model."
 

@@ -23,15 +23,15 @@ quantities and follow the same schedule. What this engine does differently:
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron_wedlm.config.schema import ConfigError, TrainConfig
-from megatron_wedlm.data.prepare import TOKENIZER_DIR
+from megatron_wedlm.data.prepare import tokenizer_dir_of
 from megatron_wedlm.model.attention_backends import resolve_attention_backend
 from megatron_wedlm.runtime.parallel import init_distributed
 from megatron_wedlm.training.engine import RankRole, StepUpdate
@@ -207,7 +207,7 @@ class DeepSpeedEngine:
         return DeepSpeedCheckpointManager(self.cfg.checkpointing.dir, self.cfg.checkpointing.keep_last)
 
     def _tokenizer_dir(self) -> Path:
-        return Path(self.cfg.data.path) / self.manifest.get("tokenizer", TOKENIZER_DIR)  # type: ignore[arg-type]
+        return tokenizer_dir_of(self.cfg.data.path, self.manifest)  # type: ignore[arg-type]
 
     def _export(self, directory: Path) -> Path:
         return export_hf_model(self.engine, self.hf_model, directory, self._tokenizer_dir())

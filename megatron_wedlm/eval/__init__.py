@@ -15,6 +15,7 @@
 * ``report``           ``write_report(report, out_dir)``: JSON, Markdown, speed-accuracy PNG
 * ``lm_eval_adapter``  the ``wedlm`` model for lm-evaluation-harness (imports lm_eval lazily)
 * ``slot_probe``       per distance, how many confidently filled mask slots are wrong (no decoding)
+* ``follow``           ``--follow RUN_DIR``: evaluate a training run's checkpoints as they appear
 """
 
 from megatron_wedlm.eval.builtin_tasks import builtin_task, training_corpus, training_pairs

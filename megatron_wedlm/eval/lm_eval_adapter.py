@@ -40,10 +40,11 @@ except ImportError as e:  # pragma: no cover - exercised only without lm_eval in
     ) from e
 
 from megatron_wedlm.decoding.api import generate
-from megatron_wedlm.decoding.inputs import find_mask_token_id, load_checkpoint
+from megatron_wedlm.decoding.inputs import find_mask_token_id
 from megatron_wedlm.decoding.options import ONE_SLOT, REFILL_ORDERS, describe, resolve_decoding_settings
 from megatron_wedlm.decoding.settings import METHODS, DecodeSettings
 from megatron_wedlm.eval.tasks import truncate_at_stop
+from megatron_wedlm.training.hf_export import load_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,8 @@ def _as_bool(value: Any) -> bool:
 class WeDLMLM(LM):
     """lm_eval LM over an HF causal model with a mask token.
 
-    Give either ``pretrained`` (a local checkpoint directory, loaded with the project's loader)
+    Give either ``pretrained`` (a local checkpoint directory, or a training checkpoint or run
+    directory, loaded with the project's loader)
     or ready ``model`` and ``tokenizer`` objects.
     """
 

@@ -7,7 +7,8 @@ Layout of ``<checkpointing.dir>/iter_0000015/``:
   a checkpoint reloads under any TP/PP/DP) and RNG states;
 * ``trainer_state.json``: step, scheduler, data position of every stream, counters, layout;
 * ``config.yaml``: the run's resolved config; ``wedlm_model.json``: the model description
-  (what ``model.init_from`` and ``tools/convert_checkpoint.py megatron-to-hf`` read).
+  and the data's tokenizer files (what ``model.init_from``, ``tools/convert_checkpoint.py
+  megatron-to-hf`` and the decoding entry points read, so none of them asks for ``--tokenizer``).
 
 Atomicity: everything is written into ``iter_N.partial`` and the directory is renamed to
 ``iter_N`` only after every rank finished and the trainer state is on disk. A process killed
@@ -62,6 +63,7 @@ __all__ = [
     "find_latest_checkpoint",
     "host_rng_state",
     "is_complete_checkpoint",
+    "lineage_checkpoints",
     "on_lineage",
     "read_trainer_state",
     "record_lineage",
@@ -103,6 +105,22 @@ def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
         if match and is_complete_checkpoint(child):
             found.append((int(match.group(1)), child))
     return sorted(found)
+
+
+def lineage_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of the complete checkpoints under ``root`` that belong to its current lineage,
+    oldest first: an abandoned branch's are left out, and so are those whose trainer state cannot
+    be read. Every complete one when no lineage is recorded."""
+    lineage = current_lineage(root)
+    found = []
+    for step, path in complete_checkpoints(root):
+        try:
+            state = read_trainer_state(path)
+        except CheckpointReadError:
+            continue
+        if lineage is None or _state_on_lineage(state, lineage):
+            found.append((step, path))
+    return found
 
 
 class CheckpointReadError(RuntimeError):
@@ -308,10 +326,11 @@ class CheckpointManager:
         model,
         optimizer,
         trainer_state: dict[str, Any],
-        files: dict[str, str],
+        files: dict[str, str | Path],
     ) -> Path:
         """Collective: every rank calls it. ``model`` is the unwrapped chunk; ``files`` are
-        extra text files (name -> content) written by rank 0, e.g. config.yaml."""
+        extra files written by rank 0: name -> text (e.g. config.yaml) or -> a file to copy
+        (e.g. the tokenizer's)."""
         from megatron.core import dist_checkpointing
 
         final, partial = self.begin_save(step)
@@ -339,13 +358,19 @@ class CheckpointManager:
         _barrier()
         return final, partial
 
-    def finish_save(self, partial: Path, final: Path, state: dict[str, Any], files: dict[str, str]) -> Path:
-        """Collective, after every rank wrote its tensors: rank 0 writes ``files`` and the trainer
-        state (last, it marks the checkpoint complete), publishes and prunes."""
+    def finish_save(
+        self, partial: Path, final: Path, state: dict[str, Any], files: dict[str, str | Path]
+    ) -> Path:
+        """Collective, after every rank wrote its tensors: rank 0 writes ``files`` (text, or a
+        :class:`Path` to copy) and the trainer state (last, it marks the checkpoint complete),
+        publishes and prunes."""
         _barrier()
         if self.is_writer:
             for name, content in files.items():
-                (partial / name).write_text(content)
+                if isinstance(content, Path):
+                    shutil.copyfile(content, partial / name)
+                else:
+                    (partial / name).write_text(content)
             (partial / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True) + "\n")
             self.publish(partial, final)
             self.prune(state.get("lineage"))

@@ -29,9 +29,11 @@ from torch import Tensor
 
 from megatron_wedlm.config.schema import TrainConfig, validate_layout
 from megatron_wedlm.data.dual_stream import DualStreamBatch
+from megatron_wedlm.data.prepare import tokenizer_dir_of
 from megatron_wedlm.model.context_parallel import shard_batch
 from megatron_wedlm.model.hf_config import MODEL_ARGS_FILE
 from megatron_wedlm.model.losses import LossNormalizer
+from megatron_wedlm.runtime.hf_local import tokenizer_files_in
 from megatron_wedlm.runtime.parallel import ParallelConfig, init_distributed, initialize_parallel_state
 
 from .checkpointing import CheckpointManager
@@ -161,6 +163,7 @@ class MegatronEngine:
         self.world = 1
         self.dp_size = 1
         self.model_args = None  # ModelArgs, resolved by start() from the config and the data
+        self.tokenizer_dir = Path()  # the data's tokenizer, saved with every checkpoint (by start())
         self.model: list = []  # this rank's model chunks, by build()
         self.ddp: list = []  # the chunks in Megatron DDP
         self.optimizer = None  # Megatron's optimizer
@@ -173,6 +176,7 @@ class MegatronEngine:
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.dp_size = validate_layout(cfg, self.world)
         self.model_args = resolve_model_args(cfg, manifest, "bfloat16" if bf16 else "float32")
+        self.tokenizer_dir = tokenizer_dir_of(cfg.data.path, manifest)  # type: ignore[arg-type]
         cfg.parallelism.dp = self.dp_size
         init_distributed(device, timeout_s=cfg.trainer.distributed_timeout_s)
         layout = initialize_parallel_state(
@@ -224,9 +228,12 @@ class MegatronEngine:
         return self._manager().load(path, self.model, self.optimizer, self.cfg.checkpointing.load_optimizer)
 
     def save(self, step: int, trainer_state: dict[str, Any], files: dict[str, str]) -> Path:
+        """The checkpoint holds what an export needs besides the tensors: the model description
+        and the data's tokenizer (so ``megatron-to-hf`` and evaluation need no ``--tokenizer``)."""
         model_args = json.dumps(self.model_args.to_dict(), indent=2, sort_keys=True) + "\n"
+        tokenizer = {file.name: file for file in tokenizer_files_in(self.tokenizer_dir)}
         return self._manager().save(step, self.model, self.optimizer, trainer_state,
-                                    files={**files, MODEL_ARGS_FILE: model_args})
+                                    files={**files, MODEL_ARGS_FILE: model_args, **tokenizer})
 
     # ---- one step ----
     def forward_backward(self, batches: Sequence[DualStreamBatch], normalizer: LossNormalizer,

@@ -46,7 +46,7 @@ from .checkpointing import (
     resolve_resume_path,
 )
 
-__all__ = ["LOCK_FILE", "RunClaim", "RunDirError", "RunLock", "claim_output_dir", "new_run_id"]
+__all__ = ["LOCK_FILE", "RunClaim", "RunDirError", "RunLock", "claim_output_dir", "new_run_id", "run_in_progress"]
 
 LOCK_FILE = "run.lock"
 
@@ -144,6 +144,14 @@ class RunLock:
         holder = self._read()
         if holder and holder.get("run_id") == self.holder["run_id"] and holder.get("pid") == self.holder["pid"]:
             self.path.unlink(missing_ok=True)
+
+
+def run_in_progress(output_dir: str | Path) -> bool:
+    """Whether a run holds ``output_dir`` now: its lock exists and is not one a killed run left
+    on this host (a lock from another host cannot be checked and counts as held)."""
+    lock = RunLock(output_dir, run_id="")
+    holder = lock._read()
+    return holder is not None and not lock._stale(holder)
 
 
 @dataclass

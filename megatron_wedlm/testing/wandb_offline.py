@@ -1,0 +1,63 @@
+"""Read back what a wandb offline run logged, for tests: the history rows of ``run-<id>.wandb``.
+
+wandb 0.31 writes the offline log from its Go core and ships no Python reader. The file is a
+LevelDB-style log (wandb's ``store`` format): a 7-byte header (``:W&B``, magic ``0xBEE1``,
+version), then 32 KiB blocks of records, each with a 7-byte header (CRC-32C, length, type:
+full / first / middle / last fragment); a record is a serialised ``wandb_internal_pb2.Record``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+__all__ = ["read_history", "read_records"]
+
+_HEADER = b":W&B"
+_BLOCK = 32 * 1024
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+def read_records(path: str | Path) -> list[Any]:
+    """Every record of a ``.wandb`` file, in order, as ``wandb_internal_pb2.Record``."""
+    from wandb.proto import wandb_internal_pb2  # optional dependency, needed only here
+
+    data = Path(path).read_bytes()
+    if data[:4] != _HEADER:
+        raise ValueError(f"{path} is not a wandb run log (no {_HEADER!r} header)")
+    position, chunks, pending = 7, [], b""
+    while position + 7 <= len(data):
+        left = _BLOCK - position % _BLOCK
+        if left < 7:  # a block's tail too short for a record header is padding
+            position += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position:position + 7])
+        body = data[position + 7:position + 7 + length]
+        position += 7 + length
+        if kind == _FULL:
+            chunks.append(body)
+        elif kind == _FIRST:
+            pending = body
+        elif kind == _MIDDLE:
+            pending += body
+        elif kind == _LAST:
+            chunks.append(pending + body)
+    return [wandb_internal_pb2.Record.FromString(chunk) for chunk in chunks]
+
+
+def read_history(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The logged rows (``run.log`` calls) of every ``offline-run-*`` under ``run_dir``, oldest run
+    first; keys as logged, values decoded from their JSON."""
+    rows = []
+    for log in sorted(Path(run_dir).glob("**/offline-run-*/run-*.wandb")):
+        for record in read_records(log):
+            if record.WhichOneof("record_type") != "history":
+                continue
+            row = {}
+            for item in record.history.item:
+                key = item.key or "/".join(item.nested_key)
+                row[key] = json.loads(item.value_json)
+            rows.append(row)
+    return rows
