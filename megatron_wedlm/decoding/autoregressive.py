@@ -34,16 +34,38 @@ def ar_decode(
     *,
     tokenizer=None,
     generator: torch.Generator | None = None,
+    batch_size: int | None = None,
 ) -> list[GenerationResult]:
-    """Several prompts in one left-padded ``generate`` call; per-row metrics count that row's tokens.
+    """Prompts in left-padded ``generate`` calls of up to ``batch_size`` rows (default: one call);
+    per-row metrics count that row's tokens; results in the order of ``prompts``.
 
-    All rows share one token budget: ``max_new_tokens``, capped by the position range left after
-    the longest prompt. ``settings.mask_token_id`` (default ``config.mask_token_id``, may be
-    absent) is only suppressed here; the parallel-only settings are ignored.
+    The rows of one call share one token budget: ``max_new_tokens``, capped by the position range
+    left after the longest prompt. So that a row's output does not depend on its neighbours, calls
+    of several batches group prompts by their own budget (then by length, which also keeps padding
+    low). ``settings.mask_token_id`` (default ``config.mask_token_id``, may be absent) is only
+    suppressed here; the parallel-only settings are ignored.
     """
     check_full_attention(model)
     for prompt in prompts:
         check_fits(model, len(prompt), 1)
+    if batch_size is None or batch_size >= len(prompts):
+        return _ar_call(model, prompts, settings, tokenizer, generator)
+    budgets = [generation_budget(model, len(p), settings.max_new_tokens) for p in prompts]
+    order = sorted(range(len(prompts)), key=lambda i: (budgets[i], len(prompts[i]), i))
+    results: list[GenerationResult | None] = [None] * len(prompts)
+    while order:
+        batch = [order.pop(0)]
+        while order and len(batch) < batch_size and budgets[order[0]] == budgets[batch[0]]:
+            batch.append(order.pop(0))
+        for i, result in zip(batch, _ar_call(model, [prompts[i] for i in batch], settings, tokenizer, generator)):
+            results[i] = result
+    return results
+
+
+def _ar_call(
+    model, prompts: list[list[int]], settings: DecodeSettings, tokenizer, generator: torch.Generator | None
+) -> list[GenerationResult]:
+    """One left-padded ``generate`` call over ``prompts``."""
     budget = min(generation_budget(model, len(p), settings.max_new_tokens) for p in prompts)
     mask_token_id = settings.mask_token_id
     if mask_token_id is None:
