@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -67,6 +68,7 @@ def decode(
     tokenizer=None,
     generator: torch.Generator | None = None,
     batch_rows: int | None = None,
+    on_result: Callable[[int, GenerationResult], None] | None = None,
 ) -> tuple[list[GenerationResult], ModelRunner]:
     """Decode ``prompts`` together with ``settings.method`` (``"streaming"`` or ``"blockwise"``).
 
@@ -74,7 +76,8 @@ def decode(
     ``batch_rows`` prompts start, and whenever rows finish, the next prompts take their places (their
     prompts are prefilled in their first forward, beside the other rows' windows), so the batch stays
     full until the prompts run out (continuous batching). A row's result does not depend on which
-    rows it shared forwards with.
+    rows it shared forwards with. ``on_result(index, result)`` is called as each prompt finishes
+    (its ``seconds``: since the call began), so a caller can keep results before the batch ends.
 
     Returns one result per prompt, in order, and the model runner: its KV cache (rows: those still
     live in the last step) is what tests compare against a plain causal forward, its ``steps``
@@ -105,6 +108,10 @@ def decode(
                     _commit(row, lead, tokenizer, settings, in_cache=False)
                 else:
                     policy.refill(row, lead)  # e.
+            if on_result is not None:
+                for row in live:
+                    if row.finished:
+                        on_result(row.index, _result(row, time.perf_counter() - start, settings, tokenizer))
             live = runner.advance(live, more_to_come=bool(waiting))
             if waiting and len(live) < size:  # finished rows' places go to the next prompts
                 joining = [waiting.popleft() for _ in range(min(size - len(live), len(waiting)))]
