@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 try:
@@ -158,6 +159,7 @@ def _evaluate(args: argparse.Namespace, methods: list[str], shots: dict[str, int
               + (f" ({shard.world} processes)" if shard.world > 1 else "") + "; tasks: "
               + ", ".join(f"{t.name} ({len(t.examples)})" for t in tasks), file=sys.stderr)
         print(f"decoding settings: {describe(values, sources)}", file=sys.stderr)
+    start = time.perf_counter()
     report = evaluate(
         model, tokenizer, tasks, methods, taus=taus, mask_token_id=args.mask_token_id,
         window_size=values["window_size"], distance_penalty=values["distance_penalty"],
@@ -173,7 +175,8 @@ def _evaluate(args: argparse.Namespace, methods: list[str], shots: dict[str, int
     paths = write_report(report, args.out)
     with open(paths["markdown"], encoding="utf-8") as f:
         print(f.read())
-    print("wrote " + ", ".join(paths.values()), file=sys.stderr)
+    print("wrote " + ", ".join(paths.values()) + f" (evaluation {time.perf_counter() - start:.1f} s)",
+          file=sys.stderr)
     return 0
 
 
