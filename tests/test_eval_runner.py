@@ -290,3 +290,14 @@ def test_a_restarted_evaluation_skips_the_decodes_kept_in_its_parts(confident, t
     decoded.clear()
     assert run(identity={"weights": 2}).to_dict() == whole.to_dict()  # another checkpoint: its records are stale
     assert len(decoded) == 2 * 7
+
+
+def test_evaluate_cli_refuses_a_device_map_without_gpus(model, tokenizer, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("the refusal is for machines without a GPU")
+    spec = importlib.util.spec_from_file_location("wedlm_evaluate_cli", ROOT / "inference" / "evaluate.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    with pytest.raises(SystemExit, match="--device-map spreads a model over GPUs"):
+        cli.main(["--model", str(tmp_path), "--tasks", "counting", "--limit", "1", "--device-map", "auto",
+                  "--out", str(tmp_path / "out")])

@@ -4,7 +4,7 @@ Why torchrun and not a pool of our own or Ray: evaluation replicas share nothing
 examples and the results, which is what torchrun's environment (``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``) and its c10d store give; a user already runs it for training, on one node or
 many, and it already ends every worker when one fails and reports that worker's error
-(lm-evaluation-harness spreads over devices the same way). Ray's scheduling (placement groups,
+(lm-evaluation-harness spreads replicas the same way, through ``accelerate launch``). Ray's scheduling (placement groups,
 autoscaling, actors that outlive a task) is not needed for N identical replicas with a fixed
 share of the work each, and would be one more cluster runtime to install and start.
 
