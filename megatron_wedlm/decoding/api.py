@@ -7,6 +7,8 @@ Every function takes one :class:`DecodeSettings` and/or keyword overrides of its
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .autoregressive import ar_decode
@@ -24,7 +26,7 @@ def generate_batch(
     tokenizer=None,
     generator: torch.Generator | None = None,
     batch_size: int | None = None,
-    on_result=None,
+    on_result: Callable[[int, GenerationResult], None] | None = None,
     **overrides,
 ) -> list[GenerationResult]:
     """Decode several prompts (of any lengths) together; one result per prompt, in order.

@@ -160,7 +160,8 @@ def evaluate(
     done: dict[tuple, Record] = {}
     if parts_dir is not None:
         examples = {w.task.name: [ex.uid for ex in w.task.examples] for w in work}
-        log = PartsLog(parts_dir, shard.rank, {"model": name, "settings": record, "examples": examples,
+        outputs_depend_on = {k: v for k, v in record.items() if k != "batch_size"}  # a row's output does not
+        log = PartsLog(parts_dir, shard.rank, {"model": name, "settings": outputs_depend_on, "examples": examples,
                                                "identity": identity or {}})
         done = log.open(shard)
     try:
