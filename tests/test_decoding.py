@@ -252,6 +252,17 @@ def test_greedy_output_is_the_same_for_any_batch_size_and_row_order(tokenizer, m
         assert [(r.token_ids, r.num_forwards, r.num_slots) for r in batched] == [expected[i] for i in order]
 
 
+def test_ar_batches_do_not_share_a_budget_cut_by_a_long_prompt(tokenizer):
+    """A prompt near the position limit may emit fewer tokens; batched with it, the short prompts
+    still get their whole budget (AR batches group prompts of one budget)."""
+    model = tiny_model(tokenizer, "qwen2", 1.0, seed=1)  # max_position_embeddings=256
+    prompts = [tokenizer.encode("1 2 3"), [5] * 250, tokenizer.encode("hello")]
+    kw = dict(method="ar", max_new_tokens=12)
+    single = [generate(model, p, **kw).token_ids for p in prompts]
+    assert [len(t) for t in single] == [12, 6, 12]
+    assert [r.token_ids for r in generate_batch(model, prompts, batch_size=3, **kw)] == single
+
+
 def test_rows_join_a_running_batch_when_others_finish(tokenizer):
     """With more prompts than rows, the batch stays full: the forwards of the whole decode carry
     ``batch_size`` rows until the prompts run out."""

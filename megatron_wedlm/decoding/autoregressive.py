@@ -38,20 +38,20 @@ def ar_decode(
     batch_size: int | None = None,
     on_result: Callable[[int, GenerationResult], None] | None = None,
 ) -> list[GenerationResult]:
-    """Prompts in left-padded ``generate`` calls of up to ``batch_size`` rows (default: one call);
+    """Prompts in left-padded ``generate`` calls of up to ``batch_size`` rows (default: all in one call);
     per-row metrics count that row's tokens; results in the order of ``prompts``.
 
     The rows of one call share one token budget: ``max_new_tokens``, capped by the position range
-    left after the longest prompt. So that a row's output does not depend on its neighbours, calls
-    of several batches group prompts by their own budget (then by length, which also keeps padding
-    low). ``on_result(index, result)`` is called for each prompt as its call ends.
+    left after the longest prompt. So that a row's output does not depend on its neighbours, a call
+    with ``batch_size`` groups prompts by their own budget (then by length, which also keeps
+    padding low). ``on_result(index, result)`` is called for each prompt as its call ends.
     ``settings.mask_token_id`` (default ``config.mask_token_id``, may be absent) is only
     suppressed here; the parallel-only settings are ignored.
     """
     check_full_attention(model)
     for prompt in prompts:
         check_fits(model, len(prompt), 1)
-    if batch_size is None or batch_size >= len(prompts):
+    if batch_size is None:
         batches = [list(range(len(prompts)))]
     else:
         batches = _batches(model, prompts, settings, batch_size)
