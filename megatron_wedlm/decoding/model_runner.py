@@ -52,7 +52,7 @@ class ModelRunner:
     def __init__(self, model, rows: list[RowState], window_size: int, batch_rows: int | None = None):
         """``rows``: every sequence the decode will see (they size the cache); ``batch_rows``: how many
         are in the batch at once (default all): the first ones start, the others join through
-        :meth:`admit` as rows finish."""
+        :meth:`advance` as rows finish."""
         batch_rows = len(rows) if batch_rows is None else min(batch_rows, len(rows))
         impl = getattr(model.config, "_attn_implementation", "") or ""
         if impl.startswith("flash_attention") and batch_rows > 1:
@@ -149,19 +149,25 @@ class ModelRunner:
     def _flash(self) -> bool:
         return (getattr(self.model.config, "_attn_implementation", "") or "").startswith("flash_attention")
 
-    def advance(self, rows: list[RowState], more_to_come: bool = False) -> list[RowState]:
-        """Keep each row's committed prefix in the cache and drop finished rows; returns the live rows.
+    def advance(self, rows: list[RowState], joining: list[RowState] | tuple = ()) -> list[RowState]:
+        """Keep each row's committed prefix in the cache, drop finished rows and take in ``joining``
+        ones (not decoded yet, at most as many as finished; their next forward, their first,
+        prefills their prompts). Returns the live rows in cache-row order.
 
-        When every row finished and no row is to join (``more_to_come``), the cache keeps them all
-        (tests compare it with a plain forward).
+        A joining row takes a finished row's cache row as it is: at length 0 nothing of the old
+        keys is visible and its own overwrite them, so no buffer is copied. Finished rows left over
+        are dropped. When every row finished and none joins, the cache keeps them all (tests
+        compare it with a plain forward).
         """
-        self.cache.commit([row.cache_length for row in rows])
-        live = [i for i, row in enumerate(rows) if not row.finished]
-        if len(live) < len(rows) and (live or more_to_come):
-            self.cache.keep_rows(live)
-        return [rows[i] for i in live]
-
-    def admit(self, rows: list[RowState]) -> None:
-        """Give ``rows`` (not decoded yet) empty cache rows after the live ones; their next forward,
-        their first, prefills their prompts. The decode loop appends them to its live rows in this order."""
-        self.cache.add_rows(len(rows))
+        finished = [i for i, row in enumerate(rows) if row.finished]
+        if len(joining) > len(finished):
+            raise ValueError(f"{len(joining)} rows cannot join in the places of {len(finished)} finished ones")
+        taken = dict(zip(finished, joining))
+        self.cache.commit([0 if i in taken else row.cache_length for i, row in enumerate(rows)])
+        live = [taken.get(i, row) for i, row in enumerate(rows)]
+        left = set(finished[len(taken):])
+        if not left or len(left) == len(live):  # none to drop, or all finished and none joins
+            return live if not left else []
+        keep = [i for i in range(len(live)) if i not in left]
+        self.cache.keep_rows(keep)
+        return [live[i] for i in keep]

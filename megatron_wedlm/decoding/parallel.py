@@ -112,11 +112,8 @@ def decode(
                 for row in live:
                     if row.finished:
                         on_result(row.index, _result(row, time.perf_counter() - start, settings, tokenizer))
-            live = runner.advance(live, more_to_come=bool(waiting))
-            if waiting and len(live) < size:  # finished rows' places go to the next prompts
-                joining = [waiting.popleft() for _ in range(min(size - len(live), len(waiting)))]
-                runner.admit(joining)
-                live += joining
+            free = size - sum(not row.finished for row in live)  # finished rows' places go to the next prompts
+            live = runner.advance(live, [waiting.popleft() for _ in range(min(free, len(waiting)))])
 
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)

@@ -88,11 +88,6 @@ class _RowLayer(CacheLayerMixin):
             self.keys = self.keys.index_select(0, rows)
             self.values = self.values.index_select(0, rows)
 
-    def add_rows(self, n: int) -> None:
-        if self.is_initialized:
-            self.keys = torch.cat([self.keys, self.keys.new_zeros((n, *self.keys.shape[1:]))])
-            self.values = torch.cat([self.values, self.values.new_zeros((n, *self.values.shape[1:]))])
-
 
 class RowKVCache(Cache):
     """HF ``Cache`` with per-row committed lengths; see the module docstring.
@@ -127,12 +122,6 @@ class RowKVCache(Cache):
         for layer in self.layers:
             layer.keep_rows(index)
         self.commit([self.host_lengths[i] for i in rows])
-
-    def add_rows(self, n: int) -> None:
-        """Append ``n`` empty rows (length 0) after the existing ones: sequences joining the batch."""
-        for layer in self.layers:
-            layer.add_rows(n)
-        self.commit(self.host_lengths + [0] * n)
 
     def attention_mask(self, query_length: int, dtype: torch.dtype) -> torch.Tensor:
         """Additive 4-D mask ``[rows, 1, query_length, max_length + query_length]`` for the next
