@@ -131,7 +131,7 @@ class ModelRunner:
         self.cache.packing = None
         columns = [offset + k for offset, row_columns in zip(offsets, columns) for k in row_columns]
         at_masks = hidden.reshape(-1, hidden.shape[-1]).index_select(
-            0, torch.tensor(columns, dtype=torch.long, device=self.device)
+            0, torch.tensor(columns, dtype=torch.long, device=hidden.device)  # the last layer's (device_map)
         )
         logits = self.head(at_masks)
         logits[:, self.mask_id] = torch.finfo(logits.dtype).min  # the mask token is never an output
