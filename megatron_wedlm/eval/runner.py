@@ -304,20 +304,31 @@ def _report_rows(work: list[_TaskWork], configs: list[tuple[str, float | None]],
 
 
 class _Progress:
-    """One bar on rank 0 over every rank's decodes, with an ETA; the ranks count in torchrun's store."""
+    """One bar on rank 0 over every rank's decodes, with an ETA; the ranks count in torchrun's store.
+
+    A rank adds its count to the store at most every ``PERIOD_S`` seconds: each add is a round trip
+    to the launcher's store server, which a decode of a small model should not wait for every time.
+    """
+
+    PERIOD_S = 1.0
 
     def __init__(self, total: int, shard: Shard, enabled: bool):
         self.shard, self.total = shard, total
         self.bar = tqdm(total=total, desc="evaluate", unit="decode", file=sys.stderr, dynamic_ncols=True,
                         disable=not enabled or shard.rank != 0)
-        self.local = 0
+        self.pending, self.sent = 0, time.monotonic()
 
     def advance(self) -> None:
-        self.local += 1
         if self.shard.world == 1:
             self.bar.update(1)
-        else:
-            self._show(self.shard.count("done", 1))
+            return
+        self.pending += 1
+        if time.monotonic() - self.sent >= self.PERIOD_S:
+            self._flush()
+
+    def _flush(self) -> None:
+        self._show(self.shard.count("done", self.pending))
+        self.pending, self.sent = 0, time.monotonic()
 
     def _show(self, n: int) -> None:
         self.bar.update(min(n, self.total) - self.bar.n)
@@ -326,6 +337,7 @@ class _Progress:
         """Rank 0 keeps the bar moving while the other ranks finish (their results come in the gather)."""
         if self.shard.world == 1:
             return
+        self._flush()
         self.shard.count("finished", 1)
         if self.shard.rank == 0:
             while self.shard.count("finished") < self.shard.world:
