@@ -17,12 +17,29 @@ came from the command line, the model or the built-in default. Task specs and
 jsonl fields are documented in ``megatron_wedlm.eval`` (``registry``, ``jsonl_tasks``,
 ``code_tasks``). Generated code (humaneval, mbpp) is executed in a resource-limited subprocess
 that is *not* a security sandbox: run on a machine without network or valuable data.
+
+Accuracy and speed are measured apart: the first ``--speed-examples`` examples of each task are
+decoded one at a time, interleaved over the methods, and give tokens/s and the speed-up; every
+other example is decoded in batches of ``--batch-size`` rows (``megatron_wedlm.eval.runner``).
+Spread over devices and nodes with torchrun, one model replica per process, one report::
+
+    torchrun --nproc_per_node 8 inference/evaluate.py --model /ckpt/wedlm-8b --tasks gsm8k:/data/gsm8k.jsonl \
+        --out runs/eval
+
+Every finished decode is kept in ``<out>/parts/rank{r}.jsonl``; running the same command again
+after an interruption decodes only what is missing.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from megatron_wedlm.decoding import METHODS
 from megatron_wedlm.decoding.cli import add_decoding_arguments, cli_values, float_list
@@ -30,7 +47,9 @@ from megatron_wedlm.decoding.inputs import DTYPES
 from megatron_wedlm.decoding.options import describe, resolve_decoding_settings
 from megatron_wedlm.eval import evaluate, load_tasks, write_report
 from megatron_wedlm.eval.follow import FollowSettings, follow_run
-from megatron_wedlm.training.hf_export import load_checkpoint
+from megatron_wedlm.eval.runner import BATCH_SIZE, SPEED_EXAMPLES
+from megatron_wedlm.eval.sharding import Shard
+from megatron_wedlm.training.hf_export import load_checkpoint, training_checkpoint
 
 
 def _mapping(text: str) -> dict[str, str]:
@@ -42,6 +61,16 @@ def _mapping(text: str) -> dict[str, str]:
             raise argparse.ArgumentTypeError(f"expected NAME=VALUE items, got {item!r}")
         out[key.strip().lower()] = value.strip()
     return out
+
+
+def _count_or_all(text: str) -> int | None:
+    """``"16"`` -> 16, ``"all"`` -> None."""
+    if text.strip().lower() == "all":
+        return None
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a count >= 0 or 'all', got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,7 +106,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--chat", action="store_true", help="wrap prompts with the chat template")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--batch-size", type=int, default=BATCH_SIZE,
+                   help="rows decoded together in accuracy mode (streaming/block-wise: a finished row's place "
+                        "goes to the next prompt; AR: batches of one token budget)")
+    p.add_argument("--speed-examples", type=_count_or_all, default=SPEED_EXAMPLES,
+                   help="examples per task decoded one at a time and timed (tokens/s, speed-up); 'all' times "
+                        "every example")
+    p.add_argument("--device", default=None,
+                   help="default: cuda if available (under torchrun: cuda:LOCAL_RANK), else cpu")
+    p.add_argument("--device-map", default=None,
+                   help="place a model too big for one GPU over several, e.g. 'auto' (transformers' device_map); "
+                        "under torchrun each process gets its node's GPUs in equal shares")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--mask-token-id", type=int, default=None, help="override config.mask_token_id")
     p.add_argument("--sandbox-timeout", type=float, default=10.0, help="seconds per program")
@@ -88,23 +127,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@record  # under torchrun, a failing rank's traceback is what the launcher reports
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.batch_size < 1:
+        raise SystemExit(f"--batch-size must be at least 1, got {args.batch_size}")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     try:
         shots = {k: int(v) for k, v in args.shots.items()}
     except ValueError:
         raise SystemExit(f"--shots values must be integers, got {args.shots}") from None
+    shard = Shard.from_environment()
+    try:
+        return _evaluate(args, methods, shots, shard)
+    finally:
+        shard.close()
+
+
+def _evaluate(args: argparse.Namespace, methods: list[str], shots: dict[str, int], shard: Shard) -> int:
+    talk = not args.quiet and shard.rank == 0
     tasks = load_tasks(
         args.tasks, shots=shots, shots_paths=args.shots_file, limit=args.limit,
         num_examples=args.num_examples, seed=args.seed, sandbox_timeout_s=args.sandbox_timeout,
         sandbox_memory_mb=args.sandbox_memory_mb, sandbox_workers=args.sandbox_workers,
     )
     if args.follow:
+        if shard.world > 1:
+            raise SystemExit("--follow evaluates checkpoints one after another in one process: run it without torchrun")
         return _follow(args, tasks, methods)
     model, tokenizer = load_checkpoint(
-        args.model, device=args.device, dtype=args.dtype,
-        require_mask_token=args.mask_token_id is None and methods != ["ar"],
+        args.model, device=_device(args.device, shard), dtype=args.dtype,
+        require_mask_token=args.mask_token_id is None and methods != ["ar"], **_placement(args.device_map, shard),
     )
     given = cli_values(args) | {"entropy_threshold": args.taus[0] if args.taus else None}
     values, sources = resolve_decoding_settings(given, args.model)
@@ -112,23 +165,29 @@ def main(argv: list[str] | None = None) -> int:
     if taus == [None]:
         raise SystemExit(f"{args.model} stores entropy_threshold null (one slot per forward), which cannot be swept; "
                          "pass --taus")
-    if not args.quiet:
-        print(f"model {args.model} on {next(model.parameters()).device}; tasks: "
+    if talk:
+        print(f"model {args.model} on {next(model.parameters()).device}"
+              + (f" ({shard.world} processes)" if shard.world > 1 else "") + "; tasks: "
               + ", ".join(f"{t.name} ({len(t.examples)})" for t in tasks), file=sys.stderr)
         print(f"decoding settings: {describe(values, sources)}", file=sys.stderr)
+    start = time.perf_counter()
     report = evaluate(
         model, tokenizer, tasks, methods, taus=taus, mask_token_id=args.mask_token_id,
         window_size=values["window_size"], distance_penalty=values["distance_penalty"],
         fused_refill=values["fused_refill"], stop_at_eos=args.stop_at_eos,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, seed=args.seed, chat=args.chat, keep_samples=not args.no_samples,
-        progress=not args.quiet, model_name=args.model,
+        progress=talk, model_name=args.model, batch_size=args.batch_size, speed_examples=args.speed_examples,
+        shard=shard, parts_dir=os.path.join(args.out, "parts"), identity=_checkpoint_identity(training_checkpoint(args.model) or args.model),
     )
+    if report is None:  # not rank 0: its decodes went into rank 0's report
+        return 0
     report.settings["decoding_sources"] = sources  # where window, tau, lambda and refill came from
     paths = write_report(report, args.out)
     with open(paths["markdown"], encoding="utf-8") as f:
         print(f.read())
-    print("wrote " + ", ".join(paths.values()), file=sys.stderr)
+    print("wrote " + ", ".join(paths.values()) + f" (evaluation {time.perf_counter() - start:.1f} s)",
+          file=sys.stderr)
     return 0
 
 
@@ -141,6 +200,37 @@ def _follow(args: argparse.Namespace, tasks: list, methods: list[str]) -> int:
                               decoding=cli_values(args), evaluate_options=options, report_dir=args.out)
     follow_run(args.follow, settings, until_step=args.follow_until, poll_interval_s=args.poll_interval)
     return 0
+
+
+def _device(device: str | None, shard: Shard) -> str | None:
+    """``--device``; under torchrun a plain ``cuda`` (or the default on a GPU machine) is this process's GPU."""
+    if device in (None, "cuda") and torch.cuda.is_available() and shard.world > 1:
+        return f"cuda:{shard.local_rank}"
+    return device
+
+
+def _placement(device_map: str | None, shard: Shard) -> dict:
+    """``device_map`` and, with several processes on a node, ``max_memory`` limiting each to its share of GPUs."""
+    if device_map is None:
+        return {}
+    if not torch.cuda.is_available():
+        raise SystemExit("--device-map spreads a model over GPUs, and none is available here: leave it out on CPU")
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    share = torch.cuda.device_count() // per_node
+    if share < 1:
+        raise SystemExit(f"--device-map with {per_node} processes per node needs at least {per_node} GPUs, "
+                         f"this node has {torch.cuda.device_count()}")
+    if per_node == 1:
+        return {"device_map": device_map}
+    mine = range(shard.local_rank * share, (shard.local_rank + 1) * share)
+    return {"device_map": device_map,
+            "max_memory": {i: torch.cuda.get_device_properties(i).total_memory for i in mine}}
+
+
+def _checkpoint_identity(path: str) -> dict[str, list[int]]:
+    """Size and modification time of every checkpoint file: a retrained model makes kept decodes stale."""
+    files = sorted(p for p in Path(path).iterdir() if p.is_file())
+    return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
 
 
 if __name__ == "__main__":

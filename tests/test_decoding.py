@@ -229,6 +229,56 @@ def test_batched_equals_one_at_a_time(tokenizer, schedule):
     assert len({r.num_forwards for r in single}) > 1  # rows really advanced at different rates
 
 
+@pytest.mark.parametrize("method, attention", [("streaming", "sdpa"), ("blockwise", "sdpa"), ("ar", "sdpa"),
+                                               ("streaming", "eager")])
+def test_greedy_output_is_the_same_for_any_batch_size_and_row_order(tokenizer, method, attention):
+    """Continuous batching (a finished row's place goes to the next prompt) and AR's batches: each
+    prompt's output and counts equal one-at-a-time decoding, whatever rows it shares forwards with.
+    SDPA models decode packed rows, eager ones padded rows with a per-row mask."""
+    model = tiny_model(tokenizer, "qwen2", 80.0, seed=2)
+    model.config._attn_implementation = attention
+    texts = ["1 2 3", "def add(a, b):\n    return", "The quick brown fox jumps over the lazy dog.", "7",
+             "Count from 3 to 9:", "x = [1, 2", "hello world, hello", "aaa bbb ccc ddd"]
+    prompts = [tokenizer.encode(t) for t in texts]
+    stop = tokenizer.encode(" 9")[-1]
+    kw = dict(method=method, window_size=5, entropy_threshold=0.5, distance_penalty=0.02, max_new_tokens=21,
+              stop_token_ids=[stop])
+    single = [generate(model, p, **kw) for p in prompts]
+    expected = [(r.token_ids, r.num_forwards, r.num_slots) for r in single]
+    assert len({len(r.token_ids) for r in single}) > 1  # rows finish at different times, so rows join mid-decode
+    for batch_size, order in [(2, range(8)), (3, [7, 2, 5, 0, 3, 6, 1, 4]), (5, [4, 0, 6, 2, 7, 1, 3, 5])]:
+        order = list(order)
+        batched = generate_batch(model, [prompts[i] for i in order], batch_size=batch_size, **kw)
+        assert [(r.token_ids, r.num_forwards, r.num_slots) for r in batched] == [expected[i] for i in order]
+
+
+def test_ar_batches_do_not_share_a_budget_cut_by_a_long_prompt(tokenizer):
+    """A prompt near the position limit may emit fewer tokens; batched with it, the short prompts
+    still get their whole budget (AR batches group prompts of one budget)."""
+    model = tiny_model(tokenizer, "qwen2", 1.0, seed=1)  # max_position_embeddings=256
+    prompts = [tokenizer.encode("1 2 3"), [5] * 250, tokenizer.encode("hello")]
+    kw = dict(method="ar", max_new_tokens=12)
+    single = [generate(model, p, **kw).token_ids for p in prompts]
+    assert [len(t) for t in single] == [12, 6, 12]
+    assert [r.token_ids for r in generate_batch(model, prompts, batch_size=3, **kw)] == single
+
+
+def test_rows_join_a_running_batch_when_others_finish(tokenizer):
+    """With more prompts than rows, the batch stays full: the forwards of the whole decode carry
+    ``batch_size`` rows until the prompts run out."""
+    model = tiny_model(tokenizer, "qwen2", 80.0, seed=2)
+    prompts = [tokenizer.encode(t) for t in ["1 2 3", "7", "hello world", "x = 1", "aa bb", "The end"]]
+    settings = DecodeSettings(window_size=4, entropy_threshold=0.5, max_new_tokens=9,
+                              mask_token_id=tokenizer.mask_token_id)
+    _, runner = decode(model, prompts, settings, batch_rows=2)
+    widths = [len(step.lengths) for step in runner.steps]
+    assert max(widths) == 2 and widths.count(2) > len(widths) // 2
+    joins = [k for k, step in enumerate(runner.steps) if k and 0 in step.cached]  # a row's first forward
+    assert len(joins) >= 2  # prompts 3..6 were prefilled beside a running row
+    with pytest.raises(ValueError, match="at least 1"):
+        generate_batch(model, prompts, batch_size=0, max_new_tokens=2)
+
+
 @pytest.mark.parametrize("method", ["streaming", "blockwise", "ar"])
 def test_sampling_is_reproducible_with_a_seed(tokenizer, method):
     model = tiny_model(tokenizer, "qwen2", 3.0)

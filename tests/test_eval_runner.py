@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_wedlm.decoding import GenerationResult, generate, load_tokenizer
+from megatron_wedlm.decoding import GenerationResult, generate, generate_batch, load_tokenizer
 from megatron_wedlm.eval import EvalReport, builtin_task, evaluate, write_report
 from megatron_wedlm.eval.runner import combine_reports
 from megatron_wedlm.eval.tasks import truncate_at_stop
@@ -227,3 +227,77 @@ def test_evaluate_cli_end_to_end(model, tokenizer, tmp_path):
     assert re.search(r"\| ar \| - \| 2 \|", (out / "report.md").read_text())
     assert report.settings["mask_token_id"] == tokenizer.mask_token_id  # read from the checkpoint config
     assert report.settings["refill"] == "fused" and report.settings["stop_at_eos"] is True
+
+
+def _outputs(report):
+    """Per-example outputs and counts, and each row's totals, without the timings."""
+    samples = [(s.task, s.method, s.tau, s.uid, s.completion, s.correct, s.new_tokens, s.forwards)
+               for s in report.samples]
+    rows = [(r.task, r.method, r.tau, r.num_examples, r.num_correct, r.generated_tokens, r.forwards, r.slots)
+            for r in report.results]
+    return samples, rows
+
+
+@pytest.fixture(scope="module")
+def confident(tokenizer):
+    """A sharpened tiny model: the parallel methods fill several slots per forward, so rows of a
+    batch advance at different rates and finish at different steps."""
+    model = build_tiny_model(tokenizer, arch="qwen2", seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(60.0)
+    return model
+
+
+def test_accuracy_mode_in_batches_equals_one_at_a_time(confident, tokenizer):
+    """Batched decoding (any batch size, rows joining as others finish) gives every example the
+    output and counts it gets decoded alone; only the speed sample is timed."""
+    tasks = [builtin_task("copying", 7, seed=4), builtin_task("counting", 5, seed=4)]
+    kw = dict(taus=(0.5,), max_new_tokens=16, warmup=False)
+    alone = evaluate(confident, tokenizer, tasks, speed_examples=None, **kw)
+    assert all(r.timed_examples == r.num_examples for r in alone.results)
+    for batch_size in (1, 3, 8):
+        batched = evaluate(confident, tokenizer, tasks, speed_examples=2, batch_size=batch_size, **kw)
+        assert _outputs(batched) == _outputs(alone)
+        assert all(r.timed_examples == 2 and r.tokens_per_second for r in batched.results)
+        assert [s.seconds is None for s in batched.samples if s.task == "copying" and s.method == "ar"] == \
+            [False, False] + [True] * 5
+    assert batched.settings["batch_size"] == 8 and batched.settings["speed_examples"] == 2
+
+
+def test_a_restarted_evaluation_skips_the_decodes_kept_in_its_parts(confident, tokenizer, tmp_path):
+    tasks = [builtin_task("copying", 4, seed=1), builtin_task("counting", 3, seed=1)]
+    decoded = []
+
+    def counting_batch(model, prompts, settings, **kwargs):
+        decoded.extend([settings.method] * len(prompts))
+        return generate_batch(model, prompts, settings, **kwargs)
+
+    def run(**kw):
+        report = evaluate(confident, tokenizer, tasks, ["streaming", "ar"], taus=(0.5,), max_new_tokens=12,
+                          speed_examples=0, parts_dir=str(tmp_path / "parts"), decode_batch_fn=counting_batch,
+                          model_name="tiny", **kw)
+        report.settings.pop("time")
+        return report
+
+    whole = run(identity={"weights": 1})
+    assert len(decoded) == 2 * 7
+    part = tmp_path / "parts" / "rank0.jsonl"
+    lines = part.read_text().splitlines()
+    part.write_text("\n".join(lines[:5]) + "\n" + lines[5][:20])  # killed while writing the sixth line
+    decoded.clear()
+    assert run(identity={"weights": 1}).to_dict() == whole.to_dict()
+    assert len(decoded) == 2 * 7 - 5  # the five complete records were kept
+    decoded.clear()
+    assert run(identity={"weights": 2}).to_dict() == whole.to_dict()  # another checkpoint: its records are stale
+    assert len(decoded) == 2 * 7
+
+
+def test_evaluate_cli_refuses_a_device_map_without_gpus(model, tokenizer, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("the refusal is for machines without a GPU")
+    spec = importlib.util.spec_from_file_location("wedlm_evaluate_cli", ROOT / "inference" / "evaluate.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    with pytest.raises(SystemExit, match="--device-map spreads a model over GPUs"):
+        cli.main(["--model", str(tmp_path), "--tasks", "counting", "--limit", "1", "--device-map", "auto",
+                  "--out", str(tmp_path / "out")])

@@ -7,6 +7,8 @@ Every function takes one :class:`DecodeSettings` and/or keyword overrides of its
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .autoregressive import ar_decode
@@ -23,20 +25,31 @@ def generate_batch(
     *,
     tokenizer=None,
     generator: torch.Generator | None = None,
+    batch_size: int | None = None,
+    on_result: Callable[[int, GenerationResult], None] | None = None,
     **overrides,
 ) -> list[GenerationResult]:
     """Decode several prompts (of any lengths) together; one result per prompt, in order.
 
     ``settings.method``: ``"streaming"`` (default), ``"blockwise"`` or ``"ar"``; the parallel-only
     settings are ignored by ``"ar"`` so one settings object can drive all methods.
+    ``batch_size`` (default: all prompts at once) caps the rows decoded together. Streaming and
+    block-wise keep the batch full: a finished row's place goes to the next prompt. AR decodes
+    batches of up to ``batch_size`` prompts through HF ``generate`` (left-padded), one batch after
+    the other, grouping prompts of equal token budget and near lengths. ``on_result(index, result)``
+    is called as each prompt finishes.
     """
     settings = DecodeSettings.build(settings, **overrides)
     if settings.stop_strings and tokenizer is None:
         raise ValueError("stop_strings need a tokenizer (pass tokenizer=...)")
     prompts = as_prompt_batch(prompts)
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     if settings.method == AUTOREGRESSIVE:
-        return ar_decode(model, prompts, settings, tokenizer=tokenizer, generator=generator)
-    return decode(model, prompts, settings, tokenizer=tokenizer, generator=generator)[0]
+        return ar_decode(model, prompts, settings, tokenizer=tokenizer, generator=generator, batch_size=batch_size,
+                         on_result=on_result)
+    return decode(model, prompts, settings, tokenizer=tokenizer, generator=generator, batch_rows=batch_size,
+                  on_result=on_result)[0]
 
 
 def generate(model, prompt_ids, settings: DecodeSettings | None = None, **kwargs) -> GenerationResult:

@@ -9,6 +9,7 @@ so it is never emitted (as in the parallel decoders).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 from transformers import GenerationConfig
@@ -34,16 +35,52 @@ def ar_decode(
     *,
     tokenizer=None,
     generator: torch.Generator | None = None,
+    batch_size: int | None = None,
+    on_result: Callable[[int, GenerationResult], None] | None = None,
 ) -> list[GenerationResult]:
-    """Several prompts in one left-padded ``generate`` call; per-row metrics count that row's tokens.
+    """Prompts in left-padded ``generate`` calls of up to ``batch_size`` rows (default: all in one call);
+    per-row metrics count that row's tokens; results in the order of ``prompts``.
 
-    All rows share one token budget: ``max_new_tokens``, capped by the position range left after
-    the longest prompt. ``settings.mask_token_id`` (default ``config.mask_token_id``, may be
-    absent) is only suppressed here; the parallel-only settings are ignored.
+    The rows of one call share one token budget: ``max_new_tokens``, capped by the position range
+    left after the longest prompt. So that a row's output does not depend on its neighbours, a call
+    with ``batch_size`` groups prompts by their own budget (then by length, which also keeps
+    padding low). ``on_result(index, result)`` is called for each prompt as its call ends.
+    ``settings.mask_token_id`` (default ``config.mask_token_id``, may be absent) is only
+    suppressed here; the parallel-only settings are ignored.
     """
     check_full_attention(model)
     for prompt in prompts:
         check_fits(model, len(prompt), 1)
+    if batch_size is None:
+        batches = [list(range(len(prompts)))]
+    else:
+        batches = _batches(model, prompts, settings, batch_size)
+    results: list[GenerationResult | None] = [None] * len(prompts)
+    for batch in batches:
+        for i, result in zip(batch, _ar_call(model, [prompts[i] for i in batch], settings, tokenizer, generator)):
+            results[i] = result
+            if on_result is not None:
+                on_result(i, result)
+    return results
+
+
+def _batches(model, prompts: list[list[int]], settings: DecodeSettings, batch_size: int) -> list[list[int]]:
+    """Indices of ``prompts`` in batches of up to ``batch_size`` of one token budget, by length."""
+    budgets = [generation_budget(model, len(p), settings.max_new_tokens) for p in prompts]
+    order = sorted(range(len(prompts)), key=lambda i: (budgets[i], len(prompts[i]), i))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and len(batches[-1]) < batch_size and budgets[batches[-1][0]] == budgets[i]:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def _ar_call(
+    model, prompts: list[list[int]], settings: DecodeSettings, tokenizer, generator: torch.Generator | None
+) -> list[GenerationResult]:
+    """One left-padded ``generate`` call over ``prompts``."""
     budget = min(generation_budget(model, len(p), settings.max_new_tokens) for p in prompts)
     mask_token_id = settings.mask_token_id
     if mask_token_id is None:

@@ -20,15 +20,18 @@ DTYPES: dict[str, torch.dtype | None] = {
 
 
 def load_checkpoint(
-    path: str | Path, device: str | None = None, dtype: str = "auto", require_mask_token: bool = True
+    path: str | Path, device: str | None = None, dtype: str = "auto", require_mask_token: bool = True,
+    **placement: Any,
 ) -> tuple[Any, Any]:
     """(model, tokenizer) of a local checkpoint; ``dtype`` is a name of :data:`DTYPES`.
 
     ``require_mask_token=False`` admits plain AR checkpoints, for the AR baseline alone.
+    ``placement``: ``device_map`` / ``max_memory`` of :func:`load_wedlm_model`.
     """
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
-    model = load_wedlm_model(path, device=device, dtype=DTYPES[dtype], require_mask_token=require_mask_token)
+    model = load_wedlm_model(path, device=device, dtype=DTYPES[dtype], require_mask_token=require_mask_token,
+                             **placement)
     return model, load_tokenizer(path)
 
 

@@ -59,6 +59,8 @@ def load_wedlm_model(
     attn_implementation: str = "sdpa",
     require_mask_token: bool = True,
     place: bool = True,
+    device_map: str | dict | None = None,
+    max_memory: dict | None = None,
 ):
     """Load ``path`` in eval mode. Defaults: CUDA if available (bf16) else CPU (fp32), SDPA attention.
 
@@ -66,7 +68,9 @@ def load_wedlm_model(
     training, which adds the mask token itself). ``place=False`` leaves the model where
     ``from_pretrained`` put it (``device`` then only picks the default dtype): a training
     engine such as DeepSpeed places it, and under ZeRO-3 initialisation its parameters are
-    already partitioned, so moving them here would be wrong.
+    already partitioned, so moving them here would be wrong. ``device_map`` (e.g. ``"auto"``,
+    with ``max_memory`` per device) spreads a model too big for one GPU over several
+    (``from_pretrained``'s placement; ``device`` then only picks the default dtype).
     """
     path = Path(path)
     raw = read_config(path)
@@ -83,6 +87,9 @@ def load_wedlm_model(
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     kwargs = {"dtype": dtype, "attn_implementation": attn_implementation}
+    if device_map is not None:
+        kwargs.update(device_map=device_map, max_memory=max_memory)
+        place = False
     if raw.get("model_type") == WEDLM_MODEL_TYPE:
         model_class, config = wedlm_config_to_hf(raw)
         model, info = load_pretrained(model_class, path, config=config, output_loading_info=True, **kwargs)

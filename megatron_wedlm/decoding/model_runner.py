@@ -49,22 +49,28 @@ class ModelRunner:
     per step (setting a config attribute costs as much as a small layer's attention).
     """
 
-    def __init__(self, model, rows: list[RowState], window_size: int):
+    def __init__(self, model, rows: list[RowState], window_size: int, batch_rows: int | None = None):
+        """``rows``: every sequence the decode will see (they size the cache); ``batch_rows``: how many
+        are in the batch at once (default all): the first ones start, the others join through
+        :meth:`advance` as rows finish."""
+        batch_rows = len(rows) if batch_rows is None else min(batch_rows, len(rows))
         impl = getattr(model.config, "_attn_implementation", "") or ""
-        if impl.startswith("flash_attention") and len(rows) > 1:
+        if impl.startswith("flash_attention") and batch_rows > 1:
             raise ValueError("batched WeDLM decoding needs an explicit attention mask: load the model with sdpa or eager")
         self.model, self.device = model, model.device
         self.body, self.head = model.base_model, model.get_output_embeddings()
         self.mask_id = rows[0].mask_id
+        self.packable = impl == "sdpa"  # forwards are packed (packed_attention.py) on SDPA models
+        # A padded forward writes every row up to the longest committed row plus the widest input;
+        # a row joining mid-decode brings its whole prompt as input.
+        joining = max(len(row.prompt) for row in rows) if batch_rows < len(rows) and not self.packable else 0
         self.cache = RowKVCache(
             model.config.num_hidden_layers,
-            len(rows),
-            capacity=max(row.start + row.budget for row in rows) + 2 * window_size,  # + the widest window
+            batch_rows,
+            capacity=max(row.start + row.budget for row in rows) + 2 * window_size + joining,  # + the widest window
             device=self.device,
         )
-        self.prefilled = False
         self.dtype = self.head.weight.dtype
-        self.packable = impl == "sdpa"  # forwards are packed (packed_attention.py) on SDPA models
         self._scope = ExitStack()
         # the shape of every forward, for benchmarks that replay the same work without the decoding
         self.steps: list[StepShape] = []
@@ -84,9 +90,11 @@ class ModelRunner:
         Returns the logits of all rows' mask slots, concatenated ``[slots, vocab]`` with the mask
         token excluded, and per row the window indices of those slots (ascending).
         """
-        ids, positions, columns, mask_slots = [], [], [], []
+        ids, positions, columns, mask_slots, cached = [], [], [], [], []
         for row in rows:
-            prompt = [] if self.prefilled else row.prompt
+            fresh = row.forwards == 0  # its prompt is prefilled in its first forward
+            prompt = row.prompt if fresh else []
+            cached.append(0 if fresh else row.cache_length)
             window, start, order = row.window, row.start, row.reordered()
             ids.append(prompt + [window[i] for i in order])
             positions.append(list(range(len(prompt))) + [start + i for i in order])
@@ -97,7 +105,6 @@ class ModelRunner:
             row.slots += len(order)
         lengths = [len(t) for t in ids]
         width = max(lengths)
-        cached = [row.cache_length if self.prefilled else 0 for row in rows]
         self.steps.append(StepShape(tuple(lengths), tuple(cached), sum(map(len, columns))))
 
         if self.packable:  # no padding: one packed sequence, attention per row (packed_attention.py)
@@ -109,7 +116,7 @@ class ModelRunner:
             packing, offsets = None, [r * width for r in range(len(rows))]
             ids = [t + [self.mask_id] * (width - len(t)) for t in ids]
             positions = [p + [p[-1]] * (width - len(p)) for p in positions]
-            mask = self._attention_mask(len(rows), width)
+            mask = self._attention_mask(len(rows), width, fresh=not any(cached))
         if packing is not None and self.model.config._attn_implementation != PACKED:
             raise RuntimeError("ModelRunner.forward runs inside `with runner:` (it switches on the packed attention)")
         self.cache.packing = packing
@@ -123,16 +130,15 @@ class ModelRunner:
         ).last_hidden_state
         self.cache.packing = None
         columns = [offset + k for offset, row_columns in zip(offsets, columns) for k in row_columns]
-        self.prefilled = True
         at_masks = hidden.reshape(-1, hidden.shape[-1]).index_select(
-            0, torch.tensor(columns, dtype=torch.long, device=self.device)
+            0, torch.tensor(columns, dtype=torch.long, device=hidden.device)  # the last layer's (device_map)
         )
         logits = self.head(at_masks)
         logits[:, self.mask_id] = torch.finfo(logits.dtype).min  # the mask token is never an output
         return logits, mask_slots
 
-    def _attention_mask(self, rows: int, width: int) -> torch.Tensor | None:
-        if not self.prefilled:  # every row starts at cache length 0: plain causal, HF builds it
+    def _attention_mask(self, rows: int, width: int, fresh: bool) -> torch.Tensor | None:
+        if fresh:  # every row starts at cache length 0: plain causal, HF builds it
             return None
         if rows == 1 and self.device.type == "cuda" and self._flash():
             # flash-attention's causal mode aligns the queries to the *end* of the keys, which is
@@ -143,13 +149,25 @@ class ModelRunner:
     def _flash(self) -> bool:
         return (getattr(self.model.config, "_attn_implementation", "") or "").startswith("flash_attention")
 
-    def advance(self, rows: list[RowState]) -> list[RowState]:
-        """Keep each row's committed prefix in the cache and drop finished rows; returns the live rows.
+    def advance(self, rows: list[RowState], joining: list[RowState] | tuple = ()) -> list[RowState]:
+        """Keep each row's committed prefix in the cache, drop finished rows and take in ``joining``
+        ones (not decoded yet, at most as many as finished; their next forward, their first,
+        prefills their prompts). Returns the live rows in cache-row order.
 
-        When every row finished, the cache keeps them all (tests compare it with a plain forward).
+        A joining row takes a finished row's cache row as it is: at length 0 nothing of the old
+        keys is visible and its own overwrite them, so no buffer is copied. Finished rows left over
+        are dropped. When every row finished and none joins, the cache keeps them all (tests
+        compare it with a plain forward).
         """
-        self.cache.commit([row.cache_length for row in rows])
-        live = [i for i, row in enumerate(rows) if not row.finished]
-        if live and len(live) < len(rows):
-            self.cache.keep_rows(live)
-        return [rows[i] for i in live]
+        finished = [i for i, row in enumerate(rows) if row.finished]
+        if len(joining) > len(finished):
+            raise ValueError(f"{len(joining)} rows cannot join in the places of {len(finished)} finished ones")
+        taken = dict(zip(finished, joining))
+        self.cache.commit([0 if i in taken else row.cache_length for i, row in enumerate(rows)])
+        live = [taken.get(i, row) for i, row in enumerate(rows)]
+        left = set(finished[len(taken):])
+        if not left or len(left) == len(live):  # none to drop, or all finished and none joins
+            return live if not left else []
+        keep = [i for i in range(len(live)) if i not in left]
+        self.cache.keep_rows(keep)
+        return [live[i] for i in keep]

@@ -103,7 +103,8 @@ def packed_sdpa(module, query, key, value, attention_mask, *, wedlm_packing: Pac
         if rows > 1:
             q = q[0].unflatten(1, (rows, n)).transpose(0, 1)
         out = torch.nn.functional.scaled_dot_product_attention(
-            q, key[g.first : g.last, :, :keys], value[g.first : g.last, :, :keys], attn_mask=g.mask,
+            q, key[g.first : g.last, :, :keys], value[g.first : g.last, :, :keys],
+            attn_mask=None if g.mask is None else g.mask.to(query.device),  # a device_map layer may sit elsewhere
             is_causal=g.mask is None, scale=scaling, enable_gqa=gqa,
         )  # [rows, heads, n, dim]
         outs.append(out if rows == 1 else out.transpose(0, 1).reshape(1, heads, rows * n, dim))

@@ -36,12 +36,17 @@ Choices this module makes (the method leaves them open; docs/method.md §3.5):
   without one more forward (AR decoding does not forward its last sampled token either).
   The output is the same as committing it in a further forward.
 * Rows of a batch are independent: each has its own window, cache length and budget; finished
-  rows leave the batch. Greedy results equal one-at-a-time decoding.
+  rows leave the batch, and with ``batch_rows`` the next prompts join it in their places. Greedy
+  results equal one-at-a-time decoding (tests/test_decoding.py checks it for several batch sizes
+  and orders on CPU in fp32; in bf16 on a GPU, kernels chosen by batch shape can round
+  differently, which can flip a near-tie).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -62,8 +67,17 @@ def decode(
     *,
     tokenizer=None,
     generator: torch.Generator | None = None,
+    batch_rows: int | None = None,
+    on_result: Callable[[int, GenerationResult], None] | None = None,
 ) -> tuple[list[GenerationResult], ModelRunner]:
     """Decode ``prompts`` together with ``settings.method`` (``"streaming"`` or ``"blockwise"``).
+
+    ``batch_rows`` (default: all prompts) caps how many rows are decoded at once: the first
+    ``batch_rows`` prompts start, and whenever rows finish, the next prompts take their places (their
+    prompts are prefilled in their first forward, beside the other rows' windows), so the batch stays
+    full until the prompts run out (continuous batching). A row's result does not depend on which
+    rows it shared forwards with. ``on_result(index, result)`` is called as each prompt finishes
+    (its ``seconds``: since the call began), so a caller can keep results before the batch ends.
 
     Returns one result per prompt, in order, and the model runner: its KV cache (rows: those still
     live in the last step) is what tests compare against a plain causal forward, its ``steps``
@@ -73,8 +87,11 @@ def decode(
     rows = _start_rows(model, prompts, settings)
     policy = commit_policy(settings)
     sampler = SlotSampler(settings, generator)
-    live = rows
-    with ModelRunner(model, rows, settings.window_size) as runner:
+    size = len(rows) if batch_rows is None else batch_rows
+    if size < 1:
+        raise ValueError(f"batch_rows must be at least 1, got {batch_rows}")
+    live, waiting = rows[:size], deque(rows[size:])
+    with ModelRunner(model, rows, settings.window_size, batch_rows=size) as runner:
         while live:
             commits = [policy.commit_count(row) for row in live]  # c. decided by what this forward feeds
             logits, mask_slots = runner.forward(live)  # a, b. reordered windows, one causal forward
@@ -91,7 +108,12 @@ def decode(
                     _commit(row, lead, tokenizer, settings, in_cache=False)
                 else:
                     policy.refill(row, lead)  # e.
-            live = runner.advance(live)
+            if on_result is not None:
+                for row in live:
+                    if row.finished:
+                        on_result(row.index, _result(row, time.perf_counter() - start, settings, tokenizer))
+            free = size - sum(not row.finished for row in live)  # finished rows' places go to the next prompts
+            live = runner.advance(live, [waiting.popleft() for _ in range(min(free, len(waiting)))])
 
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)

@@ -55,8 +55,11 @@ class _RowLayer(CacheLayerMixin):
                 self.keys[:, :, start:end] = key_states[0].unflatten(1, (rows, -1)).transpose(0, 1)
                 self.values[:, :, start:end] = value_states[0].unflatten(1, (rows, -1)).transpose(0, 1)
             else:
-                self.keys[packing.row_of, :, packing.slot_of] = key_states[0].transpose(0, 1)
-                self.values[packing.row_of, :, packing.slot_of] = value_states[0].transpose(0, 1)
+                # the index tensors live on the first layer's device; a model placed over several
+                # devices (device_map) holds this layer elsewhere (``.to`` is free on the same device)
+                row_of, slot_of = packing.row_of.to(self.keys.device), packing.slot_of.to(self.keys.device)
+                self.keys[row_of, :, slot_of] = key_states[0].transpose(0, 1)
+                self.values[row_of, :, slot_of] = value_states[0].transpose(0, 1)
         elif self.owner.uniform:  # padded rows [rows, kv_heads, width, dim], all at the same length
             start = self.owner.max_length
             end = self._check(start + key_states.shape[-2])
@@ -64,7 +67,8 @@ class _RowLayer(CacheLayerMixin):
             self.values[:, :, start:end] = value_states
         else:
             end = self._check(self.owner.max_length + key_states.shape[-2])
-            slots = self.owner.lengths[:, None] + torch.arange(key_states.shape[-2], device=key_states.device)
+            lengths = self.owner.lengths.to(key_states.device)  # see above: device_map
+            slots = lengths[:, None] + torch.arange(key_states.shape[-2], device=key_states.device)
             self.keys.scatter_(2, slots[:, None, :, None].expand_as(key_states), key_states)
             self.values.scatter_(2, slots[:, None, :, None].expand_as(value_states), value_states)
         return self.keys[:, :, :end], self.values[:, :, :end]
@@ -113,7 +117,8 @@ class RowKVCache(Cache):
         """
         self.lengths = torch.tensor(lengths, dtype=torch.long, device=self.lengths.device)
         self.host_lengths = list(lengths)
-        self.max_length, self.uniform = max(lengths), min(lengths) == max(lengths)
+        self.max_length = max(lengths, default=0)
+        self.uniform = min(lengths, default=0) == self.max_length
 
     def keep_rows(self, rows: list[int]) -> None:
         """Drop every row not listed in ``rows`` (finished sequences leave the batch)."""

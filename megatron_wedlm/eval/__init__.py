@@ -11,7 +11,9 @@
 * ``dataset_files``    benchmark records from local hub downloads (jsonl, JSON, parquet, csv)
 * ``scoring``          scoring saved completions (``inference/score.py``) as the runner does
 * ``registry``         ``load_tasks("counting,gsm8k:path.jsonl")``
-* ``runner``           ``evaluate(model, tokenizer, tasks, methods, taus=...) -> EvalReport``
+* ``runner``           ``evaluate(model, tokenizer, tasks, methods, taus=...) -> EvalReport``: speed mode
+                       (one prompt at a time, timed) and accuracy mode (continuous batches)
+* ``sharding``         an evaluation over torchrun's processes; per-rank records for a restart
 * ``report``           ``write_report(report, out_dir)``: JSON, Markdown, speed-accuracy PNG
 * ``lm_eval_adapter``  the ``wedlm`` model for lm-evaluation-harness (imports lm_eval lazily)
 * ``slot_probe``       per distance, how many confidently filled mask slots are wrong (no decoding)

@@ -31,6 +31,7 @@ COLUMNS: list[tuple[str, Callable[[MethodResult], str]]] = [
     ("method", lambda r: r.method),
     ("tau", lambda r: _fmt(r.tau, "g")),
     ("n", lambda r: str(r.num_examples)),
+    ("timed", lambda r: str(r.num_examples if r.timed_examples is None else r.timed_examples)),
     ("accuracy (%)", lambda r: _fmt(100 * r.accuracy, ".1f")),
     ("95% CI (%)", lambda r: format_interval(r.accuracy_ci95)),
     ("tokens/forward", lambda r: _fmt(r.tokens_per_forward, ".2f")),
@@ -49,8 +50,11 @@ def markdown_table(report: EvalReport) -> str:
         "",
         f"window {s.get('window_size')}, distance penalty {s.get('distance_penalty')}, "
         f"temperature {s.get('temperature')}, device {s.get('device')}, torch {s.get('torch')}. "
-        "Speed: one prompt at a time, wall clock of each decode call (prefill included, same for "
-        "every method); speedup = tokens/s over AR tokens/s.",
+        "Speed (tokens/s, speedup): speed mode, one prompt at a time, wall clock of each decode call "
+        "(prefill included, same for every method), on the first examples of each task (`timed`); "
+        "speedup = tokens/s over AR tokens/s. Accuracy, tokens/forward and p_cache: every example (`n`), "
+        f"the untimed ones decoded in batches of {s.get('batch_size', 1)} (accuracy mode; a row's greedy "
+        "output does not depend on its batch).",
     ]
     for task in report.tasks:
         lines += ["", f"## {task}", ""]

@@ -4,7 +4,9 @@ Speed metrics follow the paper's definitions, with the decoders' counts
 (``megatron_wedlm.decoding.result``): ``tokens_per_forward`` = tokens emitted / forwards (the
 prompt is prefilled in the same forward as the first window or AR step), ``p_cache`` = tokens
 emitted / generated-token slots processed, ``tokens_per_second`` = tokens emitted / wall time
-of the decode calls (prefill included, alike for every method). Sums are taken over the task's
+of the decode calls (prefill included, alike for every method), over the examples timed in speed
+mode only (``timed_examples``, decoded one at a time; ``eval.runner``), while accuracy, tokens per
+forward and p_cache cover every example (batched decoding does not change them). Sums are taken over the task's
 examples *before* dividing, so long answers weigh by their length, as in a throughput
 measurement. ``speedup_vs_ar`` is tokens/s over the AR baseline's tokens/s on the same task.
 
@@ -52,7 +54,7 @@ class SampleRecord:
     correct: bool
     new_tokens: int
     forwards: int
-    seconds: float
+    seconds: float | None  # None: decoded in accuracy mode (batched), not timed
     detail: str = ""
 
 
@@ -70,6 +72,10 @@ class MethodResult:
     slots: int
     seconds: float
     speedup_vs_ar: float | None = None
+    #: examples decoded one at a time and timed (speed mode), and the tokens they emitted; None in
+    #: reports where every example was timed
+    timed_examples: int | None = None
+    timed_tokens: int | None = None
 
     @property
     def accuracy(self) -> float:
@@ -90,7 +96,8 @@ class MethodResult:
 
     @property
     def tokens_per_second(self) -> float | None:
-        return self.generated_tokens / self.seconds if self.seconds > 0 else None
+        tokens = self.generated_tokens if self.timed_tokens is None else self.timed_tokens
+        return tokens / self.seconds if self.seconds > 0 else None
 
     @property
     def label(self) -> str:

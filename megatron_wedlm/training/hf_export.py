@@ -106,19 +106,22 @@ def training_checkpoint(path: str | Path) -> Path | None:
 
 
 def load_checkpoint(
-    path: str | Path, device: str | None = None, dtype: str = "auto", require_mask_token: bool = True
+    path: str | Path, device: str | None = None, dtype: str = "auto", require_mask_token: bool = True,
+    **placement: Any,
 ) -> tuple[Any, Any]:
     """(model, tokenizer) of an HF directory or of a training path (see the module docstring).
 
-    Same arguments as :func:`megatron_wedlm.decoding.inputs.load_checkpoint`, which loads the
-    HF directory (the given one, or the temporary export of the training checkpoint).
+    Same arguments as :func:`megatron_wedlm.decoding.inputs.load_checkpoint` (``placement``:
+    ``device_map`` / ``max_memory``), which loads the HF directory (the given one, or the
+    temporary export of the training checkpoint).
     """
     checkpoint = training_checkpoint(path)
     if checkpoint is None:
-        return decoding_inputs.load_checkpoint(path, device=device, dtype=dtype, require_mask_token=require_mask_token)
+        return decoding_inputs.load_checkpoint(path, device=device, dtype=dtype, require_mask_token=require_mask_token,
+                                               **placement)
     if (checkpoint / DEEPSPEED_EXPORT / "config.json").is_file():
         return decoding_inputs.load_checkpoint(checkpoint / DEEPSPEED_EXPORT, device=device, dtype=dtype,
-                                               require_mask_token=require_mask_token)
+                                               require_mask_token=require_mask_token, **placement)
     if not (checkpoint / "metadata.json").is_file():
         raise TrainingCheckpointError(
             f"{checkpoint} holds neither Megatron weights (metadata.json) nor an HF export ({DEEPSPEED_EXPORT}/): "
@@ -136,7 +139,7 @@ def load_checkpoint(
             _export(str(checkpoint), str(export), require_mask_token)
         # loaded into memory; on Linux even weights still mapped from the files outlive their removal
         return decoding_inputs.load_checkpoint(export, device=device, dtype=dtype,
-                                               require_mask_token=require_mask_token)
+                                               require_mask_token=require_mask_token, **placement)
 
 
 def _export(checkpoint: str, output: str, require_mask_token: bool) -> None:
