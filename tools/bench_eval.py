@@ -41,16 +41,10 @@ import tempfile
 import time
 from pathlib import Path
 
-try:
-    import megatron_wedlm  # noqa: F401
-except ModuleNotFoundError:
-    sys.exit("megatron_wedlm is not installed: run `pip install -e .` in the repository checkout "
-             "(or put the checkout on PYTHONPATH)")
+import torch
 
-import torch  # noqa: E402
-
-from megatron_wedlm.eval import EvalReport  # noqa: E402
-from megatron_wedlm.testing.tiny_models import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+from megatron_wedlm.eval import EvalReport
+from megatron_wedlm.testing.tiny_models import build_tiny_model, build_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = {"seconds", "tokens_per_second", "speedup_vs_ar", "timed_examples", "timed_tokens"}
