@@ -120,6 +120,22 @@ def test_generate_until_is_streaming_decoding_cut_at_until(model, tokenizer, ref
         assert out == text.split(stop)[0] and stop not in out
 
 
+def test_generate_until_batches_greedy_requests_without_changing_them(model, tokenizer):
+    """batch_size > 1: requests sharing their arguments decode in continuous batches; every output
+    equals the one-at-a-time output (greedy), whatever the grouping and order."""
+    contexts = ["Count from 3 to 9:", "Repeat q w e:", "Count from 10 to 14:", "abc", "Repeat x y:", "7 8"]
+    kwargs = [{"until": ["4"], "max_gen_toks": 12}, {"until": ["e"], "max_gen_toks": 12},
+              {"until": ["4"], "max_gen_toks": 12}, {"until": ["\n"], "max_gen_toks": 8},
+              {"until": ["e"], "max_gen_toks": 12}, {"until": ["4"], "max_gen_toks": 12}]
+    requests = [_request("generate_until", (c, k), i) for i, (c, k) in enumerate(zip(contexts, kwargs))]
+    one = WeDLMLM(model=model, tokenizer=tokenizer, window_size=4, entropy_threshold=0.5, batch_size=1)
+    alone = [one.generate_until([r])[0] for r in requests]
+    for batch_size in (2, 4):
+        lm = WeDLMLM(model=model, tokenizer=tokenizer, window_size=4, entropy_threshold=0.5, batch_size=batch_size)
+        assert lm.generate_until(requests) == alone
+        assert lm.generate_until(requests[::-1]) == alone[::-1]
+
+
 def test_loads_a_checkpoint_directory(model, tokenizer, tmp_path):
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)

@@ -39,7 +39,7 @@ except ImportError as e:  # pragma: no cover - exercised only without lm_eval in
         "-c constraints.txt (or pip install -e '.[eval]')"
     ) from e
 
-from megatron_wedlm.decoding.api import generate
+from megatron_wedlm.decoding.api import generate, generate_batch
 from megatron_wedlm.decoding.inputs import find_mask_token_id
 from megatron_wedlm.decoding.options import ONE_SLOT, REFILL_ORDERS, describe, resolve_decoding_settings
 from megatron_wedlm.decoding.settings import METHODS, DecodeSettings
@@ -217,33 +217,49 @@ class WeDLMLM(LM):
     # ------------------------------------------------------------------ generation
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        """Greedy requests that share their generation arguments decode together in continuous
+        batches of ``batch_size`` rows (greedy outputs do not depend on the batch); a sampled
+        request decodes alone, so its draws do not depend on which requests came with it."""
+        parsed = [self._generation_request(req) for req in requests]
+        results: list[Any] = [None] * len(requests)
+        groups: dict[tuple, list[int]] = {}
+        for index, (prompt, kwargs) in enumerate(parsed):
+            if kwargs["temperature"] > 0:
+                results[index] = generate(self.model, prompt, self.settings, tokenizer=self.tokenizer, **kwargs)
+            else:
+                groups.setdefault(tuple(sorted(kwargs.items())), []).append(index)
+        for key, indices in groups.items():
+            batch = generate_batch(self.model, [parsed[i][0] for i in indices], self.settings, tokenizer=self.tokenizer,
+                                   batch_size=self.batch_size, **dict(key))
+            for i, result in zip(indices, batch):
+                results[i] = result
         stop_ids = self.settings.stop_token_ids
         outputs = []
-        for req in requests:
-            context, gen_kwargs = req.args
-            gen_kwargs = dict(gen_kwargs or {})
-            until = gen_kwargs.pop("until", None) or []
-            until = [until] if isinstance(until, str) else list(until)
-            max_new = int(gen_kwargs.pop("max_gen_toks", self.max_gen_toks))
-            do_sample = _as_bool(gen_kwargs.pop("do_sample", False))
-            temperature = float(gen_kwargs.pop("temperature", 0.0)) if do_sample else 0.0
-            if max_new >= self.max_length:
-                raise ValueError(f"max_gen_toks {max_new} leaves no room for a prompt in {self.max_length}")
-            prompt = self._encode(context)[-(self.max_length - max_new):] or [self.prefix_token_id]
-            result = generate(
-                self.model, prompt, self.settings, tokenizer=self.tokenizer, max_new_tokens=max_new,
-                temperature=temperature, top_k=int(gen_kwargs.pop("top_k", 0)),
-                top_p=float(gen_kwargs.pop("top_p", 1.0)), stop_strings=tuple(u for u in until if u),
-            )
+        for req, (_, kwargs), result in zip(requests, parsed, results):
             ids = [int(t) for t in result.token_ids]
             if ids and ids[-1] in stop_ids:
                 ids = ids[:-1]
-            text = truncate_at_stop(self.tokenizer.decode(ids, skip_special_tokens=True), until)
+            text = truncate_at_stop(self.tokenizer.decode(ids, skip_special_tokens=True), kwargs["stop_strings"])
             self.cache_hook.add_partial("generate_until", req.args, text)
             outputs.append(text)
         return outputs
 
-
+    def _generation_request(self, req: Any) -> tuple[list[int], dict[str, Any]]:
+        """A ``generate_until`` request as (prompt ids, decoding keywords)."""
+        context, gen_kwargs = req.args
+        gen_kwargs = dict(gen_kwargs or {})
+        until = gen_kwargs.pop("until", None) or []
+        until = [until] if isinstance(until, str) else list(until)
+        max_new = int(gen_kwargs.pop("max_gen_toks", self.max_gen_toks))
+        do_sample = _as_bool(gen_kwargs.pop("do_sample", False))
+        temperature = float(gen_kwargs.pop("temperature", 0.0)) if do_sample else 0.0
+        if max_new >= self.max_length:
+            raise ValueError(f"max_gen_toks {max_new} leaves no room for a prompt in {self.max_length}")
+        prompt = self._encode(context)[-(self.max_length - max_new):] or [self.prefix_token_id]
+        return prompt, {
+            "max_new_tokens": max_new, "temperature": temperature, "top_k": int(gen_kwargs.pop("top_k", 0)),
+            "top_p": float(gen_kwargs.pop("top_p", 1.0)), "stop_strings": tuple(u for u in until if u),
+        }
 
 
 def main() -> None:
