@@ -66,6 +66,20 @@ def extract_number_answer(completion: str) -> str:
     return normalize_number(numbers[-1]) if numbers else ""
 
 
+def closing_brace(text: str, start: int) -> int | None:
+    """Index of the ``}`` that closes the first ``{`` from ``start`` on, counting nested braces;
+    ``None`` when it never closes."""
+    depth = 0
+    for j in range(start, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return j
+    return None
+
+
 def last_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{...}``/``\\fbox{...}`` with balanced braces, or ``None``."""
     start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
@@ -77,15 +91,8 @@ def last_boxed(text: str) -> str | None:
     if i < len(text) and text[i] != "{":  # "\boxed 5" shorthand
         match = re.match(r"[^\s$]+", text[i:])
         return match.group() if match else None
-    depth = 0
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1 : j]
-    return None  # unbalanced: the model stopped mid-answer
+    end = closing_brace(text, i)
+    return None if end is None else text[i + 1 : end]  # None: unbalanced, the model stopped mid-answer
 
 
 def math_reference(solution: str) -> str:

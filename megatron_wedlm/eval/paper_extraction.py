@@ -15,6 +15,8 @@ import random
 import re
 from collections.abc import Collection, Sequence
 
+from megatron_wedlm.eval.answer_extraction import closing_brace
+
 # --------------------------------------------------------------------------- GSM8K
 
 _GSM8K_NUMBER = re.compile(r"-?(?:\d+\.?\d*|\.\d+)")
@@ -65,15 +67,8 @@ def _last_boxed_span(text: str) -> str | None:
         start = text.rfind("\\fbox")
     if start < 0:
         return None
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start : i + 1]
-    return None
+    end = closing_brace(text, start)
+    return None if end is None else text[start : end + 1]
 
 
 def math_boxed_content(text: str) -> str | None:
