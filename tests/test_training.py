@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "pretrain" / "tiny_cpu.yaml"
 TINY_SFT = ROOT / "configs" / "sft" / "tiny_cpu.yaml"
 LAUNCH_TIMEOUT = 420
+PEAK_TFLOPS = 0.5  # what the uninterrupted run measures MFU against
 
 
 # --------------------------------------------------------------------------------------------
@@ -88,7 +89,7 @@ def uninterrupted(data, tmp_path_factory) -> Path:
         "--config", str(TINY), *_base(data["pretrain"], out, progress_bar=True),
         "checkpointing.save_interval=10", "checkpointing.keep_last=2",
         "logging.wandb.enabled=true", "logging.wandb.mode=offline", "logging.wandb.group=tests",
-        "logging.wandb.tags=[tiny,ci]", "logging.wandb.name=tiny-dp2",
+        "logging.wandb.tags=[tiny,ci]", "logging.wandb.name=tiny-dp2", f"logging.peak_tflops={PEAK_TFLOPS}",
     ])
     (out / "stderr.txt").write_text(proc.stderr)
     return out
@@ -100,6 +101,12 @@ def test_dp2_loss_decreases_and_everything_is_recorded(uninterrupted):
     for record in records:
         assert set(REQUIRED_KEYS) <= set(record)
         assert record["masked_tokens"] > 0 and record["tokens_per_sec"] > 0 and not record["skipped"]
+        # throughput per device: the step's model FLOPs over its time on 2 devices, MFU against the set peak
+        device_seconds = record["step_time_s"] * 2
+        assert record["tflops_per_device"] == pytest.approx(record["step_flops"] / device_seconds / 1e12)
+        assert record["mfu"] == pytest.approx(record["tflops_per_device"] / PEAK_TFLOPS)
+        assert record["tokens_per_sec_per_device"] == pytest.approx(record["tokens"] / device_seconds)
+        assert record["step_flops"] > 0 and record["peak_memory_gib"] > 0
     assert_loss_decreases(losses(uninterrupted))
     assert records[0]["lr"] == 0.0 and records[2]["lr"] == pytest.approx(3e-3)  # warmup 2, then peak
     assert records[-1]["lr"] == pytest.approx(3e-4, rel=0.05)  # cosine down to min_lr
@@ -119,6 +126,7 @@ def test_dp2_loss_decreases_and_everything_is_recorded(uninterrupted):
     # the console progress bar: steps done / total, loss, tokens per second, ETA
     console = (uninterrupted / "stderr.txt").read_text()
     assert "30/30" in console and "loss=" in console and "tok_s=" in console and "<00:00" in console
+    assert "tflops=" in console and "mfu=" in console and "mem=" in console
 
 
 def test_wandb_offline_run_is_written(uninterrupted):

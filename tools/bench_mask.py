@@ -127,7 +127,7 @@ def bench_masks(repeats: int, tile: int = 128) -> None:
         bm_time = median_time(lambda: build_block_mask(meta, tile), repeats)
         block_mask = build_block_mask(meta, tile)
         classes = classify_tiles(meta, tile)
-        allowed = float(count_allowed_pairs(meta, tile)[0]) / S**2
+        allowed = float(count_allowed_pairs(meta)[0]) / S**2
         visited = float((classes.full | classes.partial).sum()) * tile * tile / S**2
         causal = (S + 1) / (2 * S)
         print(f"{name:<22}{S:>7}{human(dense_bytes):>13}{dense_cell:>13}{human(block_mask_bytes(block_mask)):>12}"

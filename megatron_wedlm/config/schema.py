@@ -172,6 +172,9 @@ class WandbConfig:
 class LoggingConfig:
     log_interval: int = 1  # steps between metrics.jsonl / wandb records
     progress_bar: bool = True
+    # per-device peak TFLOP/s that MFU is measured against; default: the bf16 dense peak of a
+    # known GPU (training/throughput.py), none on CPU or fp32 (MFU then not reported)
+    peak_tflops: Optional[float] = None
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
@@ -252,7 +255,7 @@ _POSITIVE = (
     "wedlm.block_size", "parallelism.tp", "parallelism.pp", "parallelism.cp", "parallelism.dp",
     "parallelism.recompute_num_layers", "data.seq_length", "data.micro_batch_size",
     "data.global_batch_size", "data.num_streams", "data.prefetch_factor",
-    "trainer.train_steps", "trainer.max_consecutive_nonfinite", "logging.log_interval",
+    "trainer.train_steps", "trainer.max_consecutive_nonfinite", "logging.log_interval", "logging.peak_tflops",
     "model.make_vocab_size_divisible_by", "optimizer.lr", "trainer.exit_at_step",
     "model.num_layers", "model.hidden_size", "model.ffn_hidden_size",
     "model.num_attention_heads", "model.num_query_groups", "model.head_dim",

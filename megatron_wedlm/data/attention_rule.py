@@ -42,7 +42,8 @@ Forms provided:
 * :func:`build_block_mask` -- FlexAttention ``BlockMask`` built from per-tile summaries of the
   metadata; never materialises an ``S x S`` tensor (only a tile grid of ``(S/T)^2``).
 * :func:`classify_tiles` -- the empty/partial/full tile classification behind the BlockMask.
-* :func:`count_allowed_pairs` -- exact number of allowed (q, k) pairs without ``S x S`` memory.
+* :func:`allowed_keys_per_query` -- keys each query may attend, in closed form (no ``S x S`` memory);
+  :func:`count_allowed_pairs` sums them per row.
 * :func:`allowed_pairs_per_query_tile` -- the same count per tile of queries (context-parallel
   balancing).
 """
@@ -64,6 +65,7 @@ __all__ = [
     "flex_mask_mod",
     "classify_tiles",
     "build_block_mask",
+    "allowed_keys_per_query",
     "count_allowed_pairs",
     "allowed_pairs_per_query_tile",
 ]
@@ -327,46 +329,61 @@ def build_block_mask(
     )
 
 
-def count_allowed_pairs(
-    metadata: AttentionMetadata, tile_size: int = 128, tiles_per_chunk: int = 256
-) -> Tensor:
-    """Exact number of allowed (q, k) pairs per row (``[B]``), in O(partial tiles x T^2) memory.
+def allowed_keys_per_query(metadata: AttentionMetadata) -> Tensor:
+    """How many keys each query slot may attend: int64 ``[B, S]`` (0 on padding), in
+    O(S log S) time and O(S) memory.
 
-    Used to report how much work a block-sparse kernel does, and as a cross-check of the tile
-    classification.
-    """
-    return allowed_pairs_per_query_tile(metadata, tile_size, tiles_per_chunk).sum(-1)
-
-
-def allowed_pairs_per_query_tile(
-    metadata: AttentionMetadata, tile_size: int = 128, tiles_per_chunk: int = 256
-) -> Tensor:
-    """Allowed (q, k) pairs whose query lies in each ``tile_size`` tile of slots: int64 ``[B, S / T]``.
-
-    The attention work a tile of queries brings, which context parallelism balances across
-    ranks. Full tiles count T^2; partial tiles are evaluated with :func:`may_attend` a chunk at
-    a time, so the cost is O(partial tiles x T^2), about O(S x T) for dual-stream rows.
+    The rule's table (module docstring) counted in closed form, per query q of document d:
+    memory q -> memory slots of d at or before q; prediction q in block b -> memory slots of d in
+    blocks before b, plus prediction slots of d in block b at or before q. Each count is a
+    difference of two ``searchsorted`` positions in a sorted list of composite keys (row,
+    document, block, slot), so it needs neither an ``S x S`` mask nor tiles; the tests hold it
+    equal to the dense mask's row sums.
     """
     meta = metadata.batched()
-    tiles = classify_tiles(meta, tile_size)
-    counts = tiles.full.sum(dim=-1).long() * tile_size * tile_size
-    b, s = meta.doc_ids.shape
-    n = s // tile_size
-    doc = meta.doc_ids.reshape(b, n, tile_size)
-    mem = meta.is_memory.reshape(b, n, tile_size)
-    blk = meta.block_ids.reshape(b, n, tile_size)
-    offsets = torch.arange(tile_size, device=doc.device)
-    where = tiles.partial.nonzero()
-    flat = counts.view(-1)
-    for chunk in where.split(tiles_per_chunk):
-        rb, qi, kj = chunk.unbind(-1)
-        q_idx = (qi * tile_size).unsqueeze(-1) + offsets
-        k_idx = (kj * tile_size).unsqueeze(-1) + offsets
-        allowed = may_attend(
-            doc[rb, qi].unsqueeze(-1), mem[rb, qi].unsqueeze(-1), blk[rb, qi].unsqueeze(-1),
-            q_idx.unsqueeze(-1),
-            doc[rb, kj].unsqueeze(-2), mem[rb, kj].unsqueeze(-2), blk[rb, kj].unsqueeze(-2),
-            k_idx.unsqueeze(-2),
-        )
-        flat.index_add_(0, rb * n + qi, allowed.sum(dim=(-1, -2)))
-    return counts
+    doc, memory = meta.doc_ids.long(), meta.is_memory
+    block = meta.block_ids.long() - meta.block_ids.min().long()
+    b, s = doc.shape
+    valid = doc >= 0
+    docs = int(doc.max()) + 2 if doc.numel() else 1
+    blocks = int(block.max()) + 1 if block.numel() else 1
+    if b * docs * blocks * s >= 2**62:  # composite keys would overflow int64: one row at a time
+        return torch.cat([allowed_keys_per_query(AttentionMetadata(*(t[i] for t in (doc, memory, block))))
+                          for i in range(b)])
+    slot = torch.arange(s, device=doc.device).expand(b, s)
+    group = torch.arange(b, device=doc.device).unsqueeze(-1) * docs + doc + 1  # (row, document)
+
+    def members_between(members: Tensor, key: Tensor, low: Tensor, high: Tensor) -> Tensor:
+        """For every slot, how many ``members`` have a ``key`` in [low, high] (the slot's bounds)."""
+        keys = torch.sort(key[members]).values
+        return torch.searchsorted(keys, high, right=True) - torch.searchsorted(keys, low)
+
+    # memory -> memory: (row, document, slot) of memory slots, causal
+    doc_slot = group * s + slot
+    memory_keys = members_between(memory & valid, doc_slot, group * s, doc_slot)
+    # prediction -> memory: (row, document, block) of memory slots, blocks before the query's
+    doc_block = group * blocks + block
+    earlier_memory = members_between(memory & valid, doc_block, group * blocks, doc_block - 1)
+    # prediction -> prediction: (row, document, block, slot) of prediction slots, causal
+    block_slot = doc_block * s + slot
+    same_block = members_between(~memory & valid, block_slot, doc_block * s, block_slot)
+    counts = torch.where(memory, memory_keys, earlier_memory + same_block)
+    return torch.where(valid, counts, torch.zeros_like(counts))
+
+
+def count_allowed_pairs(metadata: AttentionMetadata) -> Tensor:
+    """Exact number of allowed (q, k) pairs per row (``[B]``): the attention work a block-sparse
+    kernel must do at least (the training throughput's attention FLOPs count these)."""
+    return allowed_keys_per_query(metadata).sum(-1)
+
+
+def allowed_pairs_per_query_tile(metadata: AttentionMetadata, tile_size: int = 128) -> Tensor:
+    """Allowed (q, k) pairs whose query lies in each ``tile_size`` tile of slots: int64 ``[B, S / T]``.
+
+    The attention work a tile of queries brings, which context parallelism balances across ranks.
+    """
+    keys = allowed_keys_per_query(metadata)
+    b, s = keys.shape
+    if s % tile_size:
+        raise ValueError(f"{s} slots are not a whole number of tiles of {tile_size}")
+    return keys.view(b, s // tile_size, tile_size).sum(-1)

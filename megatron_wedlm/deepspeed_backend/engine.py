@@ -33,9 +33,11 @@ import torch.distributed as dist
 from megatron_wedlm.config.schema import ConfigError, TrainConfig
 from megatron_wedlm.data.prepare import tokenizer_dir_of
 from megatron_wedlm.model.attention_backends import resolve_attention_backend
+from megatron_wedlm.model.hf_config import model_args_from_hf_config
 from megatron_wedlm.runtime.parallel import init_distributed
 from megatron_wedlm.training.engine import RankRole, StepUpdate
 from megatron_wedlm.training.loop import run_training
+from megatron_wedlm.training.throughput import ModelShape
 
 from .checkpoint import DeepSpeedCheckpointManager, export_hf_model
 from .forward import DualStreamCausalLM, dual_stream_cross_entropy, hf_attention_backend, pad_rows
@@ -202,6 +204,11 @@ class DeepSpeedEngine:
         self.base_optimizer = _build_optimizer(cfg, module, self.device, offload=ds.offload_optimizer != "none")
         self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=self.base_optimizer, config=self.ds_config)
         return self.engine.optimizer
+
+    def model_shape(self) -> ModelShape:
+        """The HF model computes logits over its embedding rows (no Megatron vocabulary padding)."""
+        args = model_args_from_hf_config(self.hf_model.config)
+        return ModelShape.from_model_args(args, output_rows=args.vocab_size)
 
     def _manager(self):
         return DeepSpeedCheckpointManager(self.cfg.checkpointing.dir, self.cfg.checkpointing.keep_last)

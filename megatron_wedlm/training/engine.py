@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
     from .metrics import MetricsLogger
     from .objective import Objective
+    from .throughput import ModelShape
 
 __all__ = ["Engine", "RankRole", "StepUpdate"]
 
@@ -54,7 +55,7 @@ class StepUpdate:
 
 class Engine(Protocol):
     """What a model engine provides to :func:`~.loop.run_training`, called in this order:
-    ``start`` once, ``describe``, ``build``, ``load`` when resuming; per step
+    ``start`` once, ``describe``, ``build``, ``model_shape``, ``load`` when resuming; per step
     ``forward_backward``, ``grads_finite``, ``optimizer_step``, and ``save`` when due;
     ``finish`` after the last step."""
 
@@ -69,6 +70,10 @@ class Engine(Protocol):
     def build(self, resuming: bool) -> Any:
         """Build the model and optimizer (initial weights unless ``resuming``); returns the
         optimizer whose param groups the lr schedule drives."""
+        ...
+
+    def model_shape(self) -> ModelShape:
+        """The built model's dimensions, for the throughput's FLOP count."""
         ...
 
     def load(self, path: Path) -> dict[str, Any]:

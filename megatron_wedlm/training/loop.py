@@ -13,7 +13,7 @@ differentiated and logged.
 One step: fetch ``num_microbatches`` micro-batches, compute the global loss denominators, let
 the engine compute gradients, sum the step's losses, token counts and gradient health over the
 ranks (one all-reduce), have the engine apply the update only when everything is finite,
-advance the lr schedule on applied updates, log, save. A non-finite step is skipped (weights
+advance the lr schedule on applied updates, log (losses, throughput: :mod:`.throughput`), save. A non-finite step is skipped (weights
 and optimizer state untouched), logged, and after ``trainer.max_consecutive_nonfinite`` in a
 row the run stops with :class:`NonFiniteLossError`.
 """
@@ -36,6 +36,7 @@ from .optimization import build_scheduler, current_lr
 from .run_data import build_train_data, read_run_manifest
 from .run_dir import RunClaim, claim_output_dir
 from .step_record import NonFiniteLossError, StepRecorder, StepTotals, TrainResult, result_dict
+from .throughput import batch_flops, default_peak_tflops, max_over_ranks, peak_memory_gib
 
 __all__ = ["Engine", "NonFiniteLossError", "RankRole", "StepUpdate", "TrainResult", "bf16_enabled", "result_dict",
            "run_training"]
@@ -79,10 +80,12 @@ def _train(cfg: TrainConfig, engine: Engine, role: RankRole, claim: RunClaim, de
         state = engine.load(claim.resume_path)
         scheduler.load_state_dict(state["scheduler"])
 
+    shape = engine.model_shape()
     micro_batch = cfg.data.micro_batch_size
     num_microbatches = cfg.data.global_batch_size // (micro_batch * role.dp_size)
     data = build_train_data(cfg, state, role.dp_rank, role.dp_size)
-    recorder = StepRecorder(cfg, state, role.is_logger, claim)
+    recorder = StepRecorder(cfg, state, role.is_logger, claim,
+                            peak_tflops=cfg.logging.peak_tflops or default_peak_tflops(device, bf16))
     logger, result = recorder.logger, recorder.result
     world = dist.get_world_size() if dist.is_initialized() else 1
     logger.message(
@@ -107,12 +110,15 @@ def _train(cfg: TrainConfig, engine: Engine, role: RankRole, claim: RunClaim, de
                     local.masked_tokens, local.ar_tokens = summary.mlm_tokens, summary.ar_tokens
             if role.counts_tokens:
                 local.tokens = float(sum(n for _, n in micro))
+                local.flops = batch_flops(shape, batches)
             local.ranks_with_bad_grads = 0.0 if engine.grads_finite() else 1.0
             totals = local.summed_over_ranks(device)
             update = engine.optimizer_step(apply=totals.finite)
             if update.applied:
                 scheduler.step(increment=1)
-            due = recorder.record(step, started=started, totals=totals, lr=lr, grad_norm=update.grad_norm)
+            peak_memory = max_over_ranks(peak_memory_gib(device), device)
+            due = recorder.record(step, started=started, totals=totals, lr=lr, grad_norm=update.grad_norm,
+                                  peak_memory_gib=peak_memory)
             if due:
                 trainer_state = recorder.trainer_state(scheduler, data)
                 recorder.saved(engine.save(step, trainer_state, {"config.yaml": recorder.config_yaml}))

@@ -41,6 +41,7 @@ from .engine import RankRole, StepUpdate
 from .model_setup import build_settings, load_init_weights, resolve_model_args
 from .objective import Objective
 from .optimization import build_optimizer, wrap_ddp
+from .throughput import ModelShape
 
 __all__ = [
     "MegatronEngine", "forward_backward_step", "megatron_forward_step", "run_model_on_shard", "run_schedule",
@@ -220,6 +221,9 @@ class MegatronEngine:
         self.ddp = wrap_ddp(self.model, cfg.optimizer.use_distributed_optimizer)
         self.optimizer = build_optimizer(cfg, self.ddp, self.bf16)
         return self.optimizer
+
+    def model_shape(self) -> ModelShape:
+        return ModelShape.from_model_args(self.model_args)
 
     def _manager(self):
         return CheckpointManager(self.cfg.checkpointing.dir, self.cfg.checkpointing.keep_last)

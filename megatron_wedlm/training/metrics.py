@@ -2,7 +2,8 @@
 
 Only the logging rank (global rank 0) writes; the loop hands it step records that are already
 global (reduced over all ranks). ``metrics.jsonl`` has one JSON object per logged step with at
-least: step, loss, mlm_loss, ar_loss, masked_tokens, lr, grad_norm, tokens_per_sec, and the
+least: step, loss, mlm_loss, ar_loss, masked_tokens, lr, grad_norm, tokens_per_sec, the
+throughput per device (tokens/s, TFLOP/s, MFU, peak memory: :mod:`.throughput`) and the
 ``run_id`` of the run that logged it.
 
 ``metrics.jsonl`` always describes one consistent history: the lineage of the running run (see
@@ -29,7 +30,8 @@ __all__ = ["MetricsLogger", "METRICS_ABANDONED_FILE", "METRICS_FILE", "read_metr
 
 METRICS_FILE = "metrics.jsonl"
 METRICS_ABANDONED_FILE = "metrics.abandoned.jsonl"
-REQUIRED_KEYS = ("step", "loss", "mlm_loss", "ar_loss", "masked_tokens", "lr", "grad_norm", "tokens_per_sec")
+REQUIRED_KEYS = ("step", "loss", "mlm_loss", "ar_loss", "masked_tokens", "lr", "grad_norm", "tokens_per_sec",
+                 "tokens_per_sec_per_device", "tflops_per_device", "mfu", "peak_memory_gib")
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -45,6 +47,18 @@ def _json_number(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value
+
+
+def _throughput_postfix(record: dict[str, Any]) -> dict[str, str]:
+    """The progress bar's throughput fields: TFLOP/s per device, MFU when known, peak memory."""
+    fields = {}
+    if "tflops_per_device" in record:
+        fields["tflops"] = f"{record['tflops_per_device']:.3g}"
+    if record.get("mfu") is not None:
+        fields["mfu"] = f"{100 * record['mfu']:.1f}%"
+    if "peak_memory_gib" in record:
+        fields["mem"] = f"{record['peak_memory_gib']:.1f}G"
+    return fields
 
 
 class MetricsLogger:
@@ -138,7 +152,7 @@ class MetricsLogger:
             self._bar.update(1)
             self._bar.set_postfix(
                 loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_sec']:.0f}", lr=f"{record['lr']:.2e}",
-                refresh=False,
+                **_throughput_postfix(record), refresh=False,
             )
         step = int(record["step"])
         if step % self.cfg.logging.log_interval and not record.get("skipped") and not record.get("final"):

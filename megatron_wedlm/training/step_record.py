@@ -66,6 +66,7 @@ class StepTotals:
     masked_tokens: float = 0.0
     ar_tokens: float = 0.0
     tokens: float = 0.0
+    flops: float = 0.0  # model FLOPs of the step (forward + backward; see .throughput)
     ranks_with_bad_grads: float = 0.0
 
     def summed_over_ranks(self, device: torch.device) -> StepTotals:
@@ -87,8 +88,11 @@ class StepRecorder:
     stops after too many non-finite steps in a row, decides when to save and what the
     checkpoint's trainer state holds besides the engine's tensors."""
 
-    def __init__(self, cfg: TrainConfig, state: dict[str, Any], is_logger: bool, claim: RunClaim) -> None:
+    def __init__(self, cfg: TrainConfig, state: dict[str, Any], is_logger: bool, claim: RunClaim,
+                 peak_tflops: float | None = None) -> None:
         self.cfg = cfg
+        self.peak_tflops = peak_tflops  # per device, for MFU (None: MFU not reported)
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.claim = claim
         self.output_dir = Path(cfg.trainer.output_dir)
         self.start_step = int(state.get("step", 0))
@@ -112,9 +116,10 @@ class StepRecorder:
     def steps(self) -> range:
         return range(self.start_step + 1, self.end_step + 1)
 
-    def record(self, step: int, *, started: float, totals: StepTotals, lr: float, grad_norm: float) -> bool:
+    def record(self, step: int, *, started: float, totals: StepTotals, lr: float, grad_norm: float,
+               peak_memory_gib: float = float("nan")) -> bool:
         """Log step ``step`` (begun at ``time.perf_counter() == started``; its update was applied
-        when ``totals.finite``); raise :class:`NonFiniteLossError` on too many skips in a row.
+        when ``totals.finite``; ``peak_memory_gib``: the largest over the ranks); raise :class:`NonFiniteLossError` on too many skips in a row.
         Returns whether a checkpoint is due now."""
         finite, loss, tokens = totals.finite, totals.loss, totals.tokens
         if finite:
@@ -139,6 +144,7 @@ class StepRecorder:
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens_per_sec": tokens / elapsed if elapsed > 0 else 0.0,
+            **self._throughput(totals, elapsed, peak_memory_gib),
             "tokens": int(tokens),
             "consumed_tokens": self.consumed_tokens,
             "step_time_s": elapsed,
@@ -155,6 +161,18 @@ class StepRecorder:
         interval = self.cfg.checkpointing.save_interval
         last = step == self.end_step
         return bool((interval and step % interval == 0) or (last and self.cfg.checkpointing.save_at_end))
+
+    def _throughput(self, totals: StepTotals, elapsed: float, peak_memory_gib: float) -> dict[str, Any]:
+        """Megatron-LM's per-device figures: tokens/s, model TFLOP/s, MFU (None without a peak)."""
+        per_device = elapsed * self.world if elapsed > 0 else float("inf")
+        tflops = totals.flops / per_device / 1e12
+        return {
+            "tokens_per_sec_per_device": totals.tokens / per_device,
+            "tflops_per_device": tflops,
+            "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
+            "step_flops": totals.flops,
+            "peak_memory_gib": peak_memory_gib,
+        }
 
     def trainer_state(self, scheduler, data) -> dict[str, Any]:
         """Collective (gathers every rank's data position): the checkpoint's non-tensor state."""
