@@ -13,6 +13,7 @@ from megatron_wedlm.eval.report import brief_model_name
 from megatron_wedlm.eval.results import EvalReport
 from megatron_wedlm.quickstart import summary as S
 from megatron_wedlm.quickstart.calibration import calibration_from_reports, choose_operating_tau, points
+from megatron_wedlm.quickstart.calibration import describe as calibration_describe
 from megatron_wedlm.quickstart.pipeline import previous_fingerprint
 from megatron_wedlm.quickstart.settings import load_settings, preset_path
 from megatron_wedlm.quickstart.stages import Console, StageError, StageRunner
@@ -155,6 +156,40 @@ def test_written_report_parses_and_shows_every_target_and_row(reports, tmp_path)
     lines = []
     S.print_summary(data, lines.append)
     assert "targets:" in lines[0] and lines[0].count("\n") >= len(loaded.results) + len(data["quickstart"]["targets"])
+
+
+def test_a_task_the_base_never_learned_is_reported_as_the_base_models_failure(reports, tmp_path):
+    """Base AR gets copying wrong: the report says so, tau is chosen on counting alone, and the
+    copying targets are the base model's failure, not WeDLM's."""
+    base = json.loads((reports / "base.json").read_text())
+    for r in base["results"]:
+        r["num_correct"] = 0 if r["task"] == "copying" else r["num_examples"]
+    (tmp_path / "base.json").write_text(json.dumps(base))
+    (tmp_path / "wedlm.json").write_text((reports / "wedlm.json").read_text())
+    base_report, wedlm_report = (EvalReport.load(str(tmp_path / f"{n}.json")) for n in ("base", "wedlm"))
+    calibration = calibration_from_reports(base_report, wedlm_report, ["counting", "copying"], learned_accuracy=0.8)
+    assert calibration.unlearned == ["copying"]
+    sweep = {tau: {"counting": wedlm_report.result("counting", "streaming", tau).accuracy}
+             for tau in (0.4, 0.8) if wedlm_report.result("counting", "streaming", tau) is not None}
+    assert calibration.operating_tau == choose_operating_tau(sweep, {"counting": 1.0}, calibration.tolerance)
+    settings = load_settings(preset_path("ci"))
+    data = S.build_summary(tmp_path / "base.json", tmp_path / "wedlm.json", settings, seed=0, calibration=calibration,
+                           stages=[], timings={"total_seconds": 100.0, "longest_silence_seconds": 5.0},
+                           training=TRAINING)
+    targets = _targets(data)
+    message = "the base model did not learn copying (base AR 0.0%"
+    assert targets["copying: base model learned the task"]["status"] == S.NOT_MET
+    assert message in targets["copying: base model learned the task"]["measured"]
+    for name in ("streaming accuracy", "tokens per forward", "wall-clock speed-up"):
+        assert targets[f"copying: {name}"]["status"] == S.NOT_CHECKED
+    assert "counting: base model learned the task" not in targets and "counting: streaming accuracy" in targets
+    assert message in data["quickstart"]["base_model_unlearned"]["copying"]
+    assert message in S.markdown(data) and any(message in line for line in calibration_describe(calibration))
+    lines = []
+    S.print_summary(data, lines.append)
+    assert f"WARNING: {message}" in lines[0]
+    # learned by the base at the threshold: judged as usual
+    assert calibration_from_reports(base_report, wedlm_report, ["counting", "copying"], learned_accuracy=0.0).unlearned == []
 
 
 def test_operating_tau_rule_on_hand_made_accuracies():

@@ -366,7 +366,7 @@ class Quickstart:
         self.calibration = c = calibration_from_reports(
             EvalReport.load(str(self.layout.eval_dir(BASE, "calibration") / "report.json")),
             EvalReport.load(str(self.layout.eval_dir(WEDLM, "calibration") / "report.json")), e.calibration_tasks,
-            tolerance=e.calibration_tolerance)
+            tolerance=e.calibration_tolerance, learned_accuracy=e.base_learned_accuracy)
         for line in describe(c):
             self.console.print(f"[calibrate] {line}")
         defaults = {"window_size": e.window_size, "entropy_threshold": c.operating_tau,

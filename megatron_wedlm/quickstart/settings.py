@@ -64,6 +64,9 @@ class EvalSettings:
     calibration_examples: int = 50  # calibration prompts per calibration task
     # tau may cost at most this much calibration accuracy against base AR (a fraction: 0.01 = 1 point)
     calibration_tolerance: float = 0.01
+    # a calibration task whose base AR accuracy is below this (a fraction) was not learned by the
+    # base model: reported as such and left out of the tau rule (quickstart/calibration.py)
+    base_learned_accuracy: float = 0.8
     taus: List[float] = field(default_factory=lambda: [0.2, 0.4])  # the sweep: calibrated, plotted
     window_size: int = 16
     distance_penalty: float = 0.02
@@ -133,6 +136,9 @@ def _validate(s: QuickstartSettings, path: Path) -> None:
     for key in ("num_examples", "calibration_examples"):
         if getattr(s.eval, key) < 1:
             raise ValueError(f"{path}: eval.{key} must be >= 1, got {getattr(s.eval, key)}")
+    if not 0 <= s.eval.base_learned_accuracy <= 1:
+        raise ValueError(f"{path}: eval.base_learned_accuracy is a fraction in [0, 1] (0.8 = 80%), "
+                         f"got {s.eval.base_learned_accuracy}")
     if not 0 <= s.eval.calibration_tolerance < 1:
         raise ValueError(f"{path}: eval.calibration_tolerance is a fraction in [0, 1) (0.01 = 1 point), "
                          f"got {s.eval.calibration_tolerance}")

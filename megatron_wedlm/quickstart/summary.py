@@ -36,7 +36,7 @@ from typing import Any
 
 from megatron_wedlm.eval.report import COLUMNS, PLOT_NAME, brief_model_name, format_interval, plot_speed_accuracy
 from megatron_wedlm.eval.results import EvalReport, MethodResult, SampleRecord
-from megatron_wedlm.quickstart.calibration import Calibration, keeps_up, points
+from megatron_wedlm.quickstart.calibration import Calibration, keeps_up, points, unlearned_message
 from megatron_wedlm.quickstart.settings import QuickstartSettings
 
 BASE_METHOD = "base-ar"
@@ -109,11 +109,23 @@ def _accuracy(r: MethodResult) -> str:
     return f"{_pct(r.accuracy)} ({format_interval(r.accuracy_ci95)})"
 
 
-def check_targets(report: EvalReport, settings: QuickstartSettings, tau: float, timings: dict[str, Any],
+def _base_model_check(task: str, calibration: Calibration) -> list[TargetCheck]:
+    """For a task the base model did not learn: that failure, and the WeDLM targets left unjudged."""
+    reason = unlearned_message(task, calibration)
+    return [TargetCheck(f"{task}: base model learned the task",
+                        f"base AR >= {100 * calibration.learned_accuracy:g}% on the calibration prompts",
+                        reason, NOT_MET)] + [
+        TargetCheck(f"{task}: {name}", "judged only when the base model learned the task", reason, NOT_CHECKED)
+        for name in ("streaming accuracy", "tokens per forward", "wall-clock speed-up")]
+
+
+def check_targets(report: EvalReport, settings: QuickstartSettings, calibration: Calibration, timings: dict[str, Any],
                   agreement: dict[str, float], current_fingerprint: str,
                   previous_fingerprint: str | None) -> list[TargetCheck]:
-    """Each target of the quickstart with its measured value, streaming judged at the operating ``tau``."""
+    """Each target of the quickstart with its measured value, streaming judged at the operating tau;
+    a task the base model did not learn fails as such (:func:`_base_model_check`), not as WeDLM's."""
     t = settings.targets
+    tau = calibration.operating_tau
     checks: list[TargetCheck] = []
     total = float(timings.get("total_seconds", 0.0))
     checks.append(TargetCheck("total time", f"whole command < {t.max_total_seconds:.0f} s",
@@ -122,6 +134,9 @@ def check_targets(report: EvalReport, settings: QuickstartSettings, tau: float, 
     checks.append(TargetCheck("progress visible", f"no console silence > {t.max_silence_seconds:.0f} s",
                               f"longest silence {gap:.1f} s", MET if gap <= t.max_silence_seconds else NOT_MET))
     for task in t.low_entropy_tasks:
+        if task in calibration.unlearned:
+            checks += _base_model_check(task, calibration)
+            continue
         base = report.result(task, BASE_METHOD)
         stream = report.result(task, "streaming", tau)
         ar = report.result(task, "ar")
@@ -196,7 +211,7 @@ def build_summary(base_report: str | Path, wedlm_report: str | Path, settings: Q
     tau = calibration.operating_tau
     agreement = agreement_with_base(merged)
     fp = fingerprint(merged, training, calibration)
-    targets = check_targets(merged, settings, tau, timings, agreement, fp, previous_fingerprint)
+    targets = check_targets(merged, settings, calibration, timings, agreement, fp, previous_fingerprint)
     recorded = asdict(settings)
     recorded["eval"]["operating_tau"] = tau  # next to window_size and distance_penalty: the operating point
     data = merged.to_dict()
@@ -208,6 +223,7 @@ def build_summary(base_report: str | Path, wedlm_report: str | Path, settings: Q
         "timings": timings,
         "stages": [asdict(s) for s in stages if s.status != "running"],  # not the report being written
         "training": _training_summary(training),
+        "base_model_unlearned": {task: unlearned_message(task, calibration) for task in calibration.unlearned},
         "agreement_with_base_ar": agreement,
         "figures": headline_figures(merged, tau, timings, agreement),
         "targets": [asdict(c) for c in targets],
@@ -241,6 +257,9 @@ def _calibration_lines(q: dict[str, Any]) -> list[str]:
              f"{q['settings']['eval']['distance_penalty']:g}).", "",
              "| decoding | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks),
              "| base AR | " + " | ".join(_pct(c["base_accuracy"][t]) for t in tasks) + " |"]
+    if c.get("unlearned"):
+        lines[2] += (f" Left out of the rule: {', '.join(c['unlearned'])}, which the base model did not learn "
+                     f"(base AR below {100 * c['learned_accuracy']:g}%).")
     lines += [f"| streaming tau {tau} | " + " | ".join(_pct(acc[t]) for t in tasks) + " |"
               for tau, acc in c["sweep"].items()]
     return lines + [""]
@@ -254,6 +273,7 @@ def markdown(data: dict[str, Any]) -> str:
              "pairs. Both exported to HF and "
              "evaluated on held-out prompts of the built-in tasks. Speed-up = tokens/s of a method over "
              "AR tokens/s of the same model, decoded side by side in one process.", "",
+             *[f"**Warning: {message}.**\n" for message in q.get("base_model_unlearned", {}).values()],
              "## Targets", "", "| target | wanted | measured | status |", "|---|---|---|---|"]
     lines += [f"| {t['name']} | {t['target']} | {t['measured']} | **{t['status']}** |" for t in q["targets"]]
     lines += [""] + _calibration_lines(q)
@@ -312,4 +332,5 @@ def print_summary(data: dict[str, Any], emit: Callable[[str], None]) -> None:
               "(the test prompts above are others)", "", "targets:"]
     lines += [f"  [{t['status']:^11}] {t['name']}: {t['measured']}  (wanted: {t['target']})"
               for t in data["quickstart"]["targets"]]
+    lines += [f"WARNING: {message}" for message in data["quickstart"].get("base_model_unlearned", {}).values()]
     emit("\n".join(lines))
