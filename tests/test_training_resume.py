@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 from megatron_wedlm.config import config_from_yaml_text
 from megatron_wedlm.runtime.multiprocess import DistributedLaunchError, run_distributed
 from megatron_wedlm.training.checkpointing import complete_checkpoints
+from megatron_wedlm.training.metrics import read_metrics
 from test_training import LAUNCH_TIMEOUT, TINY, _base, _train, assert_loss_decreases, data, losses  # noqa: F401
 
 
@@ -35,7 +37,28 @@ def test_stop_at_15_and_resume_reproduces_steps_16_to_30(data, tmp_path):
     assert [resumed[s] for s in range(16, 31)] == [straight[s] for s in range(16, 31)]
 
 
-def crash_worker(data_dir: str, out: str) -> None:
+@pytest.fixture(scope="module")
+def blend(data, tmp_path_factory) -> list[str]:
+    """data.blend overrides: the pretraining corpus at weight 1 and another corpus of the same kind
+    (same tokenizer) at weight 3."""
+    from megatron_wedlm.data.prepare import prepare_dataset
+    from megatron_wedlm.eval.builtin_tasks import training_corpus
+
+    root = tmp_path_factory.mktemp("blend")
+    with open(root / "corpus.jsonl", "w") as f:
+        for doc in training_corpus(400, seed=7):
+            f.write(json.dumps({"text": doc}) + "\n")
+    tokenizer = Path(data["pretrain"]).parent / "tok"  # the one the data fixture prepared with
+    prepare_dataset([root / "corpus.jsonl"], root / "second", tokenizer, samples_per_shard=50)
+    return ["data.path=null", f"data.blend=[{{path: {data['pretrain']}, weight: 1, name: first}}, "
+                              f"{{path: {root / 'second'}, weight: 3}}]"]
+
+
+def _blend_base(blend: list[str], out: str) -> list[str]:
+    return [*blend, f"trainer.output_dir={out}", "logging.progress_bar=false"]
+
+
+def crash_worker(blend: list[str], out: str) -> None:
     """Rank 0 is SIGKILLed while saving step 10: after every rank wrote its shards, before the
     checkpoint is made visible."""
     from megatron_wedlm.training import checkpointing
@@ -48,28 +71,41 @@ def crash_worker(data_dir: str, out: str) -> None:
         return original(self, partial, final)
 
     checkpointing.CheckpointManager.publish = publish
-    _train(str(TINY), [*_base(data_dir, Path(out)), "checkpointing.save_interval=5"])
+    _train(str(TINY), [*_blend_base(blend, out), "checkpointing.save_interval=5"])
 
 
-def resume_after_crash_worker(data_dir: str, out: str) -> dict:
-    return _train(str(TINY), [*_base(data_dir, Path(out)), "checkpointing.resume=auto", "trainer.exit_at_step=7",
+def resume_after_crash_worker(blend: list[str], out: str) -> dict:
+    return _train(str(TINY), [*_blend_base(blend, out), "checkpointing.resume=auto", "trainer.exit_at_step=7",
                               "checkpointing.save_interval=5"])
 
 
-def test_killed_save_leaves_the_previous_checkpoint_loadable(data, tmp_path):
+def test_killed_save_leaves_the_previous_checkpoint_loadable(blend, tmp_path):
+    """On a data blend (data.blend): the run killed at step 10 resumes from step 5 with its losses (steps 6, 7)
+    and per-source token counts bit for bit, the blend's data state included."""
     out, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
     with pytest.raises(DistributedLaunchError):
-        run_distributed(crash_worker, 2, data["pretrain"], str(out), timeout_s=LAUNCH_TIMEOUT)
+        run_distributed(crash_worker, 2, blend, str(out), timeout_s=LAUNCH_TIMEOUT)
     assert [s for s, _ in complete_checkpoints(ckpts)] == [5]  # the step-10 save never became visible
     assert (ckpts / "iter_0000010.partial" / "metadata.json").is_file()  # although every shard had been written
     crashed = losses(out)
     assert sorted(crashed) == list(range(1, 11))
+    crashed_records = {r["step"]: r for r in read_metrics(out)}
 
-    resumed = run_distributed(resume_after_crash_worker, 2, data["pretrain"], str(out), timeout_s=LAUNCH_TIMEOUT)[0]
+    resumed = run_distributed(resume_after_crash_worker, 2, blend, str(out), timeout_s=LAUNCH_TIMEOUT)[0]
     assert resumed["start_step"] == 5
-    assert [resumed["losses"][s] for s in (6, 7)] == [crashed[6], crashed[7]]
+    assert [resumed["losses"][s] for s in range(6, 8)] == [crashed[s] for s in range(6, 8)]
     assert not (ckpts / "iter_0000010.partial").exists()  # the next save cleaned it up
     assert [s for s, _ in complete_checkpoints(ckpts)] == [5, 7]
+
+    records = {r["step"]: r for r in read_metrics(out)}
+    per_source = [[records[s][f"tokens/{n}"] for n in ("first", "second")] for s in range(1, 8)]
+    assert per_source == [[crashed_records[s][f"tokens/{n}"] for n in ("first", "second")] for s in range(1, 8)]
+    assert all(sum(counts) == records[s]["tokens"] for counts, s in zip(per_source, range(1, 8)))
+    total = [sum(c[i] for c in per_source) for i in (0, 1)]
+    assert 0.15 < total[0] / sum(total) < 0.35  # weight 1 of 4 (documents of different lengths)
+    state = json.loads((ckpts / "iter_0000007" / "trainer_state.json").read_text())
+    assert state["consumed_source_tokens"] == dict(zip(("first", "second"), total))
+    assert state["data"]["rows_consumed"] == 7 * 8 and [s["weight"] for s in state["data"]["blend"]] == [0.25, 0.75]
 
 
 def tp2_then_tp1_worker(pretrain: str, root: str) -> dict:

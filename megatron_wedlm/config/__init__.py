@@ -4,6 +4,7 @@ from .loading import config_from_yaml_text, config_to_yaml, load_config, save_co
 from .schema import (
     CheckpointingConfig,
     ConfigError,
+    BlendSourceConfig,
     DataConfig,
     DeepSpeedConfig,
     LoggingConfig,
@@ -21,6 +22,7 @@ from .schema import (
 __all__ = [
     "CheckpointingConfig",
     "ConfigError",
+    "BlendSourceConfig",
     "DataConfig",
     "DeepSpeedConfig",
     "LoggingConfig",

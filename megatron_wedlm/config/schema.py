@@ -11,6 +11,8 @@ Cross-field rules (choices, divisibility, what is derived from what) live in
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -18,6 +20,7 @@ from typing import List, Optional
 from megatron_wedlm.model.attention_backends import ATTENTION_BACKEND_NAMES, ATTENTION_BACKENDS, backend_names
 
 __all__ = [
+    "BlendSourceConfig",
     "CheckpointingConfig",
     "DataConfig",
     "DeepSpeedConfig",
@@ -120,6 +123,15 @@ class OptimizerConfig:
 
 
 @dataclass
+class BlendSourceConfig:
+    """One source of ``data.blend``: a directory written by ``tools/prepare_data.py`` and its share."""
+
+    path: Optional[str] = None  # required
+    weight: float = 1.0  # > 0; normalised over the blend (a share of the rows)
+    name: Optional[str] = None  # in logs (tokens/<name>) and the data state; default: the directory's basename
+
+
+@dataclass
 class DataConfig:
     """Tokenized webdataset shards from ``tools/prepare_data.py`` and how rows are formed.
 
@@ -129,7 +141,10 @@ class DataConfig:
     the exact sample under another DP size or worker count; it must be a multiple of
     ``dp * num_workers`` and at most the number of shards."""
 
-    path: Optional[str] = None  # directory holding manifest.json (required)
+    path: Optional[str] = None  # directory holding manifest.json (this or blend is required)
+    # several prepared directories mixed by weight, [{path, weight, name}] (docs/training.md "Data blends");
+    # instead of path
+    blend: Optional[List[BlendSourceConfig]] = None
     seq_length: int = 512
     micro_batch_size: int = 1
     global_batch_size: int = 8
@@ -345,8 +360,7 @@ def _check_attention_device(cfg: TrainConfig) -> None:
 
 def _check_data(cfg: TrainConfig) -> None:
     """A data directory, rows that hold a block in both streams, whole micro-batches per batch."""
-    if cfg.data.path is None:
-        raise ConfigError("data.path is required: the directory written by tools/prepare_data.py")
+    _check_data_sources(cfg.data)
     if cfg.wedlm.enabled and cfg.data.seq_length < 2 * cfg.wedlm.block_size:
         raise ConfigError(
             f"data.seq_length={cfg.data.seq_length} cannot hold one block of wedlm.block_size="
@@ -357,6 +371,31 @@ def _check_data(cfg: TrainConfig) -> None:
             f"data.global_batch_size={cfg.data.global_batch_size} is not a multiple of "
             f"data.micro_batch_size={cfg.data.micro_batch_size}"
         )
+
+
+def _check_data_sources(data: DataConfig) -> None:
+    """Exactly one of ``data.path`` and ``data.blend``; a blend's weights > 0 and its paths distinct."""
+    if data.path is not None and data.blend is not None:
+        raise ConfigError("data.path and data.blend are both set; set data.path for one source or data.blend to mix several")
+    if data.blend is None:
+        if data.path is None:
+            raise ConfigError("data.path is required: the directory written by tools/prepare_data.py (or data.blend)")
+        return
+    if not data.blend:
+        raise ConfigError("data.blend is empty; list [{path: DIR, weight: W}, ...] or set data.path instead")
+    seen: dict[str, int] = {}
+    for i, source in enumerate(data.blend):
+        if not source.path:
+            raise ConfigError(f"data.blend[{i}].path is required: a directory written by tools/prepare_data.py")
+        if not (math.isfinite(source.weight) and source.weight > 0):
+            raise ConfigError(f"data.blend[{i}].weight={source.weight} must be > 0 (weights are normalised to sum to 1)")
+        key = os.path.normpath(os.path.abspath(source.path))
+        if key in seen:
+            raise ConfigError(
+                f"data.blend[{i}].path={source.path} repeats data.blend[{seen[key]}]; list each directory once "
+                "and give it the sum of the weights"
+            )
+        seen[key] = i
 
 
 def _check_model_from_scratch(model: ModelConfig) -> None:

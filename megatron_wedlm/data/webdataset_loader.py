@@ -454,13 +454,21 @@ class TrainDataIterator:
         )
         self._rows = iter(self._loader)
 
+    def next_row(self) -> RowItem:
+        """This rank's next row, recorded as consumed."""
+        item = next(self._rows)
+        self.positions[item.stream] = item.position
+        self.rows_consumed += self.dp_size  # every rank consumes in lockstep
+        return item
+
     def next_microbatch(self) -> tuple[DualStreamBatch, int]:
         """(stacked micro-batch, real tokens in it)."""
-        items = [next(self._rows) for _ in range(self.micro_batch_size)]
-        for item in items:
-            self.positions[item.stream] = item.position
-        self.rows_consumed += self.micro_batch_size * self.dp_size  # every rank consumes in lockstep
+        items = [self.next_row() for _ in range(self.micro_batch_size)]
         return stack_dual_stream_batches([i.batch for i in items]), sum(i.num_tokens for i in items)
+
+    def take_source_tokens(self) -> dict[str, int]:
+        """Tokens per blend source since the last call: none for one source (see :mod:`.blend`)."""
+        return {}
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -488,6 +496,12 @@ _STATE_KEYS = ("num_streams", "seed", "seq_length", "wedlm", "block_size", "shuf
 
 def _check_state_matches(state: dict[str, Any], spec: LoaderSpec, allow_data_change: bool = False) -> None:
     """A saved data position only means something for the same stream layout, row format and shards."""
+    if "blend" in state:
+        raise ValueError(
+            "the checkpoint's data position was saved by a blend of several sources (data.blend) but this run "
+            "reads one (data.path); resume with the same data.blend, or set checkpointing.load_data_state=false "
+            "to restart the data from the beginning"
+        )
     current = {
         "num_streams": spec.num_streams,
         "seed": spec.seed,
@@ -520,11 +534,17 @@ def merge_data_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Combine per-rank states (from every rank, any order) into the global data state.
 
     Each stream is owned by exactly one data-parallel rank; ranks sharing a DP rank (TP/PP
-    peers) hold identical copies, so the owner's entry is taken.
+    peers) hold identical copies, so the owner's entry is taken. A blend's state
+    (:mod:`.blend`) is merged source by source.
     """
     if not states:
         raise ValueError("no data states to merge")
     first = states[0]
+    if "blend" in first:
+        if any(state["rows_consumed"] != first["rows_consumed"] for state in states):
+            raise ValueError("data-parallel ranks consumed different numbers of rows")
+        sources = [merge_data_states([state["sources"][i] for state in states]) for i in range(len(first["sources"]))]
+        return {"blend": first["blend"], "rows_consumed": first["rows_consumed"], "sources": sources}
     dp = int(first["dp_size"])
     merged = {k: first[k] for k in (*_STATE_KEYS, "rows_consumed", "shards_fingerprint") if k in first}
     positions: dict[str, Any] = {}

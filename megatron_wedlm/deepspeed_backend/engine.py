@@ -38,6 +38,7 @@ from megatron_wedlm.runtime.parallel import init_distributed
 from megatron_wedlm.training.engine import RankRole, StepUpdate
 from megatron_wedlm.training.loop import run_training
 from megatron_wedlm.training.throughput import ModelShape
+from megatron_wedlm.training.run_data import run_data_dir
 
 from .checkpoint import DeepSpeedCheckpointManager, export_hf_model
 from .forward import DualStreamCausalLM, dual_stream_cross_entropy, hf_attention_backend, pad_rows
@@ -214,7 +215,7 @@ class DeepSpeedEngine:
         return DeepSpeedCheckpointManager(self.cfg.checkpointing.dir, self.cfg.checkpointing.keep_last)
 
     def _tokenizer_dir(self) -> Path:
-        return tokenizer_dir_of(self.cfg.data.path, self.manifest)  # type: ignore[arg-type]
+        return tokenizer_dir_of(run_data_dir(self.cfg), self.manifest)
 
     def _export(self, directory: Path) -> Path:
         return export_hf_model(self.engine, self.hf_model, directory, self._tokenizer_dir())

@@ -111,6 +111,8 @@ def _train(cfg: TrainConfig, engine: Engine, role: RankRole, claim: RunClaim, de
             if role.counts_tokens:
                 local.tokens = float(sum(n for _, n in micro))
                 local.flops = batch_flops(shape, batches)
+            local.source_tokens = {name: float(n) if role.counts_tokens else 0.0  # every rank sends every name
+                                   for name, n in data.take_source_tokens().items()}
             local.ranks_with_bad_grads = 0.0 if engine.grads_finite() else 1.0
             totals = local.summed_over_ranks(device)
             update = engine.optimizer_step(apply=totals.finite)

@@ -41,6 +41,7 @@ from .engine import RankRole, StepUpdate
 from .model_setup import build_settings, load_init_weights, resolve_model_args
 from .objective import Objective
 from .optimization import build_optimizer, wrap_ddp
+from .run_data import run_data_dir
 from .throughput import ModelShape
 
 __all__ = [
@@ -177,7 +178,7 @@ class MegatronEngine:
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.dp_size = validate_layout(cfg, self.world)
         self.model_args = resolve_model_args(cfg, manifest, "bfloat16" if bf16 else "float32")
-        self.tokenizer_dir = tokenizer_dir_of(cfg.data.path, manifest)  # type: ignore[arg-type]
+        self.tokenizer_dir = tokenizer_dir_of(run_data_dir(cfg), manifest)
         cfg.parallelism.dp = self.dp_size
         init_distributed(device, timeout_s=cfg.trainer.distributed_timeout_s)
         layout = initialize_parallel_state(

@@ -1,7 +1,9 @@
 """The run's training data: the prepared directory's manifest and this rank's resumable micro-batches.
 
 Both engines read their data here, so rows, masks and positions are the same under either
-backend and a run can be compared or resumed across them.
+backend and a run can be compared or resumed across them. ``data.path`` is one source;
+``data.blend`` mixes several by weight (:mod:`megatron_wedlm.data.blend`), and the model is then
+described by the first source's manifest and tokenizer (all sources must share them).
 """
 
 from __future__ import annotations
@@ -9,43 +11,80 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_wedlm.config.schema import ConfigError, TrainConfig
+from megatron_wedlm.data.blend import BlendedDataIterator, BlendSource, blend_names, check_compatible_sources
 from megatron_wedlm.data.prepare import read_manifest
-from megatron_wedlm.data.webdataset_loader import TrainDataIterator, loader_spec_from_manifest
+from megatron_wedlm.data.webdataset_loader import LoaderSpec, TrainDataIterator, loader_spec_from_manifest
 
-__all__ = ["build_train_data", "read_run_manifest"]
+__all__ = ["build_train_data", "read_run_manifest", "run_data_dir"]
+
+
+def run_data_dir(cfg: TrainConfig) -> str:
+    """The directory whose manifest and tokenizer describe the run: ``data.path``, or the first
+    ``data.blend`` source."""
+    return cfg.data.path if cfg.data.blend is None else cfg.data.blend[0].path  # type: ignore[return-value]
+
+
+def _blend_names(cfg: TrainConfig) -> list[str]:
+    try:
+        return blend_names([s.path for s in cfg.data.blend], [s.name for s in cfg.data.blend])  # type: ignore[union-attr, misc]
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def read_run_manifest(cfg: TrainConfig) -> dict[str, Any]:
-    """The manifest of ``data.path``, refused when it was prepared for the other task."""
-    manifest = read_manifest(cfg.data.path)  # type: ignore[arg-type]
+    """The manifest of ``data.path`` (of the first ``data.blend`` source, the others checked to
+    match it), refused when it was prepared for the other task."""
+    key = "data.path" if cfg.data.blend is None else "data.blend[0].path"
+    manifest = read_manifest(run_data_dir(cfg))
+    if cfg.data.blend is not None:
+        names = _blend_names(cfg)
+        sources = [(n, s.path, manifest if i == 0 else read_manifest(s.path))  # type: ignore[arg-type]
+                   for i, (n, s) in enumerate(zip(names, cfg.data.blend))]
+        try:
+            check_compatible_sources(sources)  # type: ignore[arg-type]
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     if manifest["task"] != cfg.trainer.task:
         raise ConfigError(
-            f"data.path={cfg.data.path} holds '{manifest['task']}' data but this is a {cfg.trainer.task} run; "
+            f"{key}={run_data_dir(cfg)} holds '{manifest['task']}' data but this is a {cfg.trainer.task} run; "
             f"prepare it with tools/prepare_data.py --task {cfg.trainer.task}"
         )
     return manifest
 
 
-def build_train_data(cfg: TrainConfig, state: dict[str, Any], dp_rank: int, dp_size: int) -> TrainDataIterator:
+def _loader_spec(cfg: TrainConfig, data_dir: str) -> LoaderSpec:
+    try:
+        return loader_spec_from_manifest(
+            data_dir,
+            num_streams=cfg.data.num_streams,
+            seq_length=cfg.data.seq_length,
+            wedlm=cfg.wedlm.enabled,
+            block_size=cfg.wedlm.block_size,
+            mask_token_id=cfg.wedlm.mask_token_id,
+            ratio_mode=cfg.wedlm.ratio_mode,
+            random_block_offset=cfg.wedlm.random_block_offset,
+            mask_eps=cfg.wedlm.mask_eps,
+            seed=cfg.data.seed,
+            shuffle=cfg.data.shuffle,
+            task=cfg.trainer.task,
+        )
+    except ValueError as err:
+        if cfg.data.blend is None:
+            raise
+        raise ValueError(f"data.blend source {data_dir}: {err}") from None
+
+
+def build_train_data(
+    cfg: TrainConfig, state: dict[str, Any], dp_rank: int, dp_size: int
+) -> TrainDataIterator | BlendedDataIterator:
     """This data-parallel rank's resumable micro-batch iterator, from the checkpoint's data
     position in ``state`` when ``checkpointing.load_data_state``."""
-    spec = loader_spec_from_manifest(
-        cfg.data.path,  # type: ignore[arg-type]
-        num_streams=cfg.data.num_streams,
-        seq_length=cfg.data.seq_length,
-        wedlm=cfg.wedlm.enabled,
-        block_size=cfg.wedlm.block_size,
-        mask_token_id=cfg.wedlm.mask_token_id,
-        ratio_mode=cfg.wedlm.ratio_mode,
-        random_block_offset=cfg.wedlm.random_block_offset,
-        mask_eps=cfg.wedlm.mask_eps,
-        seed=cfg.data.seed,
-        shuffle=cfg.data.shuffle,
-        task=cfg.trainer.task,
-    )
     data_state = state.get("data") if cfg.checkpointing.load_data_state else None
-    return TrainDataIterator(
-        spec, dp_rank, dp_size, cfg.data.micro_batch_size, num_workers=cfg.data.num_workers,
-        prefetch_factor=cfg.data.prefetch_factor, state=data_state,
-        allow_data_change=cfg.checkpointing.allow_data_change,
-    )
+    options = dict(num_workers=cfg.data.num_workers, prefetch_factor=cfg.data.prefetch_factor, state=data_state,
+                   allow_data_change=cfg.checkpointing.allow_data_change)
+    if cfg.data.blend is None:
+        return TrainDataIterator(_loader_spec(cfg, cfg.data.path), dp_rank, dp_size,  # type: ignore[arg-type]
+                                 cfg.data.micro_batch_size, **options)  # type: ignore[arg-type]
+    sources = [BlendSource(name, _loader_spec(cfg, s.path), s.weight)  # type: ignore[arg-type]
+               for name, s in zip(_blend_names(cfg), cfg.data.blend)]
+    return BlendedDataIterator(sources, dp_rank, dp_size, cfg.data.micro_batch_size, **options)  # type: ignore[arg-type]

@@ -68,13 +68,18 @@ class StepTotals:
     tokens: float = 0.0
     flops: float = 0.0  # model FLOPs of the step (forward + backward; see .throughput)
     ranks_with_bad_grads: float = 0.0
+    # tokens per data.blend source name (empty for one source); every rank lists the same names
+    source_tokens: dict[str, float] = field(default_factory=dict)
 
     def summed_over_ranks(self, device: torch.device) -> StepTotals:
-        names = [f.name for f in fields(self)]
-        tensor = torch.tensor([getattr(self, name) for name in names], dtype=torch.float64, device=device)
+        names = [f.name for f in fields(self) if f.name != "source_tokens"]
+        sources = sorted(self.source_tokens)
+        values = [getattr(self, name) for name in names] + [self.source_tokens[k] for k in sources]
+        tensor = torch.tensor(values, dtype=torch.float64, device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(tensor)
-        return StepTotals(**dict(zip(names, tensor.cpu().tolist())))
+        summed = tensor.cpu().tolist()
+        return StepTotals(**dict(zip(names, summed)), source_tokens=dict(zip(sources, summed[len(names):])))
 
     @property
     def finite(self) -> bool:
@@ -108,6 +113,7 @@ class StepRecorder:
                                   output_dir=str(self.output_dir))
         self.result.wandb_run_dir = self.logger.wandb_run_dir
         self.consumed_tokens = int(state.get("consumed_tokens", 0))
+        self.consumed_source_tokens = {k: int(v) for k, v in state.get("consumed_source_tokens", {}).items()}
         self.skipped_total = int(state.get("skipped_steps", 0))
         self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
         if claim.resume_path is not None:
@@ -133,6 +139,8 @@ class StepRecorder:
                 f"(loss={loss}), update skipped ({self.nonfinite_in_a_row} in a row)"
             )
         self.consumed_tokens += int(tokens)
+        for name, count in totals.source_tokens.items():
+            self.consumed_source_tokens[name] = self.consumed_source_tokens.get(name, 0) + int(count)
         elapsed = time.perf_counter() - started
         self.logger.log_step({
             "step": step,
@@ -150,6 +158,7 @@ class StepRecorder:
             "step_time_s": elapsed,
             "skipped": not finite,
             "run_id": self.claim.run_id,
+            **{f"tokens/{name}": int(count) for name, count in totals.source_tokens.items()},
         })
         self.result.losses[step] = loss
         self.result.final_step = step
@@ -187,6 +196,7 @@ class StepRecorder:
             "scheduler": scheduler.state_dict(),
             "data": merge_data_states(data_states),
             "consumed_tokens": self.consumed_tokens,
+            "consumed_source_tokens": self.consumed_source_tokens,
             "skipped_steps": self.skipped_total,
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
             "wandb_run_id": self.logger.wandb_run_id,

@@ -1,0 +1,263 @@
+"""Weighted blends of prepared directories (``data.blend``): which source each row comes from, resumably.
+
+* **Unit: rows, in rounds of ``num_streams``.** Global rows are grouped into rounds of
+  ``num_streams`` consecutive rows, and a round is taken whole from one source: its next
+  ``num_streams`` rows, i.e. one row of each of that source's streams. Every source is read by
+  the one-source loader (:mod:`.webdataset_loader`) with the run's ``num_streams``, so a
+  source's row ``k`` lives on its stream ``k % num_streams``, and a round's row at offset ``o``
+  is read by data-parallel rank ``o % dp``, the rank that owns the stream (``num_streams`` is a
+  multiple of ``dp``). So each rank reads only its own streams of every source, and a row's
+  source and content depend on the global row index alone, not on ``dp`` or the worker count.
+  Rows rather than documents because rows are what a step consumes (Megatron-Core blends its
+  samples, which are rows, too); document and token shares follow the row shares when the
+  sources' documents have similar lengths, and the per-source token counts are logged.
+* **Sampling rule.** Megatron-Core's error-minimising rule (``build_blending_indices`` in its
+  ``helpers.cpp``), applied to rounds: with normalised weights ``w`` and ``c_s`` rounds given
+  to source ``s`` so far, round ``n = sum(c)`` goes to the source with the largest
+  ``w_s * max(n, 1) - c_s``, the first one on ties. No randomness: the blend is a function of
+  the weights alone (the rows inside each source follow ``data.seed`` as for one source), and at
+  every prefix each source is within about one round of its share.
+* **Exact resume.** The state holds every source's one-source state (its stream positions and
+  the global rows it gave) plus the blend's own counter (global rows consumed). The rounds
+  each source had, ``rows_s // num_streams``, are the rule's whole state, so a resume continues
+  the same sequence: bit-exact under the same layout, and under any other ``dp`` and worker
+  count that divide ``num_streams`` (the same global rows, as for one source).
+* **Same blend.** A position only means something for the blend it was taken in; a resume
+  whose sources (names, order) or weights changed is refused unless the data restarts
+  (``checkpointing.load_data_state=false``). Sources must share the task, the mask id and the
+  tokenizer (:func:`check_compatible_sources`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from .dual_stream import DualStreamBatch, stack_dual_stream_batches
+from .prepare import tokenizer_dir_of
+from .webdataset_loader import LoaderSpec, RowItem, TrainDataIterator
+
+__all__ = [
+    "BlendSource",
+    "BlendedDataIterator",
+    "blend_names",
+    "check_compatible_sources",
+    "next_source",
+    "normalised_weights",
+    "tokenizer_fingerprint",
+]
+
+
+@dataclass(frozen=True)
+class BlendSource:
+    """One source of a blend: its name (for logs and the state), loader spec and raw weight."""
+
+    name: str
+    spec: LoaderSpec
+    weight: float
+
+
+def normalised_weights(weights: Sequence[float]) -> list[float]:
+    """Weights summing to 1; every weight must be finite and > 0."""
+    for i, w in enumerate(weights):
+        if not (math.isfinite(w) and w > 0):
+            raise ValueError(f"blend weight {i} is {w}; every weight must be a finite number > 0")
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def next_source(weights: Sequence[float], counts: Sequence[int]) -> int:
+    """The source of the next round: the largest ``w_s * max(n, 1) - c_s`` (Megatron-Core's
+    ``build_blending_indices``), the first on ties; ``n`` is the number of rounds so far."""
+    n = max(sum(counts), 1)
+    best, best_error = 0, weights[0] * n - counts[0]
+    for s in range(1, len(weights)):
+        error = weights[s] * n - counts[s]
+        if error > best_error:
+            best, best_error = s, error
+    return best
+
+
+def blend_names(paths: Sequence[str], names: Sequence[str | None]) -> list[str]:
+    """Each source's name: the given one, else the directory's basename, made unique with
+    ``-2``, ``-3``, ... Given names must be unique."""
+    given = [n for n in names if n]
+    duplicates = sorted({n for n in given if given.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"data.blend names {duplicates} are given to more than one source; give each a unique name")
+    taken = set(given)
+    out = []
+    for path, name in zip(paths, names):
+        if not name:
+            base = Path(path).resolve().name or "source"
+            name, k = base, 2
+            while name in taken:
+                name, k = f"{base}-{k}", k + 1
+            taken.add(name)
+        out.append(name)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Same format: task, ids, tokenizer
+# --------------------------------------------------------------------------------------------
+
+# Files that do not change what token ids mean: the config holds the chat template and the
+# loading options (e.g. the directory it was loaded from), not the vocabulary.
+_NOT_VOCABULARY = ("tokenizer_config.json", "chat_template.jinja", "chat_template.json")
+
+
+def tokenizer_fingerprint(data_dir: str | Path, manifest: dict[str, Any]) -> str:
+    """A hash of the tokenizer files a prepared directory was tokenized with (names and bytes
+    of every file but the config and the chat template)."""
+    directory = tokenizer_dir_of(data_dir, manifest)
+    digest = hashlib.sha256()
+    for file in sorted(p for p in directory.rglob("*") if p.is_file() and p.name not in _NOT_VOCABULARY):
+        digest.update(str(file.relative_to(directory)).encode() + b"\0" + file.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _format_of(data_dir: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "task": manifest["task"],
+        "mask token id": manifest["mask_token_id"],
+        "tokenizer length": manifest.get("tokenizer_length"),
+        "eos token id": manifest.get("eos_token_id"),
+        "pad token id": manifest.get("pad_token_id"),
+        "tokenizer files": tokenizer_fingerprint(data_dir, manifest),
+    }
+
+
+def check_compatible_sources(sources: Sequence[tuple[str, str, dict[str, Any]]]) -> None:
+    """Every source (name, directory, manifest) has the first one's task, mask id and tokenizer:
+    rows of one model must mean the same ids. Raises ValueError naming both sources."""
+    first_name, first_dir, first_manifest = sources[0]
+    reference = _format_of(first_dir, first_manifest)
+    for name, data_dir, manifest in sources[1:]:
+        current = _format_of(data_dir, manifest)
+        for key, value in reference.items():
+            if current[key] != value:
+                raise ValueError(
+                    f"data.blend sources '{first_name}' ({first_dir}) and '{name}' ({data_dir}) differ in their "
+                    f"{key}: {value!r} vs {current[key]!r}; every source must be prepared by tools/prepare_data.py "
+                    "for the same task with the same tokenizer (re-prepare one of them)"
+                )
+
+
+# --------------------------------------------------------------------------------------------
+# A rank's blended micro-batches
+# --------------------------------------------------------------------------------------------
+
+
+class BlendedDataIterator:
+    """Micro-batches for one rank from a blend, with the bookkeeping a checkpoint needs (the
+    same interface as :class:`~.webdataset_loader.TrainDataIterator`; see the module docstring).
+
+    Each source is one :class:`TrainDataIterator` (its own loader workers); the blend asks the
+    source of the current round for this rank's next row.
+    """
+
+    def __init__(
+        self,
+        sources: Sequence[BlendSource],
+        dp_rank: int,
+        dp_size: int,
+        micro_batch_size: int,
+        num_workers: int = 1,
+        prefetch_factor: int = 4,
+        state: dict[str, Any] | None = None,
+        allow_data_change: bool = False,
+    ) -> None:
+        if len({s.spec.num_streams for s in sources}) != 1:
+            raise ValueError("every blend source must use the same num_streams")
+        self.names = [s.name for s in sources]
+        self.weights = normalised_weights([s.weight for s in sources])
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.micro_batch_size = micro_batch_size
+        self.round_rows = sources[0].spec.num_streams
+        saved: list[dict[str, Any] | None] = [None] * len(sources)
+        rows_consumed = 0
+        if state is not None:
+            _check_blend_state(state, self.names, self.weights)
+            saved = list(state["sources"])
+            rows_consumed = int(state["rows_consumed"])
+        self.sources = [
+            TrainDataIterator(s.spec, dp_rank, dp_size, 1, num_workers=num_workers, prefetch_factor=prefetch_factor,
+                              state=st, allow_data_change=allow_data_change)
+            for s, st in zip(sources, saved)
+        ]
+        self.rows_consumed = rows_consumed  # global rows, all ranks
+        self._counts = [it.rows_consumed // self.round_rows for it in self.sources]  # whole rounds before this one
+        self._round = rows_consumed // self.round_rows
+        self._source = next_source(self.weights, self._counts)
+        self._check_consistent()
+        self._step_tokens = [0] * len(sources)
+
+    def _check_consistent(self) -> None:
+        """The sources' rows add up to the blend's, and a round in progress is the rule's."""
+        rows = [it.rows_consumed for it in self.sources]
+        partial = [s for s, n in enumerate(rows) if n % self.round_rows]
+        if sum(rows) != self.rows_consumed or partial not in ([], [self._source]) \
+                or bool(partial) != bool(self.rows_consumed % self.round_rows):
+            raise ValueError(
+                f"the checkpoint's blend state is inconsistent (rows per source {rows}, {self.rows_consumed} rows "
+                "in all); set checkpointing.load_data_state=false to restart the data"
+            )
+
+    def next_row(self) -> tuple[int, RowItem]:
+        """(source index, row) of this rank's next row."""
+        round_ = (self.rows_consumed + self.dp_rank) // self.round_rows
+        while self._round < round_:
+            self._counts[self._source] += 1
+            self._round += 1
+            self._source = next_source(self.weights, self._counts)
+        source = self._source
+        self.rows_consumed += self.dp_size  # every rank consumes in lockstep
+        return source, self.sources[source].next_row()
+
+    def next_microbatch(self) -> tuple[DualStreamBatch, int]:
+        """(stacked micro-batch, real tokens in it); per-source tokens go to :meth:`take_source_tokens`."""
+        rows = [self.next_row() for _ in range(self.micro_batch_size)]
+        for source, item in rows:
+            self._step_tokens[source] += item.num_tokens
+        return stack_dual_stream_batches([i.batch for _, i in rows]), sum(i.num_tokens for _, i in rows)
+
+    def take_source_tokens(self) -> dict[str, int]:
+        """Real tokens per source name since the last call (the loop calls it once a step)."""
+        out = dict(zip(self.names, self._step_tokens))
+        self._step_tokens = [0] * len(self.names)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "blend": [{"name": n, "weight": w} for n, w in zip(self.names, self.weights)],
+            "rows_consumed": self.rows_consumed,
+            "sources": [it.state_dict() for it in self.sources],
+            "dp_rank": self.dp_rank,
+            "dp_size": self.dp_size,
+        }
+
+
+def _check_blend_state(state: dict[str, Any], names: list[str], weights: list[float]) -> None:
+    """A saved blend position only means something for the same sources in the same order and weights."""
+    restart = "or set checkpointing.load_data_state=false to restart the data from the beginning"
+    if "blend" not in state:
+        raise ValueError(
+            f"the checkpoint's data position is of one source (data.path) but this run blends {len(names)} "
+            f"sources (data.blend); resume with the same data.path, {restart}"
+        )
+    saved = [(e["name"], float(e["weight"])) for e in state["blend"]]
+    current = list(zip(names, weights))
+    same = len(saved) == len(current) and all(
+        sn == cn and math.isclose(sw, cw, rel_tol=1e-9) for (sn, sw), (cn, cw) in zip(saved, current)
+    )
+    if not same:
+        def show(entries: list[tuple[str, float]]) -> str:
+            return ", ".join(f"{n}={w:.6g}" for n, w in entries)
+        raise ValueError(
+            f"the checkpoint's data position was saved with the blend [{show(saved)}] but this run's data.blend is "
+            f"[{show(current)}] (names, order and normalised weights); resume with the same data.blend, {restart}"
+        )
