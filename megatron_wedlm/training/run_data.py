@@ -42,6 +42,8 @@ def build_train_data(cfg: TrainConfig, state: dict[str, Any], dp_rank: int, dp_s
         seed=cfg.data.seed,
         shuffle=cfg.data.shuffle,
         task=cfg.trainer.task,
+        # AR SFT decodes left to right and stops at the first end token: no slot past it to train
+        num_learnable_end_tokens=cfg.wedlm.num_learnable_end_tokens if cfg.wedlm.enabled else 0,
     )
     data_state = state.get("data") if cfg.checkpointing.load_data_state else None
     return TrainDataIterator(
