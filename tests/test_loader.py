@@ -24,6 +24,7 @@ from megatron_wedlm.data.webdataset_loader import (
 from megatron_wedlm.data.webdataset_loader import _read_shard, _sample_order, _shard_order
 from megatron_wedlm.testing.tiny_models import build_tiny_tokenizer
 
+ROOT = Path(__file__).resolve().parents[1]
 SEQ = 64
 BLOCK = 4
 
@@ -335,3 +336,17 @@ def test_old_manifest_without_end_token_falls_back_to_eos(sft_dir, tmp_path):
     with pytest.warns(UserWarning, match="no end_token_id"):
         spec = _spec(tmp_path, num_streams=4, seq_length=96, num_learnable_end_tokens=8)
     assert spec.end_token_id == manifest["eos_token_id"]
+
+
+@pytest.mark.parametrize(("overrides", "appended"), [([], 7), (["wedlm.num_learnable_end_tokens=3"], 2),
+                                                     (["wedlm.enabled=false"], 0)], ids=["default", "n3", "ar"])
+def test_both_engines_read_sft_with_the_configured_end_tokens(sft_dir, overrides, appended):
+    """build_train_data is where both engines (Megatron, DeepSpeed) get their rows: WeDLM SFT
+    appends n-1 end tokens (default n=8, the reference's), AR SFT none."""
+    from megatron_wedlm.config import load_config
+    from megatron_wedlm.training.run_data import build_train_data
+
+    cfg = load_config(ROOT / "configs" / "sft" / "tiny_cpu.yaml", [f"data.path={sft_dir}", *overrides])
+    data = build_train_data(cfg, {}, 0, 1)
+    assert data.spec.appended_end_tokens == appended
+    assert data.state_dict()["appended_end_tokens"] == appended
