@@ -24,6 +24,7 @@ from megatron_wedlm.data.webdataset_loader import (
 from megatron_wedlm.data.webdataset_loader import _read_shard, _sample_order, _shard_order
 from megatron_wedlm.testing.tiny_models import build_tiny_tokenizer
 
+ROOT = Path(__file__).resolve().parents[1]
 SEQ = 64
 BLOCK = 4
 
@@ -221,6 +222,20 @@ def test_masks_differ_across_streams_and_repeat_for_the_same_row(pretrain_dir):
     assert a.seq_len == SEQ and int((~a.is_padding).sum()) % 2 == 0
 
 
+def _next_fit_rows(samples: list[tuple[list[int], int]], capacity: int) -> list[list[tuple[list[int], int]]]:
+    """Next-fit, written out: a sample that does not fit closes the row; only a sample longer than
+    a row is cut (into row-sized pieces), so a prompt stays with its response. Rows of
+    (piece, prompt length inside it)."""
+    rows: list[list[tuple[list[int], int]]] = [[]]
+    for tokens, prompt in samples:
+        for start in range(0, len(tokens), capacity):
+            piece = tokens[start : start + capacity]
+            if sum(len(d) for d, _ in rows[-1]) + len(piece) > capacity:
+                rows.append([])
+            rows[-1].append((piece, min(max(prompt - start, 0), len(piece))))
+    return rows
+
+
 def test_sft_rows_are_next_fit_and_never_mask_or_learn_prompts(sft_dir):
     spec = _spec(sft_dir, num_streams=4, seq_length=96)
     capacity = row_capacity(spec)
@@ -229,15 +244,7 @@ def test_sft_rows_are_next_fit_and_never_mask_or_learn_prompts(sft_dir):
         samples = _epoch_samples(spec, stream, 0)
         kept = [(t, p) for t, p in samples if p < min(capacity, len(t))]
         skipped += len(samples) - len(kept)
-        # next-fit, written out: a sample that does not fit closes the row; only a sample longer
-        # than a row is cut (into row-sized pieces), so a prompt stays with its response
-        expected_rows: list[list[tuple[list[int], int]]] = [[]]
-        for tokens, prompt in kept:
-            for start in range(0, len(tokens), capacity):
-                piece = tokens[start : start + capacity]
-                if sum(len(d) for d, _ in expected_rows[-1]) + len(piece) > capacity:
-                    expected_rows.append([])
-                expected_rows[-1].append((piece, min(max(prompt - start, 0), len(piece))))
+        expected_rows = _next_fit_rows(kept, capacity)
         rows = stream_rows(spec, stream, StreamPosition())
         for expected in expected_rows[:3]:
             batch = next(rows).batch
@@ -264,3 +271,82 @@ def test_memory_only_row_is_plain_next_token():
     mask = row.dense_attention_mask()
     assert not mask[4:, :4].any() and not mask[:4, 4:].any()  # documents isolated
     assert torch.equal(mask[:4, :4], torch.ones(4, 4, dtype=torch.bool).tril())
+
+
+def test_sft_rows_end_with_learnable_end_tokens(sft_dir):
+    """num_learnable_end_tokens=8: every sample is read as prompt + reply + 7 more end tokens
+    (the manifest's end_token_id, EOS for raw pairs) and packed next-fit as a whole; the appended
+    tokens are learnt as the reply is (AR targets, masked with weight 1/gamma) and no prompt is.
+    n=0 and n=1 rows equal the rows of a spec without the option."""
+    spec = _spec(sft_dir, num_streams=4, seq_length=96, num_learnable_end_tokens=8)
+    end = spec.end_token_id
+    assert (spec.appended_end_tokens, end) == (7, json.loads((sft_dir / "manifest.json").read_text())["eos_token_id"])
+    capacity = row_capacity(spec)
+    appended_masked = 0.0
+    for stream in range(spec.num_streams):
+        samples = [(t + [end] * 7, p) for t, p in _epoch_samples(spec, stream, 0)]
+        expected_rows = _next_fit_rows([(t, p) for t, p in samples if p < min(capacity, len(t))], capacity)
+        rows = stream_rows(spec, stream, StreamPosition())
+        for expected in expected_rows[:3]:
+            batch = next(rows).batch
+            assert _row_documents(batch) == [d for d, _ in expected]
+            for doc, (tokens, prompt_length) in enumerate(expected):
+                slots = batch.doc_ids == doc
+                memory = slots & batch.is_memory
+                labels = batch.ar_labels[memory]
+                assert (labels[: max(prompt_length - 1, 0)] == IGNORE_INDEX).all()  # prompt not learnt
+                assert labels[prompt_length:-1].tolist() == tokens[prompt_length + 1 :]  # reply and ends are
+                if tokens[-8:] == [end] * 8:  # the whole sample (not a piece cut before its end)
+                    tail = slots & (batch.position_ids >= len(tokens) - 7)
+                    appended_masked += float(batch.mlm_weights[tail & batch.is_masked].sum())
+                assert not (slots & (batch.position_ids < prompt_length) & batch.is_masked).any()
+    assert appended_masked > 0  # the appended ends are masked and weighted like reply tokens
+    plain = [next(stream_rows(_spec(sft_dir, num_streams=4, seq_length=96), s, StreamPosition())) for s in range(4)]
+    for n in (0, 1):
+        spec_n = _spec(sft_dir, num_streams=4, seq_length=96, num_learnable_end_tokens=n)
+        for s, row in enumerate(plain):
+            other = next(stream_rows(spec_n, s, StreamPosition()))
+            assert all(torch.equal(getattr(row.batch, f), getattr(other.batch, f)) for f in row.batch.tensor_field_names())
+
+
+def test_resume_with_other_end_tokens_is_refused(sft_dir):
+    """Rows (and stream positions inside them) depend on the appended end tokens: a data state
+    saved under one setting is refused under another; a state saved before the setting existed
+    counts as none appended."""
+    spec8 = _spec(sft_dir, num_streams=4, seq_length=96, num_learnable_end_tokens=8)
+    spec1 = _spec(sft_dir, num_streams=4, seq_length=96, num_learnable_end_tokens=1)
+    _, state = _global_rows(1, 0, 1, spec8)
+    with pytest.raises(ValueError, match="num_learnable_end_tokens=8"):
+        TrainDataIterator(spec1, 0, 1, 2, num_workers=0, state=state)
+    old = {k: v for k, v in state.items() if k != "appended_end_tokens"}
+    TrainDataIterator(spec1, 0, 1, 2, num_workers=0, state=old)
+    with pytest.raises(ValueError, match="num_learnable_end_tokens=1"):
+        TrainDataIterator(spec8, 0, 1, 2, num_workers=0, state=old)
+
+
+def test_old_manifest_without_end_token_falls_back_to_eos(sft_dir, tmp_path):
+    """Data prepared before end_token_id was recorded: EOS, said once (a warning)."""
+    for file in sft_dir.iterdir():
+        if file.is_file():
+            (tmp_path / file.name).symlink_to(file)
+    manifest = json.loads((sft_dir / "manifest.json").read_text())
+    del manifest["end_token_id"]
+    (tmp_path / "manifest.json").unlink()
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.warns(UserWarning, match="no end_token_id"):
+        spec = _spec(tmp_path, num_streams=4, seq_length=96, num_learnable_end_tokens=8)
+    assert spec.end_token_id == manifest["eos_token_id"]
+
+
+@pytest.mark.parametrize(("overrides", "appended"), [([], 7), (["wedlm.num_learnable_end_tokens=3"], 2),
+                                                     (["wedlm.enabled=false"], 0)], ids=["default", "n3", "ar"])
+def test_both_engines_read_sft_with_the_configured_end_tokens(sft_dir, overrides, appended):
+    """build_train_data is where both engines (Megatron, DeepSpeed) get their rows: WeDLM SFT
+    appends n-1 end tokens (default n=8, the reference's), AR SFT none."""
+    from megatron_wedlm.config import load_config
+    from megatron_wedlm.training.run_data import build_train_data
+
+    cfg = load_config(ROOT / "configs" / "sft" / "tiny_cpu.yaml", [f"data.path={sft_dir}", *overrides])
+    data = build_train_data(cfg, {}, 0, 1)
+    assert data.spec.appended_end_tokens == appended
+    assert data.state_dict()["appended_end_tokens"] == appended

@@ -138,6 +138,9 @@ def test_sft_chat_template_prompt_lengths(tmp_path, tokenizer_dir):
         assert tok.decode(tokens[:k]) == tok.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
         assert tok.decode(tokens[k:]) == messages[-1]["content"] + "<|im_end|>\n"
     assert read_manifest(tmp_path / "sft")["task"] == "sft"
+    # the reply ends "<|im_end|>\n": its last special token, not the newline nor EOS, ends a turn
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert im_end != tok.eos_token_id and read_manifest(tmp_path / "sft")["end_token_id"] == im_end
 
 
 def test_sft_without_template_needs_raw_mode(tmp_path, tokenizer_dir):
@@ -149,6 +152,7 @@ def test_sft_without_template_needs_raw_mode(tmp_path, tokenizer_dir):
     [(tokens, meta)] = read_shards(tmp_path / "raw")
     assert tok.decode(tokens[: meta["prompt_length"]]) == "1 2 3"
     assert tokens[meta["prompt_length"]:] == tok(" 4 5\n", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert read_manifest(tmp_path / "raw")["end_token_id"] == tok.eos_token_id
 
 
 def test_cli_summary_and_refusal_to_overwrite(tmp_path, tokenizer_dir):

@@ -45,11 +45,10 @@ def test_probe_equals_one_forward_per_cut(checkpoint):
     model, tokenizer = load_wedlm_model(checkpoint, device="cpu"), load_tokenizer(checkpoint)
     mask, window, penalty = model.config.mask_token_id, 6, 0.02
     examples = _examples(tokenizer)
-    stats = probe_masked_slots(model, examples, mask_token_id=mask, window_size=window, distance_penalty=penalty,
-                               taus=TAUS, rows_per_forward=5)  # several forwards per answer
     states, correct = [0] * window, [0] * window
     commits = {t: [0] * window for t in TAUS}
     wrong = {t: [0] * window for t in TAUS}
+    wrong_commits: list[tuple[float, int, int, int]] = []  # (tau, distance, predicted, reference)
     for prompt, answer in examples:
         for c in range(len(answer)):
             with torch.no_grad():
@@ -64,16 +63,34 @@ def test_probe_equals_one_forward_per_cut(checkpoint):
                     if h[d] + penalty * d < t:
                         commits[t][d] += 1
                         wrong[t][d] += not right
+                        if not right:
+                            wrong_commits.append((t, d, int(logits[d].argmax()), answer[c + d]))
+    # end tokens: the most frequent wrong prediction, and the most frequent reference of the other
+    # wrong commits, so that both early ends (an end predicted) and late ends (an end due) occur
+    predicted = [p for _, _, p, _ in wrong_commits]
+    common = max(set(predicted), key=predicted.count)
+    due = [r for _, _, p, r in wrong_commits if p != common and r != common]
+    ends = {common, max(set(due), key=due.count)}
+    early = {t: [0] * window for t in TAUS}
+    late = {t: [0] * window for t in TAUS}
+    for t, d, p, r in wrong_commits:
+        early[t][d] += p in ends and r not in ends
+        late[t][d] += r in ends and p not in ends
+    stats = probe_masked_slots(model, examples, mask_token_id=mask, window_size=window, distance_penalty=penalty,
+                               taus=TAUS, rows_per_forward=5, end_token_ids=ends)  # several forwards per answer
     assert [s.states for s in stats] == states
     assert states[0] == sum(len(a) for _, a in examples)
     assert [s.correct for s in stats] == correct
     for t in TAUS:
         assert [s.commits[t] for s in stats] == commits[t]
         assert [s.wrong[t] for s in stats] == wrong[t]
+        assert [s.early_end[t] for s in stats] == early[t] and [s.late_end[t] for s in stats] == late[t]
+    assert sum(early[TAUS[1]]) > 0 and sum(late[TAUS[1]]) > 0
     assert 0 < sum(commits[TAUS[0]]) < sum(commits[TAUS[1]])  # the taus separate: the check is not vacuous
     assert sum(wrong[TAUS[1]]) > 0
     table = format_probe(stats, TAUS, max_distance=3)
     assert f"{wrong[TAUS[0]][0]}/{commits[TAUS[0]][0]}" in table and len(table.splitlines()) == 3 + len(TAUS)
+    assert len(format_probe(stats, TAUS, max_distance=3, ends=True).splitlines()) == 3 + 3 * len(TAUS)
 
 
 def _cli():
@@ -95,6 +112,7 @@ def test_cli_reads_pairs_and_names_a_bad_line(checkpoint, tmp_path, capsys):
                for p, r in [("Count from 3 to 6:", " 3 4 5 6\n"), ("Repeat a b:", " a b\n")]]
     result = json.loads(out.read_text())["tasks"]["pairs.jsonl"]
     assert [d["states"] for d in result] == [sum(max(0, n - d) for n in lengths) for d in range(4)]
+    assert set(result[0]["early_end"]) == set(result[0]["late_end"]) == {"0.5", "2"}
     assert "2 answers" in capsys.readouterr().out
 
     pairs.write_text('{"prompt": "Count from 3 to 6:", "response": " 3 4 5 6\\n"}\n{"prompt": "x"}\n')

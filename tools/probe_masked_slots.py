@@ -7,7 +7,9 @@ table gives per distance d: the argmax accuracy, and per tau how many slots the 
 ``H + lambda * d < tau`` would commit on confidence alone and how many of them are wrong. Each
 wrong commit ends an answer wrong, so the columns show how far ahead a model can be trusted at a
 given tau: a seconds-long check of a training change, next to ``inference/evaluate.py``'s whole
-decodes (minutes).
+decodes (minutes). Rows "early end" and "late end" count the wrong commits that end an answer
+too early (EOS or the answer's final token, the newline that stops a built-in task's answer,
+where it goes on) or too late (anything else where it ends).
 
     python tools/probe_masked_slots.py --model outputs/quickstart/hf/wedlm --tasks counting:calibration
     python tools/probe_masked_slots.py --model HF_DIR --pairs sft.jsonl --taus 0.2,0.4 --json probe.json
@@ -99,14 +101,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.model}: {describe({k: values[k] for k in given}, sources)}", file=sys.stderr)
     results = {}
     for name, examples in _examples(args, tokenizer).items():
+        # what stops an answer: EOS, and the token each reference answer ends with (the built-in
+        # tasks' stop newline)
+        ends = {a[-1] for _, a in examples if a}
+        if tokenizer.eos_token_id is not None:
+            ends.add(tokenizer.eos_token_id)
         stats = probe_masked_slots(model, examples, mask_token_id=find_mask_token_id(model, tokenizer),
                                    window_size=values["window_size"],
-                                   distance_penalty=values["distance_penalty"], taus=taus)
+                                   distance_penalty=values["distance_penalty"], taus=taus, end_token_ids=ends)
         print(f"\n{name}: {len(examples)} answers, first predictions of the masks after each cut")
-        print(format_probe(stats, taus, args.max_distance))
+        print(format_probe(stats, taus, args.max_distance, ends=True))
         results[name] = [{"distance": s.distance, "states": s.states, "correct": s.correct,
                           "commits": {f"{t:g}": s.commits[t] for t in taus},
-                          "wrong": {f"{t:g}": s.wrong[t] for t in taus}} for s in stats]
+                          "wrong": {f"{t:g}": s.wrong[t] for t in taus},
+                          "early_end": {f"{t:g}": s.early_end[t] for t in taus},
+                          "late_end": {f"{t:g}": s.late_end[t] for t in taus}} for s in stats]
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"model": args.model, "window_size": values["window_size"],

@@ -84,6 +84,10 @@ class WeDLMConfig:
     mask_eps: float = 1e-8
     loss_weighting: str = "inverse_ratio"  # inverse_ratio (1/gamma) | uniform
     ar_weight: float = 1.0  # total = (mlm + w * ar) / (1 + w); 0 disables the AR loss
+    # SFT with enabled=true: learnt end tokens per reply = its own end token + n-1 copies appended after
+    # the rendered sample (the reference finetune's num_learnable_im_end), so decoding-window slots past a
+    # reply's end learn to predict the end; 0 or 1 appends nothing; AR SFT and pretraining: unused
+    num_learnable_end_tokens: int = 8
 
 
 @dataclass
@@ -280,6 +284,7 @@ _NON_NEGATIVE = (
     "data.num_workers", "checkpointing.save_interval", "checkpointing.keep_last",
     "optimizer.min_lr", "optimizer.warmup_steps", "optimizer.weight_decay",
     "optimizer.clip_grad", "wedlm.ar_weight", "data.seed", "trainer.seed",
+    "wedlm.num_learnable_end_tokens",
 )
 
 

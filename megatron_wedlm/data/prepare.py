@@ -7,7 +7,10 @@ What a prepared directory holds (the contract with :mod:`.webdataset_loader`):
   ``prompt_length`` is 0 for pretraining).
 * ``tokenizer/``: the tokenizer used, saved with the mask token added if it had none.
 * ``manifest.json``: task, shard list with sample/token counts, ``mask_token_id``,
-  ``eos_token_id``, tokenizer length, and how many input lines were skipped and why.
+  ``eos_token_id``, tokenizer length, and how many input lines were skipped and why; for SFT also
+  ``end_token_id``, the token that ends a reply (the last special token of the first rendered
+  reply, e.g. the chat template's ``<|im_end|>``; EOS for raw pairs): the loader appends copies of
+  it as learnable end tokens (``wedlm.num_learnable_end_tokens``).
 
 Pretraining inputs: ``.jsonl`` lines ``{"text": ...}`` or plain text files (one document per
 file, paragraph or line; see ``text_unit``). Text is tokenized with special-token parsing off,
@@ -104,6 +107,7 @@ class PrepareSummary:
     num_shards: int = 0
     mask_token_id: int = -1
     mask_token_added: bool = False
+    end_token_id: int | None = None  # SFT: the token that ends a reply (see _reply_end_token)
     bad_lines: int = 0
     bad_by_reason: dict[str, int] = field(default_factory=dict)
     invalid_utf8: dict[str, dict[str, int]] = field(default_factory=dict)  # file -> bytes, lines, first_line
@@ -399,6 +403,27 @@ def _render_raw(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], i
     return prompt + reply, len(prompt)
 
 
+def _reply_end_token(tokenizer, sample: Sample) -> int | None:
+    """The last special token of a rendered reply: what ends a turn (a chat template's
+    ``<|im_end|>`` before its trailing newline, or the raw pairs' EOS); None if it has none."""
+    special = set(tokenizer.all_special_ids)
+    special.update(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
+    for token in reversed(sample.tokens[sample.prompt_length:]):
+        if token in special:
+            return int(token)
+    return None
+
+
+def _recording_end_token(
+    tokenizer, samples: Iterable[Sample | BadLine], summary: PrepareSummary
+) -> Iterator[Sample | BadLine]:
+    """``samples`` unchanged; the first reply with a special token names ``summary.end_token_id``."""
+    for item in samples:
+        if summary.end_token_id is None and isinstance(item, Sample):
+            summary.end_token_id = _reply_end_token(tokenizer, item)
+        yield item
+
+
 def _sft_samples(tokenizer, records, raw: bool) -> Iterator[Sample | BadLine]:
     render = _render_raw if raw else _render_chat
     for record in records:
@@ -517,12 +542,16 @@ def prepare_dataset(
         samples = _sft_samples(tokenizer, _sft_conversations(files, decoder), raw_sft)
 
     summary = PrepareSummary(task=task, output_dir=str(out), mask_token_id=mask_id, mask_token_added=added)
+    if task == "sft":
+        samples = _recording_end_token(tokenizer, samples, summary)
     with atomic_output_dir(out, inputs=read, overwrite=overwrite) as staging:
         shards = _write_samples(samples, staging, samples_per_shard, mask_id, summary, report, max_reported)
         if summary.num_samples == 0:
             raise ValueError(f"no usable samples in {len(files)} input file(s); {summary.bad_lines} bad lines")
         summary.num_shards = len(shards)
         summary.invalid_utf8 = decoder.replaced
+        if task == "sft" and summary.end_token_id is None:
+            summary.end_token_id = tokenizer.eos_token_id
         for file, entry in decoder.replaced.items():
             report(f"{file}:{entry['first_line']}: replaced {entry['bytes']} invalid UTF-8 byte(s) on "
                    f"{entry['lines']} line(s) by U+FFFD")
@@ -577,6 +606,7 @@ def _manifest(
         "mask_token": tokenizer.mask_token,
         "mask_token_id": summary.mask_token_id,
         "eos_token_id": tokenizer.eos_token_id,
+        **({"end_token_id": summary.end_token_id} if summary.task == "sft" else {}),
         "pad_token_id": tokenizer.pad_token_id,
         "tokenizer_length": len(tokenizer),
         "num_samples": summary.num_samples,

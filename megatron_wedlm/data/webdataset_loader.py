@@ -34,6 +34,12 @@ How samples reach a rank (and why it is done this way):
   streams) and ``seq_length`` tokens for AR (``wedlm.enabled=false``, memory stream only),
   rounded down to whole blocks. SFT samples whose prompt fills a whole row cannot be learnt
   and are skipped (counted in the position's ``skipped``).
+* **Learnable end tokens.** WeDLM SFT reads every sample with ``appended_end_tokens``
+  (``wedlm.num_learnable_end_tokens - 1``) copies of the reply's end token appended, as the
+  reference finetune's ``num_learnable_im_end`` does: they belong to the reply (learnt, masked
+  like it), so the decoding window's slots past a reply's end learn to predict the end. They are
+  appended before packing, so the rules above apply to the longer sample unchanged; nothing is
+  truncated, hence no room is reserved (the reference truncates to ``max_len - (n - 1)`` first).
 * **Same data.** A position only means something for the shards it was taken in. The state
   records a fingerprint of the shard set (every shard's name, size, sample and token count, in
   manifest order); a resume on a different shard set is refused, unless the run sets
@@ -51,6 +57,7 @@ import io
 import json
 import multiprocessing as mp
 import random
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -119,8 +126,14 @@ class LoaderSpec:
     seed: int = 1234
     shuffle: bool = True
     shards_fingerprint: str = ""  # see shards_fingerprint(); empty: not known (no check)
+    appended_end_tokens: int = 0  # copies of end_token_id appended to every SFT sample (learnt)
+    end_token_id: int = -1  # the token that ends a reply in the prepared data (manifest end_token_id)
 
     def __post_init__(self) -> None:
+        if self.appended_end_tokens < 0:
+            raise ValueError(f"appended_end_tokens must be >= 0, got {self.appended_end_tokens}")
+        if self.appended_end_tokens and (self.task != "sft" or self.end_token_id < 0):
+            raise ValueError("appended_end_tokens needs SFT data and the reply's end_token_id")
         if self.num_streams < 1:
             raise ValueError(f"num_streams must be >= 1, got {self.num_streams}")
         if len(self.shard_paths) < self.num_streams:
@@ -178,8 +191,13 @@ def loader_spec_from_manifest(
     seed: int = 1234,
     shuffle: bool = True,
     task: str | None = None,
+    num_learnable_end_tokens: int = 0,
 ) -> LoaderSpec:
-    """A :class:`LoaderSpec` for a directory written by ``tools/prepare_data.py``."""
+    """A :class:`LoaderSpec` for a directory written by ``tools/prepare_data.py``.
+
+    ``num_learnable_end_tokens`` (SFT only; 0 or 1: none) appends ``n - 1`` copies of the
+    manifest's ``end_token_id`` to every sample (see the module docstring).
+    """
     manifest = read_manifest(data_dir)
     if task is not None and manifest["task"] != task:
         raise ValueError(
@@ -197,6 +215,8 @@ def loader_spec_from_manifest(
         pad = manifest.get("eos_token_id")
     if pad is None:
         pad = recorded
+    appended = max(0, num_learnable_end_tokens - 1) if manifest["task"] == "sft" else 0
+    end_token = _end_token_id(data_dir, manifest) if appended else -1
     return LoaderSpec(
         data_dir=str(data_dir),
         shard_paths=tuple(s["path"] for s in manifest["shards"]),
@@ -213,7 +233,30 @@ def loader_spec_from_manifest(
         seed=seed,
         shuffle=shuffle,
         shards_fingerprint=shards_fingerprint(data_dir, manifest["shards"]),
+        appended_end_tokens=appended,
+        end_token_id=end_token,
     )
+
+
+def _end_token_id(data_dir: str | Path, manifest: dict[str, Any]) -> int:
+    """The token that ends a reply: the manifest's ``end_token_id``; data prepared before it was
+    recorded falls back to ``eos_token_id`` (right for ``--raw-sft`` data, which ends replies with
+    EOS; a chat template may end them with another token, e.g. ``<|im_end|>``), said once."""
+    if manifest.get("end_token_id") is not None:
+        return int(manifest["end_token_id"])
+    eos = manifest.get("eos_token_id")
+    if eos is None:
+        raise ValueError(
+            f"{data_dir}/manifest.json records neither end_token_id nor eos_token_id: re-prepare the data with "
+            "tools/prepare_data.py, or set wedlm.num_learnable_end_tokens=1 to append no end tokens"
+        )
+    warnings.warn(
+        f"{data_dir}/manifest.json has no end_token_id (prepared by an older tools/prepare_data.py): the "
+        f"learnable end tokens appended to each reply are eos_token_id={eos}. Right for --raw-sft data; for "
+        "chat-template data re-prepare it, so the template's end-of-turn token is recorded",
+        stacklevel=2,
+    )
+    return int(eos)
 
 
 # --------------------------------------------------------------------------------------------
@@ -270,6 +313,8 @@ def _samples(spec: LoaderSpec, stream: int, start: StreamPosition) -> Iterator[_
             while pos.sample_cursor < len(order):
                 tokens, prompt = samples[order[pos.sample_cursor]]
                 prompt = prompt if spec.task == "sft" else 0
+                if spec.appended_end_tokens:
+                    tokens = np.concatenate([tokens, np.full(spec.appended_end_tokens, spec.end_token_id, tokens.dtype)])
                 if prompt >= min(capacity, len(tokens)):
                     pos.skipped += 1
                     pos.sample_cursor += 1
@@ -480,6 +525,7 @@ class TrainDataIterator:
             "shuffle": self.spec.shuffle,
             "num_shards": len(self.spec.shard_paths),
             "shards_fingerprint": self.spec.shards_fingerprint,
+            "appended_end_tokens": self.spec.appended_end_tokens,
             "rows_consumed": self.rows_consumed,
             "positions": {str(k): asdict(v) for k, v in sorted(self.positions.items())},
             "dp_rank": self.dp_rank,
@@ -492,6 +538,8 @@ def _fork_ok() -> bool:
 
 
 _STATE_KEYS = ("num_streams", "seed", "seq_length", "wedlm", "block_size", "shuffle", "num_shards")
+#: Row-format keys a state saved before they existed lacks, with the value such a state had.
+_STATE_DEFAULTS = {"appended_end_tokens": 0}
 
 
 def _check_state_matches(state: dict[str, Any], spec: LoaderSpec, allow_data_change: bool = False) -> None:
@@ -519,6 +567,14 @@ def _check_state_matches(state: dict[str, Any], spec: LoaderSpec, allow_data_cha
                 "data.seq_length, data.shuffle, wedlm.block_size/enabled, same shards), or set "
                 "checkpointing.load_data_state=false to restart the data from the beginning"
             )
+    appended = state.get("appended_end_tokens", _STATE_DEFAULTS["appended_end_tokens"])
+    if appended != spec.appended_end_tokens:
+        raise ValueError(
+            f"the checkpoint's data position was saved with {appended} end token(s) appended to every SFT reply "
+            f"but this run appends {spec.appended_end_tokens}: its rows and stream positions would differ. Resume "
+            f"with wedlm.num_learnable_end_tokens={appended + 1}, or set checkpointing.load_data_state=false to "
+            "restart the data from the beginning"
+        )
     saved = state.get("shards_fingerprint")
     if saved and spec.shards_fingerprint and saved != spec.shards_fingerprint and not allow_data_change:
         raise ValueError(
@@ -546,7 +602,7 @@ def merge_data_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
         sources = [merge_data_states([state["sources"][i] for state in states]) for i in range(len(first["sources"]))]
         return {"blend": first["blend"], "rows_consumed": first["rows_consumed"], "sources": sources}
     dp = int(first["dp_size"])
-    merged = {k: first[k] for k in (*_STATE_KEYS, "rows_consumed", "shards_fingerprint") if k in first}
+    merged = {k: first[k] for k in (*_STATE_KEYS, *_STATE_DEFAULTS, "rows_consumed", "shards_fingerprint") if k in first}
     positions: dict[str, Any] = {}
     for state in states:
         if state["rows_consumed"] != first["rows_consumed"]:

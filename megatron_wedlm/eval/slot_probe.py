@@ -17,6 +17,11 @@ lambda)`` a model can afford (each one ends an answer as wrong) and whether trai
 decoder, is what fails. A typical finding on a small model: nearly all wrong commits are an
 end-of-text predicted a few slots ahead, where the answer goes on (docs/quickstart.md).
 
+Given the end tokens (``end_token_ids``: what stops an answer, e.g. EOS and the built-in tasks'
+closing newline), the wrong commits are also split by how they end the answer: an *early end*
+commits an end token where the answer goes on, a *late end* commits something else where the
+answer ends (the answer then runs past its end).
+
 The cuts of one example go through a forward together as right-padded rows: attention is
 causal, so the padding after a row's last slot changes none of that row's logits. The mask token
 is never a prediction (its logit is excluded, as in the decoder).
@@ -24,7 +29,7 @@ is never a prediction (its logit is excluded, as in the decoder).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +46,8 @@ class DistanceStats:
     correct: int = 0
     commits: dict[float, int] = field(default_factory=dict)  # tau -> slots filled on confidence alone
     wrong: dict[float, int] = field(default_factory=dict)  # tau -> of those, wrong tokens
+    early_end: dict[float, int] = field(default_factory=dict)  # tau -> wrong commits of an end token
+    late_end: dict[float, int] = field(default_factory=dict)  # tau -> wrong commits where an end token was due
 
     @property
     def accuracy(self) -> float:
@@ -57,16 +64,20 @@ def probe_masked_slots(
     distance_penalty: float,
     taus: Sequence[float],
     rows_per_forward: int = 32,
+    end_token_ids: Collection[int] = (),
 ) -> list[DistanceStats]:
     """Per distance ``0 .. window_size - 1``, the first predictions over every cut of every
     ``(prompt_ids, answer_ids)`` example (see the module docstring).
 
     Like the decoder, the output layer runs on the mask slots only, and at most
     ``rows_per_forward`` cuts share a forward, so memory stays bounded on large-vocabulary models.
+    ``end_token_ids`` splits out the early and late ends among the wrong commits.
     """
     if window_size < 1 or rows_per_forward < 1:
         raise ValueError(f"window_size and rows_per_forward must be >= 1, got {window_size}, {rows_per_forward}")
-    stats = [DistanceStats(d, commits={t: 0 for t in taus}, wrong={t: 0 for t in taus}) for d in range(window_size)]
+    ends = set(end_token_ids)
+    stats = [DistanceStats(d, commits={t: 0 for t in taus}, wrong={t: 0 for t in taus},
+                           early_end={t: 0 for t in taus}, late_end={t: 0 for t in taus}) for d in range(window_size)]
     penalty = distance_penalty * torch.arange(window_size, dtype=torch.float32)
     body, head, device = model.base_model, model.get_output_embeddings(), model.device
     for prompt, answer in examples:
@@ -85,7 +96,8 @@ def probe_masked_slots(
             predicted = logits.argmax(dim=-1)
             for row, c in enumerate(cuts):
                 for d in range(min(window_size, len(answer) - c)):
-                    right = int(predicted[row, d]) == answer[c + d]
+                    token, reference = int(predicted[row, d]), answer[c + d]
+                    right = token == reference
                     s = stats[d]
                     s.states += 1
                     s.correct += right
@@ -93,11 +105,16 @@ def probe_masked_slots(
                         if adjusted[row, d] < tau:
                             s.commits[tau] += 1
                             s.wrong[tau] += not right
+                            s.early_end[tau] += not right and token in ends and reference not in ends
+                            s.late_end[tau] += not right and reference in ends and token not in ends
     return stats
 
 
-def format_probe(stats: Sequence[DistanceStats], taus: Sequence[float], max_distance: int | None = None) -> str:
-    """A table: one column per distance, rows for accuracy and ``wrong/committed`` per tau."""
+def format_probe(
+    stats: Sequence[DistanceStats], taus: Sequence[float], max_distance: int | None = None, ends: bool = False
+) -> str:
+    """A table: one column per distance, rows for accuracy and ``wrong/committed`` per tau (and,
+    with ``ends``, the early and late ends among the wrong commits per tau)."""
     shown = [s for s in stats if s.states and (max_distance is None or s.distance <= max_distance)]
     cell = 11
     lines = ["distance d".ljust(16) + "".join(f"{s.distance:>{cell}}" for s in shown),
@@ -106,4 +123,7 @@ def format_probe(stats: Sequence[DistanceStats], taus: Sequence[float], max_dist
     for tau in taus:
         lines.append(f"wrong/commit {tau:g}".ljust(16)
                      + "".join(f"{s.wrong[tau]:>{cell - 6}}/{s.commits[tau]:<5}" for s in shown))
+    for tau in taus if ends else ():
+        lines.append(f"early end {tau:g}".ljust(16) + "".join(f"{s.early_end[tau]:>{cell}}" for s in shown))
+        lines.append(f"late end {tau:g}".ljust(16) + "".join(f"{s.late_end[tau]:>{cell}}" for s in shown))
     return "\n".join(lines)

@@ -67,6 +67,8 @@ def _loader_spec(cfg: TrainConfig, data_dir: str) -> LoaderSpec:
             seed=cfg.data.seed,
             shuffle=cfg.data.shuffle,
             task=cfg.trainer.task,
+            # AR SFT decodes left to right and stops at the first end token: no slot past it to train
+            num_learnable_end_tokens=cfg.wedlm.num_learnable_end_tokens if cfg.wedlm.enabled else 0,
         )
     except ValueError as err:
         if cfg.data.blend is None:
