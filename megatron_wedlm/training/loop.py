@@ -13,7 +13,7 @@ differentiated and logged.
 One step: fetch ``num_microbatches`` micro-batches, compute the global loss denominators, let
 the engine compute gradients, sum the step's losses, token counts and gradient health over the
 ranks (one all-reduce), have the engine apply the update only when everything is finite,
-advance the lr schedule on applied updates, log, save. A non-finite step is skipped (weights
+advance the lr schedule on applied updates, validate when due (:mod:`.validation`), log, save. A non-finite step is skipped (weights
 and optimizer state untouched), logged, and after ``trainer.max_consecutive_nonfinite`` in a
 row the run stops with :class:`NonFiniteLossError`.
 """
@@ -33,9 +33,10 @@ from .engine import Engine, RankRole, StepUpdate
 from .megatron_engine import MegatronEngine
 from .objective import Objective
 from .optimization import build_scheduler, current_lr
-from .run_data import build_train_data, read_run_manifest
+from .run_data import build_train_data, build_valid_data, read_run_manifest
 from .run_dir import RunClaim, claim_output_dir
 from .step_record import NonFiniteLossError, StepRecorder, StepTotals, TrainResult, result_dict
+from .validation import Validator
 
 __all__ = ["Engine", "NonFiniteLossError", "RankRole", "StepUpdate", "TrainResult", "bf16_enabled", "result_dict",
            "run_training"]
@@ -90,6 +91,11 @@ def _train(cfg: TrainConfig, engine: Engine, role: RankRole, claim: RunClaim, de
         f"{num_microbatches} micro-batches of {micro_batch} x {cfg.data.seq_length}, "
         f"steps {recorder.start_step + 1}..{recorder.end_step}, device {device.type}, {'bf16' if bf16 else 'fp32'}"
     )
+    valid_rows = build_valid_data(cfg, role.dp_rank, role.dp_size)
+    validator = None
+    if valid_rows is not None:
+        validator = Validator(cfg, valid_rows, objective, role, device, recorder.end_step)
+        logger.message(validator.describe())
 
     try:
         for step in recorder.steps():
@@ -112,7 +118,10 @@ def _train(cfg: TrainConfig, engine: Engine, role: RankRole, claim: RunClaim, de
             update = engine.optimizer_step(apply=totals.finite)
             if update.applied:
                 scheduler.step(increment=1)
-            due = recorder.record(step, started=started, totals=totals, lr=lr, grad_norm=update.grad_norm)
+            trained = time.perf_counter()
+            valid = validator.run(engine) if validator is not None and validator.due(step) else None
+            due = recorder.record(step, started=started, totals=totals, lr=lr, grad_norm=update.grad_norm,
+                                  ended=trained, valid=valid)
             if due:
                 trainer_state = recorder.trainer_state(scheduler, data)
                 recorder.saved(engine.save(step, trainer_state, {"config.yaml": recorder.config_yaml}))

@@ -45,6 +45,8 @@ class TrainResult:
     final_step: int
     start_step: int
     losses: dict[int, float] = field(default_factory=dict)  # step -> logged loss (all steps run)
+    # step -> {"loss", "mlm_loss", "ar_loss"} of the validations this run made
+    valid_losses: dict[int, dict[str, float]] = field(default_factory=dict)
     skipped_steps: list[int] = field(default_factory=list)
     checkpoints: list[str] = field(default_factory=list)
     wandb_run_dir: str | None = None
@@ -112,10 +114,12 @@ class StepRecorder:
     def steps(self) -> range:
         return range(self.start_step + 1, self.end_step + 1)
 
-    def record(self, step: int, *, started: float, totals: StepTotals, lr: float, grad_norm: float) -> bool:
-        """Log step ``step`` (begun at ``time.perf_counter() == started``; its update was applied
-        when ``totals.finite``); raise :class:`NonFiniteLossError` on too many skips in a row.
-        Returns whether a checkpoint is due now."""
+    def record(self, step: int, *, started: float, totals: StepTotals, lr: float, grad_norm: float,
+               ended: float | None = None, valid: dict[str, Any] | None = None) -> bool:
+        """Log step ``step`` (begun at ``time.perf_counter() == started``, its training done at
+        ``ended`` (default: now); its update was applied when ``totals.finite``) with the ``valid/*``
+        numbers of a validation after it; raise :class:`NonFiniteLossError` on too many skips in a
+        row. Returns whether a checkpoint is due now."""
         finite, loss, tokens = totals.finite, totals.loss, totals.tokens
         if finite:
             self.nonfinite_in_a_row = 0
@@ -128,7 +132,13 @@ class StepRecorder:
                 f"(loss={loss}), update skipped ({self.nonfinite_in_a_row} in a row)"
             )
         self.consumed_tokens += int(tokens)
-        elapsed = time.perf_counter() - started
+        elapsed = (time.perf_counter() if ended is None else ended) - started
+        if valid is not None:
+            self.result.valid_losses[step] = {k: float(valid[f"valid/{k}"]) for k in ("loss", "mlm_loss", "ar_loss")}
+            self.logger.message(
+                f"step {step}: validation loss {valid['valid/loss']:.4f} (mlm {valid['valid/mlm_loss']:.4f}, "
+                f"ar {valid['valid/ar_loss']:.4f}; {valid['valid/tokens']} tokens, {valid['valid/time_s']:.2f} s)"
+            )
         self.logger.log_step({
             "step": step,
             "loss": loss,
@@ -144,6 +154,7 @@ class StepRecorder:
             "step_time_s": elapsed,
             "skipped": not finite,
             "run_id": self.claim.run_id,
+            **(valid or {}),
         })
         self.result.losses[step] = loss
         self.result.final_step = step
