@@ -157,7 +157,9 @@ class MetricsLogger:
         with open(self.path, "a") as handle:
             handle.write(json.dumps({k: _json_number(v) for k, v in record.items()}) + "\n")
         if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}, step=step)
+            # committed now, so the row's automatic summary precedes the explicit one written at close
+            self.wandb_run.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}, step=step,
+                               commit=True)
 
     def message(self, text: str) -> None:
         """A line for the console that does not break the progress bar."""
