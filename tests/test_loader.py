@@ -271,7 +271,11 @@ def test_memory_only_row_is_plain_next_token():
 # --------------------------------------------------------------------------------------------
 
 
+ROOT_CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "pretrain" / "tiny_cpu.yaml")
+
+
 def _valid_rows(pretrain_dir: Path, dp_rank: int, dp_size: int, *overrides: str):
+    """This rank's validation rows as a run of the tiny config builds them (held out: the same directory)."""
     from megatron_wedlm.config import load_config
     from megatron_wedlm.training.run_data import build_valid_data
 
@@ -279,9 +283,6 @@ def _valid_rows(pretrain_dir: Path, dp_rank: int, dp_size: int, *overrides: str)
                                     f"data.seq_length={SEQ}", f"wedlm.block_size={BLOCK}", "data.micro_batch_size=2",
                                     "data.global_batch_size=4", "trainer.eval_iters=3", *overrides])
     return build_valid_data(cfg, dp_rank, dp_size)
-
-
-ROOT_CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "pretrain" / "tiny_cpu.yaml")
 
 
 def _rows(batches) -> list[dict[str, torch.Tensor]]:
@@ -309,6 +310,7 @@ def test_validation_rows_are_dealt_to_data_parallel_ranks_as_training_rows(pretr
 
 
 def test_validation_rows_wrap_around_a_short_directory_and_say_so(pretrain_dir):
+    from megatron_wedlm.config import load_config
     from megatron_wedlm.training.engine import RankRole
     from megatron_wedlm.training.objective import Objective
     from megatron_wedlm.training.validation import Validator
@@ -316,9 +318,7 @@ def test_validation_rows_wrap_around_a_short_directory_and_say_so(pretrain_dir):
     short = _valid_rows(pretrain_dir, 0, 1, "trainer.eval_iters=100")  # 400 rows: more than 120 documents fill
     assert short.passes > 1 and short.rows == 400
     assert _valid_rows(pretrain_dir, 0, 1).passes == 1
-    role = RankRole(0, 1, True, True, True, None)
-    from megatron_wedlm.config import load_config
-
+    role = RankRole(dp_rank=0, dp_size=1, is_logger=True, reports_losses=True, counts_tokens=True, loss_group=None)
     cfg = load_config(ROOT_CONFIG, ["trainer.eval_interval=50"])
     said = Validator(cfg, short, Objective(), role, torch.device("cpu"), end_step=120).describe()
     assert f"documents are read {short.passes} times" in said and "every 50 steps and after step 120" in said

@@ -177,7 +177,8 @@ def test_valid_fraction_holds_out_a_stable_share_into_a_prepared_directory(tmp_p
     from megatron_wedlm.data.prepare import holds_out, tokenizer_dir_of
 
     src = write_lines(tmp_path / "docs.jsonl", [json.dumps({"text": f"document number {i}"}) for i in range(200)])
-    args = ["--input", str(src), "--tokenizer", str(tokenizer_dir), "--samples-per-shard", "16", "--valid-fraction", "0.1"]
+    args = ["--input", str(src), "--tokenizer", str(tokenizer_dir), "--samples-per-shard", "16",
+            "--valid-fraction", "0.1"]
     assert _prepare_tool([*args, "--output", str(tmp_path / "a")]) == 0
     printed = capsys.readouterr().out
     assert _prepare_tool([*args, "--output", str(tmp_path / "b")]) == 0

@@ -9,7 +9,7 @@ alternately (A B A B ...) so background load hits both alike; per variant the me
 
 * ``mean step``: wall time per training step as the run experiences it, read from
   ``metrics.jsonl``: the steps' ``step_time_s`` plus the validations' ``valid/time_s``, over the
-  steps (validation amortised over its interval);
+  steps (validation amortised over its interval), leaving out the first ``--warmup`` steps;
 * ``validation``: one evaluation (``eval_iters`` global batches, forward only);
 * ``rows built``: building the fixed validation rows once at the start of a run (not in the steps).
 
@@ -38,10 +38,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-interval", type=int, default=100, help="trainer.eval_interval of the validating run")
     p.add_argument("--eval-iters", type=int, default=10, help="trainer.eval_iters (global batches per validation)")
     p.add_argument("--repeats", type=int, default=2, help="runs per variant (alternating)")
+    p.add_argument("--warmup", type=int, default=10, help="first steps of each run left out of the mean")
     p.add_argument("--json", action="store_true", help="print only the JSON result")
     args = p.parse_args(argv)
     if min(args.steps, args.eval_interval, args.eval_iters, args.repeats) < 1:
         p.error("--steps, --eval-interval, --eval-iters and --repeats must be >= 1")
+    if not 0 <= args.warmup < args.steps:
+        p.error("--warmup must be in [0, --steps)")
     return args
 
 
@@ -59,8 +62,9 @@ def prepare(root: Path) -> Path:
     return root / "data"
 
 
-def run_worker(data: str, out: str, steps: int, validation: list[str]) -> dict:
-    """One run in this process (a rank of a one-process launch): its per-step wall times."""
+def run_worker(data: str, out: str, steps: int, warmup: int, validation: list[str]) -> dict:
+    """One run in this process (a rank of a one-process launch): its step and validation wall
+    times after the first ``warmup`` steps."""
     import torch
 
     from megatron_wedlm.config import load_config
@@ -74,7 +78,7 @@ def run_worker(data: str, out: str, steps: int, validation: list[str]) -> dict:
         "logging.log_interval=1", "checkpointing.save_interval=0", "checkpointing.save_at_end=false", *validation,
     ])
     run_training(cfg)
-    records = read_metrics(out)
+    records = [r for r in read_metrics(out) if r["step"] > warmup]
     built = None
     if cfg.data.valid_path is not None:
         started = time.perf_counter()
@@ -104,18 +108,18 @@ def main(argv: list[str] | None = None) -> int:
                 out = Path(tmp) / f"{name.replace(' ', '-')}-{repeat}"
                 validation = [o.format(data=data) for o in overrides]
                 env = {"OMP_NUM_THREADS": "1"}
-                result = run_distributed(run_worker, 1, str(data), str(out), args.steps, validation, env=env,
-                                         timeout_s=3600)[0]
+                result = run_distributed(run_worker, 1, str(data), str(out), args.steps, args.warmup, validation,
+                                         env=env, timeout_s=3600)[0]
                 measured[name].append(result)
 
     def mean_step(run: dict) -> float:
-        return (run["steps"] + sum(run["validations"])) / args.steps
+        return (run["steps"] + sum(run["validations"])) / (args.steps - args.warmup)
 
     without = statistics.median(mean_step(r) for r in measured["no validation"])
     with_valid = statistics.median(mean_step(r) for r in measured["validation"])
     validations = [t for r in measured["validation"] for t in r["validations"]]
     report = {
-        "steps": args.steps, "eval_interval": args.eval_interval, "eval_iters": args.eval_iters,
+        "steps": args.steps, "warmup": args.warmup, "eval_interval": args.eval_interval, "eval_iters": args.eval_iters,
         "repeats": args.repeats, "validations_per_run": len(measured["validation"][0]["validations"]),
         "mean_step_s": {"no validation": without, "validation": with_valid},
         "validation_s": statistics.median(validations),

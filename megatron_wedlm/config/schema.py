@@ -403,7 +403,8 @@ def _check_valid_data(cfg: TrainConfig) -> None:
                 f"({key}: {valid_manifest.get(key)!r} vs {train_manifest.get(key)!r}); prepare both with the same "
                 "--tokenizer and --mask-token (tools/prepare_data.py --valid-fraction splits one input into both)"
             )
-    valid_tokenizer, train_tokenizer = tokenizer_dir_of(valid, valid_manifest), tokenizer_dir_of(train, train_manifest)  # type: ignore[arg-type]
+    valid_tokenizer = tokenizer_dir_of(valid, valid_manifest)
+    train_tokenizer = tokenizer_dir_of(train, train_manifest)  # type: ignore[arg-type]
     for name in _VOCAB_FILES:
         a, b = valid_tokenizer / name, train_tokenizer / name
         if a.is_file() and b.is_file() and a.read_bytes() != b.read_bytes():

@@ -52,7 +52,9 @@ def validation_rows(spec: LoaderSpec, rows: int, dp_rank: int, dp_size: int, mic
     if spec.num_streams != 1:
         raise ValueError(f"validation rows come from one stream, got num_streams={spec.num_streams}")
     if rows % (dp_size * micro_batch_size):
-        raise ValueError(f"{rows} validation rows do not split into micro-batches of {micro_batch_size} on {dp_size} ranks")
+        raise ValueError(
+            f"{rows} validation rows do not split into micro-batches of {micro_batch_size} on {dp_size} ranks"
+        )
     mine, tokens = [], []
     reader = stream_rows(spec, 0, StreamPosition())
     after = StreamPosition()

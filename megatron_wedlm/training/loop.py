@@ -13,9 +13,9 @@ differentiated and logged.
 One step: fetch ``num_microbatches`` micro-batches, compute the global loss denominators, let
 the engine compute gradients, sum the step's losses, token counts and gradient health over the
 ranks (one all-reduce), have the engine apply the update only when everything is finite,
-advance the lr schedule on applied updates, validate when due (:mod:`.validation`), log, save. A non-finite step is skipped (weights
-and optimizer state untouched), logged, and after ``trainer.max_consecutive_nonfinite`` in a
-row the run stops with :class:`NonFiniteLossError`.
+advance the lr schedule on applied updates, validate when due (:mod:`.validation`), log, save.
+A non-finite step is skipped (weights and optimizer state untouched), logged, and after
+``trainer.max_consecutive_nonfinite`` in a row the run stops with :class:`NonFiniteLossError`.
 """
 
 from __future__ import annotations

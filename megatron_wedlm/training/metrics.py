@@ -158,8 +158,8 @@ class MetricsLogger:
             handle.write(json.dumps({k: _json_number(v) for k, v in record.items()}) + "\n")
         if self.wandb_run is not None:
             # committed now, so the row's automatic summary precedes the explicit one written at close
-            self.wandb_run.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}, step=step,
-                               commit=True)
+            numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+            self.wandb_run.log(numbers, step=step, commit=True)
 
     def message(self, text: str) -> None:
         """A line for the console that does not break the progress bar."""
