@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +81,8 @@ def test_wrong_type_is_named(override, named):
         ("deepspeed.zero_stage=4", "deepspeed.zero_stage"),
         ("deepspeed.offload_optimizer=nvme", "deepspeed.offload_optimizer"),
         ("deepspeed.offload_params=cpu", "deepspeed.offload_params"),
+        ("trainer.eval_interval=0", "trainer.eval_interval"),
+        ("trainer.eval_iters=0", "trainer.eval_iters"),
     ],
 )
 def test_invalid_values_are_named(override, named):
@@ -186,3 +189,53 @@ def test_cli_refuses_a_non_megatron_backend_for_pretraining(tmp_path):
         capture_output=True, text=True, timeout=120, cwd=tmp_path,
     )
     assert proc.returncode == 2 and "trainer.backend='deepspeed'" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> dict[str, Path]:
+    """Prepared directories that differ in task, mask token and tokenizer from ``train``."""
+    from megatron_wedlm.data.prepare import prepare_dataset
+    from megatron_wedlm.testing.tiny_models import build_tiny_ar_tokenizer, build_tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("prepared")
+    build_tiny_tokenizer().save_pretrained(str(root / "tok"))
+    build_tiny_ar_tokenizer().save_pretrained(str(root / "other-tok"))
+    (root / "docs.jsonl").write_text('{"text": "one two three"}\n{"text": "four five"}\n')
+    (root / "pairs.jsonl").write_text('{"prompt": "one", "response": "two"}\n')
+    out = {name: root / name for name in ("train", "sft", "other-mask", "other-tokenizer")}
+    prepare_dataset([root / "docs.jsonl"], out["train"], root / "tok")
+    prepare_dataset([root / "pairs.jsonl"], out["sft"], root / "tok", task="sft", raw_sft=True)
+    prepare_dataset([root / "docs.jsonl"], out["other-tokenizer"], root / "other-tok")
+    other = build_tiny_tokenizer()
+    other.mask_token = None
+    other.save_pretrained(str(root / "tok-no-mask"))
+    prepare_dataset([root / "docs.jsonl"], out["other-mask"], root / "tok-no-mask", mask_token="<|other_mask|>")
+    return out
+
+
+def test_validation_defaults():
+    cfg = load_config(TINY, [])
+    assert (cfg.data.valid_path, cfg.trainer.eval_interval, cfg.trainer.eval_iters) == (None, 1000, 10)
+
+
+@pytest.mark.parametrize(
+    "valid, message",
+    [
+        ("sft", "holds 'sft' data but this is a pretrain run"),
+        ("other-mask", "another tokenizer or mask token"),
+        ("other-tokenizer", "another tokenizer"),
+    ],
+)
+def test_valid_path_tokenized_otherwise_than_the_training_data_is_refused_naming_both(prepared, valid, message):
+    with pytest.raises(ConfigError, match=re.escape(message)) as err:
+        load_config(TINY, [f"data.path={prepared['train']}", f"data.valid_path={prepared[valid]}"])
+    assert f"data.valid_path={prepared[valid]}" in str(err.value)
+    if valid != "sft":
+        assert f"data.path={prepared['train']}" in str(err.value)
+
+
+def test_valid_path_of_the_same_tokenization_loads_and_a_saved_config_rereads_without_it(prepared, tmp_path):
+    cfg = load_config(TINY, [f"data.path={prepared['train']}", f"data.valid_path={prepared['train']}"])
+    assert cfg.data.valid_path == str(prepared["train"])
+    gone = load_config(TINY, [f"data.path={prepared['train']}", f"data.valid_path={tmp_path / 'moved'}"])
+    assert config_from_yaml_text(config_to_yaml(gone)).data.valid_path == str(tmp_path / "moved")

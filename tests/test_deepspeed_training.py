@@ -67,7 +67,17 @@ def make_sft_data(root: Path) -> dict[str, str]:
         for prompt, completion in training_pairs(64, seed=1):
             handle.write(json.dumps({"prompt": prompt, "response": completion}) + "\n")
     prepare_dataset([root / "pairs.jsonl"], root / "sft", root / "hf", task="sft", raw_sft=True, samples_per_shard=8)
-    return {"root": str(root), "hf": str(root / "hf"), "sft": str(root / "sft")}
+    with open(root / "held-out.jsonl", "w") as handle:
+        for prompt, completion in training_pairs(16, seed=3):
+            handle.write(json.dumps({"prompt": prompt, "response": completion}) + "\n")
+    prepare_dataset([root / "held-out.jsonl"], root / "sft-valid", root / "hf", task="sft", raw_sft=True,
+                    samples_per_shard=8)
+    return {"root": str(root), "hf": str(root / "hf"), "sft": str(root / "sft"), "valid": str(root / "sft-valid")}
+
+
+def _validation(data: dict[str, str]) -> list[str]:
+    """Validate every 2 steps (at 2 and 4) on one global batch of held-out rows."""
+    return [f"data.valid_path={data['valid']}", "trainer.eval_interval=2", "trainer.eval_iters=1"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -83,12 +93,12 @@ def one_rank_worker(common: list[str], data: dict[str, str], out: str) -> None:
 
     modes = (("", "wedlm.enabled=true"), ("-ar", "wedlm.enabled=false"))
     for name, mode in modes:
-        run_training(load_config(None, [*common, mode, f"model.init_from={data['megatron']}",
+        run_training(load_config(None, [*common, *_validation(data), mode, f"model.init_from={data['megatron']}",
                                         f"trainer.output_dir={out}/megatron{name}", "checkpointing.save_at_end=false"]))
         destroy_parallel_state()  # also ends the process group; DeepSpeed runs keep theirs, so they go last
     for name, mode in modes:
         run_deepspeed_sft(load_config(None, [
-            *common, mode, "trainer.backend=deepspeed", f"model.init_from={data['hf']}",
+            *common, *_validation(data), mode, "trainer.backend=deepspeed", f"model.init_from={data['hf']}",
             f"trainer.output_dir={out}/ds1{name}", "checkpointing.save_at_end=false",
         ]))
 
@@ -116,14 +126,15 @@ def two_rank_worker(common: list[str], data: dict[str, str], out: str, offload: 
             *extra,
         ]))
 
-    run("zero2", "deepspeed.zero_stage=2", "checkpointing.save_interval=2", "checkpointing.keep_last=3")
-    run("resumed", "deepspeed.zero_stage=2", "trainer.exit_at_step=2", "deepspeed.export_hf=false")
-    run("resumed", "deepspeed.zero_stage=2", "checkpointing.resume=auto")
-    run("zero3", "deepspeed.zero_stage=3", "checkpointing.save_at_end=false")
-    run("zero1", "deepspeed.zero_stage=1", "checkpointing.save_at_end=false")
+    validation = _validation(data)
+    run("zero2", *validation, "deepspeed.zero_stage=2", "checkpointing.save_interval=2", "checkpointing.keep_last=3")
+    run("resumed", *validation, "deepspeed.zero_stage=2", "trainer.exit_at_step=2", "deepspeed.export_hf=false")
+    run("resumed", *validation, "deepspeed.zero_stage=2", "checkpointing.resume=auto")
+    run("zero3", *validation, "deepspeed.zero_stage=3", "checkpointing.save_at_end=false")
+    run("zero1", *validation, "deepspeed.zero_stage=1", "checkpointing.save_at_end=false")
     if offload:
-        run("zero3-offload", "deepspeed.zero_stage=3", "deepspeed.offload_optimizer=cpu", "deepspeed.offload_params=cpu",
-            "checkpointing.save_at_end=false")
+        run("zero3-offload", *validation, "deepspeed.zero_stage=3", "deepspeed.offload_optimizer=cpu",
+            "deepspeed.offload_params=cpu", "checkpointing.save_at_end=false")
 
     # Non-finite steps: poison the objective of chosen optimizer steps (2 micro-batches per rank).
     honest, calls = Objective.contribution, [0]
@@ -169,7 +180,13 @@ def _history(run_dir: Path, key: str) -> dict[int, float]:
     return {r["step"]: r[key] for r in read_metrics(run_dir)}
 
 
+def _valid_history(run_dir: Path, key: str) -> dict[int, float]:
+    return {r["step"]: r[key] for r in read_metrics(run_dir) if key in r}
+
+
 def _assert_same_run(run: Path, reference: Path, keys=("loss", "mlm_loss", "ar_loss", "grad_norm")) -> None:
+    """Every logged number of ``run`` equals ``reference``'s, the validation curve included (both
+    validate after steps 2 and 4: the training after a validation shows it changed no state)."""
     for key in keys:
         got, want = _history(run, key), _history(reference, key)
         assert sorted(got) == sorted(want) == list(range(1, STEPS + 1)), (key, got, want)
@@ -177,6 +194,13 @@ def _assert_same_run(run: Path, reference: Path, keys=("loss", "mlm_loss", "ar_l
             assert got[step] == pytest.approx(want[step], rel=RTOL), f"{run.name} {key} at step {step}"
     for key in ("lr", "masked_tokens", "ar_tokens", "tokens"):
         assert _history(run, key) == _history(reference, key), key
+    for key in ("valid/loss", "valid/mlm_loss", "valid/ar_loss"):
+        got, want = _valid_history(run, key), _valid_history(reference, key)
+        assert sorted(got) == sorted(want) == [2, 4], (key, got, want)
+        for step in want:
+            assert got[step] == pytest.approx(want[step], rel=RTOL), f"{run.name} {key} at step {step}"
+    for key in ("valid/masked_tokens", "valid/ar_tokens", "valid/tokens"):
+        assert _valid_history(run, key) == _valid_history(reference, key), key
 
 
 # --------------------------------------------------------------------------------------------
@@ -196,6 +220,8 @@ def test_ar_mode_trains_alike_on_both_backends(one_rank):
     """wedlm.enabled=false: memory-stream rows, next-token loss only."""
     _assert_same_run(one_rank / "ds1-ar", one_rank / "megatron-ar")
     assert all(r["masked_tokens"] == 0 and r["loss"] == r["ar_loss"] for r in read_metrics(one_rank / "ds1-ar"))
+    validated = [r for r in read_metrics(one_rank / "ds1-ar") if "valid/loss" in r]
+    assert validated and all(r["valid/masked_tokens"] == 0 and r["valid/loss"] == r["valid/ar_loss"] for r in validated)
 
 
 def test_zero2_on_two_ranks_equals_one_rank_with_the_same_global_batch(one_rank, two_ranks):

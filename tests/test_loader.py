@@ -350,3 +350,59 @@ def test_both_engines_read_sft_with_the_configured_end_tokens(sft_dir, overrides
     data = build_train_data(cfg, {}, 0, 1)
     assert data.spec.appended_end_tokens == appended
     assert data.state_dict()["appended_end_tokens"] == appended
+# --------------------------------------------------------------------------------------------
+# Validation rows: fixed by their own seed, dealt to DP ranks as training rows, wrapping when short
+# --------------------------------------------------------------------------------------------
+
+
+ROOT_CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "pretrain" / "tiny_cpu.yaml")
+
+
+def _valid_rows(pretrain_dir: Path, dp_rank: int, dp_size: int, *overrides: str):
+    """This rank's validation rows as a run of the tiny config builds them (held out: the same directory)."""
+    from megatron_wedlm.config import load_config
+    from megatron_wedlm.training.run_data import build_valid_data
+
+    cfg = load_config(ROOT_CONFIG, [f"data.path={pretrain_dir}", f"data.valid_path={pretrain_dir}",
+                                    f"data.seq_length={SEQ}", f"wedlm.block_size={BLOCK}", "data.micro_batch_size=2",
+                                    "data.global_batch_size=4", "trainer.eval_iters=3", *overrides])
+    return build_valid_data(cfg, dp_rank, dp_size)
+
+
+def _rows(batches) -> list[dict[str, torch.Tensor]]:
+    """Every row of stacked micro-batches, field by field, in order."""
+    return [{k: getattr(b, k)[i] for k in ("input_ids", "is_masked", "mlm_weights", "ar_labels")}
+            for b in batches for i in range(b.input_ids.shape[0])]
+
+
+def _same(a: list[dict], b: list[dict]) -> bool:
+    return len(a) == len(b) and all(all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b))
+
+
+def test_validation_rows_are_fixed_whatever_the_training_seed_and_streams(pretrain_dir):
+    one = _valid_rows(pretrain_dir, 0, 1)
+    assert one.rows == 12 and len(one.batches) == 6 and one.passes == 1
+    other = _valid_rows(pretrain_dir, 0, 1, "data.seed=99", "data.num_streams=2", "data.shuffle=false")
+    assert _same(_rows(one.batches), _rows(other.batches))
+    assert all(bool(r["is_masked"].any()) for r in _rows(one.batches))  # masks drawn (WeDLM rows)
+
+
+def test_validation_rows_are_dealt_to_data_parallel_ranks_as_training_rows(pretrain_dir):
+    whole = _rows(_valid_rows(pretrain_dir, 0, 1).batches)
+    ranks = [_rows(_valid_rows(pretrain_dir, d, 2).batches) for d in range(2)]
+    assert _same(ranks[0], whole[0::2]) and _same(ranks[1], whole[1::2])  # global row g = j * dp + d
+
+
+def test_validation_rows_wrap_around_a_short_directory_and_say_so(pretrain_dir):
+    from megatron_wedlm.config import load_config
+    from megatron_wedlm.training.engine import RankRole
+    from megatron_wedlm.training.objective import Objective
+    from megatron_wedlm.training.validation import Validator
+
+    short = _valid_rows(pretrain_dir, 0, 1, "trainer.eval_iters=100")  # 400 rows: more than 120 documents fill
+    assert short.passes > 1 and short.rows == 400
+    assert _valid_rows(pretrain_dir, 0, 1).passes == 1
+    role = RankRole(dp_rank=0, dp_size=1, is_logger=True, reports_losses=True, counts_tokens=True, loss_group=None)
+    cfg = load_config(ROOT_CONFIG, ["trainer.eval_interval=50"])
+    said = Validator(cfg, short, Objective(), role, torch.device("cpu"), end_step=120).describe()
+    assert f"documents are read {short.passes} times" in said and "every 50 steps and after step 120" in said

@@ -165,3 +165,52 @@ def test_cli_summary_and_refusal_to_overwrite(tmp_path, tokenizer_dir):
     assert "skipped 2 bad lines" in proc.stdout and "wrote 1 samples" in proc.stdout
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "--overwrite" in again.stderr
+
+
+def _prepare_tool(argv: list[str]) -> int:
+    """tools/prepare_data.py's main in this process (its argument parsing and summary included)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("prepare_data_tool", ROOT / "tools" / "prepare_data.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv)
+
+
+def test_valid_fraction_holds_out_a_stable_share_into_a_prepared_directory(tmp_path, tokenizer_dir, capsys):
+    from megatron_wedlm.data.prepare import holds_out, tokenizer_dir_of
+
+    src = write_lines(tmp_path / "docs.jsonl", [json.dumps({"text": f"document number {i}"}) for i in range(200)])
+    args = ["--input", str(src), "--tokenizer", str(tokenizer_dir), "--samples-per-shard", "16",
+            "--valid-fraction", "0.1"]
+    assert _prepare_tool([*args, "--output", str(tmp_path / "a")]) == 0
+    printed = capsys.readouterr().out
+    assert _prepare_tool([*args, "--output", str(tmp_path / "b")]) == 0
+
+    train, valid = read_shards(tmp_path / "a"), read_shards(tmp_path / "a" / "valid")
+    held = sorted(meta["source"] for _, meta in valid)
+    # every document went to exactly one side, the side its source's hash says
+    assert sorted(meta["source"] for _, meta in train + valid) == sorted(f"{src}:{i}" for i in range(1, 201))
+    assert held == sorted(f"{src}:{i}" for i in range(1, 201) if holds_out(f"{src}:{i}", 0.1))
+    assert 8 <= len(held) <= 35  # ~10% of 200
+    assert held == sorted(meta["source"] for _, meta in read_shards(tmp_path / "b" / "valid"))  # a re-run: same split
+    assert f"wrote {len(train)} samples" in printed and f"held out {len(valid)} samples" in printed
+
+    manifest, valid_manifest = read_manifest(tmp_path / "a"), read_manifest(tmp_path / "a" / "valid")
+    assert manifest["valid"] == {"path": "valid", "fraction": 0.1, "num_samples": len(valid),
+                                 "num_tokens": sum(len(t) for t, _ in valid)}
+    assert (manifest["num_samples"], valid_manifest["num_samples"]) == (len(train), len(valid))
+    for key in ("task", "mask_token_id", "eos_token_id", "tokenizer_length"):
+        assert valid_manifest[key] == manifest[key]
+    valid_tok = tokenizer_dir_of(tmp_path / "a" / "valid", valid_manifest)
+    assert (valid_tok / "tokenizer.json").read_bytes() == (tmp_path / "a" / "tokenizer" / "tokenizer.json").read_bytes()
+
+
+def test_valid_fraction_that_holds_out_nothing_is_refused(tmp_path, tokenizer_dir, capsys):
+    src = write_lines(tmp_path / "docs.jsonl", [json.dumps({"text": "one document"})])
+    args = ["--input", str(src), "--tokenizer", str(tokenizer_dir), "--output", str(tmp_path / "out")]
+    assert _prepare_tool([*args, "--valid-fraction", "1e-9"]) == 2
+    assert "held out none of the 1 documents" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    assert _prepare_tool([*args, "--valid-fraction", "1.0"]) == 2
+    assert "valid_fraction must be in [0, 1)" in capsys.readouterr().err

@@ -46,9 +46,25 @@ def data(tmp_path_factory) -> dict[str, str]:
     with open(root / "pairs.jsonl", "w") as f:
         for prompt, completion in training_pairs(256, seed=1):
             f.write(json.dumps({"prompt": prompt, "response": completion}) + "\n")
+    with open(root / "held-out.jsonl", "w") as f:  # the same kind of text, other documents
+        for doc in training_corpus(40, seed=5):
+            f.write(json.dumps({"text": doc}) + "\n")
     prepare_dataset([root / "corpus.jsonl"], root / "pretrain", root / "tok", samples_per_shard=50)
+    prepare_dataset([root / "held-out.jsonl"], root / "valid", root / "tok", samples_per_shard=50)
     prepare_dataset([root / "pairs.jsonl"], root / "sft", root / "tok", task="sft", raw_sft=True, samples_per_shard=32)
-    return {"pretrain": str(root / "pretrain"), "sft": str(root / "sft")}
+    return {"pretrain": str(root / "pretrain"), "sft": str(root / "sft"), "valid": str(root / "valid")}
+
+
+EVAL_ITERS = 2  # global batches per validation in the tests' runs (16 rows of the tiny config)
+
+
+def _validation(data: dict[str, str], interval: int = 10) -> list[str]:
+    """Overrides that validate on the fixture's held-out rows every ``interval`` steps."""
+    return [f"data.valid_path={data['valid']}", f"trainer.eval_interval={interval}", f"trainer.eval_iters={EVAL_ITERS}"]
+
+
+def valid_losses(out: Path) -> dict[int, float]:
+    return {r["step"]: r["valid/loss"] for r in read_metrics(out) if "valid/loss" in r}
 
 
 def _base(data_dir: str, out: Path, progress_bar: bool = False) -> list[str]:
@@ -83,10 +99,10 @@ def assert_loss_decreases(history: dict[int, float]) -> None:
 
 @pytest.fixture(scope="module")
 def uninterrupted(data, tmp_path_factory) -> Path:
-    """30 steps, DP=2, through torchrun and pretrain_wedlm.py, with wandb offline."""
+    """30 steps, DP=2, through torchrun and pretrain_wedlm.py, with wandb offline, validating every 10 steps."""
     out = tmp_path_factory.mktemp("run") / "uninterrupted"
     proc = torchrun("pretrain/pretrain_wedlm.py", [
-        "--config", str(TINY), *_base(data["pretrain"], out, progress_bar=True),
+        "--config", str(TINY), *_base(data["pretrain"], out, progress_bar=True), *_validation(data),
         "checkpointing.save_interval=10", "checkpointing.keep_last=2",
         "logging.wandb.enabled=true", "logging.wandb.mode=offline", "logging.wandb.group=tests",
         "logging.wandb.tags=[tiny,ci]", "logging.wandb.name=tiny-dp2", f"logging.peak_tflops={PEAK_TFLOPS}",
@@ -134,28 +150,79 @@ def test_wandb_offline_run_is_written(uninterrupted):
     assert len(runs) == 1 and len(list(runs[0].glob("run-*.wandb"))) == 1
 
 
-def test_wandb_run_is_named_as_configured_and_the_metrics_file_holds_every_key(tmp_path):
-    """In process: the run's names through wandb's own run object; the logged keys through the
-    metrics file (wandb 0.31 writes its offline log from a Go core and ships no reader for it)."""
-    from megatron_wedlm.training.metrics import MetricsLogger
+def test_validation_curve_is_logged_to_the_metrics_file_console_and_wandb(uninterrupted):
+    from megatron_wedlm.testing.wandb_offline import read_history, read_summary
 
-    cfg = load_config(str(TINY), [
-        f"trainer.output_dir={tmp_path}", "logging.progress_bar=false", "logging.wandb.enabled=true",
-        "logging.wandb.mode=offline", "logging.wandb.group=tests", "logging.wandb.tags=[tiny,ci]",
-        "logging.wandb.name=tiny-dp2",
-    ])
-    logger = MetricsLogger(cfg, {}, 0, True, run_id="run-1")
-    record = {key: 1.0 for key in REQUIRED_KEYS} | {"step": 1, "skipped": False, "run_id": "run-1"}
-    try:
-        logger.log_step(record)
-        run = logger.wandb_run
-        names = (run.project, run.name, run.group, list(run.tags))
-        assert names == ("megatron-wedlm", "tiny-dp2", "tests", ["tiny", "ci"])
-    finally:
-        logger.close()
-    assert set(REQUIRED_KEYS) <= set(read_metrics(tmp_path)[0])
-    [run_file] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
-    assert run_file.stat().st_size > 0
+    records = {r["step"]: r for r in read_metrics(uninterrupted)}
+    curve = valid_losses(uninterrupted)
+    assert sorted(curve) == [10, 20, 30] and curve[30] < curve[10]  # the held-out loss falls too
+    for step in curve:
+        record = records[step]
+        assert record["valid/loss"] == pytest.approx((record["valid/mlm_loss"] + record["valid/ar_loss"]) / 2, rel=1e-9)
+        assert record["valid/masked_tokens"] > 0 and record["valid/tokens"] == records[10]["valid/tokens"]
+        assert record["valid/masked_tokens"] == records[10]["valid/masked_tokens"]  # the same rows and masks
+    console = (uninterrupted / "stderr.txt").read_text()
+    assert console.count("validation loss") == 3 and f"step 30: validation loss {curve[30]:.4f}" in console
+
+    history = {row["_step"]: row for row in read_history(uninterrupted / "wandb")}
+    assert {step: row["valid/loss"] for step, row in history.items() if "valid/loss" in row} == curve
+    summary = read_summary(uninterrupted / "wandb")
+    assert summary["loss"] == records[30]["loss"]  # the last train loss
+    for key in ("valid/loss", "valid/mlm_loss", "valid/ar_loss"):
+        assert summary[key] == records[30][key]
+
+
+def test_validation_loss_equals_a_hand_computation_on_the_evaluated_weights(uninterrupted, data):
+    """The step-30 checkpoint (the weights validated after step 30), the first EVAL_ITERS x
+    global_batch_size rows of the held-out stream rebuilt, the per-slot cross entropy and the
+    WeDLM weighting by hand: hidden states from the HF export's decoder (an independent forward),
+    logits against the checkpoint's whole output layer (Megatron's vocabulary is padded to
+    make_vocab_size_divisible_by and its cross entropy runs over every padded row too)."""
+    import torch
+    import torch.nn.functional as F
+
+    from megatron_wedlm.conversion.mapping import OUTPUT_LAYER
+    from megatron_wedlm.conversion.megatron_checkpoint import MegatronCheckpointReader, megatron_process_group
+    from megatron_wedlm.data.dual_stream import stack_dual_stream_batches
+    from megatron_wedlm.data.validation_rows import VALIDATION_SEED
+    from megatron_wedlm.data.webdataset_loader import StreamPosition, loader_spec_from_manifest, stream_rows
+    from megatron_wedlm.deepspeed_backend.forward import model_inputs
+    from megatron_wedlm.model.hf_config import load_model_args
+    from megatron_wedlm.training.hf_export import load_checkpoint
+
+    cfg = config_from_yaml_text((uninterrupted / "config.yaml").read_text())
+    spec = loader_spec_from_manifest(data["valid"], num_streams=1, seq_length=cfg.data.seq_length, wedlm=True,
+                                     block_size=cfg.wedlm.block_size, seed=VALIDATION_SEED, shuffle=True)
+    rows = stream_rows(spec, 0, StreamPosition())
+    batch = stack_dual_stream_batches([next(rows).batch for _ in range(EVAL_ITERS * cfg.data.global_batch_size)])
+    checkpoint = uninterrupted / "checkpoints" / "iter_0000030"
+    model, _ = load_checkpoint(checkpoint, device="cpu", dtype="float32")
+    with megatron_process_group(1, 1):
+        output_layer = MegatronCheckpointReader(checkpoint, load_model_args(checkpoint / "wedlm_model.json")).read(
+            OUTPUT_LAYER, None).double()
+    assert output_layer.shape[0] > len(_tokenizer(checkpoint))  # padded: the HF export drops those rows
+    input_ids, position_ids, mask, labels = model_inputs(batch, "dense", torch.float32)
+    with torch.no_grad():
+        hidden = model.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                                     use_cache=False).last_hidden_state.double()
+    logits = hidden @ output_layer.T
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten().clamp(min=0), reduction="none").view(labels.shape)
+    weights = torch.where(batch.is_masked, 1.0 / batch.mask_ratio.double(), 0.0)  # 1/gamma on masked slots
+    mlm = float((weights * ce).sum() / weights.sum())
+    labelled = batch.ar_labels >= 0
+    ar = float(ce[labelled].sum() / labelled.sum())
+    logged = {r["step"]: r for r in read_metrics(uninterrupted)}[30]
+    assert logged["valid/masked_tokens"] == int(batch.is_masked.sum())
+    assert logged["valid/ar_tokens"] == int(labelled.sum())
+    assert logged["valid/mlm_loss"] == pytest.approx(mlm, rel=1e-5)
+    assert logged["valid/ar_loss"] == pytest.approx(ar, rel=1e-5)
+    assert logged["valid/loss"] == pytest.approx((mlm + ar) / 2, rel=1e-5)  # wedlm.ar_weight=1
+
+
+def _tokenizer(directory: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(directory))
 
 
 def _train(config: str, overrides: list[str]) -> dict:

@@ -22,7 +22,9 @@ from megatron_wedlm.config import ConfigError, config_from_yaml_text, load_confi
 from megatron_wedlm.runtime.multiprocess import run_distributed
 from megatron_wedlm.training.metrics import read_metrics
 
-from test_training import LAUNCH_TIMEOUT, TINY, _base, _train, data  # noqa: F401  (data: the fixture)
+from test_training import (  # noqa: F401  (data: the fixture)
+    LAUNCH_TIMEOUT, TINY, _base, _train, _validation, data, valid_losses,
+)
 
 
 LAYOUTS = {
@@ -32,13 +34,15 @@ LAYOUTS = {
 PLAIN = {"cp2": [], "pp2-vpp2": ["model.num_layers=4"]}  # what each resumes under (DP=2)
 
 
-def layouts_worker(pretrain: str, root: str) -> dict:
+def layouts_worker(data: dict[str, str], root: str) -> dict:
     out = {}
+    validation = _validation(data)  # every 10 steps: at 10 and 20
     for name, overrides in LAYOUTS.items():
         parallel, plain = Path(root) / name, Path(root) / f"{name}-resumed"
-        _train(str(TINY), [*_base(pretrain, parallel), *overrides, "trainer.train_steps=20",
+        _train(str(TINY), [*_base(data["pretrain"], parallel), *overrides, *validation, "trainer.train_steps=20",
                            "checkpointing.save_interval=10"])
-        out[name] = _train(str(TINY), [*_base(pretrain, plain), *PLAIN[name], "trainer.train_steps=20",
+        out[name] = _train(str(TINY), [*_base(data["pretrain"], plain), *PLAIN[name], *validation,
+                                       "trainer.train_steps=20",
                                        f"checkpointing.resume={parallel / 'checkpoints' / 'iter_0000010'}"])
     return out
 
@@ -46,7 +50,7 @@ def layouts_worker(pretrain: str, root: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(data, tmp_path_factory):  # noqa: F811
     root = tmp_path_factory.mktemp("layouts")
-    result = run_distributed(layouts_worker, 2, data["pretrain"], str(root), timeout_s=LAUNCH_TIMEOUT)[0]
+    result = run_distributed(layouts_worker, 2, data, str(root), timeout_s=LAUNCH_TIMEOUT)[0]
     return result, root
 
 
@@ -75,6 +79,22 @@ def test_parallel_run_trains_and_resumes_in_the_plain_layout_on_the_same_traject
         assert plain[step]["masked_tokens"] == parallel[step]["masked_tokens"]  # each row counted once
         assert plain[step]["loss"] == pytest.approx(parallel[step]["loss"], abs=1e-5)
         assert plain[step]["grad_norm"] == pytest.approx(parallel[step]["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_parallel_run_validates_as_the_plain_layout_does(runs, name):
+    """The step-20 validation of the CP=2 (PP=2 x VPP=2) run and of its DP=2 continuation: the same
+    held-out rows on the same trajectory give the same number (fp32 reduction order only), with
+    every masked token counted once."""
+    _, root = runs
+    parallel = {r["step"]: r for r in read_metrics(root / name) if "valid/loss" in r}
+    plain = {r["step"]: r for r in read_metrics(root / f"{name}-resumed") if "valid/loss" in r}
+    assert sorted(parallel) == [10, 20] and sorted(plain) == [20]
+    for key in ("valid/loss", "valid/mlm_loss", "valid/ar_loss"):
+        assert plain[20][key] == pytest.approx(parallel[20][key], abs=1e-5), key
+    for key in ("valid/masked_tokens", "valid/ar_tokens", "valid/tokens"):
+        assert plain[20][key] == parallel[20][key] == parallel[10][key], key
+    assert valid_losses(root / name)[20] < valid_losses(root / name)[10]
 
 
 @pytest.mark.parametrize(

@@ -14,27 +14,39 @@ from megatron_wedlm.config import config_from_yaml_text
 from megatron_wedlm.runtime.multiprocess import DistributedLaunchError, run_distributed
 from megatron_wedlm.training.checkpointing import complete_checkpoints
 from megatron_wedlm.training.metrics import read_metrics
-from test_training import LAUNCH_TIMEOUT, TINY, _base, _train, assert_loss_decreases, data, losses  # noqa: F401
+from test_training import (  # noqa: F401  (data: the fixture)
+    LAUNCH_TIMEOUT, TINY, _base, _train, _validation, assert_loss_decreases, data, losses, valid_losses,
+)
 
 
-def stop_and_resume_worker(pretrain: str, root: str) -> dict:
-    """30 steps straight; 30 steps stopped at 15 and resumed (what --resume auto sets)."""
-    _train(str(TINY), [*_base(pretrain, Path(root) / "straight")])
+def stop_and_resume_worker(data: dict[str, str], root: str) -> dict:
+    """30 steps straight; 30 steps stopped at 15 and resumed (what --resume auto sets); both
+    validating every 10 steps and at the end of each run."""
+    validation = _validation(data)
+    _train(str(TINY), [*_base(data["pretrain"], Path(root) / "straight"), *validation])
     stopped = Path(root) / "stopped"
-    first = _train(str(TINY), [*_base(pretrain, stopped), "trainer.exit_at_step=15"])
+    first = _train(str(TINY), [*_base(data["pretrain"], stopped), *validation, "trainer.exit_at_step=15"])
     checkpoints = [s for s, _ in complete_checkpoints(stopped / "checkpoints")]
-    resumed = _train(str(TINY), [*_base(pretrain, stopped), "checkpointing.resume=auto"])
+    resumed = _train(str(TINY), [*_base(data["pretrain"], stopped), *validation, "checkpointing.resume=auto"])
     return {"first": first, "checkpoints": checkpoints, "resumed": resumed}
 
 
 def test_stop_at_15_and_resume_reproduces_steps_16_to_30(data, tmp_path):
-    result = run_distributed(stop_and_resume_worker, 2, data["pretrain"], str(tmp_path), timeout_s=LAUNCH_TIMEOUT)[0]
+    result = run_distributed(stop_and_resume_worker, 2, data, str(tmp_path), timeout_s=LAUNCH_TIMEOUT)[0]
     assert result["first"]["final_step"] == 15 and result["checkpoints"] == [10, 15]
     assert result["resumed"]["start_step"] == 15 and result["resumed"]["final_step"] == 30
     resumed, straight = losses(tmp_path / "stopped"), losses(tmp_path / "straight")
     assert sorted(resumed) == list(range(1, 31))
     # bit-identical: same data rows, masks, weights, optimizer moments and step counters
     assert [resumed[s] for s in range(16, 31)] == [straight[s] for s in range(16, 31)]
+
+    # one validation curve: each run validates at its interval steps and after its last step, and a
+    # step's validation is the same number resumed or not
+    assert sorted(result["first"]["valid_losses"]) == [10, 15] and sorted(result["resumed"]["valid_losses"]) == [20, 30]
+    curve, straight_curve = valid_losses(tmp_path / "stopped"), valid_losses(tmp_path / "straight")
+    assert sorted(curve) == [10, 15, 20, 30] and sorted(straight_curve) == [10, 20, 30]
+    assert [curve[s] for s in (10, 20, 30)] == [straight_curve[s] for s in (10, 20, 30)]
+    assert curve[20] == result["resumed"]["valid_losses"][20]["loss"]
 
 
 @pytest.fixture(scope="module")

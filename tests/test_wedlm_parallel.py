@@ -1,5 +1,5 @@
-"""The WeDLM model trains identically under TP, PP, interleaved PP, CP, their products, SP, recompute and DP +
-distributed optimizer.
+"""The WeDLM model trains (and evaluates, forward only) identically under TP, PP, interleaved PP, CP, their
+products, SP, recompute and DP + distributed optimizer.
 
 Real gloo processes on CPU, Megatron's pipeline schedule, DDP and finalize_model_grads, the
 same weights and the same dual-stream global batch (packed documents, SFT prompt, padding).
@@ -82,13 +82,16 @@ def runs(tmp_path_factory):
 def test_layout_matches_single_process(runs, layout):
     reference, ranks = runs
     ref = reference[layout["spec"]]
-    summaries = [r[layout["name"]]["summary"] for r in ranks if r[layout["name"]]["summary"] is not None]
-    assert len(summaries) == 2 // layout.get("pp", 1)  # every TP rank of the last stage reports
-    for summary in summaries:
-        for key in ("total", "mlm", "ar"):
-            assert summary[key] == pytest.approx(ref["summary"][key], abs=ATOL), key
-        for key in ("mlm_tokens", "ar_tokens"):
-            assert summary[key] == ref["summary"][key]
+    for part in ("summary", "eval"):  # the training step; the forward-only evaluation of another batch
+        summaries = [r[layout["name"]][part] for r in ranks if r[layout["name"]][part] is not None]
+        assert len(summaries) == 2 // layout.get("pp", 1)  # every TP rank of the last stage reports
+        for summary in summaries:
+            for key in ("total", "mlm", "ar"):
+                assert summary[key] == pytest.approx(ref[part][key], abs=ATOL), (part, key)
+            for key in ("mlm_tokens", "ar_tokens"):
+                assert summary[key] == ref[part][key]
+    assert ref["eval"]["total"] != ref["summary"]["total"]  # another batch indeed
+    assert all(r[layout["name"]]["eval_kept_grads"] for r in ranks)  # evaluating left the step's gradients
     grads = ranks[0][layout["name"]]["grads"]
     assert grads.keys() == ref["grads"].keys()
     for name, grad in ref["grads"].items():
@@ -126,5 +129,6 @@ def test_verify_parallel_tool_four_rank_layouts(tp, pp, cp):
     layout = report["layout"]
     assert (layout["tp"], layout["pp"], layout["cp"], report["world_size"]) == (tp, pp, cp, 4)
     assert max(report["max_loss_abs_diff"].values()) <= ATOL
+    assert max(report["max_eval_loss_abs_diff"].values()) <= ATOL  # the forward-only evaluation too
     assert report["max_grad_abs_diff"] <= ATOL
     assert report["max_grad_abs"] > 1e-3  # the comparison is over real, non-zero gradients

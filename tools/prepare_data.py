@@ -43,6 +43,11 @@ def main(argv: list[str] | None = None) -> int:
         help="input that is not UTF-8: stop naming file:line (strict, default) or replace invalid bytes by "
         "U+FFFD and count them per file in manifest.json (replace)",
     )
+    parser.add_argument(
+        "--valid-fraction", type=float, default=0.0,
+        help="hold out this fraction of the documents (by a hash of file:line, stable across re-runs) into "
+        "OUTPUT/valid, a prepared directory for data.valid_path (default 0: none)",
+    )
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing output directory (once the new one is complete)")
     args = parser.parse_args(argv)
@@ -64,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             overwrite=args.overwrite,
             max_reported=args.max_reported,
             encoding_errors=args.encoding_errors,
+            valid_fraction=args.valid_fraction,
         )
     except (ValueError, OSError) as err:
         print(f"prepare_data: error: {err}", file=sys.stderr)

@@ -3,8 +3,8 @@
     python tools/verify_parallel.py --tp 2 --pp 2 [--vpp 2] [--cp 2] [--sp] [--recompute full] [--tied]
 
 Launches real worker processes (gloo, CPU): one at TP=PP=1 that saves random weights and
-runs one training step, then TP x PP x CP ranks that load the same weights and run the same
-dual-stream global batch. Both build the model with training's own ``build_model_chunks`` and
+runs one training step and a forward-only evaluation (the validation path), then TP x PP x CP
+ranks that load the same weights and run the same dual-stream global batch and evaluation. Both build the model with training's own ``build_model_chunks`` and
 step it with training's DDP wrapping and forward step (Megatron's pipeline schedule and
 finalize_model_grads), so the check covers the code that trains.
 Prints JSON with the largest loss and gradient differences; exit status 1 when a difference
@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     loss_diffs = {
         key: max(abs(s[key] - ref["summary"][key]) for s in summaries) for key in ("total", "mlm", "ar")
     }
+    evaluations = [g["eval"] for g in got if g["eval"] is not None]
+    eval_diffs = {key: max(abs(e[key] - ref["eval"][key]) for e in evaluations) for key in ("total", "mlm", "ar")}
     grad_diffs = {n: float((grads[n] - ref["grads"][n]).abs().max()) for n in ref["grads"]}
     worst = max(grad_diffs, key=grad_diffs.get)
     report = {
@@ -80,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         "world_size": world_size,
         "reference_loss": {k: ref["summary"][k] for k in ("total", "mlm", "ar", "mlm_tokens", "ar_tokens")},
         "max_loss_abs_diff": loss_diffs,
+        "max_eval_loss_abs_diff": eval_diffs,  # the forward-only evaluation (validation) of another batch
+        "eval_kept_grads": all(g["eval_kept_grads"] for g in got),
         "max_grad_abs_diff": grad_diffs[worst],
         "worst_param": worst,
         "max_grad_abs": max(float(g.abs().max()) for g in ref["grads"].values()),
@@ -87,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         "tolerance": args.tolerance,
         "seconds": round(time.perf_counter() - start, 1),
     }
-    report["ok"] = max(*loss_diffs.values(), report["max_grad_abs_diff"]) <= args.tolerance
+    report["ok"] = max(*loss_diffs.values(), *eval_diffs.values(), report["max_grad_abs_diff"]) <= args.tolerance \
+        and report["eval_kept_grads"]
     print(json.dumps(report, indent=2))
     return 0 if report["ok"] else 1
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import List, Optional
 
 # The one table of attention backends (a light module: no torch or Megatron at import).
@@ -149,6 +150,9 @@ class DataConfig:
     # several prepared directories mixed by weight, [{path, weight, name}] (docs/training.md "Data blends");
     # instead of path
     blend: Optional[List[BlendSourceConfig]] = None
+    # a prepared directory of held-out documents (e.g. prepare_data.py --valid-fraction writes
+    # <output>/valid): same task, tokenizer and mask id as the training data; None = no validation
+    valid_path: Optional[str] = None
     seq_length: int = 512
     micro_batch_size: int = 1
     global_batch_size: int = 8
@@ -211,6 +215,8 @@ class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
     max_consecutive_nonfinite: int = 3  # stop after this many skipped steps in a row
+    eval_interval: int = 1000  # steps between validations (data.valid_path); also after the run's last step
+    eval_iters: int = 10  # global batches per validation (Megatron's --eval-iters): the same rows every time
     distributed_timeout_s: float = 1800.0
 
 
@@ -275,6 +281,7 @@ _POSITIVE = (
     "parallelism.recompute_num_layers", "data.seq_length", "data.micro_batch_size",
     "data.global_batch_size", "data.num_streams", "data.prefetch_factor",
     "trainer.train_steps", "trainer.max_consecutive_nonfinite", "logging.log_interval", "logging.peak_tflops",
+    "trainer.eval_interval", "trainer.eval_iters",
     "model.make_vocab_size_divisible_by", "optimizer.lr", "trainer.exit_at_step",
     "model.num_layers", "model.hidden_size", "model.ffn_hidden_size",
     "model.num_attention_heads", "model.num_query_groups", "model.head_dim",
@@ -300,6 +307,7 @@ def validate_config(cfg: TrainConfig) -> None:
     _validate_context_and_virtual_pipeline(cfg)
     _check_attention_device(cfg)
     _check_data(cfg)
+    _check_valid_data(cfg)
     if cfg.trainer.exit_at_step is not None and cfg.trainer.exit_at_step > cfg.trainer.train_steps:
         raise ConfigError(
             f"trainer.exit_at_step={cfg.trainer.exit_at_step} is past trainer.train_steps={cfg.trainer.train_steps}"
@@ -401,6 +409,56 @@ def _check_data_sources(data: DataConfig) -> None:
                 "and give it the sum of the weights"
             )
         seen[key] = i
+#: Tokenizer files whose bytes must agree between data.path and data.valid_path (those present in both).
+_VOCAB_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt")
+#: Manifest fields that identify the tokenization of a prepared directory.
+_TOKENIZATION_FIELDS = ("task", "mask_token", "mask_token_id", "eos_token_id", "pad_token_id", "tokenizer_length")
+
+
+def _check_valid_data(cfg: TrainConfig) -> None:
+    """``data.valid_path`` must be tokenized as the training data (``data.path``, or the first
+    ``data.blend`` source, which the others match) and prepared for this run's task: validation
+    rows are built by the same loader and scored by the same model and objective."""
+    valid = cfg.data.valid_path
+    train = cfg.data.path if cfg.data.blend is None else cfg.data.blend[0].path
+    if valid is None:
+        return
+    # deferred: the data package imports torch, and a config without validation data stays light
+    from megatron_wedlm.data.prepare import MANIFEST_FILE, read_manifest, tokenizer_dir_of
+
+    if not (Path(valid) / MANIFEST_FILE).is_file():
+        # A saved config is re-read (exports, --follow) where the data may be gone; the run itself
+        # refuses a missing directory when it reads it (training/run_data.py).
+        return
+    try:
+        valid_manifest = read_manifest(valid)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"data.valid_path: {err}") from None
+    if valid_manifest["task"] != cfg.trainer.task:
+        raise ConfigError(
+            f"data.valid_path={valid} holds '{valid_manifest['task']}' data but this is a {cfg.trainer.task} run; "
+            f"prepare it with tools/prepare_data.py --task {cfg.trainer.task} (e.g. --valid-fraction)"
+        )
+    try:
+        train_manifest = read_manifest(train)  # type: ignore[arg-type]
+    except (OSError, ValueError):
+        return  # data.path itself is checked (and refused) where the run reads it
+    for key in _TOKENIZATION_FIELDS:
+        if valid_manifest.get(key) != train_manifest.get(key):
+            raise ConfigError(
+                f"data.valid_path={valid} was prepared with another tokenizer or mask token than data.path={train} "
+                f"({key}: {valid_manifest.get(key)!r} vs {train_manifest.get(key)!r}); prepare both with the same "
+                "--tokenizer and --mask-token (tools/prepare_data.py --valid-fraction splits one input into both)"
+            )
+    valid_tokenizer = tokenizer_dir_of(valid, valid_manifest)
+    train_tokenizer = tokenizer_dir_of(train, train_manifest)  # type: ignore[arg-type]
+    for name in _VOCAB_FILES:
+        a, b = valid_tokenizer / name, train_tokenizer / name
+        if a.is_file() and b.is_file() and a.read_bytes() != b.read_bytes():
+            raise ConfigError(
+                f"data.valid_path={valid} was prepared with another tokenizer than data.path={train} "
+                f"({a} differs from {b}); prepare both with the same --tokenizer"
+            )
 
 
 def _check_model_from_scratch(model: ModelConfig) -> None:

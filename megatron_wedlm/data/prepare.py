@@ -11,6 +11,11 @@ What a prepared directory holds (the contract with :mod:`.webdataset_loader`):
   ``end_token_id``, the token that ends a reply (the last special token of the first rendered
   reply, e.g. the chat template's ``<|im_end|>``; EOS for raw pairs): the loader appends copies of
   it as learnable end tokens (``wedlm.num_learnable_end_tokens``).
+* ``valid/`` (with ``valid_fraction`` > 0): the held-out documents, a prepared directory of its
+  own (shards, ``manifest.json``, ``tokenizer/``) for ``data.valid_path``. A document is held
+  out when a hash of its source (``file:line`` as recorded, the input path as given) falls below
+  the fraction, so the split is the same on every re-run with the same inputs and does not move
+  when documents are added elsewhere.
 
 Pretraining inputs: ``.jsonl`` lines ``{"text": ...}`` or plain text files (one document per
 file, paragraph or line; see ``text_unit``). Text is tokenized with special-token parsing off,
@@ -42,6 +47,7 @@ sample, a full disk) leaves an earlier prepared directory exactly as it was.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import sys
@@ -62,9 +68,11 @@ __all__ = [
     "Sample",
     "MANIFEST_FILE",
     "TOKENIZER_DIR",
+    "VALID_DIR",
     "DEFAULT_MASK_TOKEN",
     "ENCODING_ERRORS",
     "collect_input_files",
+    "holds_out",
     "load_tokenizer_with_mask",
     "prepare_dataset",
     "read_manifest",
@@ -73,6 +81,7 @@ __all__ = [
 
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
+VALID_DIR = "valid"  # <output>/valid: the held-out documents (valid_fraction > 0)
 DEFAULT_MASK_TOKEN = "<|mask|>"
 FORMAT_VERSION = 1
 _JSON_SUFFIXES = (".jsonl", ".json")
@@ -111,11 +120,22 @@ class PrepareSummary:
     bad_lines: int = 0
     bad_by_reason: dict[str, int] = field(default_factory=dict)
     invalid_utf8: dict[str, dict[str, int]] = field(default_factory=dict)  # file -> bytes, lines, first_line
+    valid_fraction: float = 0.0
+    valid_samples: int = 0  # held out to <output_dir>/valid (not counted in num_samples)
+    valid_tokens: int = 0
+    valid_shards: int = 0
 
     def describe(self) -> str:
         lines = [
             f"wrote {self.num_samples} samples ({self.num_tokens} tokens) in {self.num_shards} shards "
             f"to {self.output_dir}",
+        ]
+        if self.valid_fraction:
+            lines.append(
+                f"held out {self.valid_samples} samples ({self.valid_tokens} tokens) in {self.valid_shards} shards "
+                f"to {Path(self.output_dir) / VALID_DIR} (valid fraction {self.valid_fraction}) for data.valid_path"
+            )
+        lines += [
             f"mask token id {self.mask_token_id}" + (" (added to the tokenizer)" if self.mask_token_added else ""),
             f"skipped {self.bad_lines} bad lines"
             + (": " + ", ".join(f"{n} {r}" for r, n in sorted(self.bad_by_reason.items())) if self.bad_lines else ""),
@@ -520,8 +540,11 @@ def prepare_dataset(
     report: Callable[[str], None] | None = None,
     max_reported: int = 100,
     encoding_errors: str = "strict",
+    valid_fraction: float = 0.0,
 ) -> PrepareSummary:
     """Tokenize ``inputs`` into webdataset shards under ``output_dir``; see the module docstring.
+
+    ``valid_fraction``: the share of documents held out into ``output_dir/valid`` (0: none).
 
     ``report`` receives one line per bad input line (the first ``max_reported``) and per file
     with replaced invalid UTF-8, and is stderr by default. Every input is checked and the
@@ -529,6 +552,8 @@ def prepare_dataset(
     complete. Returns the run summary (also stored in ``manifest.json``).
     """
     _check_options(task, text_unit, samples_per_shard)
+    if not 0.0 <= valid_fraction < 1.0:
+        raise ValueError(f"valid_fraction must be in [0, 1), got {valid_fraction}")
     decoder = _Utf8Decoder(encoding_errors)
     report = report or (lambda line: print(line, file=sys.stderr))
     out = Path(output_dir)
@@ -541,11 +566,13 @@ def prepare_dataset(
     else:
         samples = _sft_samples(tokenizer, _sft_conversations(files, decoder), raw_sft)
 
-    summary = PrepareSummary(task=task, output_dir=str(out), mask_token_id=mask_id, mask_token_added=added)
+    summary = PrepareSummary(task=task, output_dir=str(out), mask_token_id=mask_id, mask_token_added=added,
+                             valid_fraction=valid_fraction)
     if task == "sft":
         samples = _recording_end_token(tokenizer, samples, summary)
     with atomic_output_dir(out, inputs=read, overwrite=overwrite) as staging:
-        shards = _write_samples(samples, staging, samples_per_shard, mask_id, summary, report, max_reported)
+        valid = _ValidSplit(staging / VALID_DIR, samples_per_shard, valid_fraction) if valid_fraction else None
+        shards = _write_samples(samples, staging, samples_per_shard, mask_id, summary, report, max_reported, valid)
         if summary.num_samples == 0:
             raise ValueError(f"no usable samples in {len(files)} input file(s); {summary.bad_lines} bad lines")
         summary.num_shards = len(shards)
@@ -557,8 +584,51 @@ def prepare_dataset(
                    f"{entry['lines']} line(s) by U+FFFD")
         tokenizer.save_pretrained(str(staging / TOKENIZER_DIR))
         manifest = _manifest(tokenizer, summary, shards, files, encoding_errors)
+        if valid is not None:
+            manifest["valid"] = {"path": VALID_DIR, "fraction": valid_fraction, "num_samples": summary.valid_samples,
+                                 "num_tokens": summary.valid_tokens}
+            _finish_valid_split(valid, tokenizer, summary, manifest)
         (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     return summary
+
+
+def holds_out(source: str, fraction: float) -> bool:
+    """Whether the document at ``source`` (``file:line``) belongs to the held-out split: a hash of
+    the source below ``fraction``, the same on every run."""
+    digest = hashlib.blake2b(f"wedlm-valid:{source}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") < fraction * 2**64
+
+
+class _ValidSplit:
+    """The held-out documents' shard writer and the fraction that selects them."""
+
+    def __init__(self, directory: Path, samples_per_shard: int, fraction: float) -> None:
+        directory.mkdir()
+        self.directory = directory
+        self.fraction = fraction
+        self.writer = _ShardWriter(directory, samples_per_shard)
+        self.shards: list[dict[str, Any]] = []
+
+
+def _finish_valid_split(valid: _ValidSplit, tokenizer, summary: PrepareSummary, train_manifest: dict[str, Any]) -> None:
+    """``valid/``'s tokenizer and manifest: the training manifest's tokenization, its own shards."""
+    if summary.valid_samples == 0:
+        raise ValueError(
+            f"valid_fraction={valid.fraction} held out none of the {summary.num_samples} documents; raise it "
+            "(or leave it out for no validation split)"
+        )
+    summary.valid_shards = len(valid.shards)
+    tokenizer.save_pretrained(str(valid.directory / TOKENIZER_DIR))
+    manifest = {
+        **{k: v for k, v in train_manifest.items() if k != "valid"},
+        "num_samples": summary.valid_samples,
+        "num_tokens": summary.valid_tokens,
+        "shards": valid.shards,
+        "held_out": {"fraction": valid.fraction, "training_data": ".."},
+        "bad_lines": 0,  # counted in the training directory's manifest
+        "bad_by_reason": {},
+    }
+    (valid.directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 def _check_options(task: str, text_unit: str, samples_per_shard: int) -> None:
@@ -628,8 +698,10 @@ def _write_samples(
     summary: PrepareSummary,
     report: Callable[[str], None],
     max_reported: int,
+    valid: _ValidSplit | None = None,
 ) -> list[dict[str, Any]]:
-    """Shard the good samples into ``directory``; count and report the bad ones into ``summary``."""
+    """Shard the good samples into ``directory`` (the held-out ones into ``valid``'s); count and
+    report the bad ones into ``summary``."""
     reasons: Counter[str] = Counter()
     writer = _ShardWriter(directory, samples_per_shard)
     try:
@@ -645,12 +717,21 @@ def _write_samples(
                 elif summary.bad_lines == max_reported + 1:
                     report(f"(further bad lines are counted but not listed; max_reported={max_reported})")
                 continue
+            if valid is not None and holds_out(item.source, valid.fraction):
+                valid.writer.write(item)
+                summary.valid_samples += 1
+                summary.valid_tokens += len(item.tokens)
+                continue
             writer.write(item)
             summary.num_samples += 1
             summary.num_tokens += len(item.tokens)
         shards = writer.finish()
+        if valid is not None:
+            valid.shards = valid.writer.finish()
     except BaseException:
         writer.abandon()
+        if valid is not None:
+            valid.writer.abandon()
         raise
     summary.bad_by_reason = dict(reasons)
     return shards

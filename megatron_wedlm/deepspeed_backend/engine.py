@@ -261,6 +261,25 @@ class DeepSpeedEngine:
         norm = self.engine.get_global_grad_norm()
         return StepUpdate(applied=True, grad_norm=float(norm) if norm is not None else float("nan"))
 
+    def evaluate(self, batches: Sequence[DualStreamBatch], normalizer: LossNormalizer,
+                 objective: Objective) -> list[dict[str, torch.Tensor]]:
+        """Forward per micro-batch without autograd; the loss reports. In eval mode (a HF
+        checkpoint's config may carry dropout), as HF's Trainer evaluates a DeepSpeed engine; ZeRO-3
+        gathers the parameters through its forward hooks as in training. Between steps, so no
+        gradient accumulation is under way."""
+        reports = []
+        self.engine.eval()
+        try:
+            with torch.no_grad():
+                for batch in batches:
+                    batch = pad_rows(batch.to(self.device), self.backend)
+                    per_slot = dual_stream_cross_entropy(self.engine, batch, self.backend, self.dtype)
+                    _, loss = objective.contribution(per_slot, batch, normalizer)
+                    reports.append(loss.report())
+        finally:
+            self.engine.train()
+        return reports
+
     def finish(self, logger) -> None:
         final = self._export(Path(self.cfg.trainer.output_dir) / FINAL_EXPORT_DIR)
         logger.message(f"exported the trained model to {final}")

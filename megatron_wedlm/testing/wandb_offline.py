@@ -1,4 +1,4 @@
-"""Read back what a wandb offline run logged, for tests: the history rows of ``run-<id>.wandb``.
+"""Read back what a wandb offline run logged, for tests: the history rows and the summary of ``run-<id>.wandb``.
 
 wandb 0.31 writes the offline log from its Go core and ships no Python reader. The file is a
 LevelDB-style log (wandb's ``store`` format): a 7-byte header (``:W&B``, magic ``0xBEE1``,
@@ -13,7 +13,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-__all__ = ["read_history", "read_records"]
+__all__ = ["read_history", "read_records", "read_summary"]
 
 _HEADER = b":W&B"
 _BLOCK = 32 * 1024
@@ -47,17 +47,39 @@ def read_records(path: str | Path) -> list[Any]:
     return [wandb_internal_pb2.Record.FromString(chunk) for chunk in chunks]
 
 
+def _run_logs(run_dir: str | Path) -> list[Path]:
+    return sorted(Path(run_dir).glob("**/offline-run-*/run-*.wandb"))
+
+
+def _key(item: Any) -> str:
+    return item.key or "/".join(item.nested_key)
+
+
+def read_summary(run_dir: str | Path) -> dict[str, Any]:
+    """The run summary as the summary records of every ``offline-run-*`` under ``run_dir`` leave it
+    (oldest run first; later updates win, removals drop a key); values decoded from their JSON."""
+    summary: dict[str, Any] = {}
+    for log in _run_logs(run_dir):
+        for record in read_records(log):
+            if record.WhichOneof("record_type") != "summary":
+                continue
+            for item in record.summary.update:
+                summary[_key(item)] = json.loads(item.value_json)
+            for item in record.summary.remove:
+                summary.pop(_key(item), None)
+    return summary
+
+
 def read_history(run_dir: str | Path) -> list[dict[str, Any]]:
     """The logged rows (``run.log`` calls) of every ``offline-run-*`` under ``run_dir``, oldest run
     first; keys as logged, values decoded from their JSON."""
     rows = []
-    for log in sorted(Path(run_dir).glob("**/offline-run-*/run-*.wandb")):
+    for log in _run_logs(run_dir):
         for record in read_records(log):
             if record.WhichOneof("record_type") != "history":
                 continue
             row = {}
             for item in record.history.item:
-                key = item.key or "/".join(item.nested_key)
-                row[key] = json.loads(item.value_json)
+                row[_key(item)] = json.loads(item.value_json)
             rows.append(row)
     return rows

@@ -13,9 +13,12 @@ pipeline stages). Gradients are read from DDP's
 ``main_grad`` after finalisation -- what an optimizer would consume.
 
 1. :func:`reference_worker` (1 rank): per spec, build the model at TP=PP=1 from its seed, save
-   the weights (``torch_dist``), run one step, return the loss summary and gradients.
+   the weights (``torch_dist``), run one step and a forward-only evaluation of another global
+   batch (the engine's validation, :func:`~megatron_wedlm.training.megatron_engine.forward_only_step`),
+   return the loss summaries and gradients.
 2. :func:`layouts_worker` (N ranks): for each layout, re-create Megatron's groups, load the
-   weights (Megatron reshards them), run the same global batch, save the gradients as a
+   weights (Megatron reshards them), run the same global batch and evaluation (checking that the
+   evaluation leaves the step's gradients as they were), save the gradients as a
    checkpoint, then re-create a TP=PP=1 layout and load that checkpoint back, which
    reassembles the shards exactly as Megatron does. Several layouts share one launch.
 3. :func:`optimizer_worker`: a few Adam steps (distributed optimizer or not) on a global batch
@@ -34,7 +37,7 @@ import torch.distributed as dist
 from megatron_wedlm.data import build_dual_stream_batch, stack_dual_stream_batches
 from megatron_wedlm.model import global_loss_normalizer, reduce_loss_reports
 from megatron_wedlm.model.hf_config import ModelArgs
-from megatron_wedlm.training.megatron_engine import forward_backward_step
+from megatron_wedlm.training.megatron_engine import forward_backward_step, forward_only_step
 from megatron_wedlm.training.objective import Objective
 from megatron_wedlm.training.optimization import wrap_ddp
 
@@ -130,6 +133,20 @@ def train_step(ddp_model: list, spec: TinyWeDLMSpec, batches: list):
     return asdict(reduce_loss_reports(reports, spec.ar_weight))
 
 
+def eval_step(ddp_model: list, spec: TinyWeDLMSpec, batches: list):
+    """The Megatron engine's forward-only evaluation over this rank's micro-batches; the global
+    loss summary (last stage), None elsewhere."""
+    normalizer = global_loss_normalizer(batches, spec.mlm_weighting)
+    objective = Objective(ar_weight=spec.ar_weight, mlm_weighting=spec.mlm_weighting)
+    reports = forward_only_step(ddp_model, batches, normalizer, objective, spec.row_length, spec.micro_batch_size)
+    if reports is None:
+        return None
+    return asdict(reduce_loss_reports(reports, spec.ar_weight))
+
+
+EVAL_BATCH = 1  # make_global_batch's step of the evaluated batch (the training step's is 0)
+
+
 def _local_microbatches(spec: TinyWeDLMSpec, step: int = 0) -> list:
     from megatron.core import parallel_state as ps
 
@@ -156,7 +173,8 @@ def reference_worker(specs: dict[str, dict], root: str) -> dict[str, dict]:
         save_sharded(model, os.path.join(root, name, "weights"))
         ddp = wrap_ddp(model, False)
         summary = train_step(ddp, spec, _local_microbatches(spec))
-        out[name] = {"summary": summary, "grads": _named_grads(model)}
+        evaluation = eval_step(ddp, spec, _local_microbatches(spec, EVAL_BATCH))
+        out[name] = {"summary": summary, "eval": evaluation, "grads": _named_grads(model)}
     return out
 
 
@@ -175,13 +193,17 @@ def layouts_worker(specs: dict[str, dict], root: str, layouts: list[dict]) -> di
         load_sharded(model, os.path.join(root, layout["spec"], "weights"))
         ddp = wrap_ddp(model, False)
         summary = train_step(ddp, spec, _local_microbatches(spec))
+        grads = [p.main_grad.clone() for chunk in model for p in chunk.parameters()]
+        evaluation = eval_step(ddp, spec, _local_microbatches(spec, EVAL_BATCH))
+        kept = all(torch.equal(g, p.main_grad) for g, p in zip(grads, (p for c in model for p in c.parameters())))
         grads_dir = os.path.join(root, "grads-" + layout["name"])
         for chunk in model:
             grads_into_params(chunk, use_main_grad=True)
         save_sharded(model, grads_dir)
         dist.barrier()
         full = gather_full(lambda: build_model(spec)[0], spec.seed, grads_dir)
-        out[layout["name"]] = {"summary": summary, "grads": full if dist.get_rank() == 0 else None}
+        out[layout["name"]] = {"summary": summary, "eval": evaluation, "eval_kept_grads": kept,
+                               "grads": full if dist.get_rank() == 0 else None}
         dist.barrier()
     return out
 

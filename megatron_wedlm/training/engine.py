@@ -56,8 +56,8 @@ class StepUpdate:
 class Engine(Protocol):
     """What a model engine provides to :func:`~.loop.run_training`, called in this order:
     ``start`` once, ``describe``, ``build``, ``model_shape``, ``load`` when resuming; per step
-    ``forward_backward``, ``grads_finite``, ``optimizer_step``, and ``save`` when due;
-    ``finish`` after the last step."""
+    ``forward_backward``, ``grads_finite``, ``optimizer_step``, ``evaluate`` when a validation
+    is due, and ``save`` when due; ``finish`` after the last step."""
 
     def start(self, device: torch.device, bf16: bool, manifest: dict[str, Any]) -> RankRole:
         """Check the run against this engine, create the process groups."""
@@ -97,6 +97,13 @@ class Engine(Protocol):
     def optimizer_step(self, apply: bool) -> StepUpdate:
         """Apply the step's gradients when ``apply``; otherwise drop them, leaving weights and
         optimizer state as they were. Either way the next step starts from clean gradients."""
+        ...
+
+    def evaluate(self, batches: Sequence[DualStreamBatch], normalizer: LossNormalizer,
+                 objective: Objective) -> list[dict[str, Tensor]] | None:
+        """Collective: forward only over this rank's validation micro-batches; the per-micro-batch
+        loss reports where this rank computes losses, else None. No gradient, weight or optimizer
+        state changes."""
         ...
 
     def finish(self, logger: MetricsLogger) -> None:

@@ -13,9 +13,10 @@ differentiated and logged.
 One step: fetch ``num_microbatches`` micro-batches, compute the global loss denominators, let
 the engine compute gradients, sum the step's losses, token counts and gradient health over the
 ranks (one all-reduce), have the engine apply the update only when everything is finite,
-advance the lr schedule on applied updates, log (losses, throughput: :mod:`.throughput`), save. A non-finite step is skipped (weights
-and optimizer state untouched), logged, and after ``trainer.max_consecutive_nonfinite`` in a
-row the run stops with :class:`NonFiniteLossError`.
+advance the lr schedule on applied updates, validate when due (:mod:`.validation`), log (losses,
+throughput: :mod:`.throughput`), save. A non-finite step is skipped (weights and optimizer state
+untouched), logged, and after ``trainer.max_consecutive_nonfinite`` in a row the run stops with
+:class:`NonFiniteLossError`.
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ from .engine import Engine, RankRole, StepUpdate
 from .megatron_engine import MegatronEngine
 from .objective import Objective
 from .optimization import build_scheduler, current_lr
-from .run_data import build_train_data, read_run_manifest
+from .run_data import build_train_data, build_valid_data, read_run_manifest
 from .run_dir import RunClaim, claim_output_dir
 from .step_record import NonFiniteLossError, StepRecorder, StepTotals, TrainResult, result_dict
 from .throughput import batch_flops, default_peak_tflops, max_over_ranks, peak_memory_gib
+from .validation import Validator
 
 __all__ = ["Engine", "NonFiniteLossError", "RankRole", "StepUpdate", "TrainResult", "bf16_enabled", "result_dict",
            "run_training"]
@@ -93,6 +95,11 @@ def _train(cfg: TrainConfig, engine: Engine, role: RankRole, claim: RunClaim, de
         f"{num_microbatches} micro-batches of {micro_batch} x {cfg.data.seq_length}, "
         f"steps {recorder.start_step + 1}..{recorder.end_step}, device {device.type}, {'bf16' if bf16 else 'fp32'}"
     )
+    valid_rows = build_valid_data(cfg, role.dp_rank, role.dp_size)
+    validator = None
+    if valid_rows is not None:
+        validator = Validator(cfg, valid_rows, objective, role, device, recorder.end_step)
+        logger.message(validator.describe())
 
     try:
         for step in recorder.steps():
@@ -119,8 +126,10 @@ def _train(cfg: TrainConfig, engine: Engine, role: RankRole, claim: RunClaim, de
             if update.applied:
                 scheduler.step(increment=1)
             peak_memory = max_over_ranks(peak_memory_gib(device), device)
+            trained = time.perf_counter()
+            valid = validator.run(engine) if validator is not None and validator.due(step) else None
             due = recorder.record(step, started=started, totals=totals, lr=lr, grad_norm=update.grad_norm,
-                                  peak_memory_gib=peak_memory)
+                                  ended=trained, valid=valid, peak_memory_gib=peak_memory)
             if due:
                 trainer_state = recorder.trainer_state(scheduler, data)
                 recorder.saved(engine.save(step, trainer_state, {"config.yaml": recorder.config_yaml}))

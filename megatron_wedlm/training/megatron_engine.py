@@ -45,8 +45,8 @@ from .run_data import run_data_dir
 from .throughput import ModelShape
 
 __all__ = [
-    "MegatronEngine", "forward_backward_step", "megatron_forward_step", "run_model_on_shard", "run_schedule",
-    "schedule_loss_scale",
+    "MegatronEngine", "forward_backward_step", "forward_only_step", "megatron_forward_step", "run_model_on_shard",
+    "run_schedule", "schedule_loss_scale",
 ]
 
 
@@ -143,6 +143,17 @@ def forward_backward_step(ddp_chunks: Sequence, batches: Sequence[DualStreamBatc
         chunk.zero_grad_buffer()
     step = megatron_forward_step(objective, normalizer, len(batches), device)
     return run_schedule(ddp_chunks, step, batches, seq_length, micro_batch_size)
+
+
+def forward_only_step(ddp_chunks: Sequence, batches: Sequence[DualStreamBatch], normalizer: LossNormalizer,
+                      objective: Objective, seq_length: int, micro_batch_size: int,
+                      device: torch.device | str | None = None) -> list[dict[str, Tensor]] | None:
+    """An evaluation's forward over this rank's micro-batches through the same schedule and forward
+    step as training (``forward_only``: no backward, no gradient finalisation), without autograd;
+    gradient buffers and weights untouched. The loss reports on the last pipeline stage, None elsewhere."""
+    step = megatron_forward_step(objective, normalizer, len(batches), device)
+    with torch.no_grad():
+        return run_schedule(ddp_chunks, step, batches, seq_length, micro_batch_size, forward_only=True)
 
 
 def _grads_nonfinite(ddp_chunks: list) -> bool:
@@ -259,6 +270,12 @@ class MegatronEngine:
             return StepUpdate(applied=False, grad_norm=float("nan"))
         updated, grad_norm, _ = self.optimizer.step()
         return StepUpdate(applied=bool(updated), grad_norm=float(grad_norm) if grad_norm is not None else float("nan"))
+
+    def evaluate(self, batches: Sequence[DualStreamBatch], normalizer: LossNormalizer,
+                 objective: Objective) -> list[dict[str, Tensor]] | None:
+        """Forward-only validation (no dropout by default, so the chunks stay in training mode)."""
+        return forward_only_step(self.ddp, batches, normalizer, objective, self.cfg.data.seq_length,
+                                 self.cfg.data.micro_batch_size, self.device)
 
     def finish(self, logger) -> None:
         """Nothing beyond the last checkpoint (``tools/convert_checkpoint.py`` exports to HF)."""

@@ -4,7 +4,10 @@ Only the logging rank (global rank 0) writes; the loop hands it step records tha
 global (reduced over all ranks). ``metrics.jsonl`` has one JSON object per logged step with at
 least: step, loss, mlm_loss, ar_loss, masked_tokens, lr, grad_norm, tokens_per_sec, the
 throughput per device (tokens/s, TFLOP/s, MFU, peak memory: :mod:`.throughput`) and the
-``run_id`` of the run that logged it.
+``run_id`` of the run that logged it; a step followed by a validation also has ``valid/loss``,
+``valid/mlm_loss``, ``valid/ar_loss`` and the validation's token counts, and is written whatever
+``logging.log_interval`` says. The wandb run's summary holds the last train loss and the last
+validation losses.
 
 ``metrics.jsonl`` always describes one consistent history: the lineage of the running run (see
 :mod:`.checkpointing`). It is appended to, never cut silently: when a run starts, the records that
@@ -32,6 +35,8 @@ METRICS_FILE = "metrics.jsonl"
 METRICS_ABANDONED_FILE = "metrics.abandoned.jsonl"
 REQUIRED_KEYS = ("step", "loss", "mlm_loss", "ar_loss", "masked_tokens", "lr", "grad_norm", "tokens_per_sec",
                  "tokens_per_sec_per_device", "tflops_per_device", "mfu", "peak_memory_gib")
+VALID_LOSS_KEY = "valid/loss"  # present in the record of a step followed by a validation
+VALID_SUMMARY_KEYS = ("valid/loss", "valid/mlm_loss", "valid/ar_loss")
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -79,6 +84,7 @@ class MetricsLogger:
         self.wandb_run = None
         self.wandb_run_id = wandb_run_id
         self._bar = None
+        self._summary: dict[str, Any] = {}  # the run summary's numbers: last train loss, last validation
         if not enabled:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -155,12 +161,19 @@ class MetricsLogger:
                 **_throughput_postfix(record), refresh=False,
             )
         step = int(record["step"])
-        if step % self.cfg.logging.log_interval and not record.get("skipped") and not record.get("final"):
+        self._summary["loss"] = record["loss"]  # the last train loss, whether or not this record is written
+        validated = VALID_LOSS_KEY in record
+        if validated:
+            self._summary.update({k: record[k] for k in VALID_SUMMARY_KEYS if k in record})
+        if step % self.cfg.logging.log_interval and not record.get("skipped") and not record.get("final") \
+                and not validated:
             return
         with open(self.path, "a") as handle:
             handle.write(json.dumps({k: _json_number(v) for k, v in record.items()}) + "\n")
         if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}, step=step)
+            # committed now, so the row's automatic summary precedes the explicit one written at close
+            numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+            self.wandb_run.log(numbers, step=step, commit=True)
 
     def message(self, text: str) -> None:
         """A line for the console that does not break the progress bar."""
@@ -178,5 +191,6 @@ class MetricsLogger:
             self._bar.close()
             self._bar = None
         if self.wandb_run is not None:
+            self.wandb_run.summary.update({k: _json_number(v) for k, v in self._summary.items()})
             self.wandb_run.finish()
             self.wandb_run = None

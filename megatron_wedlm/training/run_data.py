@@ -13,9 +13,10 @@ from typing import Any
 from megatron_wedlm.config.schema import ConfigError, TrainConfig
 from megatron_wedlm.data.blend import BlendedDataIterator, BlendSource, blend_names, check_compatible_sources
 from megatron_wedlm.data.prepare import read_manifest
+from megatron_wedlm.data.validation_rows import VALIDATION_SEED, ValidationRows, validation_rows
 from megatron_wedlm.data.webdataset_loader import LoaderSpec, TrainDataIterator, loader_spec_from_manifest
 
-__all__ = ["build_train_data", "read_run_manifest", "run_data_dir"]
+__all__ = ["build_train_data", "build_valid_data", "read_run_manifest", "run_data_dir"]
 
 
 def run_data_dir(cfg: TrainConfig) -> str:
@@ -52,11 +53,14 @@ def read_run_manifest(cfg: TrainConfig) -> dict[str, Any]:
     return manifest
 
 
-def _loader_spec(cfg: TrainConfig, data_dir: str) -> LoaderSpec:
+def _loader_spec(cfg: TrainConfig, data_dir: str, num_streams: int | None = None, seed: int | None = None,
+                 shuffle: bool | None = None) -> LoaderSpec:
+    """How rows of ``data_dir`` are built for this run (the data section's streams, seed and
+    shuffling unless given: validation reads one stream of its own)."""
     try:
         return loader_spec_from_manifest(
             data_dir,
-            num_streams=cfg.data.num_streams,
+            num_streams=cfg.data.num_streams if num_streams is None else num_streams,
             seq_length=cfg.data.seq_length,
             wedlm=cfg.wedlm.enabled,
             block_size=cfg.wedlm.block_size,
@@ -64,14 +68,14 @@ def _loader_spec(cfg: TrainConfig, data_dir: str) -> LoaderSpec:
             ratio_mode=cfg.wedlm.ratio_mode,
             random_block_offset=cfg.wedlm.random_block_offset,
             mask_eps=cfg.wedlm.mask_eps,
-            seed=cfg.data.seed,
-            shuffle=cfg.data.shuffle,
+            seed=cfg.data.seed if seed is None else seed,
+            shuffle=cfg.data.shuffle if shuffle is None else shuffle,
             task=cfg.trainer.task,
             # AR SFT decodes left to right and stops at the first end token: no slot past it to train
             num_learnable_end_tokens=cfg.wedlm.num_learnable_end_tokens if cfg.wedlm.enabled else 0,
         )
     except ValueError as err:
-        if cfg.data.blend is None:
+        if cfg.data.blend is None or data_dir == cfg.data.valid_path:
             raise
         raise ValueError(f"data.blend source {data_dir}: {err}") from None
 
@@ -90,3 +94,25 @@ def build_train_data(
     sources = [BlendSource(name, _loader_spec(cfg, s.path), s.weight)  # type: ignore[arg-type]
                for name, s in zip(_blend_names(cfg), cfg.data.blend)]
     return BlendedDataIterator(sources, dp_rank, dp_size, cfg.data.micro_batch_size, **options)  # type: ignore[arg-type]
+
+
+def build_valid_data(cfg: TrainConfig, dp_rank: int, dp_size: int) -> ValidationRows | None:
+    """This data-parallel rank's validation micro-batches (:mod:`megatron_wedlm.data.validation_rows`:
+    the first ``trainer.eval_iters x data.global_batch_size`` rows of ``data.valid_path``, built as
+    training rows are, but read as one stream whose rows and masks follow a seed of their own);
+    None without ``data.valid_path``."""
+    path = cfg.data.valid_path
+    if path is None:
+        return None
+    try:
+        manifest = read_manifest(path)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"data.valid_path: {err}") from None
+    if manifest["task"] != cfg.trainer.task:
+        raise ConfigError(
+            f"data.valid_path={path} holds '{manifest['task']}' data but this is a {cfg.trainer.task} run; "
+            f"prepare it with tools/prepare_data.py --task {cfg.trainer.task}"
+        )
+    spec = _loader_spec(cfg, path, num_streams=1, seed=VALIDATION_SEED, shuffle=True)
+    rows = cfg.trainer.eval_iters * cfg.data.global_batch_size
+    return validation_rows(spec, rows, dp_rank, dp_size, cfg.data.micro_batch_size)

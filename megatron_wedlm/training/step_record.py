@@ -45,6 +45,8 @@ class TrainResult:
     final_step: int
     start_step: int
     losses: dict[int, float] = field(default_factory=dict)  # step -> logged loss (all steps run)
+    # step -> {"loss", "mlm_loss", "ar_loss"} of the validations this run made
+    valid_losses: dict[int, dict[str, float]] = field(default_factory=dict)
     skipped_steps: list[int] = field(default_factory=list)
     checkpoints: list[str] = field(default_factory=list)
     wandb_run_dir: str | None = None
@@ -123,9 +125,12 @@ class StepRecorder:
         return range(self.start_step + 1, self.end_step + 1)
 
     def record(self, step: int, *, started: float, totals: StepTotals, lr: float, grad_norm: float,
+               ended: float | None = None, valid: dict[str, Any] | None = None,
                peak_memory_gib: float = float("nan")) -> bool:
-        """Log step ``step`` (begun at ``time.perf_counter() == started``; its update was applied
-        when ``totals.finite``; ``peak_memory_gib``: the largest over the ranks); raise :class:`NonFiniteLossError` on too many skips in a row.
+        """Log step ``step`` (begun at ``time.perf_counter() == started``, its training done at
+        ``ended`` (default: now); its update was applied when ``totals.finite``;
+        ``peak_memory_gib``: the largest over the ranks) with the ``valid/*`` numbers of a
+        validation after it; raise :class:`NonFiniteLossError` on too many skips in a row.
         Returns whether a checkpoint is due now."""
         finite, loss, tokens = totals.finite, totals.loss, totals.tokens
         if finite:
@@ -141,7 +146,13 @@ class StepRecorder:
         self.consumed_tokens += int(tokens)
         for name, count in totals.source_tokens.items():
             self.consumed_source_tokens[name] = self.consumed_source_tokens.get(name, 0) + int(count)
-        elapsed = time.perf_counter() - started
+        elapsed = (time.perf_counter() if ended is None else ended) - started
+        if valid is not None:
+            self.result.valid_losses[step] = {k: float(valid[f"valid/{k}"]) for k in ("loss", "mlm_loss", "ar_loss")}
+            self.logger.message(
+                f"step {step}: validation loss {valid['valid/loss']:.4f} (mlm {valid['valid/mlm_loss']:.4f}, "
+                f"ar {valid['valid/ar_loss']:.4f}; {valid['valid/tokens']} tokens, {valid['valid/time_s']:.2f} s)"
+            )
         self.logger.log_step({
             "step": step,
             "loss": loss,
@@ -159,6 +170,7 @@ class StepRecorder:
             "skipped": not finite,
             "run_id": self.claim.run_id,
             **{f"tokens/{name}": int(count) for name, count in totals.source_tokens.items()},
+            **(valid or {}),
         })
         self.result.losses[step] = loss
         self.result.final_step = step
