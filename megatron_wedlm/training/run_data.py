@@ -32,11 +32,26 @@ def _blend_names(cfg: TrainConfig) -> list[str]:
         raise ConfigError(str(err)) from None
 
 
+def _task_manifest(cfg: TrainConfig, key: str, path: str) -> dict[str, Any]:
+    """The manifest of the prepared directory ``path`` (config key ``key``), refused when missing
+    or prepared for the other task."""
+    try:
+        manifest = read_manifest(path)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{key}: {err}") from None
+    if manifest["task"] != cfg.trainer.task:
+        raise ConfigError(
+            f"{key}={path} holds '{manifest['task']}' data but this is a {cfg.trainer.task} run; "
+            f"prepare it with tools/prepare_data.py --task {cfg.trainer.task}"
+        )
+    return manifest
+
+
 def read_run_manifest(cfg: TrainConfig) -> dict[str, Any]:
     """The manifest of ``data.path`` (of the first ``data.blend`` source, the others checked to
     match it), refused when it was prepared for the other task."""
     key = "data.path" if cfg.data.blend is None else "data.blend[0].path"
-    manifest = read_manifest(run_data_dir(cfg))
+    manifest = _task_manifest(cfg, key, run_data_dir(cfg))
     if cfg.data.blend is not None:
         names = _blend_names(cfg)
         sources = [(n, s.path, manifest if i == 0 else read_manifest(s.path))  # type: ignore[arg-type]
@@ -45,11 +60,6 @@ def read_run_manifest(cfg: TrainConfig) -> dict[str, Any]:
             check_compatible_sources(sources)  # type: ignore[arg-type]
         except ValueError as err:
             raise ConfigError(str(err)) from None
-    if manifest["task"] != cfg.trainer.task:
-        raise ConfigError(
-            f"{key}={run_data_dir(cfg)} holds '{manifest['task']}' data but this is a {cfg.trainer.task} run; "
-            f"prepare it with tools/prepare_data.py --task {cfg.trainer.task}"
-        )
     return manifest
 
 
@@ -104,15 +114,7 @@ def build_valid_data(cfg: TrainConfig, dp_rank: int, dp_size: int) -> Validation
     path = cfg.data.valid_path
     if path is None:
         return None
-    try:
-        manifest = read_manifest(path)
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"data.valid_path: {err}") from None
-    if manifest["task"] != cfg.trainer.task:
-        raise ConfigError(
-            f"data.valid_path={path} holds '{manifest['task']}' data but this is a {cfg.trainer.task} run; "
-            f"prepare it with tools/prepare_data.py --task {cfg.trainer.task}"
-        )
+    _task_manifest(cfg, "data.valid_path", path)
     spec = _loader_spec(cfg, path, num_streams=1, seed=VALIDATION_SEED, shuffle=True)
     rows = cfg.trainer.eval_iters * cfg.data.global_batch_size
     return validation_rows(spec, rows, dp_rank, dp_size, cfg.data.micro_batch_size)
