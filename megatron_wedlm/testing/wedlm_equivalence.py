@@ -121,27 +121,26 @@ def build_model(spec: TinyWeDLMSpec, sequence_parallel: bool = False, recompute:
     return build_model_chunks(spec.model_args(), spec.build_settings(sequence_parallel, recompute))
 
 
-def train_step(ddp_model: list, spec: TinyWeDLMSpec, batches: list):
-    """One forward/backward of training's step over this rank's micro-batches (``ddp_model``: the
-    chunks as training's ``wrap_ddp`` wraps them) -- the Megatron engine's own step function;
-    the global loss summary (last stage)."""
+def _engine_step(step_function, ddp_model: list, spec: TinyWeDLMSpec, batches: list):
+    """``step_function`` (the Megatron engine's ``forward_backward_step`` or ``forward_only_step``)
+    over this rank's micro-batches; the global loss summary on the last stage, None elsewhere."""
     normalizer = global_loss_normalizer(batches, spec.mlm_weighting)
     objective = Objective(ar_weight=spec.ar_weight, mlm_weighting=spec.mlm_weighting)
-    reports = forward_backward_step(ddp_model, batches, normalizer, objective, spec.row_length, spec.micro_batch_size)
+    reports = step_function(ddp_model, batches, normalizer, objective, spec.row_length, spec.micro_batch_size)
     if reports is None:
         return None
     return asdict(reduce_loss_reports(reports, spec.ar_weight))
+
+
+def train_step(ddp_model: list, spec: TinyWeDLMSpec, batches: list):
+    """One forward/backward of training's step (``ddp_model``: the chunks as training's
+    ``wrap_ddp`` wraps them) -- the Megatron engine's own step function."""
+    return _engine_step(forward_backward_step, ddp_model, spec, batches)
 
 
 def eval_step(ddp_model: list, spec: TinyWeDLMSpec, batches: list):
-    """The Megatron engine's forward-only evaluation over this rank's micro-batches; the global
-    loss summary (last stage), None elsewhere."""
-    normalizer = global_loss_normalizer(batches, spec.mlm_weighting)
-    objective = Objective(ar_weight=spec.ar_weight, mlm_weighting=spec.mlm_weighting)
-    reports = forward_only_step(ddp_model, batches, normalizer, objective, spec.row_length, spec.micro_batch_size)
-    if reports is None:
-        return None
-    return asdict(reduce_loss_reports(reports, spec.ar_weight))
+    """The Megatron engine's forward-only evaluation, as a run's validation does it."""
+    return _engine_step(forward_only_step, ddp_model, spec, batches)
 
 
 EVAL_BATCH = 1  # make_global_batch's step of the evaluated batch (the training step's is 0)
