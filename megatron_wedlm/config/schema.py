@@ -415,30 +415,30 @@ _VOCAB_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model",
 _TOKENIZATION_FIELDS = ("task", "mask_token", "mask_token_id", "eos_token_id", "pad_token_id", "tokenizer_length")
 
 
+def training_data_dir(cfg: TrainConfig) -> str | None:
+    """The directory whose manifest and tokenizer describe the run's data: ``data.path``, or the
+    first ``data.blend`` source (the others must match it)."""
+    return cfg.data.path if cfg.data.blend is None else cfg.data.blend[0].path
+
+
 def _check_valid_data(cfg: TrainConfig) -> None:
     """``data.valid_path`` must be tokenized as the training data (``data.path``, or the first
     ``data.blend`` source, which the others match) and prepared for this run's task: validation
     rows are built by the same loader and scored by the same model and objective."""
-    valid = cfg.data.valid_path
-    train = cfg.data.path if cfg.data.blend is None else cfg.data.blend[0].path
+    valid, train = cfg.data.valid_path, training_data_dir(cfg)
     if valid is None:
         return
     # deferred: the data package imports torch, and a config without validation data stays light
-    from megatron_wedlm.data.prepare import MANIFEST_FILE, read_manifest, tokenizer_dir_of
+    from megatron_wedlm.data.prepare import MANIFEST_FILE, read_manifest, read_task_manifest, tokenizer_dir_of
 
     if not (Path(valid) / MANIFEST_FILE).is_file():
         # A saved config is re-read (exports, --follow) where the data may be gone; the run itself
         # refuses a missing directory when it reads it (training/run_data.py).
         return
     try:
-        valid_manifest = read_manifest(valid)
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"data.valid_path: {err}") from None
-    if valid_manifest["task"] != cfg.trainer.task:
-        raise ConfigError(
-            f"data.valid_path={valid} holds '{valid_manifest['task']}' data but this is a {cfg.trainer.task} run; "
-            f"prepare it with tools/prepare_data.py --task {cfg.trainer.task} (e.g. --valid-fraction)"
-        )
+        valid_manifest = read_task_manifest(valid, cfg.trainer.task, "data.valid_path")
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     try:
         train_manifest = read_manifest(train)  # type: ignore[arg-type]
     except (OSError, ValueError):

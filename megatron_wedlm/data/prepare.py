@@ -76,6 +76,7 @@ __all__ = [
     "load_tokenizer_with_mask",
     "prepare_dataset",
     "read_manifest",
+    "read_task_manifest",
     "tokenizer_dir_of",
 ]
 
@@ -754,6 +755,21 @@ def read_manifest(data_dir: str | Path) -> dict[str, Any]:
         )
     return manifest
 
+
+
+def read_task_manifest(data_dir: str | Path, task: str, key: str) -> dict[str, Any]:
+    """The manifest of ``data_dir`` (named by the config key ``key`` in errors), refused with a
+    ValueError when it is not a prepared directory or was prepared for another ``task``."""
+    try:
+        manifest = read_manifest(data_dir)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{key}: {err}") from None
+    if manifest["task"] != task:
+        raise ValueError(
+            f"{key}={data_dir} holds '{manifest['task']}' data but this is a {task} run; "
+            f"prepare it with tools/prepare_data.py --task {task}"
+        )
+    return manifest
 
 
 def tokenizer_dir_of(data_dir: str | Path, manifest: dict[str, Any]) -> Path:

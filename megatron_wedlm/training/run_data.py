@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_wedlm.config.schema import ConfigError, TrainConfig
+from megatron_wedlm.config.schema import ConfigError, TrainConfig, training_data_dir
 from megatron_wedlm.data.blend import BlendedDataIterator, BlendSource, blend_names, check_compatible_sources
-from megatron_wedlm.data.prepare import read_manifest
+from megatron_wedlm.data.prepare import read_manifest, read_task_manifest
 from megatron_wedlm.data.validation_rows import VALIDATION_SEED, ValidationRows, validation_rows
 from megatron_wedlm.data.webdataset_loader import LoaderSpec, TrainDataIterator, loader_spec_from_manifest
 
@@ -20,9 +20,8 @@ __all__ = ["build_train_data", "build_valid_data", "read_run_manifest", "run_dat
 
 
 def run_data_dir(cfg: TrainConfig) -> str:
-    """The directory whose manifest and tokenizer describe the run: ``data.path``, or the first
-    ``data.blend`` source."""
-    return cfg.data.path if cfg.data.blend is None else cfg.data.blend[0].path  # type: ignore[return-value]
+    """The directory whose manifest and tokenizer describe the run (required by the config check)."""
+    return training_data_dir(cfg)  # type: ignore[return-value]
 
 
 def _blend_names(cfg: TrainConfig) -> list[str]:
@@ -36,15 +35,9 @@ def _task_manifest(cfg: TrainConfig, key: str, path: str) -> dict[str, Any]:
     """The manifest of the prepared directory ``path`` (config key ``key``), refused when missing
     or prepared for the other task."""
     try:
-        manifest = read_manifest(path)
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"{key}: {err}") from None
-    if manifest["task"] != cfg.trainer.task:
-        raise ConfigError(
-            f"{key}={path} holds '{manifest['task']}' data but this is a {cfg.trainer.task} run; "
-            f"prepare it with tools/prepare_data.py --task {cfg.trainer.task}"
-        )
-    return manifest
+        return read_task_manifest(path, cfg.trainer.task, key)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def read_run_manifest(cfg: TrainConfig) -> dict[str, Any]:
