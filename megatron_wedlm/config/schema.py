@@ -409,12 +409,6 @@ def _check_data_sources(data: DataConfig) -> None:
                 "and give it the sum of the weights"
             )
         seen[key] = i
-#: Tokenizer files whose bytes must agree between data.path and data.valid_path (those present in both).
-_VOCAB_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt")
-#: Manifest fields that identify the tokenization of a prepared directory.
-_TOKENIZATION_FIELDS = ("task", "mask_token", "mask_token_id", "eos_token_id", "pad_token_id", "tokenizer_length")
-
-
 def training_data_dir(cfg: TrainConfig) -> str | None:
     """The directory whose manifest and tokenizer describe the run's data: ``data.path``, or the
     first ``data.blend`` source (the others must match it)."""
@@ -429,7 +423,7 @@ def _check_valid_data(cfg: TrainConfig) -> None:
     if valid is None:
         return
     # deferred: the data package imports torch, and a config without validation data stays light
-    from megatron_wedlm.data.prepare import MANIFEST_FILE, read_manifest, read_task_manifest, tokenizer_dir_of
+    from megatron_wedlm.data.prepare import MANIFEST_FILE, read_manifest, read_task_manifest, tokenization_of
 
     if not (Path(valid) / MANIFEST_FILE).is_file():
         # A saved config is re-read (exports, --follow) where the data may be gone; the run itself
@@ -443,21 +437,14 @@ def _check_valid_data(cfg: TrainConfig) -> None:
         train_manifest = read_manifest(train)  # type: ignore[arg-type]
     except (OSError, ValueError):
         return  # data.path itself is checked (and refused) where the run reads it
-    for key in _TOKENIZATION_FIELDS:
-        if valid_manifest.get(key) != train_manifest.get(key):
+    train_format = tokenization_of(train, train_manifest)  # type: ignore[arg-type]
+    valid_format = tokenization_of(valid, valid_manifest)
+    for key, value in train_format.items():
+        if valid_format[key] != value:
             raise ConfigError(
                 f"data.valid_path={valid} was prepared with another tokenizer or mask token than data.path={train} "
-                f"({key}: {valid_manifest.get(key)!r} vs {train_manifest.get(key)!r}); prepare both with the same "
-                "--tokenizer and --mask-token (tools/prepare_data.py --valid-fraction splits one input into both)"
-            )
-    valid_tokenizer = tokenizer_dir_of(valid, valid_manifest)
-    train_tokenizer = tokenizer_dir_of(train, train_manifest)  # type: ignore[arg-type]
-    for name in _VOCAB_FILES:
-        a, b = valid_tokenizer / name, train_tokenizer / name
-        if a.is_file() and b.is_file() and a.read_bytes() != b.read_bytes():
-            raise ConfigError(
-                f"data.valid_path={valid} was prepared with another tokenizer than data.path={train} "
-                f"({a} differs from {b}); prepare both with the same --tokenizer"
+                f"({key}: {valid_format[key]!r} vs {value!r}); prepare both with the same --tokenizer and "
+                "--mask-token (tools/prepare_data.py --valid-fraction splits one input into both)"
             )
 
 

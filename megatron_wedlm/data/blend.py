@@ -30,14 +30,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 from .dual_stream import DualStreamBatch, stack_dual_stream_batches
-from .prepare import tokenizer_dir_of
+from .prepare import tokenization_of
 from .webdataset_loader import LoaderSpec, RowItem, TrainDataIterator
 
 __all__ = [
@@ -47,7 +46,6 @@ __all__ = [
     "check_compatible_sources",
     "next_source",
     "normalised_weights",
-    "tokenizer_fingerprint",
 ]
 
 
@@ -105,39 +103,14 @@ def blend_names(paths: Sequence[str], names: Sequence[str | None]) -> list[str]:
 # Same format: task, ids, tokenizer
 # --------------------------------------------------------------------------------------------
 
-# Files that do not change what token ids mean: the config holds the chat template and the
-# loading options (e.g. the directory it was loaded from), not the vocabulary.
-_NOT_VOCABULARY = ("tokenizer_config.json", "chat_template.jinja", "chat_template.json")
-
-
-def tokenizer_fingerprint(data_dir: str | Path, manifest: dict[str, Any]) -> str:
-    """A hash of the tokenizer files a prepared directory was tokenized with (names and bytes
-    of every file but the config and the chat template)."""
-    directory = tokenizer_dir_of(data_dir, manifest)
-    digest = hashlib.sha256()
-    for file in sorted(p for p in directory.rglob("*") if p.is_file() and p.name not in _NOT_VOCABULARY):
-        digest.update(str(file.relative_to(directory)).encode() + b"\0" + file.read_bytes() + b"\0")
-    return digest.hexdigest()[:16]
-
-
-def _format_of(data_dir: str, manifest: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "task": manifest["task"],
-        "mask token id": manifest["mask_token_id"],
-        "tokenizer length": manifest.get("tokenizer_length"),
-        "eos token id": manifest.get("eos_token_id"),
-        "pad token id": manifest.get("pad_token_id"),
-        "tokenizer files": tokenizer_fingerprint(data_dir, manifest),
-    }
-
 
 def check_compatible_sources(sources: Sequence[tuple[str, str, dict[str, Any]]]) -> None:
     """Every source (name, directory, manifest) has the first one's task, mask id and tokenizer:
     rows of one model must mean the same ids. Raises ValueError naming both sources."""
     first_name, first_dir, first_manifest = sources[0]
-    reference = _format_of(first_dir, first_manifest)
+    reference = tokenization_of(first_dir, first_manifest)
     for name, data_dir, manifest in sources[1:]:
-        current = _format_of(data_dir, manifest)
+        current = tokenization_of(data_dir, manifest)
         for key, value in reference.items():
             if current[key] != value:
                 raise ValueError(

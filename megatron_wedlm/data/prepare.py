@@ -77,6 +77,7 @@ __all__ = [
     "prepare_dataset",
     "read_manifest",
     "read_task_manifest",
+    "tokenization_of",
     "tokenizer_dir_of",
 ]
 
@@ -770,6 +771,30 @@ def read_task_manifest(data_dir: str | Path, task: str, key: str) -> dict[str, A
             f"prepare it with tools/prepare_data.py --task {task}"
         )
     return manifest
+
+
+# Files that do not change what token ids mean: the config holds the chat template and the
+# loading options (e.g. the directory it was loaded from), not the vocabulary.
+_NOT_VOCABULARY = ("tokenizer_config.json", "chat_template.jinja", "chat_template.json")
+
+
+def tokenization_of(data_dir: str | Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """What must agree between prepared directories whose rows one model reads (blend sources,
+    training and validation data): the task, the special ids, the mask token and a hash of the
+    tokenizer files (names and bytes of every file but the config and the chat template)."""
+    directory = tokenizer_dir_of(data_dir, manifest)
+    digest = hashlib.sha256()
+    for file in sorted(p for p in directory.rglob("*") if p.is_file() and p.name not in _NOT_VOCABULARY):
+        digest.update(str(file.relative_to(directory)).encode() + b"\0" + file.read_bytes() + b"\0")
+    return {
+        "task": manifest["task"],
+        "mask token id": manifest["mask_token_id"],
+        "tokenizer length": manifest.get("tokenizer_length"),
+        "eos token id": manifest.get("eos_token_id"),
+        "pad token id": manifest.get("pad_token_id"),
+        "tokenizer files": digest.hexdigest()[:16],
+        "mask token": manifest.get("mask_token"),
+    }
 
 
 def tokenizer_dir_of(data_dir: str | Path, manifest: dict[str, Any]) -> Path:
