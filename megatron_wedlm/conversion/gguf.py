@@ -89,9 +89,13 @@ def convert_gguf_to_hf(gguf_file: str | Path, output: str | Path, dtype: str | N
 
     directory, name = gguf_file.parent, gguf_file.name
     tokenizer = load_pretrained(AutoTokenizer, directory, gguf_file=name)
-    loaded = load_pretrained(AutoModelForCausalLM, directory, gguf_file=name, torch_dtype=torch.float32)
+    loaded = load_pretrained(AutoModelForCausalLM, directory, gguf_file=name, dtype=torch.float32)
     config = loaded.config
-    config.torch_dtype = dtype or "float32"
+    config.dtype = dtype or "float32"
+    # the weights written are plain tensors: a config still naming the GGUF quantization would make
+    # transformers look for the GGUF file again when the directory is loaded
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
     # a plain model of the same config: the GGUF-loaded one refuses save_pretrained
     plain = type(loaded)(config)
     missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
