@@ -9,6 +9,9 @@ tasks (gsm8k, math, mbpp, arc, arc_easy, arc_challenge, mmlu) need a local jsonl
 ``paper:math``, ``paper:humaneval``, ``paper:mbpp``, ``paper:mmlu``, ``paper:arc_c``,
 ``paper:arc_e``, ``paper:hellaswag``, ``paper:gpqa``) on a local file or directory in the layout
 the dataset is published in; its shots and settings are fixed by the protocol.
+
+``replies:PATH`` compares whole replies with recorded ones (``reply_tasks``): how many answers
+a fine-tuning left as the base model gave them.
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ from megatron_wedlm.eval import jsonl_tasks
 from megatron_wedlm.eval.builtin_tasks import FAMILIES, SPLITS, builtin_task
 from megatron_wedlm.eval.code_tasks import HumanEvalTask, MBPPTask
 from megatron_wedlm.eval.paper_suite import PAPER_TASKS, load_paper_task
+from megatron_wedlm.eval.reply_tasks import ReplyTask
 from megatron_wedlm.eval.tasks import Task
 
 _ARC_NAMES = ("arc", "arc_easy", "arc_challenge")
-FILE_TASKS = ("gsm8k", "math", "mbpp", "mmlu") + _ARC_NAMES
+FILE_TASKS = ("gsm8k", "math", "mbpp", "mmlu", "replies") + _ARC_NAMES
 TASK_NAMES = FAMILIES + ("humaneval",) + FILE_TASKS + tuple(PAPER_TASKS)
 
 
@@ -80,6 +84,11 @@ def load_task(
         if num_shots:
             raise ValueError("humaneval is zero-shot; do not set shots for it")
         task = HumanEvalTask(path, **sandbox)
+    elif name == "replies":
+        assert path is not None
+        if num_shots:
+            raise ValueError("replies is zero-shot: each prompt is compared with its recorded reply")
+        task = ReplyTask(path)
     else:
         assert path is not None
         shots = jsonl_tasks.DEFAULT_SHOTS["arc" if name in _ARC_NAMES else name]
