@@ -35,6 +35,10 @@ CACHE_ENV = "MEGATRON_WEDLM_CACHE"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+#: Part of the cache key: raised whenever :func:`convert_gguf_to_hf` writes a different directory,
+#: so a cache written by an earlier version is converted again instead of reused.
+CACHE_FORMAT = 2
+
 
 def default_cache_dir() -> Path:
     """``$MEGATRON_WEDLM_CACHE``, else ``$XDG_CACHE_HOME/megatron_wedlm``, else ``~/.cache/megatron_wedlm``."""
@@ -92,8 +96,8 @@ def convert_gguf_to_hf(gguf_file: str | Path, output: str | Path, dtype: str | N
     loaded = load_pretrained(AutoModelForCausalLM, directory, gguf_file=name, dtype=torch.float32)
     config = loaded.config
     config.dtype = dtype or "float32"
-    # the weights written are plain tensors: a config still naming the GGUF quantization would make
-    # transformers look for the GGUF file again when the directory is loaded
+    # Loading recorded the GGUF as a quantization; saved, that entry would make every later load
+    # of the directory a "GGUF-quantized" model, which refuses save_pretrained and training.
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     # a plain model of the same config: the GGUF-loaded one refuses save_pretrained
@@ -115,14 +119,15 @@ def convert_gguf_to_hf(gguf_file: str | Path, output: str | Path, dtype: str | N
 def cached_hf_from_gguf(gguf_file: str | Path, cache_dir: str | Path | None = None) -> Path:
     """The HF directory converted from ``gguf_file``, converting it the first time (see the module docstring).
 
-    Keyed by the file's SHA-256, so a changed file converts again; written atomically, so a run
-    killed while converting leaves no half checkpoint for the next one to pick up.
+    Keyed by the file's SHA-256 and :data:`CACHE_FORMAT`, so a changed file (or converter) converts
+    again; written atomically, so a run killed while converting leaves no half checkpoint for the
+    next one to pick up.
     """
     gguf_file = Path(gguf_file)
     if not gguf_file.is_file():
         raise FileNotFoundError(f"GGUF file {gguf_file} does not exist")
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = root / "hf-from-gguf" / f"{gguf_file.stem}-{_file_digest(gguf_file)[:16]}"
+    target = root / "hf-from-gguf" / f"{gguf_file.stem}-{_file_digest(gguf_file)[:16]}-v{CACHE_FORMAT}"
     if (target / "config.json").is_file():
         return target
     return convert_gguf_to_hf(gguf_file, target, overwrite=True)
