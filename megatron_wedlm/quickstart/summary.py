@@ -1,5 +1,10 @@
 """The quickstart's report: base AR model vs WeDLM model, the targets, the stages.
 
+Streaming accuracy is held to a *reference* AR decoding: in a from-scratch preset the base
+model's (``base-ar`` rows), in a pretrained preset the WeDLM model's own (``ar`` rows; the base
+model never saw the task format), where the base model is instead the reference for the general
+prompts (``settings.accuracy_reference``).
+
 Input: the two ``report.json`` files written by ``inference/evaluate.py`` on the test prompts
 (base model: AR decoding; WeDLM model: streaming, block-wise and AR decoding over the tau
 sweep), the calibration (``quickstart/calibration.py``: the operating tau, chosen on other
@@ -37,7 +42,7 @@ from typing import Any
 from megatron_wedlm.eval.report import COLUMNS, PLOT_NAME, brief_model_name, format_interval, plot_speed_accuracy
 from megatron_wedlm.eval.results import EvalReport, MethodResult, SampleRecord
 from megatron_wedlm.quickstart.calibration import Calibration, keeps_up, points, unlearned_message
-from megatron_wedlm.quickstart.settings import QuickstartSettings
+from megatron_wedlm.quickstart.settings import AnySettings
 
 BASE_METHOD = "base-ar"
 REPORT_JSON, REPORT_MD = "report.json", "report.md"
@@ -73,12 +78,21 @@ def merge_reports(base: EvalReport, wedlm: EvalReport) -> EvalReport:
     return EvalReport(model=model, settings=settings, results=results, samples=samples)
 
 
-def agreement_with_base(report: EvalReport) -> dict[str, float]:
-    """Per WeDLM row: the fraction of prompts whose extracted answer equals the base model's AR answer."""
-    base = {(s.task, s.uid): s.extracted for s in report.samples if s.method == BASE_METHOD}
+def reference_method(settings: Any) -> str:
+    """The rows streaming accuracy is held to: the base model's AR, or the same model's AR."""
+    return BASE_METHOD if settings.accuracy_reference == "base" else "ar"
+
+
+def _reference_name(settings: Any) -> str:
+    return "base AR" if settings.accuracy_reference == "base" else "AR of the same model"
+
+
+def agreement_with_reference(report: EvalReport, method: str = BASE_METHOD) -> dict[str, float]:
+    """Per other row: the fraction of prompts whose extracted answer equals the ``method`` rows' answer."""
+    base = {(s.task, s.uid): s.extracted for s in report.samples if s.method == method}
     out: dict[str, float] = {}
     for r in report.results:
-        if r.method == BASE_METHOD:
+        if r.method == method:
             continue
         pairs = [(s.extracted, base.get((s.task, s.uid))) for s in report.samples
                  if s.task == r.task and s.method == r.method and s.tau == r.tau]
@@ -119,12 +133,14 @@ def _base_model_check(task: str, calibration: Calibration) -> list[TargetCheck]:
         for name in ("streaming accuracy", "tokens per forward", "wall-clock speed-up")]
 
 
-def check_targets(report: EvalReport, settings: QuickstartSettings, calibration: Calibration, timings: dict[str, Any],
+def check_targets(report: EvalReport, settings: AnySettings, calibration: Calibration, timings: dict[str, Any],
                   agreement: dict[str, float], current_fingerprint: str,
-                  previous_fingerprint: str | None) -> list[TargetCheck]:
+                  previous_fingerprint: str | None, general: dict[str, tuple[int, int]] | None = None) -> list[TargetCheck]:
     """Each target of the quickstart with its measured value, streaming judged at the operating tau;
-    a task the base model did not learn fails as such (:func:`_base_model_check`), not as WeDLM's."""
+    a task the reference model did not learn fails as such (:func:`_base_model_check`), not as WeDLM's.
+    ``general``: model -> (replies equal to the base model's, prompts) on the general prompts."""
     t = settings.targets
+    reference, ref_name = reference_method(settings), _reference_name(settings)
     tau = calibration.operating_tau
     checks: list[TargetCheck] = []
     total = float(timings.get("total_seconds", 0.0))
@@ -137,15 +153,15 @@ def check_targets(report: EvalReport, settings: QuickstartSettings, calibration:
         if task in calibration.unlearned:
             checks += _base_model_check(task, calibration)
             continue
-        base = report.result(task, BASE_METHOD)
+        base = report.result(task, reference)
         stream = report.result(task, "streaming", tau)
         ar = report.result(task, "ar")
         agree = agreement.get(_key(task, "streaming", tau))
         drop = t.max_accuracy_drop
         checks.append(TargetCheck(
             f"{task}: streaming accuracy",
-            f"WeDLM streaming (operating tau={tau:g}) exact match >= base AR - {100 * drop:g} points",
-            f"{_accuracy(stream)} vs {_accuracy(base)} (95% Wilson intervals); same answer as base AR on "
+            f"WeDLM streaming (operating tau={tau:g}) exact match >= {ref_name} - {100 * drop:g} points",
+            f"{_accuracy(stream)} vs {_accuracy(base)} (95% Wilson intervals); same answer as {ref_name} on "
             f"{'-' if agree is None else _pct(agree)} of prompts",
             MET if keeps_up({task: stream.accuracy}, {task: base.accuracy}, drop) else NOT_MET))
         tpf = stream.tokens_per_forward or 0.0
@@ -159,6 +175,13 @@ def check_targets(report: EvalReport, settings: QuickstartSettings, calibration:
             "-" if speedup is None else f"{speedup:.2f}x ({stream.tokens_per_second or 0:.1f} vs "
             f"{ar.tokens_per_second or 0:.1f} tokens/s)",
             MET if speedup is not None and speedup > t.min_speedup_vs_ar else NOT_MET))
+    if general is not None:
+        (same, n), (replayed, n_base) = general["wedlm"], general["base"]
+        checks.append(TargetCheck(
+            "general prompts: the base model's answers kept",
+            f"WeDLM model's AR reply = the base model's on >= {100 * t.min_general_same_answer:g}% of held-out prompts",
+            f"{same}/{n} ({_pct(same / n)}); before SFT (the base model replaying its references): {replayed}/{n_base}",
+            MET if same >= t.min_general_same_answer * n - 1e-9 else NOT_MET))
     speedups = {task: report.result(task, "streaming", tau).speedup_vs_ar for task in report.tasks}
     checks.append(TargetCheck(
         "speed-up on every task", "streaming / AR tokens/s of the same model, stated for every task",
@@ -185,16 +208,17 @@ def _training_summary(training: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def headline_figures(report: EvalReport, tau: float, timings: dict[str, Any],
-                     agreement: dict[str, float]) -> dict[str, float | None]:
+                     agreement: dict[str, float], reference: str = BASE_METHOD) -> dict[str, float | None]:
     """The numbers a reader compares across seeds (``tools/bench_quickstart.py --seeds``), per task at ``tau``."""
     figures: dict[str, float | None] = {"operating tau": tau}
+    ref = "base AR" if reference == BASE_METHOD else "AR"
     for task in report.tasks:
         stream = report.result(task, "streaming", tau)
         agree = agreement.get(_key(task, "streaming", tau))
         figures.update({
-            f"{task}: base AR %": 100 * report.result(task, BASE_METHOD).accuracy,
+            f"{task}: {ref} %": 100 * report.result(task, reference).accuracy,
             f"{task}: streaming %": 100 * stream.accuracy,
-            f"{task}: same answer as base AR %": None if agree is None else 100 * agree,
+            f"{task}: same answer as {ref} %": None if agree is None else 100 * agree,
             f"{task}: tokens/forward": stream.tokens_per_forward,
             f"{task}: speed-up vs AR": stream.speedup_vs_ar,
         })
@@ -202,16 +226,22 @@ def headline_figures(report: EvalReport, tau: float, timings: dict[str, Any],
     return figures
 
 
-def build_summary(base_report: str | Path, wedlm_report: str | Path, settings: QuickstartSettings, seed: int,
+def build_summary(base_report: str | Path | None, wedlm_report: str | Path, settings: AnySettings, seed: int,
                   calibration: Calibration, stages: Sequence[Any], timings: dict[str, Any],
-                  training: dict[str, dict[str, Any]],
-                  previous_fingerprint: str | None = None) -> dict[str, Any]:
-    """The full report as a dict (``report.json``); ``previous_fingerprint``: of a same-seed earlier run."""
-    merged = merge_reports(EvalReport.load(str(base_report)), EvalReport.load(str(wedlm_report)))
+                  training: dict[str, dict[str, Any]], previous_fingerprint: str | None = None,
+                  general: dict[str, tuple[int, int]] | None = None) -> dict[str, Any]:
+    """The full report as a dict (``report.json``); ``previous_fingerprint``: of a same-seed earlier run.
+
+    ``base_report``: the base model's AR test report, merged in as ``base-ar`` rows (None in a
+    pretrained preset); ``general``: see :func:`check_targets`.
+    """
+    wedlm = EvalReport.load(str(wedlm_report))
+    merged = wedlm if base_report is None else merge_reports(EvalReport.load(str(base_report)), wedlm)
     tau = calibration.operating_tau
-    agreement = agreement_with_base(merged)
+    reference = reference_method(settings)
+    agreement = agreement_with_reference(merged, reference)
     fp = fingerprint(merged, training, calibration)
-    targets = check_targets(merged, settings, calibration, timings, agreement, fp, previous_fingerprint)
+    targets = check_targets(merged, settings, calibration, timings, agreement, fp, previous_fingerprint, general)
     recorded = asdict(settings)
     recorded["eval"]["operating_tau"] = tau  # next to window_size and distance_penalty: the operating point
     data = merged.to_dict()
@@ -224,8 +254,10 @@ def build_summary(base_report: str | Path, wedlm_report: str | Path, settings: Q
         "stages": [asdict(s) for s in stages if s.status != "running"],  # not the report being written
         "training": _training_summary(training),
         "base_model_unlearned": {task: unlearned_message(task, calibration) for task in calibration.unlearned},
-        "agreement_with_base_ar": agreement,
-        "figures": headline_figures(merged, tau, timings, agreement),
+        "accuracy_reference": reference,
+        "agreement_with_reference": agreement,
+        "general_prompts": general,
+        "figures": headline_figures(merged, tau, timings, agreement, reference),
         "targets": [asdict(c) for c in targets],
         "fingerprint": fp,
     }
@@ -234,7 +266,7 @@ def build_summary(base_report: str | Path, wedlm_report: str | Path, settings: Q
 
 def _rows(data: dict[str, Any]) -> list[tuple[str, MethodResult, float | None]]:
     report = EvalReport.from_dict(data)
-    agreement = data["quickstart"]["agreement_with_base_ar"]
+    agreement = data["quickstart"]["agreement_with_reference"]
     return [(r.task, r, agreement.get(_key(r.task, r.method, r.tau))) for r in report.results]
 
 
@@ -245,33 +277,46 @@ def _model(r: MethodResult, tau: float) -> str:
     return "WeDLM*" if r.method == "streaming" and r.tau == tau else "WeDLM"
 
 
+def _ref_label(q: dict[str, Any]) -> str:
+    return "base AR" if q["accuracy_reference"] == BASE_METHOD else "AR"
+
+
 def _calibration_lines(q: dict[str, Any]) -> list[str]:
     c = q["calibration"]
     tasks = c["tasks"]
+    ref = _ref_label(q)
     lines = ["## Calibration", "",
              f"The operating tau is chosen on {c['num_examples']} calibration prompts per task, disjoint from "
              f"the test prompts below: the largest tau whose streaming accuracy stays within "
-             f"{points(c['tolerance'])} of base AR on every task ({', '.join(tasks)}), else the smallest. "
+             f"{points(c['tolerance'])} of {ref} on every task ({', '.join(tasks)}), else the smallest. "
              f"Chosen: **tau = {c['operating_tau']:g}** (written into the WeDLM model's generation_config.json "
              f"with window {q['settings']['eval']['window_size']} and distance penalty "
              f"{q['settings']['eval']['distance_penalty']:g}).", "",
              "| decoding | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks),
-             "| base AR | " + " | ".join(_pct(c["base_accuracy"][t]) for t in tasks) + " |"]
+             f"| {ref} | " + " | ".join(_pct(c["base_accuracy"][t]) for t in tasks) + " |"]
     if c.get("unlearned"):
-        lines[2] += (f" Left out of the rule: {', '.join(c['unlearned'])}, which the base model did not learn "
-                     f"(base AR below {100 * c['learned_accuracy']:g}%).")
+        lines[2] += (f" Left out of the rule: {', '.join(c['unlearned'])}, which the reference did not learn "
+                     f"({ref} below {100 * c['learned_accuracy']:g}%).")
     lines += [f"| streaming tau {tau} | " + " | ".join(_pct(acc[t]) for t in tasks) + " |"
               for tau, acc in c["sweep"].items()]
     return lines + [""]
 
 
+_INTRO = {
+    BASE_METHOD: "Base model: a small Qwen-style model pretrained from scratch with next-token prediction. "
+                 "WeDLM model: the same model after WeDLM continued pretraining and WeDLM SFT on the task "
+                 "pairs. Both exported to HF and evaluated on held-out prompts of the built-in tasks.",
+    "ar": "Base model: a pretrained chat model, converted to Megatron. WeDLM model: the same model after WeDLM "
+          "SFT on chat-formatted task pairs and the base model's own replies to general prompts, exported to "
+          "HF and evaluated with its chat template on held-out prompts; streaming is held to AR decoding of "
+          "the same model, and the base model is the reference on held-out general prompts.",
+}
+
+
 def markdown(data: dict[str, Any]) -> str:
     q = data["quickstart"]
     lines = [f"# WeDLM quickstart (preset {q['preset']}, seed {q['seed']})", "",
-             "Base model: a small Qwen-style model pretrained from scratch with next-token prediction. "
-             "WeDLM model: the same model after WeDLM continued pretraining and WeDLM SFT on the task "
-             "pairs. Both exported to HF and "
-             "evaluated on held-out prompts of the built-in tasks. Speed-up = tokens/s of a method over "
+             _INTRO[q["accuracy_reference"]] + " Speed-up = tokens/s of a method over "
              "AR tokens/s of the same model, decoded side by side in one process.", "",
              *[f"**Warning: {message}.**\n" for message in q.get("base_model_unlearned", {}).values()],
              "## Targets", "", "| target | wanted | measured | status |", "|---|---|---|---|"]
@@ -289,7 +334,7 @@ def markdown(data: dict[str, Any]) -> str:
     tau = q["calibration"]["operating_tau"]
     lines += ["", f"Test prompts per task below; `WeDLM*` is streaming at the operating tau ({tau:g}), the "
               "other taus are the sweep (also in speed_accuracy.png)."]
-    headers = ["model"] + [h for h, _ in COLUMNS] + ["same answer as base AR"]
+    headers = ["model"] + [h for h, _ in COLUMNS] + [f"same answer as {_ref_label(q)}"]
     for task in dict.fromkeys(task for task, _, _ in _rows(data)):
         lines += ["", f"## {task}", "", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
         for t, r, agree in _rows(data):
@@ -320,7 +365,7 @@ def print_summary(data: dict[str, Any], emit: Callable[[str], None]) -> None:
 
     tau = data["quickstart"]["calibration"]["operating_tau"]
     head = f"{'task':<11} {'model':<6} {'method':<20} {'acc':>6} {'95% CI':>11} {'tok/fwd':>7} {'p_cache':>7} " \
-           f"{'tok/s':>7} {'vs AR':>6} {'=base':>6}"
+           f"{'tok/s':>7} {'vs AR':>6} {'=ref':>6}"
     lines = [head, "-" * len(head)]
     for task, r, agree in _rows(data):
         label = "ar" if r.method == BASE_METHOD else r.label

