@@ -280,3 +280,23 @@ def test_task_specs(tmp_path):
     assert len(load_task("humaneval", limit=2).examples) == 2
     with pytest.raises(ValueError, match="repeat"):
         load_tasks("counting,counting")
+
+
+def test_replies_task_judges_whole_replies_and_names_bad_records(tmp_path):
+    path = tmp_path / "replies.jsonl"
+    path.write_text(json.dumps({"prompt": "Capital of France?", "reference": "Paris."}) + "\n"
+                    + json.dumps({"prompt": "Say hi", "reference": "Hi!", "max_new_tokens": 64}) + "\n")
+    task = load_task(f"replies:{path}")
+    assert task.name == "replies" and task.max_new_tokens == 64 and len(task.examples) == 2
+    first = task.examples[0]
+    assert task.judge(first, "  Paris.\n").correct
+    assert not task.judge(first, "Paris. It is in France.").correct  # the whole reply, not its start
+    assert not task.judge(first, "paris.").correct
+    with pytest.raises(ValueError, match="zero-shot"):
+        load_task(f"replies:{path}", num_shots=2)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "x", "reference": 3}) + "\n")
+    with pytest.raises(ValueError, match="record 1 'reference' is int"):
+        load_task(f"replies:{bad}")
+    with pytest.raises(ValueError, match="reads a local jsonl"):
+        parse_task_spec("replies")

@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from megatron_wedlm.quickstart.settings import PRESETS
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -99,7 +101,7 @@ def _seeds(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="full", choices=("full", "ci"))
+    p.add_argument("--preset", default="full", choices=PRESETS)
     p.add_argument("--seeds", type=_seeds, default=[0], help="comma-separated seeds, run one after the other")
     p.add_argument("--out", default="bench_quickstart_out", help="directory of the runs (one seed-N per seed)")
     p.add_argument("--repeat", action="store_true", help="run each seed twice and check same seed -> same numbers")

@@ -257,7 +257,9 @@ def build_summary(base_report: str | Path | None, wedlm_report: str | Path, sett
         "accuracy_reference": reference,
         "agreement_with_reference": agreement,
         "general_prompts": general,
-        "figures": headline_figures(merged, tau, timings, agreement, reference),
+        "figures": {**headline_figures(merged, tau, timings, agreement, reference),
+                    **({} if general is None else {"general: same reply as base %": 100 * general["wedlm"][0]
+                                                   / general["wedlm"][1]})},
         "targets": [asdict(c) for c in targets],
         "fingerprint": fp,
     }
