@@ -191,12 +191,13 @@ def clear_outputs(root: Path) -> None:
             path.unlink()
 
 
-class Quickstart:
-    """One run of the quickstart; ``run()`` executes the stages in order."""
+class StagedRun:
+    """What every quickstart pipeline shares: its output directory, console, stage runner and the
+    way it runs the project's entry points (from the checkout's root, with :func:`_subprocess_env`)."""
 
-    def __init__(self, out_dir: str | Path, settings: QuickstartSettings, seed: int = 0,
+    def __init__(self, out_dir: str | Path, settings: Any, seed: int = 0,
                  console: Console | None = None, compare_with: str | Path | None = None):
-        self.layout = Layout(Path(out_dir).resolve())
+        self.root = Path(out_dir).resolve()
         self.settings = settings
         self.seed = seed
         # read now: the earlier report may live in out_dir, which the run clears
@@ -206,6 +207,32 @@ class Quickstart:
         self.env = _subprocess_env()
         self.runner: StageRunner | None = None
         self.calibration: Calibration | None = None
+
+    def start(self, kind: str = "") -> StageRunner:
+        """Clear what an earlier run left in the output directory; the runner of this run's stages."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        clear_outputs(self.root)
+        self.runner = StageRunner(self.root, self.console, env=self.env)
+        self.console.print(f"quickstart preset {self.settings.name!r}{kind}, seed {self.seed}, output {self.root}")
+        return self.runner
+
+    def _run(self, command: list[Any], log_name: str | None = None, env: dict[str, str] | None = None,
+             tag: str | None = None) -> None:
+        assert self.runner is not None
+        self.runner.run([str(c) for c in command], log_name=log_name, env=env, cwd=REPO_ROOT, tag=tag)
+
+    def _in_parallel(self, jobs: list[Any]) -> list[Any]:
+        assert self.runner is not None
+        return self.runner.in_parallel(jobs)
+
+
+class Quickstart(StagedRun):
+    """One run of the from-scratch quickstart; ``run()`` executes the stages in order."""
+
+    def __init__(self, out_dir: str | Path, settings: QuickstartSettings, seed: int = 0,
+                 console: Console | None = None, compare_with: str | Path | None = None):
+        super().__init__(out_dir, settings, seed, console, compare_with)
+        self.layout = Layout(self.root)
 
     # -- stages ------------------------------------------------------------------------------
     def corpus(self) -> dict[str, Any]:
@@ -391,12 +418,8 @@ class Quickstart:
 
     # -- driver ------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        root = self.layout.root
-        root.mkdir(parents=True, exist_ok=True)
-        clear_outputs(root)
-        self.runner = runner = StageRunner(root, self.console, env=self.env)
+        runner = self.start()
         s = self.settings
-        self.console.print(f"quickstart preset {s.name!r}, seed {self.seed}, output {root}")
         with runner.heartbeat():
             runner.stage("corpus", "build the training text (built-in tasks, records, stdlib source)", self.corpus)
             runner.stage("tokenizer", f"train a {s.tokenizer.vocab_size}-token byte-level BPE, save as HF",
@@ -421,12 +444,3 @@ class Quickstart:
             result = runner.stage("report", "accuracy/speed table, targets, report.json/.md/.png",
                                   lambda: self.report(timings))
         return result.detail
-
-    def _run(self, command: list[Any], log_name: str | None = None, env: dict[str, str] | None = None,
-             tag: str | None = None) -> None:
-        assert self.runner is not None
-        self.runner.run([str(c) for c in command], log_name=log_name, env=env, cwd=REPO_ROOT, tag=tag)
-
-    def _in_parallel(self, jobs: list[Any]) -> list[Any]:
-        assert self.runner is not None
-        return self.runner.in_parallel(jobs)

