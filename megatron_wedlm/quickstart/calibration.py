@@ -84,9 +84,15 @@ def calibration_from_reports(base_report: EvalReport, wedlm_report: EvalReport, 
                        operating_tau=tau, learned_accuracy=learned_accuracy, unlearned=unlearned)
 
 
-def unlearned_message(task: str, c: Calibration) -> str:
+#: How messages name the reference model and its AR decoding, by a preset's ``accuracy_reference``:
+#: the base model (from-scratch presets) or the fine-tuned model itself (pretrained presets).
+REFERENCE_NAMES = {"base": ("base model", "base AR"), "self": ("fine-tuned model", "AR")}
+
+
+def unlearned_message(task: str, c: Calibration, reference: str = "base") -> str:
     """The one sentence that says a task's WeDLM figures mean nothing (console, report.md, targets)."""
-    return (f"the base model did not learn {task} (base AR {100 * c.base_accuracy[task]:.1f}% on {c.num_examples} "
+    model, ar = REFERENCE_NAMES[reference]
+    return (f"the {model} did not learn {task} ({ar} {100 * c.base_accuracy[task]:.1f}% on {c.num_examples} "
             f"calibration prompts, below {100 * c.learned_accuracy:g}%): the WeDLM comparison on it means nothing")
 
 
@@ -96,18 +102,21 @@ def points(fraction: float) -> str:
     return f"{n:g} point" + ("" if abs(n - 1) < _EPS else "s")
 
 
-def describe(c: Calibration) -> list[str]:
-    """Console lines: what was measured on the calibration prompts and which tau it chose."""
+def describe(c: Calibration, reference: str = "base") -> list[str]:
+    """Console lines: what was measured on the calibration prompts and which tau it chose
+    (``reference``: a key of :data:`REFERENCE_NAMES`)."""
     def row(accuracy: Mapping[str, float]) -> str:
         return ", ".join(f"{task} {100 * a:.1f}%" for task, a in accuracy.items())
 
     chosen = f"{c.operating_tau:g}"
     learned = {task: a for task, a in c.base_accuracy.items() if task not in c.unlearned}
     within = bool(learned) and keeps_up(c.sweep[chosen], learned, c.tolerance)
-    which = "every task" if not c.unlearned else f"{', '.join(learned) or 'no task'} (the tasks the base learned)"
-    return ([f"base AR: {row(c.base_accuracy)} ({c.num_examples} calibration prompts per task)"]
-            + [unlearned_message(task, c) for task in c.unlearned]
+    model, ar = REFERENCE_NAMES[reference]
+    which = ("every task" if not c.unlearned
+             else f"{', '.join(learned) or 'no task'} (the tasks the {model.split()[0]} learned)")
+    return ([f"{ar}: {row(c.base_accuracy)} ({c.num_examples} calibration prompts per task)"]
+            + [unlearned_message(task, c, reference) for task in c.unlearned]
             + [f"streaming tau {tau}: {row(acc)}" for tau, acc in c.sweep.items()]
-            + [f"operating tau {chosen}: " + (f"the largest within {points(c.tolerance)} of base AR on {which}"
+            + [f"operating tau {chosen}: " + (f"the largest within {points(c.tolerance)} of {ar} on {which}"
                                               if within else f"no tau stayed within {points(c.tolerance)} "
-                                              f"of base AR on {which}; the smallest")])
+                                              f"of {ar} on {which}; the smallest")])

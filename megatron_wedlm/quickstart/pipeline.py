@@ -216,6 +216,72 @@ class StagedRun:
         self.console.print(f"quickstart preset {self.settings.name!r}{kind}, seed {self.seed}, output {self.root}")
         return self.runner
 
+    def run_training(self, stage: str, run_dir: Path, data: Path, init_from: Path | None = None) -> dict[str, Any]:
+        """``torchrun`` the stage's entry point with its training config, on ``data``, into ``run_dir``."""
+        cfg = self.settings.training_config_path(stage)
+        overrides = [f"data.path={data}", f"trainer.output_dir={run_dir}",
+                     f"trainer.seed={self.seed}", f"data.seed={self.seed}"]
+        if init_from is not None:
+            overrides.append(f"model.init_from={init_from}")
+        nproc = getattr(self.settings, stage).nproc
+        self._run([*_python(), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                   TRAINING_SCRIPTS[stage], "--config", cfg.relative_to(REPO_ROOT) if cfg.is_relative_to(REPO_ROOT)
+                   else cfg, "--result-json", run_dir / "result.json", *overrides],
+                  env={"OMP_NUM_THREADS": "1"})
+        result = read_training_result(run_dir)
+        losses = [float(v) for _, v in sorted(result.get("losses", {}).items(), key=lambda kv: int(kv[0]))]
+        checkpoint = result["checkpoints"][-1]
+        detail: dict[str, Any] = {"run_dir": str(run_dir), "checkpoint": checkpoint,
+                                  "steps": result.get("final_step"), "skipped_steps": result.get("skipped_steps", [])}
+        if losses:
+            detail.update(first_loss=losses[0], last_loss=losses[-1])
+            self.console.print(f"[{stage}] loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps; "
+                               f"checkpoint {checkpoint}")
+        return detail
+
+    def evaluate_command(self, model_dir: Path, tasks: list[str], methods: list[str], out: Path,
+                         num_examples: int | None, speed_examples: str, *extra: str) -> list[Any]:
+        """``inference/evaluate.py`` at the preset's decoding settings (one decoding thread: decoding a
+        small model one prompt at a time is latency-bound, a second thread only adds synchronisation)."""
+        e = self.settings.eval
+        return [*_python(), EVALUATE, "--model", model_dir, *extra,
+                "--tasks", ",".join(tasks), "--methods", ",".join(methods),
+                "--taus", ",".join(f"{t:g}" for t in e.taus),
+                *([] if num_examples is None else ["--num-examples", str(num_examples)]),
+                "--seed", str(self.seed), "--window-size", str(e.window_size),
+                "--distance-penalty", f"{e.distance_penalty:g}", "--device", "cpu", "--dtype", "float32",
+                "--speed-examples", speed_examples, "--out", out]
+
+    def join_report_parts(self, out: Path, parts: list[str]) -> dict[str, Any]:
+        """Fold the reports written under ``out/<part>/`` into the one in ``out``."""
+        reports = [EvalReport.load(str(d / "report.json")) for d in [out, *(out / p for p in parts)]]
+        paths = write_report(combine_reports(reports), str(out))
+        for part in parts:
+            shutil.rmtree(out / part)
+        return {"report": paths["json"], "joined": parts}
+
+    def calibrate_into(self, base_report: Path, wedlm_report: Path, hf_dir: Path) -> dict[str, Any]:
+        """Choose tau on the calibration reports (``calibration.py``) and store it, with window and
+        penalty, in the exported WeDLM model's generation_config.json."""
+        e = self.settings.eval
+        self.calibration = c = calibration_from_reports(
+            EvalReport.load(str(base_report)), EvalReport.load(str(wedlm_report)), e.calibration_tasks,
+            tolerance=e.calibration_tolerance, learned_accuracy=e.base_learned_accuracy)
+        for line in describe(c, self.settings.accuracy_reference):
+            self.console.print(f"[calibrate] {line}")
+        defaults = {"window_size": e.window_size, "entropy_threshold": c.operating_tau,
+                    "distance_penalty": e.distance_penalty}
+        path = write_decoding_defaults(hf_dir, defaults)
+        self.console.print(f"[calibrate] decoding defaults {defaults} -> {path}")
+        return {**asdict(c), "generation_config": str(path)}
+
+    def publish_summary(self, summary: dict[str, Any]) -> dict[str, str]:
+        """report.json/.md/.png in the output directory, and the table on the console."""
+        paths = write_summary(summary, self.root)
+        print_summary(summary, self.console.print)
+        self.console.print("wrote " + ", ".join(str(p) for p in paths.values()))
+        return {k: str(v) for k, v in paths.items()}
+
     def _run(self, command: list[Any], log_name: str | None = None, env: dict[str, str] | None = None,
              tag: str | None = None) -> None:
         assert self.runner is not None
@@ -280,27 +346,7 @@ class Quickstart(StagedRun):
         return dict(zip(jobs, self._in_parallel([lambda n=n: prepare(n) for n in jobs])))
 
     def train(self, stage: str, init_from: Path | None = None) -> dict[str, Any]:
-        cfg = self.settings.training_config_path(stage)
-        run_dir = self.layout.run_dir(stage)
-        overrides = [f"data.path={self.layout.training_data(stage)}", f"trainer.output_dir={run_dir}",
-                     f"trainer.seed={self.seed}", f"data.seed={self.seed}"]
-        if init_from is not None:
-            overrides.append(f"model.init_from={init_from}")
-        nproc = getattr(self.settings, stage).nproc
-        self._run([*_python(), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                   TRAINING_SCRIPTS[stage], "--config", cfg.relative_to(REPO_ROOT),
-                   "--result-json", run_dir / "result.json", *overrides],
-                  env={"OMP_NUM_THREADS": "1"})
-        result = read_training_result(run_dir)
-        losses = [float(v) for _, v in sorted(result.get("losses", {}).items(), key=lambda kv: int(kv[0]))]
-        checkpoint = result["checkpoints"][-1]
-        detail: dict[str, Any] = {"run_dir": str(run_dir), "checkpoint": checkpoint,
-                                  "steps": result.get("final_step"), "skipped_steps": result.get("skipped_steps", [])}
-        if losses:
-            detail.update(first_loss=losses[0], last_loss=losses[-1])
-            self.console.print(f"[{stage}] loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps; "
-                               f"checkpoint {checkpoint}")
-        return detail
+        return self.run_training(stage, self.layout.run_dir(stage), self.layout.training_data(stage), init_from)
 
     def export(self, checkpoints: dict[str, Path]) -> dict[str, Any]:
         def convert(model: str) -> None:
@@ -352,22 +398,12 @@ class Quickstart(StagedRun):
         reports = {f"{model}:{split}": report for lane, results in zip(lanes, done)
                    for (model, _, split, part), report in zip(lane, results) if not part}
         parts = [part for lane in lanes for (_, _, _, part) in lane if part]
-        reports[f"{WEDLM}:test"] = self.join_report_parts(WEDLM, parts)
+        reports[f"{WEDLM}:test"] = self.join_report_parts(self.layout.eval_dir(WEDLM), parts)
         return reports
 
-    def join_report_parts(self, model: str, parts: list[str]) -> dict[str, Any]:
-        """Fold the test reports written under ``eval/<model>/<part>/`` into ``eval/<model>/``."""
-        out = self.layout.eval_dir(model)
-        reports = [EvalReport.load(str(d / "report.json")) for d in [out, *(out / p for p in parts)]]
-        paths = write_report(combine_reports(reports), str(out))
-        for part in parts:
-            shutil.rmtree(out / part)
-        return {"report": paths["json"], "joined": parts}
-
     def evaluate(self, model: str, methods: list[str], split: str = "test", part: str = "") -> dict[str, Any]:
-        """One decoding thread: decoding a tiny model one prompt at a time is latency-bound, a second
-        thread only adds synchronisation (and on a busy machine, spinning threads stall badly).
-        A ``part`` writes under ``eval/<model>/<part>/``, to be joined by :meth:`join_report_parts`."""
+        """One decoding thread (on a busy machine, spinning threads stall badly). A ``part`` writes
+        under ``eval/<model>/<part>/``, to be joined by :meth:`join_report_parts`."""
         e = self.settings.eval
         suffix = ("" if split == "test" else f"_{split}") + (f"_{part}" if part else "")
         out = self.layout.eval_dir(model, split) / part  # an empty part is the directory itself
@@ -375,30 +411,15 @@ class Quickstart(StagedRun):
             tasks, num_examples = list(e.tasks), e.num_examples
         else:
             tasks, num_examples = [f"{t}:{split}" for t in e.calibration_tasks], e.calibration_examples
-        self._run([*_python(), EVALUATE, "--model", self.layout.hf_dir(model),
-                   "--tasks", ",".join(tasks), "--methods", ",".join(methods),
-                   "--taus", ",".join(f"{t:g}" for t in e.taus), "--num-examples", str(num_examples),
-                   "--seed", str(self.seed), "--window-size", str(e.window_size),
-                   "--distance-penalty", f"{e.distance_penalty:g}", "--device", "cpu", "--dtype", "float32",
-                   "--speed-examples", "all",  # every prompt timed one at a time, as the speed targets assume
-                   "--out", out], log_name=f"eval_{model}{suffix}", tag=f"evaluate:{model}{suffix}",
-                  env={"OMP_NUM_THREADS": "1"})
+        # every prompt timed one at a time, as the speed targets assume
+        self._run(self.evaluate_command(self.layout.hf_dir(model), tasks, methods, out, num_examples, "all"),
+                  log_name=f"eval_{model}{suffix}", tag=f"evaluate:{model}{suffix}", env={"OMP_NUM_THREADS": "1"})
         return {"report": str(out / "report.json")}
 
     def calibrate(self) -> dict[str, Any]:
         """Choose tau on the calibration prompts and store it, with window and penalty, in the WeDLM export."""
-        e = self.settings.eval
-        self.calibration = c = calibration_from_reports(
-            EvalReport.load(str(self.layout.eval_dir(BASE, "calibration") / "report.json")),
-            EvalReport.load(str(self.layout.eval_dir(WEDLM, "calibration") / "report.json")), e.calibration_tasks,
-            tolerance=e.calibration_tolerance, learned_accuracy=e.base_learned_accuracy)
-        for line in describe(c):
-            self.console.print(f"[calibrate] {line}")
-        defaults = {"window_size": e.window_size, "entropy_threshold": c.operating_tau,
-                    "distance_penalty": e.distance_penalty}
-        path = write_decoding_defaults(self.layout.hf_dir(WEDLM), defaults)
-        self.console.print(f"[calibrate] decoding defaults {defaults} -> {path}")
-        return {**asdict(c), "generation_config": str(path)}
+        return self.calibrate_into(self.layout.eval_dir(BASE, "calibration") / "report.json",
+                                   self.layout.eval_dir(WEDLM, "calibration") / "report.json", self.layout.hf_dir(WEDLM))
 
     def report(self, timings: dict[str, Any]) -> dict[str, Any]:
         assert self.runner is not None
@@ -411,10 +432,7 @@ class Quickstart(StagedRun):
             training={s: read_training_result(self.layout.run_dir(s)) for s in TRAINING_STAGES},
             previous_fingerprint=self.previous_fingerprint,
         )
-        paths = write_summary(summary, self.layout.root)
-        print_summary(summary, self.console.print)
-        self.console.print("wrote " + ", ".join(str(p) for p in paths.values()))
-        return {k: str(v) for k, v in paths.items()}
+        return self.publish_summary(summary)
 
     # -- driver ------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:

@@ -30,23 +30,15 @@ Layout of the output directory::
 from __future__ import annotations
 
 import json
-import shutil
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from megatron_wedlm.decoding.generation_defaults import write_decoding_defaults
 from megatron_wedlm.eval.reply_tasks import REPLY_TOKENS
-from megatron_wedlm.eval.report import write_report
 from megatron_wedlm.eval.results import EvalReport
-from megatron_wedlm.eval.runner import combine_reports
-from megatron_wedlm.quickstart.calibration import calibration_from_reports, describe
 from megatron_wedlm.quickstart.chat_data import chat_task_pairs, general_prompts, interleave, write_pairs
 from megatron_wedlm.quickstart.pipeline import (
     CONVERT_CHECKPOINT,
-    EVALUATE,
     PREPARE_DATA,
-    TRAINING_SCRIPTS,
     StagedRun,
     _python,
     read_training_result,
@@ -54,7 +46,7 @@ from megatron_wedlm.quickstart.pipeline import (
 from megatron_wedlm.quickstart.settings import RealModelSettings
 from megatron_wedlm.quickstart.smollm2 import smollm2_hf_dir
 from megatron_wedlm.quickstart.stages import Console
-from megatron_wedlm.quickstart.summary import build_summary, print_summary, write_summary
+from megatron_wedlm.quickstart.summary import build_summary
 
 WEDLM, BASE = "wedlm", "base"
 #: Rows decoded together when the base model writes its replies (and in the evaluation's accuracy mode).
@@ -153,17 +145,7 @@ class RealModelQuickstart(StagedRun):
         return {"path": str(out), "samples": manifest["num_samples"], "tokens": manifest["num_tokens"]}
 
     def sft(self) -> dict[str, Any]:
-        s = self.settings.sft
-        self._run([*_python(), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={s.nproc}",
-                   TRAINING_SCRIPTS["sft"], "--config", self.settings.training_config_path("sft"),
-                   "--result-json", self.sft_dir / "result.json", f"model.init_from={self.converted}",
-                   f"data.path={self.data('sft_shards')}", f"trainer.output_dir={self.sft_dir}",
-                   f"trainer.seed={self.seed}", f"data.seed={self.seed}"], env={"OMP_NUM_THREADS": "1"})
-        result = read_training_result(self.sft_dir)
-        losses = [float(v) for _, v in sorted(result.get("losses", {}).items(), key=lambda kv: int(kv[0]))]
-        if losses:
-            self.console.print(f"[sft] loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps")
-        return {"checkpoint": result["checkpoints"][-1], "steps": result.get("final_step")}
+        return self.run_training("sft", self.sft_dir, self.data("sft_shards"), init_from=self.converted)
 
     def export(self, checkpoint: str) -> dict[str, Any]:
         self._run([*_python(), CONVERT_CHECKPOINT, "megatron-to-hf", "--input", checkpoint, "--output", self.wedlm_hf,
@@ -176,50 +158,35 @@ class RealModelQuickstart(StagedRun):
         general = f"replies:{self.data('general_test.jsonl')}"
         test = (self.wedlm_hf, list(e.tasks), e.num_examples)
         calibration = (self.wedlm_hf, [f"{t}:calibration" for t in e.calibration_tasks], e.calibration_examples)
-        lanes = [[(WEDLM, "test", ["streaming", "ar"], test)],
-                 [(WEDLM, "calibration", ["streaming", "ar"], calibration),
-                  (WEDLM, "general", ["ar"], (self.wedlm_hf, [general], None)),
-                  (BASE, "general", ["ar"], (self.base_hf, [general], None)),
-                  (WEDLM, "test_blockwise", ["blockwise"], test)]]
+        lanes = [[(WEDLM, "test", ["streaming", "ar"], test, "")],
+                 [(WEDLM, "calibration", ["streaming", "ar"], calibration, ""),
+                  (WEDLM, "general", ["ar"], (self.wedlm_hf, [general], None), ""),
+                  (BASE, "general", ["ar"], (self.base_hf, [general], None), ""),
+                  (WEDLM, "test", ["blockwise"], test, "blockwise")]]
         done = self._in_parallel([lambda lane=lane: [self.evaluate(*job) for job in lane] for lane in lanes])
+        reports = {f"{model}:{split}": out for lane, outs in zip(lanes, done)
+                   for (model, split, _, _, part), out in zip(lane, outs) if not part}
         # the block-wise rows join the WeDLM test report, which the summary reads whole
-        test_dir, blockwise_dir = self.eval_dir(WEDLM), self.eval_dir(WEDLM, "test_blockwise")
-        joined = combine_reports([EvalReport.load(str(d / "report.json")) for d in (test_dir, blockwise_dir)])
-        write_report(joined, str(test_dir))
-        shutil.rmtree(blockwise_dir)
-        return {f"{model}:{split}": out for lane, outs in zip(lanes, done) for (model, split, _, _), out in zip(lane, outs)}
+        reports[f"{WEDLM}:test"] = self.join_report_parts(self.eval_dir(WEDLM), ["blockwise"])["report"]
+        return reports
 
-    def evaluate(self, model: str, split: str, methods: list[str], job: tuple[Any, list[str], int | None]) -> str:
-        e = self.settings.eval
+    def evaluate(self, model: str, split: str, methods: list[str], job: tuple[Any, list[str], int | None],
+                 part: str = "") -> str:
+        """One decoding thread; a ``part`` writes under ``eval/<model>/<part>/``, joined afterwards."""
         model_dir, tasks, num_examples = job
-        out = self.eval_dir(model, split)
-        command = [*_python(), EVALUATE, "--model", model_dir, "--chat", "--tasks", ",".join(tasks),
-                   "--methods", ",".join(methods), "--taus", ",".join(f"{t:g}" for t in e.taus),
-                   "--seed", str(self.seed), "--window-size", str(e.window_size),
-                   "--distance-penalty", f"{e.distance_penalty:g}", "--device", "cpu", "--dtype", "float32",
-                   "--batch-size", str(REPLY_BATCH), "--out", out]
-        if num_examples is not None:
-            command += ["--num-examples", str(num_examples)]
+        out = self.eval_dir(model, split) / part  # an empty part is the directory itself
         # speed is measured on the test prompts only; elsewhere accuracy is enough
-        command += ["--speed-examples", str(SPEED_EXAMPLES) if split in ("test", "test_blockwise") else "0"]
-        self._run(command, log_name=f"eval_{model}_{split}", tag=f"evaluate:{model}:{split}",
-                  env={"OMP_NUM_THREADS": "1"})
+        speed = str(SPEED_EXAMPLES) if split == "test" else "0"
+        tag = f"{model}:{split}" + (f":{part}" if part else "")
+        self._run(self.evaluate_command(model_dir, tasks, methods, out, num_examples, speed,
+                                        "--chat", "--batch-size", str(REPLY_BATCH)),
+                  log_name=f"eval_{tag.replace(':', '_')}", tag=f"evaluate:{tag}", env={"OMP_NUM_THREADS": "1"})
         return str(out / "report.json")
 
     def calibrate(self) -> dict[str, Any]:
         """Tau from the calibration prompts, held to the same model's AR decoding there."""
-        e = self.settings.eval
-        report = EvalReport.load(str(self.eval_dir(WEDLM, "calibration") / "report.json"))
-        self.calibration = c = calibration_from_reports(report, report, e.calibration_tasks,
-                                                        tolerance=e.calibration_tolerance,
-                                                        learned_accuracy=e.base_learned_accuracy)
-        for line in describe(c):
-            self.console.print(f"[calibrate] {line.replace('base AR', 'AR')}")
-        defaults = {"window_size": e.window_size, "entropy_threshold": c.operating_tau,
-                    "distance_penalty": e.distance_penalty}
-        path = write_decoding_defaults(self.wedlm_hf, defaults)
-        self.console.print(f"[calibrate] decoding defaults {defaults} -> {path}")
-        return {**asdict(c), "generation_config": str(path)}
+        report = self.eval_dir(WEDLM, "calibration") / "report.json"
+        return self.calibrate_into(report, report, self.wedlm_hf)
 
     def report(self, timings: dict[str, Any]) -> dict[str, str]:
         assert self.runner is not None and self.calibration is not None
@@ -231,10 +198,7 @@ class RealModelQuickstart(StagedRun):
             training={"sft": read_training_result(self.sft_dir)}, previous_fingerprint=self.previous_fingerprint,
             general={m: (r.num_correct, r.num_examples) for m, r in general.items()},
         )
-        paths = write_summary(summary, self.root)
-        print_summary(summary, self.console.print)
-        self.console.print("wrote " + ", ".join(str(p) for p in paths.values()))
-        return {k: str(v) for k, v in paths.items()}
+        return self.publish_summary(summary)
 
     # -- driver -----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:

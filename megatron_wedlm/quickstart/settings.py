@@ -89,8 +89,15 @@ class TargetSettings:
     min_general_same_answer: float = 0.8
 
 
+class _TrainingConfigs:
+    """A preset's training stages each name a training config, relative to the checkout (or absolute)."""
+
+    def training_config_path(self, stage: str) -> Path:
+        return REPO_ROOT / getattr(self, stage).config
+
+
 @dataclass
-class QuickstartSettings:
+class QuickstartSettings(_TrainingConfigs):
     """A from-scratch preset. Its streaming accuracy is judged against the *base* model's AR decoding
     (the model before WeDLM training), which had the same training text."""
 
@@ -106,8 +113,6 @@ class QuickstartSettings:
     eval: EvalSettings = field(default_factory=EvalSettings)
     targets: TargetSettings = field(default_factory=TargetSettings)
 
-    def training_config_path(self, stage: str) -> Path:
-        return REPO_ROOT / getattr(self, stage).config
 
 
 @dataclass
@@ -127,7 +132,7 @@ class ChatSftSettings(TrainingStageSettings):
 
 
 @dataclass
-class RealModelSettings:
+class RealModelSettings(_TrainingConfigs):
     """A pretrained preset: convert a real checkpoint, WeDLM-SFT it on chat data, evaluate.
 
     The base model never saw the task format, so streaming accuracy is judged against AR decoding
@@ -141,9 +146,6 @@ class RealModelSettings:
     sft: ChatSftSettings = field(default_factory=ChatSftSettings)
     eval: EvalSettings = field(default_factory=EvalSettings)
     targets: TargetSettings = field(default_factory=TargetSettings)
-
-    def training_config_path(self, stage: str) -> Path:
-        return REPO_ROOT / getattr(self, stage).config
 
 
 AnySettings = Union[QuickstartSettings, RealModelSettings]

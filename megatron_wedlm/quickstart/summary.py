@@ -41,7 +41,7 @@ from typing import Any
 
 from megatron_wedlm.eval.report import COLUMNS, PLOT_NAME, brief_model_name, format_interval, plot_speed_accuracy
 from megatron_wedlm.eval.results import EvalReport, MethodResult, SampleRecord
-from megatron_wedlm.quickstart.calibration import Calibration, keeps_up, points, unlearned_message
+from megatron_wedlm.quickstart.calibration import REFERENCE_NAMES, Calibration, keeps_up, points, unlearned_message
 from megatron_wedlm.quickstart.settings import AnySettings
 
 BASE_METHOD = "base-ar"
@@ -87,6 +87,11 @@ def _reference_name(settings: Any) -> str:
     return "base AR" if settings.accuracy_reference == "base" else "AR of the same model"
 
 
+def _ref_label(method: str) -> str:
+    """How tables name the reference rows of ``method`` (:func:`reference_method`)."""
+    return "base AR" if method == BASE_METHOD else "AR"
+
+
 def agreement_with_reference(report: EvalReport, method: str = BASE_METHOD) -> dict[str, float]:
     """Per other row: the fraction of prompts whose extracted answer equals the ``method`` rows' answer."""
     base = {(s.task, s.uid): s.extracted for s in report.samples if s.method == method}
@@ -123,13 +128,14 @@ def _accuracy(r: MethodResult) -> str:
     return f"{_pct(r.accuracy)} ({format_interval(r.accuracy_ci95)})"
 
 
-def _base_model_check(task: str, calibration: Calibration) -> list[TargetCheck]:
-    """For a task the base model did not learn: that failure, and the WeDLM targets left unjudged."""
-    reason = unlearned_message(task, calibration)
-    return [TargetCheck(f"{task}: base model learned the task",
-                        f"base AR >= {100 * calibration.learned_accuracy:g}% on the calibration prompts",
+def _base_model_check(task: str, calibration: Calibration, reference: str = "base") -> list[TargetCheck]:
+    """For a task the reference model did not learn: that failure, and the WeDLM targets left unjudged."""
+    model, ar = REFERENCE_NAMES[reference]
+    reason = unlearned_message(task, calibration, reference)
+    return [TargetCheck(f"{task}: {model} learned the task",
+                        f"{ar} >= {100 * calibration.learned_accuracy:g}% on the calibration prompts",
                         reason, NOT_MET)] + [
-        TargetCheck(f"{task}: {name}", "judged only when the base model learned the task", reason, NOT_CHECKED)
+        TargetCheck(f"{task}: {name}", f"judged only when the {model} learned the task", reason, NOT_CHECKED)
         for name in ("streaming accuracy", "tokens per forward", "wall-clock speed-up")]
 
 
@@ -151,7 +157,7 @@ def check_targets(report: EvalReport, settings: AnySettings, calibration: Calibr
                               f"longest silence {gap:.1f} s", MET if gap <= t.max_silence_seconds else NOT_MET))
     for task in t.low_entropy_tasks:
         if task in calibration.unlearned:
-            checks += _base_model_check(task, calibration)
+            checks += _base_model_check(task, calibration, settings.accuracy_reference)
             continue
         base = report.result(task, reference)
         stream = report.result(task, "streaming", tau)
@@ -211,7 +217,7 @@ def headline_figures(report: EvalReport, tau: float, timings: dict[str, Any],
                      agreement: dict[str, float], reference: str = BASE_METHOD) -> dict[str, float | None]:
     """The numbers a reader compares across seeds (``tools/bench_quickstart.py --seeds``), per task at ``tau``."""
     figures: dict[str, float | None] = {"operating tau": tau}
-    ref = "base AR" if reference == BASE_METHOD else "AR"
+    ref = _ref_label(reference)
     for task in report.tasks:
         stream = report.result(task, "streaming", tau)
         agree = agreement.get(_key(task, "streaming", tau))
@@ -253,7 +259,8 @@ def build_summary(base_report: str | Path | None, wedlm_report: str | Path, sett
         "timings": timings,
         "stages": [asdict(s) for s in stages if s.status != "running"],  # not the report being written
         "training": _training_summary(training),
-        "base_model_unlearned": {task: unlearned_message(task, calibration) for task in calibration.unlearned},
+        "base_model_unlearned": {task: unlearned_message(task, calibration, settings.accuracy_reference)
+                                 for task in calibration.unlearned},
         "accuracy_reference": reference,
         "agreement_with_reference": agreement,
         "general_prompts": general,
@@ -279,14 +286,10 @@ def _model(r: MethodResult, tau: float) -> str:
     return "WeDLM*" if r.method == "streaming" and r.tau == tau else "WeDLM"
 
 
-def _ref_label(q: dict[str, Any]) -> str:
-    return "base AR" if q["accuracy_reference"] == BASE_METHOD else "AR"
-
-
 def _calibration_lines(q: dict[str, Any]) -> list[str]:
     c = q["calibration"]
     tasks = c["tasks"]
-    ref = _ref_label(q)
+    ref = _ref_label(q["accuracy_reference"])
     lines = ["## Calibration", "",
              f"The operating tau is chosen on {c['num_examples']} calibration prompts per task, disjoint from "
              f"the test prompts below: the largest tau whose streaming accuracy stays within "
@@ -336,7 +339,7 @@ def markdown(data: dict[str, Any]) -> str:
     tau = q["calibration"]["operating_tau"]
     lines += ["", f"Test prompts per task below; `WeDLM*` is streaming at the operating tau ({tau:g}), the "
               "other taus are the sweep (also in speed_accuracy.png)."]
-    headers = ["model"] + [h for h, _ in COLUMNS] + [f"same answer as {_ref_label(q)}"]
+    headers = ["model"] + [h for h, _ in COLUMNS] + [f"same answer as {_ref_label(q['accuracy_reference'])}"]
     for task in dict.fromkeys(task for task, _, _ in _rows(data)):
         lines += ["", f"## {task}", "", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
         for t, r, agree in _rows(data):
