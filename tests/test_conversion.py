@@ -40,6 +40,7 @@ from megatron_wedlm.model.hf_config import (
     model_args_from_hf_config,
 )
 from megatron_wedlm.runtime.atomic_output import OutputDirError
+from megatron_wedlm.testing.checkpoint_files import safetensors_of
 from megatron_wedlm.testing.tiny_models import (
     build_tiny_ar_tokenizer,
     build_tiny_causal_lm,
@@ -112,13 +113,6 @@ def hf_wedlm_logits(model, rows) -> torch.Tensor:
     mask = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill(~allowed, torch.finfo(torch.float32).min)
     with torch.no_grad():
         return model(rows.input_ids, position_ids=rows.position_ids, attention_mask=mask[:, None]).logits
-
-
-def safetensors_of(directory: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        tensors.update(load_file(file))
-    return tensors
 
 
 @pytest.fixture(scope="module")

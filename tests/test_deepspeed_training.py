@@ -27,6 +27,7 @@ import torch
 from megatron_wedlm.data.prepare import prepare_dataset
 from megatron_wedlm.eval.builtin_tasks import training_pairs
 from megatron_wedlm.runtime.multiprocess import run_distributed
+from megatron_wedlm.testing.checkpoint_files import safetensors_of
 from megatron_wedlm.testing.tiny_models import build_tiny_ar_tokenizer, build_tiny_causal_lm
 from megatron_wedlm.training.metrics import REQUIRED_KEYS, read_metrics
 
@@ -264,15 +265,6 @@ def test_checkpoints_hold_deepspeed_states_and_hf_exports(two_ranks):
         assert json.loads((ckpt / "hf" / "config.json").read_text())["mask_token_id"] == 400
 
 
-def _safetensors(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        tensors.update(load_file(file))
-    return tensors
-
-
 def test_hf_export_holds_the_trained_weights_loads_and_decodes(two_ranks, data):
     from transformers import AutoTokenizer
 
@@ -281,17 +273,17 @@ def test_hf_export_holds_the_trained_weights_loads_and_decodes(two_ranks, data):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     final = two_ranks / "zero2" / "hf"
-    exported = _safetensors(final)
+    exported = safetensors_of(final)
     trained = get_fp32_state_dict_from_zero_checkpoint(str(two_ranks / "zero2" / "checkpoints" / "iter_0000004"),
                                                        tag="deepspeed")
     trained = {k.removeprefix("hf_model."): v for k, v in trained.items()}
     assert sorted(exported) == sorted(trained)
     for name, tensor in trained.items():
         assert torch.equal(exported[name], tensor), name
-    source = _safetensors(Path(data["hf"]))
+    source = safetensors_of(Path(data["hf"]))
     assert not torch.equal(exported["model.layers.0.mlp.up_proj.weight"], source["model.layers.0.mlp.up_proj.weight"])
     assert exported["model.embed_tokens.weight"].shape == (512, 32)  # 400 tokens + mask, padded to 128
-    zero3 = _safetensors(two_ranks / "zero3" / "hf")  # gathered from ZeRO-3 partitions
+    zero3 = safetensors_of(two_ranks / "zero3" / "hf")  # gathered from ZeRO-3 partitions
     for name, tensor in exported.items():
         torch.testing.assert_close(zero3[name], tensor, rtol=0, atol=1e-5)
 

@@ -37,7 +37,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from megatron_wedlm.conversion import (
     DEFAULT_MASK_TOKEN,
@@ -49,6 +48,7 @@ from megatron_wedlm.conversion import (
 )
 from megatron_wedlm.model.hf_config import pad_vocab_size
 from megatron_wedlm.quickstart.smollm2 import smollm2_hf_dir
+from megatron_wedlm.testing.checkpoint_files import safetensors_of
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_TENSORS = 272  # 30 layers x 9 + embedding + final norm (tied: no lm_head)
@@ -67,13 +67,6 @@ CHATS = [
     [{"role": "user", "content": "Count from 1 to 5."}, {"role": "assistant", "content": "1, 2, 3, 4, 5."}],
     [{"role": "user", "content": "Translate 'thank you' into French."}, {"role": "assistant", "content": "Merci."}],
 ]
-
-
-def safetensors_of(directory: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        tensors.update(load_file(file))
-    return tensors
 
 
 def _ids(rendered) -> list[int]:
