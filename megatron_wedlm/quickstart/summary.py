@@ -89,7 +89,7 @@ def _reference_name(settings: Any) -> str:
 
 def _ref_label(method: str) -> str:
     """How tables name the reference rows of ``method`` (:func:`reference_method`)."""
-    return "base AR" if method == BASE_METHOD else "AR"
+    return REFERENCE_NAMES["base" if method == BASE_METHOD else "self"][1]
 
 
 def agreement_with_reference(report: EvalReport, method: str = BASE_METHOD) -> dict[str, float]:
