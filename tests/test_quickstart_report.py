@@ -12,7 +12,7 @@ from megatron_wedlm.eval import builtin_task, evaluate
 from megatron_wedlm.eval.report import brief_model_name
 from megatron_wedlm.eval.results import EvalReport
 from megatron_wedlm.quickstart import summary as S
-from megatron_wedlm.quickstart.calibration import calibration_from_reports, choose_operating_tau, points
+from megatron_wedlm.quickstart.calibration import calibration_from_reports, choose_operating_tau, points, shortfall
 from megatron_wedlm.quickstart.calibration import describe as calibration_describe
 from megatron_wedlm.quickstart.pipeline import previous_fingerprint
 from megatron_wedlm.quickstart.settings import load_settings, preset_path
@@ -199,7 +199,13 @@ def test_operating_tau_rule_on_hand_made_accuracies():
     # 0.3 is exactly 1 point below base on both tasks (kept); 0.5 drops 5 on counting, 0.7 3 on copying
     assert choose_operating_tau(sweep, base) == 0.3
     assert choose_operating_tau({0.5: sweep[0.5], 0.1: sweep[0.1]}, base) == 0.1  # order of the sweep is irrelevant
-    assert choose_operating_tau({0.5: sweep[0.5], 0.7: sweep[0.7]}, base) == 0.5  # none keeps up: the smallest
+    # none keeps up: the closest to base (0.7 is 3 points short on copying, 0.5 5 on counting) ...
+    assert choose_operating_tau({0.5: sweep[0.5], 0.7: sweep[0.7]}, base) == 0.7
+    assert shortfall(sweep[0.7], base) == pytest.approx(0.03) and shortfall(sweep[0.1], base) == 0.0
+    # ... the largest among equally close ones (the same prompts lost at every tau)
+    flat = {tau: {"counting": 0.871, "copying": 1.00} for tau in (0.2, 0.3, 0.4)}
+    assert choose_operating_tau(flat, base) == 0.4
+    assert choose_operating_tau({**flat, 0.3: {"counting": 0.88, "copying": 1.00}}, base) == 0.3
     assert choose_operating_tau(sweep, base, tolerance=0.03) == 0.7  # within 3 points: 0.7 keeps up
     assert points(0.01) == "1 point" and points(0.02) == "2 points"
     with pytest.raises(ValueError, match=r"tau=0.3 has no accuracy for task\(s\) \['copying'\]"):

@@ -293,7 +293,8 @@ def _calibration_lines(q: dict[str, Any]) -> list[str]:
     lines = ["## Calibration", "",
              f"The operating tau is chosen on {c['num_examples']} calibration prompts per task, disjoint from "
              f"the test prompts below: the largest tau whose streaming accuracy stays within "
-             f"{points(c['tolerance'])} of {ref} on every task ({', '.join(tasks)}), else the smallest. "
+             f"{points(c['tolerance'])} of {ref} on every task ({', '.join(tasks)}), else the one closest to "
+             f"{ref} (the largest among equals). "
              f"Chosen: **tau = {c['operating_tau']:g}** (written into the WeDLM model's generation_config.json "
              f"with window {q['settings']['eval']['window_size']} and distance penalty "
              f"{q['settings']['eval']['distance_penalty']:g}).", "",
