@@ -192,6 +192,34 @@ def test_rows_do_not_depend_on_dp_or_workers(pretrain_dir):
     assert all(torch.equal(a, b) for a, b in zip(single, split))
 
 
+def test_cached_shards_give_the_rows_of_a_fresh_read_and_follow_a_rewritten_shard(pretrain_dir, tmp_path,
+                                                                                   monkeypatch):
+    """Several epochs of rows with the decoded-shard cache equal the rows read with no cache; a
+    shard rewritten in place is decoded again, not served from the cache."""
+    import shutil
+
+    from megatron_wedlm.data import webdataset_loader
+
+    spec = _spec(pretrain_dir, num_streams=2)  # 4 shards a stream: 60 rows span several epochs
+    webdataset_loader._shard_cache.clear()
+    cached, _ = _global_rows(1, 0, 30, spec)
+    assert webdataset_loader._shard_cache  # the shards were kept
+    monkeypatch.setattr(webdataset_loader, "SHARD_CACHE_BYTES", 0)
+    webdataset_loader._shard_cache.clear()
+    fresh, _ = _global_rows(1, 0, 30, spec)
+    assert not webdataset_loader._shard_cache
+    assert len(cached) == len(fresh) == 60 and all(torch.equal(a, b) for a, b in zip(cached, fresh))
+
+    monkeypatch.undo()
+    copy = tmp_path / "data"
+    shutil.copytree(pretrain_dir, copy)
+    first, second = (copy / spec.shard_paths[i] for i in (0, 1))
+    before = [tokens.tolist() for tokens, _ in _read_shard(first)]
+    shutil.copyfile(second, first)
+    after = [tokens.tolist() for tokens, _ in _read_shard(first)]
+    assert after == [tokens.tolist() for tokens, _ in _read_shard(second)] != before
+
+
 def test_resume_under_another_layout_continues_exactly(pretrain_dir):
     spec = _spec(pretrain_dir)
     uninterrupted, _ = _global_rows(1, 0, 20, spec)

@@ -96,6 +96,29 @@ def test_nonfinite_steps_are_skipped_logged_and_stop_the_run(data, tmp_path):
     assert all(r["loss"] == "nan" for r in records if r["skipped"])  # written as a string, valid JSON
 
 
+def test_gradient_check_equals_the_elementwise_check():
+    """The sum-first check of the gradient buffers against ``isfinite`` on every element,
+    including finite values whose sum overflows (not a bad step) and infinities that cancel."""
+    from megatron_wedlm.training.megatron_engine import has_nonfinite
+
+    big = torch.finfo(torch.float32).max
+    cases = [torch.randn(1000), torch.full((8,), big), torch.tensor([big, -big, big, big]),
+             torch.zeros(0), torch.randn(4, 5).to(torch.bfloat16)]
+    generator = torch.Generator().manual_seed(0)
+    for special in (float("nan"), float("inf"), float("-inf")):
+        for _ in range(20):
+            values = torch.randn(257, generator=generator)
+            positions = torch.randint(0, 257, (int(torch.randint(1, 4, (1,), generator=generator)),),
+                                      generator=generator)
+            values[positions] = special
+            cases.append(values)
+    inf_and_minus_inf = torch.randn(16)
+    inf_and_minus_inf[[2, 9]] = torch.tensor([float("inf"), float("-inf")])
+    cases.append(inf_and_minus_inf)
+    for values in cases:
+        assert has_nonfinite(values) == (not bool(torch.isfinite(values).all())), values
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory) -> dict:
     """A random Qwen2 HF model shaped like the tiny config, converted to torch_dist, and data

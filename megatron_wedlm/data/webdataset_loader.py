@@ -58,6 +58,7 @@ import json
 import multiprocessing as mp
 import random
 import warnings
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -264,15 +265,40 @@ def _end_token_id(data_dir: str | Path, manifest: dict[str, Any]) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def _read_shard(path: Path) -> list[tuple[np.ndarray, int]]:
-    """All samples of a shard, in file order: (int32 tokens, prompt length)."""
+#: Decoded shards a process keeps, in bytes of tokens. A stream re-reads each of its shards every
+#: epoch; a small dataset (the quickstart's: a few MB, many epochs) is then decoded once instead of
+#: once per epoch. A shard larger than this is never kept, so large datasets read as before.
+SHARD_CACHE_BYTES = 64 << 20
+
+_shard_cache: OrderedDict[tuple[str, int, int], list[tuple[np.ndarray, int]]] = OrderedDict()
+
+
+def _decode_shard(path: Path) -> list[tuple[np.ndarray, int]]:
     from webdataset.tariterators import tarfile_samples
 
     samples = []
     for sample in tarfile_samples([{"url": str(path)}]):
         tokens = np.load(io.BytesIO(sample["tokens.npy"]))
+        tokens.flags.writeable = False  # shared by every later read of the shard
         meta = json.loads(sample["json"])
         samples.append((tokens, int(meta.get("prompt_length", 0))))
+    return samples
+
+
+def _read_shard(path: Path) -> list[tuple[np.ndarray, int]]:
+    """All samples of a shard, in file order: (read-only int32 tokens, prompt length). Served from
+    a least-recently-used cache of decoded shards (:data:`SHARD_CACHE_BYTES`) while the file's
+    size and modification time are unchanged."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key in _shard_cache:
+        _shard_cache.move_to_end(key)
+        return _shard_cache[key]
+    samples = _decode_shard(path)
+    if sum(tokens.nbytes for tokens, _ in samples) <= SHARD_CACHE_BYTES:
+        _shard_cache[key] = samples
+        while sum(tokens.nbytes for shard in _shard_cache.values() for tokens, _ in shard) > SHARD_CACHE_BYTES:
+            _shard_cache.popitem(last=False)
     return samples
 
 
