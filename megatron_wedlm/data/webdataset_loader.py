@@ -270,7 +270,7 @@ def _end_token_id(data_dir: str | Path, manifest: dict[str, Any]) -> int:
 #: once per epoch. A shard larger than this is never kept, so large datasets read as before.
 SHARD_CACHE_BYTES = 64 << 20
 
-_shard_cache: OrderedDict[tuple[str, int, int], list[tuple[np.ndarray, int]]] = OrderedDict()
+_shard_cache: OrderedDict[tuple[str, int, int, int], list[tuple[np.ndarray, int]]] = OrderedDict()
 
 
 def _decode_shard(path: Path) -> list[tuple[np.ndarray, int]]:
@@ -288,9 +288,9 @@ def _decode_shard(path: Path) -> list[tuple[np.ndarray, int]]:
 def _read_shard(path: Path) -> list[tuple[np.ndarray, int]]:
     """All samples of a shard, in file order: (read-only int32 tokens, prompt length). Served from
     a least-recently-used cache of decoded shards (:data:`SHARD_CACHE_BYTES`) while the file's
-    size and modification time are unchanged."""
+    inode, size and modification time are unchanged."""
     stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    key = (str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
     if key in _shard_cache:
         _shard_cache.move_to_end(key)
         return _shard_cache[key]
