@@ -161,7 +161,7 @@ def has_nonfinite(values: Tensor) -> bool:
 
     A sum of finite values is finite unless it overflows, and any inf or NaN makes the sum
     non-finite, so only a non-finite sum needs the elementwise check. That check allocates a
-    boolean the size of the buffer, several times slower than the sum on CPU, and it ran on
+    boolean the size of the buffer and is several times slower than the sum on CPU; it runs on
     every step."""
     if torch.isfinite(values.sum()):
         return False
