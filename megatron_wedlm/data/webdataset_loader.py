@@ -270,7 +270,8 @@ def _end_token_id(data_dir: str | Path, manifest: dict[str, Any]) -> int:
 #: once per epoch. A shard larger than this is never kept, so large datasets read as before.
 SHARD_CACHE_BYTES = 64 << 20
 
-_shard_cache: OrderedDict[tuple[str, int, int, int], list[tuple[np.ndarray, int]]] = OrderedDict()
+#: (path, inode, size, mtime) -> (samples, their token bytes), least recently used first
+_shard_cache: OrderedDict[tuple[str, int, int, int], tuple[list[tuple[np.ndarray, int]], int]] = OrderedDict()
 
 
 def _decode_shard(path: Path) -> list[tuple[np.ndarray, int]]:
@@ -293,11 +294,12 @@ def _read_shard(path: Path) -> list[tuple[np.ndarray, int]]:
     key = (str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
     if key in _shard_cache:
         _shard_cache.move_to_end(key)
-        return _shard_cache[key]
+        return _shard_cache[key][0]
     samples = _decode_shard(path)
-    if sum(tokens.nbytes for tokens, _ in samples) <= SHARD_CACHE_BYTES:
-        _shard_cache[key] = samples
-        while sum(tokens.nbytes for shard in _shard_cache.values() for tokens, _ in shard) > SHARD_CACHE_BYTES:
+    size = sum(tokens.nbytes for tokens, _ in samples)
+    if size <= SHARD_CACHE_BYTES:
+        _shard_cache[key] = (samples, size)
+        while sum(nbytes for _, nbytes in _shard_cache.values()) > SHARD_CACHE_BYTES:
             _shard_cache.popitem(last=False)
     return samples
 
