@@ -8,11 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from megatron_wedlm.config import ConfigError, config_from_yaml_text, config_to_yaml, load_config, validate_layout
 from megatron_wedlm.deepspeed_backend.settings import validate_deepspeed_run
+from megatron_wedlm.quickstart.pipeline import stage_precision
 from megatron_wedlm.quickstart.settings import PRESETS, load_settings, preset_path, stages_of
+from megatron_wedlm.runtime.precision import native_bf16
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "pretrain" / "tiny_cpu.yaml"
@@ -151,6 +154,7 @@ def test_quickstart_presets_and_their_training_configs_load(preset):
 @pytest.mark.parametrize("section, key, value, message", [
     ("eval", "calibration_tolerance", -0.01, r"eval.calibration_tolerance is a fraction in \[0, 1\)"),
     ("eval", "calibration_tolerance", 1.5, r"eval.calibration_tolerance is a fraction in \[0, 1\)"),
+    ("sft", "precision", "fp16", r"sft.precision must be one of config, fp32, bf16, native, got 'fp16'"),
 ])
 def test_quickstart_settings_refuse_values_out_of_range_naming_the_file(tmp_path, section, key, value, message):
     data = yaml.safe_load(preset_path("ci").read_text())
@@ -160,6 +164,17 @@ def test_quickstart_settings_refuse_values_out_of_range_naming_the_file(tmp_path
     with pytest.raises(ValueError, match=message) as err:
         load_settings(path)
     assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("setting, wanted", [("config", None), ("fp32", "fp32"), ("bf16", "bf16")])
+def test_stage_precision_is_passed_as_the_preset_says(setting, wanted):
+    assert stage_precision(setting)[0] == wanted
+
+
+def test_stage_precision_native_is_bf16_exactly_where_the_cpu_has_bf16_matrix_instructions():
+    precision, why = stage_precision("native")
+    assert precision == ("bf16" if native_bf16(torch.device("cpu")) else "fp32")
+    assert why  # the console says which and why
 
 
 def test_cli_rejects_a_typo_before_starting(tmp_path):

@@ -15,6 +15,13 @@ backend skips key tiles a query tile never attends (``--dense-tile``, 0 = full-m
 which keeps WeDLM attention near L^2 pairs instead of (2L)^2. The flex backend is timed only
 where CUDA exists. Use ``--threads 1`` (default) on a shared machine: oversubscribed threads
 make the timings meaningless.
+
+``--bf16`` adds the same two steps on the model built in bf16 (Megatron's mixed precision, as
+``trainer.precision=bf16`` trains it; the optimizer step is left out here too) and prints the
+bf16/fp32 ratios. On a CPU bf16 pays only with native bf16 matrix instructions
+(:mod:`megatron_wedlm.runtime.precision`); the result says whether this one has them. E.g. a
+SmolLM2-135M-shaped layer stack: ``--hidden 576 --heads 9 --groups 3 --ffn 1536 --vocab 49280
+--layers 6 --tokens 256 --rows 2 --bf16``.
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="timed steps per variant (after 1 warm-up)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (1: stable numbers on a shared machine; 0: torch's default)")
+    p.add_argument("--bf16", action="store_true",
+                   help="also time the WeDLM and AR steps of the model built in bf16, with bf16/fp32 ratios")
     p.add_argument("--json", action="store_true", help="print only the JSON result")
     return p.parse_args(argv)
 
@@ -60,12 +69,12 @@ def _model_args(args):
     )
 
 
-def _wedlm_model(args, backend: str, device):
-    """The WeDLM model as training builds it, with ``backend`` attention."""
+def _wedlm_model(args, backend: str, device, dtype: torch.dtype = torch.float32):
+    """The WeDLM model as training builds it, with ``backend`` attention, in ``dtype``."""
     from megatron_wedlm.model.wedlm_model import BuildSettings, build_model_chunks
 
     options = {"tile_size": args.dense_tile} if backend == "dense" else {}
-    settings = BuildSettings(device=device, attention_backend=backend, backend_options=options)
+    settings = BuildSettings(params_dtype=dtype, device=device, attention_backend=backend, backend_options=options)
     (model,) = build_model_chunks(_model_args(args), settings)
     return model
 
@@ -133,6 +142,11 @@ def main(argv=None) -> int:
         "ar_same_model": _step_fn(dense, _ar_forward_step, ar_batch, args.tokens, args.rows),
         "ar_megatron_gpt": _step_fn(gpt, _ar_forward_step, ar_batch, args.tokens, args.rows),
     }
+    if args.bf16:
+        dense_bf16 = _wedlm_model(args, "dense", device, torch.bfloat16)
+        dense_bf16.load_state_dict(dense.state_dict())
+        variants["wedlm_dense_bf16"] = _step_fn(dense_bf16, wedlm_step, dual, 2 * args.tokens, args.rows)
+        variants["ar_same_model_bf16"] = _step_fn(dense_bf16, _ar_forward_step, ar_batch, args.tokens, args.rows)
     if torch.cuda.is_available():
         flex = _wedlm_model(args, "flex", device)
         flex.load_state_dict(dense.state_dict())
@@ -160,6 +174,12 @@ def main(argv=None) -> int:
         "ratio_wedlm_dense_vs_ar_megatron_gpt": round(median["wedlm_dense"] / median["ar_megatron_gpt"], 3),
         "flex": "timed" if "wedlm_flex" in median else "skipped (no CUDA device)",
     }
+    if args.bf16:
+        from megatron_wedlm.runtime.precision import native_bf16_reason
+
+        result["bf16_native"] = native_bf16_reason(device) or "no"
+        result["ratio_wedlm_dense_bf16_vs_fp32"] = round(median["wedlm_dense_bf16"] / median["wedlm_dense"], 3)
+        result["ratio_ar_same_model_bf16_vs_fp32"] = round(median["ar_same_model_bf16"] / median["ar_same_model"], 3)
     if "wedlm_flex" in median:
         result["ratio_wedlm_flex_vs_ar_megatron_gpt"] = round(median["wedlm_flex"] / median["ar_megatron_gpt"], 3)
     if args.json:

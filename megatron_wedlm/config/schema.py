@@ -213,7 +213,7 @@ class TrainerConfig:
     exit_at_step: Optional[int] = None  # stop (and save) here, keeping the schedule of train_steps
     seed: int = 1234
     device: str = "auto"  # auto | cpu | cuda
-    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 (CPU too: docs/training.md)
     max_consecutive_nonfinite: int = 3  # stop after this many skipped steps in a row
     eval_interval: int = 1000  # steps between validations (data.valid_path); also after the run's last step
     eval_iters: int = 10  # global batches per validation (Megatron's --eval-iters): the same rows every time

@@ -47,6 +47,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from megatron_wedlm.data.tokenizer import check_reload, save_tokenizer, train_tokenizer
 from megatron_wedlm.decoding.generation_defaults import write_decoding_defaults
 from megatron_wedlm.eval.builtin_tasks import builtin_task
@@ -64,6 +66,7 @@ from megatron_wedlm.quickstart.settings import (
 from megatron_wedlm.quickstart.stages import Console, StageRunner
 from megatron_wedlm.quickstart.summary import build_summary, print_summary, write_summary
 from megatron_wedlm.runtime.hf_local import load_pretrained, load_tokenizer
+from megatron_wedlm.runtime.precision import native_bf16_reason
 
 #: Subdirectories and files of the output directory that a run writes (and a rerun replaces).
 OWNED_PATHS = ("data", "tokenizer", "runs", "hf", "eval", "logs", "stages.json",
@@ -156,6 +159,21 @@ def _subprocess_env() -> dict[str, str]:
     return env
 
 
+def stage_precision(setting: str) -> tuple[str | None, str]:
+    """The ``trainer.precision`` a stage's ``precision`` setting asks for (None: the training
+    config's own) and why, for the console. ``native`` is bf16 on a machine with native bf16
+    matrix instructions (where a real model's matmul-bound SFT step is faster in bf16), else fp32."""
+    if setting == "config":
+        return None, ""
+    if setting != "native":
+        return setting, "as the preset says"
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    reason = native_bf16_reason(device)
+    if reason:
+        return "bf16", f"this {device.type.upper()} multiplies bf16 matrices natively ({reason})"
+    return "fp32", f"this {device.type.upper()} has no native bf16 matrix instructions, where bf16 is slower than fp32"
+
+
 def read_training_result(run_dir: Path) -> dict[str, Any]:
     """The ``--result-json`` summary a training run wrote: final step, loss per step, checkpoints."""
     path = run_dir / "result.json"
@@ -223,6 +241,10 @@ class StagedRun:
                      f"trainer.seed={self.seed}", f"data.seed={self.seed}"]
         if init_from is not None:
             overrides.append(f"model.init_from={init_from}")
+        precision, why = stage_precision(getattr(self.settings, stage).precision)
+        if precision is not None:
+            overrides.append(f"trainer.precision={precision}")
+            self.console.print(f"[{stage}] trainer.precision={precision}: {why}")
         nproc = getattr(self.settings, stage).nproc
         self._run([*_python(), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                    TRAINING_SCRIPTS[stage], "--config", cfg.relative_to(REPO_ROOT) if cfg.is_relative_to(REPO_ROOT)

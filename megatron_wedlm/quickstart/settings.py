@@ -45,10 +45,16 @@ class TokenizerSettings:
     vocab_size: int = 1024
 
 
+#: ``TrainingStageSettings.precision`` values: the training config's own, fp32, bf16, or bf16 where
+#: this machine multiplies bf16 matrices natively (else fp32; megatron_wedlm/runtime/precision.py)
+STAGE_PRECISIONS = ("config", "fp32", "bf16", "native")
+
+
 @dataclass
 class TrainingStageSettings:
     config: str = ""  # training config YAML, relative to the repository root
     nproc: int = 2  # torchrun processes
+    precision: str = "config"  # one of STAGE_PRECISIONS; anything but "config" sets trainer.precision
 
 
 @dataclass
@@ -199,6 +205,9 @@ def _validate(s: AnySettings, path: Path) -> None:
             raise ValueError(f"{path}: {stage}.config={cfg.config} does not exist under {REPO_ROOT}")
         if cfg.nproc < 1:
             raise ValueError(f"{path}: {stage}.nproc must be >= 1, got {cfg.nproc}")
+        if cfg.precision not in STAGE_PRECISIONS:
+            raise ValueError(f"{path}: {stage}.precision must be one of {', '.join(STAGE_PRECISIONS)}, "
+                             f"got {cfg.precision!r}")
     examples = s.sft.task_examples
     if any(n < 0 for n in examples.values()) or sum(examples.values()) == 0:
         raise ValueError(f"{path}: sft.task_examples needs counts >= 0 that are not all 0 "

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from megatron_wedlm.config.schema import ConfigError, TrainConfig
 from megatron_wedlm.model.losses import global_loss_normalizer, reduce_loss_reports
 from megatron_wedlm.runtime.parallel import resolve_device
+from megatron_wedlm.runtime.precision import native_bf16_reason
 
 from .engine import Engine, RankRole, StepUpdate
 from .megatron_engine import MegatronEngine
@@ -45,12 +46,25 @@ __all__ = ["Engine", "NonFiniteLossError", "RankRole", "StepUpdate", "TrainResul
 
 
 def bf16_enabled(cfg: TrainConfig, device: torch.device) -> bool:
-    """Whether ``trainer.precision`` means bf16 on ``device``."""
+    """Whether ``trainer.precision`` means bf16 on ``device``: ``auto`` is bf16 on a GPU and fp32
+    on a CPU; an explicit ``bf16`` holds on either (on a CPU it pays only with native bf16 matrix
+    instructions, :mod:`megatron_wedlm.runtime.precision`; the run's first line says which)."""
     if cfg.trainer.precision == "auto":
         return device.type == "cuda"
-    if cfg.trainer.precision == "bf16" and device.type != "cuda":
-        raise ConfigError("trainer.precision=bf16 needs a GPU; use fp32 (or auto) on CPU")
+    if cfg.trainer.precision == "bf16" and cfg.trainer.backend == "deepspeed" and device.type != "cuda":
+        raise ConfigError("trainer.precision=bf16 on CPU is supported by the Megatron engine "
+                          "(trainer.backend=megatron); use fp32 with trainer.backend=deepspeed on CPU")
     return cfg.trainer.precision == "bf16"
+
+
+def precision_name(bf16: bool, device: torch.device) -> str:
+    """The precision as the run's first line states it; bf16 on a CPU says whether it is native."""
+    if not bf16:
+        return "fp32"
+    if device.type != "cpu":
+        return "bf16"
+    reason = native_bf16_reason(device)
+    return f"bf16 (native: {reason})" if reason else "bf16 (not native on this CPU: expect it slower than fp32)"
 
 
 def run_training(cfg: TrainConfig, engine: Engine | None = None) -> TrainResult:
@@ -93,7 +107,7 @@ def _train(cfg: TrainConfig, engine: Engine, role: RankRole, claim: RunClaim, de
     logger.message(
         f"{cfg.trainer.task}: {objective.name} training ({engine.describe()}), world {world}, "
         f"{num_microbatches} micro-batches of {micro_batch} x {cfg.data.seq_length}, "
-        f"steps {recorder.start_step + 1}..{recorder.end_step}, device {device.type}, {'bf16' if bf16 else 'fp32'}"
+        f"steps {recorder.start_step + 1}..{recorder.end_step}, device {device.type}, {precision_name(bf16, device)}"
     )
     valid_rows = build_valid_data(cfg, role.dp_rank, role.dp_size)
     validator = None
