@@ -13,7 +13,8 @@ import yaml
 
 from megatron_wedlm.config import ConfigError, config_from_yaml_text, config_to_yaml, load_config, validate_layout
 from megatron_wedlm.deepspeed_backend.settings import validate_deepspeed_run
-from megatron_wedlm.quickstart.pipeline import stage_precision
+from megatron_wedlm.quickstart import pipeline
+from megatron_wedlm.quickstart.pipeline import precision_overrides, stage_precision
 from megatron_wedlm.quickstart.settings import PRESETS, load_settings, preset_path, stages_of
 from megatron_wedlm.runtime.precision import native_bf16
 
@@ -155,6 +156,8 @@ def test_quickstart_presets_and_their_training_configs_load(preset):
     ("eval", "calibration_tolerance", -0.01, r"eval.calibration_tolerance is a fraction in \[0, 1\)"),
     ("eval", "calibration_tolerance", 1.5, r"eval.calibration_tolerance is a fraction in \[0, 1\)"),
     ("sft", "precision", "fp16", r"sft.precision must be one of config, fp32, bf16, native, got 'fp16'"),
+    ("sft", "fp32_train_steps", 100, r"sft.fp32_train_steps is the step count for when precision 'native' falls "
+                                     r"back to fp32: .* got 100 with precision 'config'"),
 ])
 def test_quickstart_settings_refuse_values_out_of_range_naming_the_file(tmp_path, section, key, value, message):
     data = yaml.safe_load(preset_path("ci").read_text())
@@ -175,6 +178,23 @@ def test_stage_precision_native_is_bf16_exactly_where_the_cpu_has_bf16_matrix_in
     precision, why = stage_precision("native")
     assert precision == ("bf16" if native_bf16(torch.device("cpu")) else "fp32")
     assert why  # the console says which and why
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_native_stage_trains_its_fp32_step_count_only_where_it_falls_back_to_fp32(monkeypatch, native):
+    """A stage sized for bf16 steps would overrun the preset's time on a CPU without native bf16."""
+    monkeypatch.setattr(pipeline, "native_bf16_reason", lambda device: "AVX512-BF16" if native else "")
+    stage = load_settings(preset_path("smollm")).sft
+    assert stage.precision == "native" and stage.fp32_train_steps > 0
+    overrides = [o for o, _ in precision_overrides(stage)]
+    if native:
+        assert overrides == ["trainer.precision=bf16"]
+    else:
+        assert overrides == ["trainer.precision=fp32", f"trainer.train_steps={stage.fp32_train_steps}"]
+    # the config's step count applies with bf16: the fallback count is the smaller one
+    cfg = load_config(ROOT / stage.config, ["data.path=shards", "model.init_from=checkpoint"],
+                      defaults={"trainer": {"task": "sft"}})
+    assert stage.fp32_train_steps < cfg.trainer.train_steps
 
 
 def test_cli_rejects_a_typo_before_starting(tmp_path):

@@ -9,7 +9,8 @@ chat template, a few SFT steps and a few prompts. It checks the machinery, not l
   sft_wedlm, megatron-to-hf, evaluate --chat), in order;
 * the base model's replies written in process replay exactly through ``inference/evaluate.py``
   (the "before SFT" figure is 50/50: references and evaluation encode chat prompts and decode
-  alike), and the WeDLM model's figure on them is counted from the report's samples;
+  alike), and the WeDLM model's figure on them is counted from the report's samples; both models
+  are teacher-forced on every held-out reply and the report quotes those counts;
 * the SFT data are the chat-template renderings, the general prompts' test split never trains;
 * the report holds the general-prompt target and holds streaming to the same model's AR rows.
 """
@@ -89,6 +90,13 @@ def test_base_replies_replay_through_the_evaluation_and_the_test_prompts_never_t
     samples = [s for s in wedlm.samples if s.task == "replies"]
     assert len(samples) == GENERAL_TEST_PROMPTS
     assert report["general_prompts"]["wedlm"] == [sum(s.correct for s in samples), GENERAL_TEST_PROMPTS]
+    # both models teacher-forced on every held-out reference; the report quotes those counts
+    forced = json.loads((out / "eval/general/teacher_forced.json").read_text())
+    for model in ("wedlm", "base"):
+        scored = forced[model]
+        assert len(scored["first_difference"]) + scored["empty_replies"] == GENERAL_TEST_PROMPTS
+        assert scored["tokens"] == sum(scored["reply_lengths"]) and 0 <= scored["same_tokens"] <= scored["tokens"]
+        assert report["general_prompts_teacher_forced_tokens"][model] == [scored["same_tokens"], scored["tokens"]]
     trained = {json.loads(line)["prompt"] for line in (out / "data/sft.jsonl").read_text().splitlines()}
     assert not trained & set(general_prompts("test"))
     assert set(general_prompts("train")) <= trained

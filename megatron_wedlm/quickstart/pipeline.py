@@ -62,6 +62,7 @@ from megatron_wedlm.quickstart.settings import (
     REPO_ROOT,
     TRAINING_STAGES,
     QuickstartSettings,
+    TrainingStageSettings,
 )
 from megatron_wedlm.quickstart.stages import Console, StageRunner
 from megatron_wedlm.quickstart.summary import build_summary, print_summary, write_summary
@@ -174,6 +175,19 @@ def stage_precision(setting: str) -> tuple[str | None, str]:
     return "fp32", f"this {device.type.upper()} has no native bf16 matrix instructions, where bf16 is slower than fp32"
 
 
+def precision_overrides(stage: TrainingStageSettings) -> list[tuple[str, str]]:
+    """The (``key=value`` override, why) pairs a stage's precision settings add to its command: the
+    precision :func:`stage_precision` picks, and ``fp32_train_steps`` where ``native`` fell back to fp32."""
+    precision, why = stage_precision(stage.precision)
+    if precision is None:
+        return []
+    pairs = [(f"trainer.precision={precision}", why)]
+    if precision == "fp32" and stage.fp32_train_steps:
+        pairs.append((f"trainer.train_steps={stage.fp32_train_steps}",
+                      "fp32 steps are slower, and the preset's time budget holds this many"))
+    return pairs
+
+
 def read_training_result(run_dir: Path) -> dict[str, Any]:
     """The ``--result-json`` summary a training run wrote: final step, loss per step, checkpoints."""
     path = run_dir / "result.json"
@@ -241,10 +255,9 @@ class StagedRun:
                      f"trainer.seed={self.seed}", f"data.seed={self.seed}"]
         if init_from is not None:
             overrides.append(f"model.init_from={init_from}")
-        precision, why = stage_precision(getattr(self.settings, stage).precision)
-        if precision is not None:
-            overrides.append(f"trainer.precision={precision}")
-            self.console.print(f"[{stage}] trainer.precision={precision}: {why}")
+        for override, why in precision_overrides(getattr(self.settings, stage)):
+            overrides.append(override)
+            self.console.print(f"[{stage}] {override}: {why}")
         nproc = getattr(self.settings, stage).nproc
         self._run([*_python(), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                    TRAINING_SCRIPTS[stage], "--config", cfg.relative_to(REPO_ROOT) if cfg.is_relative_to(REPO_ROOT)

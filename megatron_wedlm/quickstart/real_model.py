@@ -15,7 +15,8 @@
 * ``evaluate``: ``inference/evaluate.py --chat`` on the WeDLM model -- test prompts (streaming over
   the tau sweep, block-wise, AR), calibration prompts (streaming, AR), the held-out general prompts
   (AR) -- and on the base model, the general prompts (AR: the "before" figure, which only checks
-  that the references replay).
+  that the references replay); then, in process, both models teacher-forced on the base model's
+  held-out replies (``eval/reply_agreement.py``): how many of their tokens each predicts.
 * ``calibrate`` and ``report`` as in the from-scratch quickstart (``pipeline.py``), except that the
   AR decoding streaming is held to is the fine-tuned model's own: the base model never saw the
   task format (``RealModelSettings``).
@@ -24,11 +25,12 @@ Layout of the output directory::
 
     data/general_train.jsonl  data/general_test.jsonl  data/sft.jsonl  data/sft_shards/
     runs/base/ (converted)  runs/sft/  hf/wedlm/  eval/wedlm/  eval/calibration/wedlm/
-    eval/general/wedlm/  eval/general/base/  logs/  stages.json  report.json  report.md  speed_accuracy.png
+    eval/general/wedlm/  eval/general/base/  eval/general/teacher_forced.json  logs/  stages.json  report.json  report.md  speed_accuracy.png
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -83,6 +85,10 @@ class RealModelQuickstart(StagedRun):
 
     def eval_dir(self, model: str, split: str = "test") -> Path:
         return self.root / "eval" / model if split == "test" else self.root / "eval" / split / model
+
+    @property
+    def teacher_forced_json(self) -> Path:
+        return self.root / "eval" / "general" / "teacher_forced.json"
 
     # -- stages -----------------------------------------------------------------------------
     def checkpoint(self) -> dict[str, Any]:
@@ -168,7 +174,27 @@ class RealModelQuickstart(StagedRun):
                    for (model, split, _, _, part), out in zip(lane, outs) if not part}
         # the block-wise rows join the WeDLM test report, which the summary reads whole
         reports[f"{WEDLM}:test"] = self.join_report_parts(self.eval_dir(WEDLM), ["blockwise"])["report"]
+        reports["general:teacher_forced"] = str(self.teacher_forced_agreement())
         return reports
+
+    def teacher_forced_agreement(self) -> Path:
+        """How many tokens of the base model's held-out replies each model predicts, fed the reply
+        (:mod:`megatron_wedlm.eval.reply_agreement`): beside the all-or-nothing reply match, how far
+        SFT moved the model; the base model's own figure checks the measure (100% up to ties)."""
+        from megatron_wedlm.decoding.inputs import load_checkpoint
+        from megatron_wedlm.eval.reply_agreement import reply_agreement
+
+        with self.data("general_test.jsonl").open(encoding="utf-8") as f:
+            pairs = [(r["prompt"], r["reference"]) for r in map(json.loads, f)]
+        result = {}
+        for name, path, mask in ((WEDLM, self.wedlm_hf, True), (BASE, self.base_hf, False)):
+            model, tokenizer = load_checkpoint(path, device="cpu", dtype="float32", require_mask_token=mask)
+            agreement = reply_agreement(model, tokenizer, pairs, chat=True)
+            result[name] = dataclasses.asdict(agreement)
+            self.console.print(f"[evaluate] {name} model, teacher-forced on the base model's {len(pairs)} held-out "
+                               f"replies: {agreement.same_tokens}/{agreement.tokens} tokens predicted")
+        self.teacher_forced_json.write_text(json.dumps(result, indent=1))
+        return self.teacher_forced_json
 
     def evaluate(self, model: str, split: str, methods: list[str], job: tuple[Any, list[str], int | None],
                  part: str = "") -> str:
@@ -197,6 +223,8 @@ class RealModelQuickstart(StagedRun):
             seed=self.seed, calibration=self.calibration, stages=self.runner.records, timings=timings,
             training={"sft": read_training_result(self.sft_dir)}, previous_fingerprint=self.previous_fingerprint,
             general={m: (r.num_correct, r.num_examples) for m, r in general.items()},
+            general_tokens={m: (a["same_tokens"], a["tokens"]) for m, a in json.loads(
+                self.teacher_forced_json.read_text()).items()},
         )
         return self.publish_summary(summary)
 

@@ -55,6 +55,9 @@ class TrainingStageSettings:
     config: str = ""  # training config YAML, relative to the repository root
     nproc: int = 2  # torchrun processes
     precision: str = "config"  # one of STAGE_PRECISIONS; anything but "config" sets trainer.precision
+    # with precision "native": trainer.train_steps where the machine falls back to fp32 (0: the
+    # config's), so that a stage sized for bf16 steps keeps the preset's time budget without them
+    fp32_train_steps: int = 0
 
 
 @dataclass
@@ -208,6 +211,10 @@ def _validate(s: AnySettings, path: Path) -> None:
         if cfg.precision not in STAGE_PRECISIONS:
             raise ValueError(f"{path}: {stage}.precision must be one of {', '.join(STAGE_PRECISIONS)}, "
                              f"got {cfg.precision!r}")
+        if cfg.fp32_train_steps < 0 or (cfg.fp32_train_steps and cfg.precision != "native"):
+            raise ValueError(f"{path}: {stage}.fp32_train_steps is the step count for when precision 'native' "
+                             f"falls back to fp32: a count >= 1 with precision native, or 0; got "
+                             f"{cfg.fp32_train_steps} with precision {cfg.precision!r}")
     examples = s.sft.task_examples
     if any(n < 0 for n in examples.values()) or sum(examples.values()) == 0:
         raise ValueError(f"{path}: sft.task_examples needs counts >= 0 that are not all 0 "

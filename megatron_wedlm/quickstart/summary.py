@@ -141,10 +141,14 @@ def _base_model_check(task: str, calibration: Calibration, reference: str = "bas
 
 def check_targets(report: EvalReport, settings: AnySettings, calibration: Calibration, timings: dict[str, Any],
                   agreement: dict[str, float], current_fingerprint: str,
-                  previous_fingerprint: str | None, general: dict[str, tuple[int, int]] | None = None) -> list[TargetCheck]:
+                  previous_fingerprint: str | None, general: dict[str, tuple[int, int]] | None = None,
+                  general_tokens: dict[str, tuple[int, int]] | None = None) -> list[TargetCheck]:
     """Each target of the quickstart with its measured value, streaming judged at the operating tau;
     a task the reference model did not learn fails as such (:func:`_base_model_check`), not as WeDLM's.
-    ``general``: model -> (replies equal to the base model's, prompts) on the general prompts."""
+    ``general``: model -> (replies equal to the base model's, prompts) on the general prompts;
+    ``general_tokens``: model -> (reply tokens it predicts as the base model's reply has them,
+    teacher-forced, reply tokens) on the same prompts (:mod:`megatron_wedlm.eval.reply_agreement`),
+    stated beside the target as how far the model moved."""
     t = settings.targets
     reference, ref_name = reference_method(settings), _reference_name(settings)
     tau = calibration.operating_tau
@@ -186,7 +190,12 @@ def check_targets(report: EvalReport, settings: AnySettings, calibration: Calibr
         checks.append(TargetCheck(
             "general prompts: the base model's answers kept",
             f"WeDLM model's AR reply = the base model's on >= {100 * t.min_general_same_answer:g}% of held-out prompts",
-            f"{same}/{n} ({_pct(same / n)}); before SFT (the base model replaying its references): {replayed}/{n_base}",
+            f"{same}/{n} ({_pct(same / n)}); before SFT (the base model replaying its references): {replayed}/{n_base}"
+            + ("" if general_tokens is None else
+               "; teacher-forced, the next token of the base model's reply is predicted on "
+               + ", ".join((f"{_pct(k / m)} of {m} tokens" if m else "none (every reply empty)")
+                           + f" by the {model} model"
+                           for model, (k, m) in general_tokens.items())),
             MET if same >= t.min_general_same_answer * n - 1e-9 else NOT_MET))
     speedups = {task: report.result(task, "streaming", tau).speedup_vs_ar for task in report.tasks}
     checks.append(TargetCheck(
@@ -235,11 +244,12 @@ def headline_figures(report: EvalReport, tau: float, timings: dict[str, Any],
 def build_summary(base_report: str | Path | None, wedlm_report: str | Path, settings: AnySettings, seed: int,
                   calibration: Calibration, stages: Sequence[Any], timings: dict[str, Any],
                   training: dict[str, dict[str, Any]], previous_fingerprint: str | None = None,
-                  general: dict[str, tuple[int, int]] | None = None) -> dict[str, Any]:
+                  general: dict[str, tuple[int, int]] | None = None,
+                  general_tokens: dict[str, tuple[int, int]] | None = None) -> dict[str, Any]:
     """The full report as a dict (``report.json``); ``previous_fingerprint``: of a same-seed earlier run.
 
     ``base_report``: the base model's AR test report, merged in as ``base-ar`` rows (None in a
-    pretrained preset); ``general``: see :func:`check_targets`.
+    pretrained preset); ``general``, ``general_tokens``: see :func:`check_targets`.
     """
     wedlm = EvalReport.load(str(wedlm_report))
     merged = wedlm if base_report is None else merge_reports(EvalReport.load(str(base_report)), wedlm)
@@ -247,7 +257,8 @@ def build_summary(base_report: str | Path | None, wedlm_report: str | Path, sett
     reference = reference_method(settings)
     agreement = agreement_with_reference(merged, reference)
     fp = fingerprint(merged, training, calibration)
-    targets = check_targets(merged, settings, calibration, timings, agreement, fp, previous_fingerprint, general)
+    targets = check_targets(merged, settings, calibration, timings, agreement, fp, previous_fingerprint, general,
+                            general_tokens)
     recorded = asdict(settings)
     recorded["eval"]["operating_tau"] = tau  # next to window_size and distance_penalty: the operating point
     data = merged.to_dict()
@@ -264,9 +275,13 @@ def build_summary(base_report: str | Path | None, wedlm_report: str | Path, sett
         "accuracy_reference": reference,
         "agreement_with_reference": agreement,
         "general_prompts": general,
+        "general_prompts_teacher_forced_tokens": general_tokens,
         "figures": {**headline_figures(merged, tau, timings, agreement, reference),
                     **({} if general is None else {"general: same reply as base %": 100 * general["wedlm"][0]
-                                                   / general["wedlm"][1]})},
+                                                   / general["wedlm"][1]}),
+                    **({} if general_tokens is None else {
+                        "general: base reply tokens predicted, teacher-forced %": 100 * general_tokens["wedlm"][0]
+                        / max(general_tokens["wedlm"][1], 1)})},
         "targets": [asdict(c) for c in targets],
         "fingerprint": fp,
     }

@@ -1,0 +1,70 @@
+"""Teacher-forced agreement of a model with recorded replies: how close is it to the model that wrote them?
+
+Exact match of free-running greedy replies (:mod:`.reply_tasks`) is all or nothing: one changed
+token early in a reply changes everything after it, and on open-ended prompts (a poem, a title)
+the writer's own distribution is flat enough that a perturbation that leaves the model's
+knowledge alone -- its weights rounded to bf16, say -- already flips some replies. This measure
+feeds the *recorded* reply to the model and counts the positions where the model's greedy next
+token is the recorded one, so each position is judged on the same prefix and a single early
+change costs one token, not the reply. Applied to the model that recorded the replies (same
+weights, greedy), it is 100% up to near-ties that batched and single-row forwards break apart and
+recorded text that tokenizes back differently: the check that the measure itself is sound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_wedlm.decoding.inputs import encode_prompt
+
+
+@dataclass
+class ReplyAgreement:
+    """Over all replies: reply tokens whose greedy prediction is the recorded token, of all reply tokens."""
+
+    same_tokens: int = 0
+    tokens: int = 0
+    # per reply: index of the first reply token predicted differently (its length when none is)
+    first_difference: list[int] = field(default_factory=list)
+    reply_lengths: list[int] = field(default_factory=list)
+    empty_replies: int = 0  # recorded replies with no token to score (not in the lists above)
+
+    @property
+    def fraction(self) -> float:
+        return self.same_tokens / self.tokens if self.tokens else 0.0
+
+    @property
+    def replies_without_difference(self) -> int:
+        return sum(1 for d, n in zip(self.first_difference, self.reply_lengths) if d == n)
+
+
+@torch.no_grad()
+def reply_agreement(model: Any, tokenizer: Any, pairs: Sequence[tuple[str, str]], chat: bool = True) -> ReplyAgreement:
+    """Teacher-forced agreement of ``model`` with the recorded ``(prompt, reply)`` pairs.
+
+    The reply is tokenized as it would follow the prompt (without special tokens); its end-of-turn
+    token is not scored, since a reply cut at the token budget has none. So an empty reply (the
+    writer ended its turn at once) has no token to score: it counts in ``empty_replies`` only.
+    """
+    out = ReplyAgreement()
+    device = next(model.parameters()).device
+    for prompt, reply in pairs:
+        prompt_ids = encode_prompt(tokenizer, prompt, chat=chat)
+        reply_ids = list(tokenizer(reply, add_special_tokens=False)["input_ids"])
+        if not reply_ids:
+            out.empty_replies += 1
+            continue
+        ids = torch.tensor([prompt_ids + reply_ids], device=device)
+        logits = model(ids).logits[0]
+        # the logits at position i predict token i + 1: those of the last prompt token onwards
+        predicted = logits[len(prompt_ids) - 1: -1].argmax(-1).tolist()
+        same = [p == r for p, r in zip(predicted, reply_ids)]
+        out.same_tokens += sum(same)
+        out.tokens += len(reply_ids)
+        out.first_difference.append(same.index(False) if False in same else len(same))
+        out.reply_lengths.append(len(reply_ids))
+    return out
