@@ -35,7 +35,7 @@ def test_the_model_that_recorded_the_replies_predicts_all_their_tokens(recorded)
     model, tokenizer, pairs = recorded
     result = reply_agreement(model, tokenizer, pairs)
     assert result.tokens >= 2 * len(PROMPTS) and result.same_tokens == result.tokens
-    assert result.replies_without_difference == len(pairs) and result.first_difference == result.reply_lengths
+    assert len(result.first_difference) == len(pairs) and result.first_difference == result.reply_lengths
 
 
 @torch.no_grad()

@@ -33,14 +33,6 @@ class ReplyAgreement:
     reply_lengths: list[int] = field(default_factory=list)
     empty_replies: int = 0  # recorded replies with no token to score (not in the lists above)
 
-    @property
-    def fraction(self) -> float:
-        return self.same_tokens / self.tokens if self.tokens else 0.0
-
-    @property
-    def replies_without_difference(self) -> int:
-        return sum(1 for d, n in zip(self.first_difference, self.reply_lengths) if d == n)
-
 
 @torch.no_grad()
 def reply_agreement(model: Any, tokenizer: Any, pairs: Sequence[tuple[str, str]], chat: bool = True) -> ReplyAgreement:
