@@ -30,6 +30,7 @@ from megatron_wedlm.eval.results import EvalReport
 from megatron_wedlm.quickstart.chat_data import GENERAL_TEST_PROMPTS, general_prompts
 from megatron_wedlm.quickstart.launch import run_quickstart
 from megatron_wedlm.quickstart.smollm2 import smollm2_hf_dir
+from megatron_wedlm.runtime.precision import native_bf16
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ["checkpoint", "convert", "prepare_data", "sft", "export", "evaluate", "calibrate", "report"]
@@ -79,6 +80,14 @@ def test_every_stage_ran_its_entry_point_in_order(run):
     assert "convert_checkpoint.py megatron-to-hf" in commands["export"]
     evaluations = [c for c in stages[STAGES.index("evaluate")]["commands"]]
     assert len(evaluations) == 5 and all("inference/evaluate.py" in c and "--chat" in c for c in evaluations)
+    # task prompts in the preset's eval.precision (native: bf16 where the CPU has bf16 matrix
+    # instructions), the general prompts in fp32 like the references they are compared with
+    task_dtype = "bfloat16" if native_bf16(torch.device("cpu")) else "float32"
+    for command in evaluations:
+        assert f"--dtype {'float32' if 'replies:' in command else task_dtype}" in command, command
+    for split in ("wedlm", "calibration/wedlm", "general/wedlm", "general/base"):
+        recorded = EvalReport.load(str(out / "eval" / split / "report.json")).settings["dtype"]
+        assert recorded == ("float32" if split.startswith("general") else task_dtype), split
     assert Path(paths["markdown"]).is_file() and Path(paths["plot"]).is_file()
 
 

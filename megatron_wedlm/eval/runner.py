@@ -189,7 +189,9 @@ def evaluate(
         return None
     by_key = {record_key(r): r for r in records}
     results, samples = _report_rows(work, configs, by_key, stop_ids, keep_samples, progress)
-    record.update(device=str(device), processes=shard.world, torch=torch.__version__,
+    # the weights' dtype: tokens/s and near-tie answers depend on it
+    dtype = str(next(iter(model.parameters())).dtype).removeprefix("torch.") if hasattr(model, "parameters") else None
+    record.update(device=str(device), dtype=dtype, processes=shard.world, torch=torch.__version__,
                   python=platform.python_version(), time=time.strftime("%Y-%m-%dT%H:%M:%S"))
     return EvalReport(model=name, settings=record, results=results, samples=samples)
 

@@ -274,17 +274,26 @@ class StagedRun:
                                f"checkpoint {checkpoint}")
         return detail
 
+    def eval_dtype(self) -> tuple[str, str]:
+        """``inference/evaluate.py``'s ``--dtype`` for the task evaluation (``eval.precision``, chosen by
+        :func:`stage_precision`'s rule), and why, for the console."""
+        precision, why = stage_precision(self.settings.eval.precision)
+        return {"bf16": "bfloat16", "fp32": "float32"}[precision], why
+
     def evaluate_command(self, model_dir: Path, tasks: list[str], methods: list[str], out: Path,
-                         num_examples: int | None, speed_examples: str, *extra: str) -> list[Any]:
+                         num_examples: int | None, speed_examples: str, *extra: str,
+                         dtype: str | None = None) -> list[Any]:
         """``inference/evaluate.py`` at the preset's decoding settings (one decoding thread: decoding a
-        small model one prompt at a time is latency-bound, a second thread only adds synchronisation)."""
+        small model one prompt at a time is latency-bound, a second thread only adds synchronisation),
+        in ``dtype`` (default: :meth:`eval_dtype`'s)."""
         e = self.settings.eval
+        dtype = dtype or self.eval_dtype()[0]
         return [*_python(), EVALUATE, "--model", model_dir, *extra,
                 "--tasks", ",".join(tasks), "--methods", ",".join(methods),
                 "--taus", ",".join(f"{t:g}" for t in e.taus),
                 *([] if num_examples is None else ["--num-examples", str(num_examples)]),
                 "--seed", str(self.seed), "--window-size", str(e.window_size),
-                "--distance-penalty", f"{e.distance_penalty:g}", "--device", "cpu", "--dtype", "float32",
+                "--distance-penalty", f"{e.distance_penalty:g}", "--device", "cpu", "--dtype", dtype,
                 "--speed-examples", speed_examples, "--out", out]
 
     def join_report_parts(self, out: Path, parts: list[str]) -> dict[str, Any]:

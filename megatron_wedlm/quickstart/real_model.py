@@ -15,7 +15,10 @@
 * ``evaluate``: ``inference/evaluate.py --chat`` on the WeDLM model -- test prompts (streaming over
   the tau sweep, block-wise, AR), calibration prompts (streaming, AR), the held-out general prompts
   (AR) -- and on the base model, the general prompts (AR: the "before" figure, which only checks
-  that the references replay); then, in process, both models teacher-forced on the base model's
+  that the references replay). Test and calibration prompts decode in ``eval.precision`` (bf16
+  where native: a parallel window's forward is compute-bound on a CPU, an AR step bound by reading
+  the weights, so bf16 serves both as a GPU does); the general prompts decode in fp32, as their
+  references were, so that their match measures SFT and not bf16 rounding. Then, in process, both models teacher-forced on the base model's
   held-out replies (``eval/reply_agreement.py``): how many of their tokens each predicts.
 * ``calibrate`` and ``report`` as in the from-scratch quickstart (``pipeline.py``), except that the
   AR decoding streaming is held to is the fine-tuned model's own: the base model never saw the
@@ -161,6 +164,9 @@ class RealModelQuickstart(StagedRun):
     def evaluate_all(self) -> dict[str, Any]:
         """Two lanes of about equal length, one decoding thread each."""
         e = self.settings.eval
+        dtype, why = self.eval_dtype()
+        self.console.print(f"[evaluate] test and calibration prompts in {dtype}"
+                           + (f": {why}" if e.precision == "native" else "") + "; general prompts in float32")
         general = f"replies:{self.data('general_test.jsonl')}"
         test = (self.wedlm_hf, list(e.tasks), e.num_examples)
         calibration = (self.wedlm_hf, [f"{t}:calibration" for t in e.calibration_tasks], e.calibration_examples)
@@ -205,7 +211,8 @@ class RealModelQuickstart(StagedRun):
         speed = str(SPEED_EXAMPLES) if split == "test" else "0"
         tag = f"{model}:{split}" + (f":{part}" if part else "")
         self._run(self.evaluate_command(model_dir, tasks, methods, out, num_examples, speed,
-                                        "--chat", "--batch-size", str(REPLY_BATCH)),
+                                        "--chat", "--batch-size", str(REPLY_BATCH),
+                                        dtype="float32" if split == "general" else None),
                   log_name=f"eval_{tag.replace(':', '_')}", tag=f"evaluate:{tag}", env={"OMP_NUM_THREADS": "1"})
         return str(out / "report.json")
 

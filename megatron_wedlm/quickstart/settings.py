@@ -48,6 +48,8 @@ class TokenizerSettings:
 #: ``TrainingStageSettings.precision`` values: the training config's own, fp32, bf16, or bf16 where
 #: this machine multiplies bf16 matrices natively (else fp32; megatron_wedlm/runtime/precision.py)
 STAGE_PRECISIONS = ("config", "fp32", "bf16", "native")
+#: ``EvalSettings.precision`` values (the same, less "config": the evaluation has no config of its own)
+EVAL_PRECISIONS = STAGE_PRECISIONS[1:]
 
 
 @dataclass
@@ -83,6 +85,10 @@ class EvalSettings:
     taus: List[float] = field(default_factory=lambda: [0.2, 0.4])  # the sweep: calibrated, plotted
     window_size: int = 16
     distance_penalty: float = 0.02
+    # the task evaluation's weights and activations: one of EVAL_PRECISIONS ("native": bf16 where this
+    # machine multiplies bf16 matrices natively, else fp32). A pretrained preset's general-prompt
+    # check stays fp32: it compares with the base model's fp32 replies.
+    precision: str = "fp32"
 
 
 @dataclass
@@ -228,6 +234,9 @@ def _validate(s: AnySettings, path: Path) -> None:
     if not 0 <= s.eval.calibration_tolerance < 1:
         raise ValueError(f"{path}: eval.calibration_tolerance is a fraction in [0, 1) (0.01 = 1 point), "
                          f"got {s.eval.calibration_tolerance}")
+    if s.eval.precision not in EVAL_PRECISIONS:
+        raise ValueError(f"{path}: eval.precision must be one of {', '.join(EVAL_PRECISIONS)}, "
+                         f"got {s.eval.precision!r}")
     if not s.eval.taus:
         raise ValueError(f"{path}: eval.taus needs at least one entropy threshold")
     outside = [t for t in s.eval.calibration_tasks if t not in s.eval.tasks]

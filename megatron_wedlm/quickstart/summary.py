@@ -338,7 +338,8 @@ def markdown(data: dict[str, Any]) -> str:
     q = data["quickstart"]
     lines = [f"# WeDLM quickstart (preset {q['preset']}, seed {q['seed']})", "",
              _INTRO[q["accuracy_reference"]] + " Speed-up = tokens/s of a method over "
-             "AR tokens/s of the same model, decoded side by side in one process.", "",
+             "AR tokens/s of the same model, decoded side by side in one process"
+             + (f" (weights in {data['settings']['dtype']})." if data["settings"].get("dtype") else "."), "",
              *[f"**Warning: {message}.**\n" for message in q.get("base_model_unlearned", {}).values()],
              "## Targets", "", "| target | wanted | measured | status |", "|---|---|---|---|"]
     lines += [f"| {t['name']} | {t['target']} | {t['measured']} | **{t['status']}** |" for t in q["targets"]]
