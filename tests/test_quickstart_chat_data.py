@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from megatron_wedlm.eval.builtin_tasks import SPLITS, builtin_task
 from megatron_wedlm.quickstart.chat_data import (
     GENERAL_TEST_PROMPTS,
@@ -39,3 +41,13 @@ def test_interleaved_pairs_round_trip_through_jsonl(tmp_path):
     assert write_pairs(mixed, tmp_path / "x.jsonl", "reference") == 3
     rows = [json.loads(line) for line in (tmp_path / "x.jsonl").read_text().splitlines()]
     assert [(r["prompt"], r["reference"]) for r in rows] == mixed
+
+
+def test_token_ids_go_beside_their_replies_and_must_be_one_list_per_pair(tmp_path):
+    pairs = [("a", "x y"), ("b", "")]
+    assert write_pairs(pairs, tmp_path / "x.jsonl", "reference", token_ids=[[7, 8], []]) == 2
+    rows = [json.loads(line) for line in (tmp_path / "x.jsonl").read_text().splitlines()]
+    assert [r["reference_ids"] for r in rows] == [[7, 8], []]
+    with pytest.raises(ValueError, match="2 pairs and 1 token id lists"):
+        write_pairs(pairs, tmp_path / "y.jsonl", "reference", token_ids=[[7, 8]])
+    assert not (tmp_path / "y.jsonl").exists()  # refused before anything is written

@@ -106,6 +106,9 @@ def test_base_replies_replay_through_the_evaluation_and_the_test_prompts_never_t
         assert len(scored["first_difference"]) + scored["empty_replies"] == GENERAL_TEST_PROMPTS
         assert scored["tokens"] == sum(scored["reply_lengths"]) and 0 <= scored["same_tokens"] <= scored["tokens"]
         assert report["general_prompts_teacher_forced_tokens"][model] == [scored["same_tokens"], scored["tokens"]]
+    # the references' generated token ids are what is scored, not their text tokenized again
+    recorded = [json.loads(line) for line in (out / "data/general_test.jsonl").read_text().splitlines()]
+    assert forced["base"]["reply_lengths"] == [len(r["reference_ids"]) for r in recorded if r["reference_ids"]]
     trained = {json.loads(line)["prompt"] for line in (out / "data/sft.jsonl").read_text().splitlines()}
     assert not trained & set(general_prompts("test"))
     assert set(general_prompts("train")) <= trained

@@ -7,8 +7,10 @@ knowledge alone -- its weights rounded to bf16, say -- already flips some replie
 feeds the *recorded* reply to the model and counts the positions where the model's greedy next
 token is the recorded one, so each position is judged on the same prefix and a single early
 change costs one token, not the reply. Applied to the model that recorded the replies (same
-weights, greedy), it is 100% up to near-ties that batched and single-row forwards break apart and
-recorded text that tokenizes back differently: the check that the measure itself is sound.
+weights, greedy), it is 100% up to near-ties that batched and single-row forwards break apart:
+the check that the measure itself is sound. That needs the replies as the token ids that were
+generated; recorded *text* can tokenize back differently (a word split another way), which changes
+the positions scored.
 """
 
 from __future__ import annotations
@@ -35,18 +37,20 @@ class ReplyAgreement:
 
 
 @torch.no_grad()
-def reply_agreement(model: Any, tokenizer: Any, pairs: Sequence[tuple[str, str]], chat: bool = True) -> ReplyAgreement:
+def reply_agreement(model: Any, tokenizer: Any, pairs: Sequence[tuple[str, str | Sequence[int]]],
+                    chat: bool = True) -> ReplyAgreement:
     """Teacher-forced agreement of ``model`` with the recorded ``(prompt, reply)`` pairs.
 
-    The reply is tokenized as it would follow the prompt (without special tokens); its end-of-turn
-    token is not scored, since a reply cut at the token budget has none. So an empty reply (the
-    writer ended its turn at once) has no token to score: it counts in ``empty_replies`` only.
+    A reply is the token ids its writer generated, or its text, tokenized as it would follow the
+    prompt (without special tokens). Its end-of-turn token is not scored (leave it out of the ids),
+    since a reply cut at the token budget has none. So an empty reply (the writer ended its turn at
+    once) has no token to score: it counts in ``empty_replies`` only.
     """
     out = ReplyAgreement()
     device = next(model.parameters()).device
     for prompt, reply in pairs:
         prompt_ids = encode_prompt(tokenizer, prompt, chat=chat)
-        reply_ids = list(tokenizer(reply, add_special_tokens=False)["input_ids"])
+        reply_ids = list(tokenizer(reply, add_special_tokens=False)["input_ids"] if isinstance(reply, str) else reply)
         if not reply_ids:
             out.empty_replies += 1
             continue

@@ -26,8 +26,9 @@ import hashlib
 import itertools
 import json
 import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from megatron_wedlm.eval.builtin_tasks import training_pairs
 from megatron_wedlm.quickstart.corpus import check_task_examples
@@ -92,17 +93,24 @@ def interleave(first: list[tuple[str, str]], second: list[tuple[str, str]], seed
     return merged
 
 
-def write_pairs(pairs: Iterable[tuple[str, str]], path: str | Path, reference_key: str = "response") -> int:
+def write_pairs(pairs: Iterable[tuple[str, str]], path: str | Path, reference_key: str = "response",
+                token_ids: Sequence[list[int]] | None = None) -> int:
     """Write ``{"prompt", reference_key}`` jsonl lines; returns how many.
 
     ``response`` is what ``tools/prepare_data.py --task sft`` reads, ``reference`` what the
-    evaluation's ``replies`` task reads.
+    evaluation's ``replies`` task reads. ``token_ids``, one list per pair, go in as
+    ``<reference_key>_ids``: the tokens a model generated for the reply, which its text need not
+    tokenize back to.
     """
+    pairs = list(pairs)
+    if token_ids is not None and len(token_ids) != len(pairs):
+        raise ValueError(f"write_pairs got {len(pairs)} pairs and {len(token_ids)} token id lists")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    n = 0
     with path.open("w", encoding="utf-8") as f:
-        for prompt, reply in pairs:
-            f.write(json.dumps({"prompt": prompt, reference_key: reply}, ensure_ascii=False) + "\n")
-            n += 1
-    return n
+        for i, (prompt, reply) in enumerate(pairs):
+            record: dict[str, Any] = {"prompt": prompt, reference_key: reply}
+            if token_ids is not None:
+                record[f"{reference_key}_ids"] = token_ids[i]
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    return len(pairs)

@@ -136,7 +136,12 @@ class RealModelQuickstart(StagedRun):
             results = generate_batch(model, ids, method="ar", max_new_tokens=REPLY_TOKENS, batch_size=REPLY_BATCH,
                                      stop_token_ids=eos_token_ids(model, tokenizer), tokenizer=tokenizer,
                                      on_result=progress)
-            counts[split] = write_pairs([(p, r.text.strip()) for p, r in zip(prompts, results)], self.data(file), key)
+            stops = set(eos_token_ids(model, tokenizer))
+            # the held-out replies keep their generated tokens too, which the teacher-forced measure
+            # scores (their text can tokenize back differently); the end-of-turn token is not scored
+            reply_ids = [[t for t in r.token_ids if t not in stops] for r in results] if split == "test" else None
+            counts[split] = write_pairs([(p, r.text.strip()) for p, r in zip(prompts, results)], self.data(file), key,
+                                        token_ids=reply_ids)
         return counts
 
     def prepare_data(self) -> dict[str, Any]:
@@ -191,7 +196,7 @@ class RealModelQuickstart(StagedRun):
         from megatron_wedlm.eval.reply_agreement import reply_agreement
 
         with self.data("general_test.jsonl").open(encoding="utf-8") as f:
-            pairs = [(r["prompt"], r["reference"]) for r in map(json.loads, f)]
+            pairs = [(r["prompt"], r["reference_ids"]) for r in map(json.loads, f)]
         result = {}
         for name, path, mask in ((WEDLM, self.wedlm_hf, True), (BASE, self.base_hf, False)):
             model, tokenizer = load_checkpoint(path, device="cpu", dtype="float32", require_mask_token=mask)
