@@ -82,12 +82,12 @@ def test_every_stage_ran_its_entry_point_in_order(run):
     assert len(evaluations) == 5 and all("inference/evaluate.py" in c and "--chat" in c for c in evaluations)
     # task prompts in the preset's eval.precision (native: bf16 where the CPU has bf16 matrix
     # instructions), the general prompts in fp32 like the references they are compared with
-    task_dtype = "bfloat16" if native_bf16(torch.device("cpu")) else "float32"
+    bf16 = native_bf16(torch.device("cpu"))
     for command in evaluations:
-        assert f"--dtype {'float32' if 'replies:' in command else task_dtype}" in command, command
+        assert f"--dtype {'fp32' if 'replies:' in command or not bf16 else 'bf16'}" in command, command
     for split in ("wedlm", "calibration/wedlm", "general/wedlm", "general/base"):
         recorded = EvalReport.load(str(out / "eval" / split / "report.json")).settings["dtype"]
-        assert recorded == ("float32" if split.startswith("general") else task_dtype), split
+        assert recorded == ("float32" if split.startswith("general") or not bf16 else "bfloat16"), split
     assert Path(paths["markdown"]).is_file() and Path(paths["plot"]).is_file()
 
 

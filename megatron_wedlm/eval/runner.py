@@ -135,7 +135,10 @@ def evaluate(
             "or pass mask_token_id; only method 'ar' works without one"
         )
     shard = shard or Shard()
-    device = next(iter(model.parameters())).device if hasattr(model, "parameters") else torch.device("cpu")
+    weight = next(iter(model.parameters())) if hasattr(model, "parameters") else None
+    device = weight.device if weight is not None else torch.device("cpu")
+    # recorded with the report: tokens/s and near-tie answers depend on the weights' dtype
+    dtype = str(weight.dtype).removeprefix("torch.") if weight is not None else None
     stop_ids = eos_token_ids(model, tokenizer) if stop_at_eos else []
     base = dataclasses.replace(base, mask_token_id=mask_token_id, stop_token_ids=stop_ids)
     configs = [(m, float(t)) for m in methods if m in PARALLEL_METHODS for t in taus]
@@ -189,8 +192,6 @@ def evaluate(
         return None
     by_key = {record_key(r): r for r in records}
     results, samples = _report_rows(work, configs, by_key, stop_ids, keep_samples, progress)
-    # the weights' dtype: tokens/s and near-tie answers depend on it
-    dtype = str(next(iter(model.parameters())).dtype).removeprefix("torch.") if hasattr(model, "parameters") else None
     record.update(device=str(device), dtype=dtype, processes=shard.world, torch=torch.__version__,
                   python=platform.python_version(), time=time.strftime("%Y-%m-%dT%H:%M:%S"))
     return EvalReport(model=name, settings=record, results=results, samples=samples)

@@ -275,10 +275,11 @@ class StagedRun:
         return detail
 
     def eval_dtype(self) -> tuple[str, str]:
-        """``inference/evaluate.py``'s ``--dtype`` for the task evaluation (``eval.precision``, chosen by
-        :func:`stage_precision`'s rule), and why, for the console."""
+        """``inference/evaluate.py``'s ``--dtype`` for the task evaluation (``bf16`` or ``fp32``:
+        ``eval.precision`` by :func:`stage_precision`'s rule), and why, for the console."""
         precision, why = stage_precision(self.settings.eval.precision)
-        return {"bf16": "bfloat16", "fp32": "float32"}[precision], why
+        assert precision is not None  # "config" is not an eval.precision (settings.py checks)
+        return precision, why
 
     def evaluate_command(self, model_dir: Path, tasks: list[str], methods: list[str], out: Path,
                          num_examples: int | None, speed_examples: str, *extra: str,

@@ -18,8 +18,9 @@
   that the references replay). Test and calibration prompts decode in ``eval.precision`` (bf16
   where native: a parallel window's forward is compute-bound on a CPU, an AR step bound by reading
   the weights, so bf16 serves both as a GPU does); the general prompts decode in fp32, as their
-  references were, so that their match measures SFT and not bf16 rounding. Then, in process, both models teacher-forced on the base model's
-  held-out replies (``eval/reply_agreement.py``): how many of their tokens each predicts.
+  references were, so that their match measures SFT and not bf16 rounding. Then, in process, both
+  models teacher-forced on the base model's held-out replies (``eval/reply_agreement.py``): how
+  many of their tokens each predicts.
 * ``calibrate`` and ``report`` as in the from-scratch quickstart (``pipeline.py``), except that the
   AR decoding streaming is held to is the fine-tuned model's own: the base model never saw the
   task format (``RealModelSettings``).
@@ -122,6 +123,7 @@ class RealModelQuickstart(StagedRun):
         assert self.base_hf is not None
         torch.set_num_threads(1)  # the conversion runs on the other core
         model, tokenizer = load_checkpoint(self.base_hf, device="cpu", dtype="float32", require_mask_token=False)
+        stops = eos_token_ids(model, tokenizer)
         counts = {}
         for split, file, key in (("train", "general_train.jsonl", "response"), ("test", "general_test.jsonl", "reference")):
             prompts = general_prompts(split)
@@ -134,9 +136,7 @@ class RealModelQuickstart(StagedRun):
                     self.console.print(f"[replies] {split}: {done[0]}/{total} base-model replies")
 
             results = generate_batch(model, ids, method="ar", max_new_tokens=REPLY_TOKENS, batch_size=REPLY_BATCH,
-                                     stop_token_ids=eos_token_ids(model, tokenizer), tokenizer=tokenizer,
-                                     on_result=progress)
-            stops = set(eos_token_ids(model, tokenizer))
+                                     stop_token_ids=stops, tokenizer=tokenizer, on_result=progress)
             # the held-out replies keep their generated tokens too, which the teacher-forced measure
             # scores (their text can tokenize back differently); the end-of-turn token is not scored
             reply_ids = [[t for t in r.token_ids if t not in stops] for r in results] if split == "test" else None
@@ -171,7 +171,7 @@ class RealModelQuickstart(StagedRun):
         e = self.settings.eval
         dtype, why = self.eval_dtype()
         self.console.print(f"[evaluate] test and calibration prompts in {dtype}"
-                           + (f": {why}" if e.precision == "native" else "") + "; general prompts in float32")
+                           + (f": {why}" if e.precision == "native" else "") + "; general prompts in fp32")
         general = f"replies:{self.data('general_test.jsonl')}"
         test = (self.wedlm_hf, list(e.tasks), e.num_examples)
         calibration = (self.wedlm_hf, [f"{t}:calibration" for t in e.calibration_tasks], e.calibration_examples)
@@ -217,7 +217,7 @@ class RealModelQuickstart(StagedRun):
         tag = f"{model}:{split}" + (f":{part}" if part else "")
         self._run(self.evaluate_command(model_dir, tasks, methods, out, num_examples, speed,
                                         "--chat", "--batch-size", str(REPLY_BATCH),
-                                        dtype="float32" if split == "general" else None),
+                                        dtype="fp32" if split == "general" else None),
                   log_name=f"eval_{tag.replace(':', '_')}", tag=f"evaluate:{tag}", env={"OMP_NUM_THREADS": "1"})
         return str(out / "report.json")
 
