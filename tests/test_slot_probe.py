@@ -122,3 +122,27 @@ def test_cli_reads_pairs_and_names_a_bad_line(checkpoint, tmp_path, capsys):
     with pytest.raises(SystemExit):
         _cli().main(["--model", str(checkpoint), "--pairs", str(pairs), "--taus", "0.2,high"])
     assert "argument --taus: expected comma-separated numbers, got '0.2,high'" in capsys.readouterr().err
+
+
+def test_cli_chat_answers_end_at_eos(checkpoint, tmp_path):
+    """--chat probes what evaluate.py --chat decodes: the prompt as a user turn, the stripped reply, EOS."""
+    chat_dir = tmp_path / "chat"
+    tokenizer = load_tokenizer(checkpoint)
+    tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+    tokenizer.save_pretrained(chat_dir)
+    load_wedlm_model(checkpoint, device="cpu").save_pretrained(chat_dir)
+    pairs = tmp_path / "pairs.jsonl"
+    replies = [("Count from 3 to 6:", " 3 4 5 6\n"), ("Repeat a b c:", " a b c\n")]
+    pairs.write_text("".join(json.dumps({"prompt": p, "response": r}) + "\n" for p, r in replies))
+    out = tmp_path / "probe.json"
+    assert _cli().main(["--model", str(chat_dir), "--pairs", str(pairs), "--chat", "--window-size", "4",
+                        "--taus", "0.5", "--json", str(out), "--device", "cpu"]) == 0
+    lengths = [len(tokenizer.encode(r.strip(), add_special_tokens=False)) + 1 for _, r in replies]
+    result = json.loads(out.read_text())["tasks"]["pairs.jsonl"]
+    assert [d["states"] for d in result] == [sum(max(0, n - d) for n in lengths) for d in range(4)]
+
+    examples = _cli()._answer_ids(tokenizer, *replies[0], "pairs.jsonl:1", chat=True)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": replies[0][0]}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert tokenizer.decode(examples[0]) == text
+    assert examples[1][-1] == tokenizer.eos_token_id and tokenizer.decode(examples[1][:-1]) == "3 4 5 6"

@@ -13,10 +13,14 @@ where it goes on) or too late (anything else where it ends).
 
     python tools/probe_masked_slots.py --model outputs/quickstart/hf/wedlm --tasks counting:calibration
     python tools/probe_masked_slots.py --model HF_DIR --pairs sft.jsonl --taus 0.2,0.4 --json probe.json
+    python tools/probe_masked_slots.py --model outputs/smollm/hf/wedlm --chat
 
 Answers come from the built-in tasks (what a correct model generates, ending at the newline that
 stops it) or from ``--pairs`` (jsonl lines ``{"prompt": ..., "response": ...}``, the SFT format
-of ``tools/prepare_data.py``). Window and lambda default to the model's stored decoding settings.
+of ``tools/prepare_data.py``). With ``--chat`` each prompt is one user turn in the tokenizer's
+chat template and each answer is the reply, stripped as the chat SFT data has it, followed by the
+tokenizer's EOS (the end of turn), which is how ``inference/evaluate.py --chat`` sees a chat
+model answer. Window and lambda default to the model's stored decoding settings.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", default="counting,copying",
                    help=f"built-in tasks ({', '.join(FAMILIES)}), each optionally :calibration (default split: test)")
     p.add_argument("--pairs", help="jsonl of {prompt, response} pairs, probed instead of --tasks")
+    p.add_argument("--chat", action="store_true",
+                   help="prompts as one user turn of the tokenizer's chat template, answers ending at its EOS")
     p.add_argument("--num-examples", type=int, default=50, help="examples per built-in task, or pairs read")
     p.add_argument("--seed", type=int, default=0, help="seed of the built-in tasks")
     p.add_argument("--taus", type=float_list, default=[0.2, 0.3, 0.4], help="entropy thresholds to count commits at")
@@ -54,10 +60,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _answer_ids(tokenizer, prompt: str, completion: str, where: str) -> tuple[list[int], list[int]]:
+def _answer_ids(tokenizer, prompt: str, completion: str, where: str, chat: bool) -> tuple[list[int], list[int]]:
     """Prompt ids, and the answer ids as the model sees them after the prompt (tokenized together)."""
-    prompt_ids = encode_prompt(tokenizer, prompt)
-    ids = encode_prompt(tokenizer, prompt + completion)
+    if chat:
+        if tokenizer.eos_token is None:
+            raise SystemExit("--chat: this tokenizer has no EOS token to end a reply with")
+        prompt_ids = encode_prompt(tokenizer, prompt, chat=True)
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        ids = list(tokenizer(text + completion.strip() + tokenizer.eos_token, add_special_tokens=False)["input_ids"])
+    else:
+        prompt_ids = encode_prompt(tokenizer, prompt)
+        ids = encode_prompt(tokenizer, prompt + completion)
     if ids[: len(prompt_ids)] != prompt_ids:
         raise SystemExit(f"{where}: the prompt's last token merges with the response's first one under this "
                          "tokenizer, so the answer has no tokenization of its own; end the prompt with a "
@@ -80,14 +94,14 @@ def _examples(args, tokenizer) -> dict[str, list[tuple[list[int], list[int]]]]:
                 except (json.JSONDecodeError, KeyError, TypeError):
                     raise SystemExit(f"{args.pairs}:{number}: expected a JSON object with \"prompt\" and "
                                      "\"response\" strings") from None
-                pairs.append(_answer_ids(tokenizer, prompt, response, f"{args.pairs}:{number}"))
+                pairs.append(_answer_ids(tokenizer, prompt, response, f"{args.pairs}:{number}", args.chat))
         return {os.path.basename(args.pairs): pairs}
     out = {}
     for spec in filter(None, (s.strip() for s in args.tasks.split(","))):
         if parse_task_spec(spec)[0] not in FAMILIES:
             raise SystemExit(f"--tasks {spec}: only built-in tasks have reference generations; use --pairs for others")
         task = load_task(spec, num_examples=args.num_examples, seed=args.seed)
-        out[spec] = [_answer_ids(tokenizer, e.prompt, completion_of(e.reference), f"{spec} {e.uid}")
+        out[spec] = [_answer_ids(tokenizer, e.prompt, completion_of(e.reference), f"{spec} {e.uid}", args.chat)
                      for e in task.examples]
     return out
 
