@@ -30,7 +30,7 @@ import json
 import os
 import sys
 
-from megatron_wedlm.decoding.inputs import DTYPES, encode_prompt, find_mask_token_id
+from megatron_wedlm.decoding.inputs import DTYPES, chat_prompt_text, encode_prompt, find_mask_token_id
 from megatron_wedlm.training.hf_export import load_checkpoint
 from megatron_wedlm.decoding.cli import float_list
 from megatron_wedlm.decoding.options import describe, resolve_decoding_settings
@@ -65,9 +65,8 @@ def _answer_ids(tokenizer, prompt: str, completion: str, where: str, chat: bool)
     if chat:
         if tokenizer.eos_token is None:
             raise SystemExit("--chat: this tokenizer has no EOS token to end a reply with")
-        prompt_ids = encode_prompt(tokenizer, prompt, chat=True)
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)
+        text = chat_prompt_text(tokenizer, prompt)
+        prompt_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         ids = list(tokenizer(text + completion.strip() + tokenizer.eos_token, add_special_tokens=False)["input_ids"])
     else:
         prompt_ids = encode_prompt(tokenizer, prompt)

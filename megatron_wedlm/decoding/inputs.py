@@ -35,18 +35,22 @@ def load_checkpoint(
     return model, load_tokenizer(path)
 
 
-def encode_prompt(tokenizer: Any, prompt: str, chat: bool = False) -> list[int]:
-    """Token ids of ``prompt``; ``chat`` wraps it as one user turn with the tokenizer's chat template."""
-    if not chat:
-        return list(tokenizer(prompt)["input_ids"])
+def chat_prompt_text(tokenizer: Any, prompt: str) -> str:
+    """``prompt`` as one user turn in the tokenizer's chat template, up to where the reply begins."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "chat prompts need a chat template, and this tokenizer has none: drop the chat option or add a "
             "chat_template to tokenizer_config.json"
         )
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                          add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def encode_prompt(tokenizer: Any, prompt: str, chat: bool = False) -> list[int]:
+    """Token ids of ``prompt``; ``chat`` wraps it as one user turn with the tokenizer's chat template."""
+    if not chat:
+        return list(tokenizer(prompt)["input_ids"])
+    return list(tokenizer(chat_prompt_text(tokenizer, prompt), add_special_tokens=False)["input_ids"])
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
