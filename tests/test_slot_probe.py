@@ -45,7 +45,16 @@ def test_probe_equals_one_forward_per_cut(checkpoint):
     model, tokenizer = load_wedlm_model(checkpoint, device="cpu"), load_tokenizer(checkpoint)
     mask, window, penalty = model.config.mask_token_id, 6, 0.02
     examples = _examples(tokenizer)
-    states, correct = [0] * window, [0] * window
+    # an answer alternating the model's favourite prediction with another token, so that some of its
+    # wrong argmaxes are its neighbours' tokens (slips)
+    prompt = examples[0][0]
+    with torch.no_grad():
+        first = model(torch.tensor([prompt + [mask] * window])).logits[0, -window:]
+    first[:, mask] = torch.finfo(first.dtype).min
+    favourite = int(first.argmax(-1).mode().values)
+    other = next(t for t in examples[0][1] if t != favourite)
+    examples.append((prompt, [favourite, other] * 4))
+    states, correct, slipped = [0] * window, [0] * window, [0] * window
     commits = {t: [0] * window for t in TAUS}
     wrong = {t: [0] * window for t in TAUS}
     wrong_commits: list[tuple[float, int, int, int]] = []  # (tau, distance, predicted, reference)
@@ -56,9 +65,12 @@ def test_probe_equals_one_forward_per_cut(checkpoint):
             logits[:, mask] = torch.finfo(logits.dtype).min
             h = entropy(logits)
             for d in range(min(window, len(answer) - c)):
-                right = int(logits[d].argmax()) == answer[c + d]
+                token, j = int(logits[d].argmax()), c + d
+                right = token == answer[j]
                 states[d] += 1
                 correct[d] += right
+                neighbours = [answer[i] for i in (j - 1, j + 1) if 0 <= i < len(answer)]
+                slipped[d] += not right and token in neighbours
                 for t in TAUS:
                     if h[d] + penalty * d < t:
                         commits[t][d] += 1
@@ -81,16 +93,17 @@ def test_probe_equals_one_forward_per_cut(checkpoint):
     assert [s.states for s in stats] == states
     assert states[0] == sum(len(a) for _, a in examples)
     assert [s.correct for s in stats] == correct
+    assert [s.slipped for s in stats] == slipped
     for t in TAUS:
         assert [s.commits[t] for s in stats] == commits[t]
         assert [s.wrong[t] for s in stats] == wrong[t]
         assert [s.early_end[t] for s in stats] == early[t] and [s.late_end[t] for s in stats] == late[t]
     assert sum(early[TAUS[1]]) > 0 and sum(late[TAUS[1]]) > 0
     assert 0 < sum(commits[TAUS[0]]) < sum(commits[TAUS[1]])  # the taus separate: the check is not vacuous
-    assert sum(wrong[TAUS[1]]) > 0
+    assert sum(wrong[TAUS[1]]) > 0 and sum(slipped) > 0
     table = format_probe(stats, TAUS, max_distance=3)
-    assert f"{wrong[TAUS[0]][0]}/{commits[TAUS[0]][0]}" in table and len(table.splitlines()) == 3 + len(TAUS)
-    assert len(format_probe(stats, TAUS, max_distance=3, ends=True).splitlines()) == 3 + 3 * len(TAUS)
+    assert f"{wrong[TAUS[0]][0]}/{commits[TAUS[0]][0]}" in table and len(table.splitlines()) == 4 + len(TAUS)
+    assert len(format_probe(stats, TAUS, max_distance=3, ends=True).splitlines()) == 4 + 3 * len(TAUS)
 
 
 def _cli():
@@ -113,6 +126,7 @@ def test_cli_reads_pairs_and_names_a_bad_line(checkpoint, tmp_path, capsys):
     result = json.loads(out.read_text())["tasks"]["pairs.jsonl"]
     assert [d["states"] for d in result] == [sum(max(0, n - d) for n in lengths) for d in range(4)]
     assert set(result[0]["early_end"]) == set(result[0]["late_end"]) == {"0.5", "2"}
+    assert all(0 <= d["slipped"] <= d["states"] - d["correct"] for d in result)
     assert "2 answers" in capsys.readouterr().out
 
     pairs.write_text('{"prompt": "Count from 3 to 6:", "response": " 3 4 5 6\\n"}\n{"prompt": "x"}\n')

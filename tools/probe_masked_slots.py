@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                                    distance_penalty=values["distance_penalty"], taus=taus, end_token_ids=ends)
         print(f"\n{name}: {len(examples)} answers, first predictions of the masks after each cut")
         print(format_probe(stats, taus, args.max_distance, ends=True))
-        results[name] = [{"distance": s.distance, "states": s.states, "correct": s.correct,
+        results[name] = [{"distance": s.distance, "states": s.states, "correct": s.correct, "slipped": s.slipped,
                           "commits": {f"{t:g}": s.commits[t] for t in taus},
                           "wrong": {f"{t:g}": s.wrong[t] for t in taus},
                           "early_end": {f"{t:g}": s.early_end[t] for t in taus},

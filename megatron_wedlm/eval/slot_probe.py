@@ -17,6 +17,12 @@ lambda)`` a model can afford (each one ends an answer as wrong) and whether trai
 decoder, is what fails. A typical finding on a small model: nearly all wrong commits are an
 end-of-text predicted a few slots ahead, where the answer goes on (docs/quickstart.md).
 
+A wrong argmax that is the answer's token one place before or after the slot's own is counted as
+*slipped*: the model knows the text and has lost its place in it, one slot behind or ahead. A
+masked slot has to work out its offset in the answer from positions alone, where AR decoding
+reads the token just before it; on a copying task nearly every wrong argmax past the first mask
+is such a slip (docs/quickstart.md).
+
 Given the end tokens (``end_token_ids``: what stops an answer, e.g. EOS and the built-in tasks'
 closing newline), the wrong commits are also split by how they end the answer: an *early end*
 commits an end token where the answer goes on, a *late end* commits something else where the
@@ -44,6 +50,7 @@ class DistanceStats:
     distance: int
     states: int = 0
     correct: int = 0
+    slipped: int = 0  # wrong argmaxes equal to the answer's token one place before or after
     commits: dict[float, int] = field(default_factory=dict)  # tau -> slots filled on confidence alone
     wrong: dict[float, int] = field(default_factory=dict)  # tau -> of those, wrong tokens
     early_end: dict[float, int] = field(default_factory=dict)  # tau -> wrong commits of an end token
@@ -101,6 +108,7 @@ def probe_masked_slots(
                     s = stats[d]
                     s.states += 1
                     s.correct += right
+                    s.slipped += not right and token in answer[max(c + d - 1, 0):c + d + 2]
                     for tau in taus:
                         if adjusted[row, d] < tau:
                             s.commits[tau] += 1
@@ -113,13 +121,14 @@ def probe_masked_slots(
 def format_probe(
     stats: Sequence[DistanceStats], taus: Sequence[float], max_distance: int | None = None, ends: bool = False
 ) -> str:
-    """A table: one column per distance, rows for accuracy and ``wrong/committed`` per tau (and,
+    """A table: one column per distance, rows for accuracy, slipped argmaxes and ``wrong/committed`` per tau (and,
     with ``ends``, the early and late ends among the wrong commits per tau)."""
     shown = [s for s in stats if s.states and (max_distance is None or s.distance <= max_distance)]
     cell = 11
     lines = ["distance d".ljust(16) + "".join(f"{s.distance:>{cell}}" for s in shown),
              "states".ljust(16) + "".join(f"{s.states:>{cell}}" for s in shown),
-             "argmax correct".ljust(16) + "".join(f"{s.accuracy:>{cell}.1%}" for s in shown)]
+             "argmax correct".ljust(16) + "".join(f"{s.accuracy:>{cell}.1%}" for s in shown),
+             "argmax slipped".ljust(16) + "".join(f"{s.slipped:>{cell}}" for s in shown)]
     for tau in taus:
         lines.append(f"wrong/commit {tau:g}".ljust(16)
                      + "".join(f"{s.wrong[tau]:>{cell - 6}}/{s.commits[tau]:<5}" for s in shown))
