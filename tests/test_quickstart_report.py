@@ -192,6 +192,45 @@ def test_a_task_the_base_never_learned_is_reported_as_the_base_models_failure(re
     assert calibration_from_reports(base_report, wedlm_report, ["counting", "copying"], learned_accuracy=0.0).unlearned == []
 
 
+def test_per_task_calibration_reports_each_task_at_its_own_tau(reports, tmp_path):
+    """Counting keeps up with base AR only at tau 0.4, copying at 0.4 and 0.8: one tau for all is 0.4,
+    per task copying goes to 0.8, is judged there, and the export default stays 0.4."""
+    base = json.loads((reports / "base.json").read_text())
+    wedlm = json.loads((reports / "wedlm.json").read_text())
+    for r in base["results"]:
+        r["num_correct"] = r["num_examples"]
+    for r in wedlm["results"]:
+        lost = r["method"] == "streaming" and r["task"] == "counting" and r["tau"] == 0.8
+        r["num_correct"] = 0 if lost else r["num_examples"]
+    (tmp_path / "base.json").write_text(json.dumps(base))
+    (tmp_path / "wedlm.json").write_text(json.dumps(wedlm))
+    base_report, wedlm_report = (EvalReport.load(str(tmp_path / f"{n}.json")) for n in ("base", "wedlm"))
+    shared = calibration_from_reports(base_report, wedlm_report, ["counting", "copying"])
+    calibration = calibration_from_reports(base_report, wedlm_report, ["counting", "copying"], per_task=True)
+    assert shared.operating_tau == calibration.operating_tau == 0.4 and shared.task_taus == {}
+    assert calibration.task_taus == {"counting": 0.4, "copying": 0.8}
+    assert calibration.tau_for("copying") == 0.8 and calibration.tau_for("arithmetic") == 0.4
+    settings = load_settings(preset_path("ci"))
+    settings.eval.tau_per_task = True
+    data = S.build_summary(tmp_path / "base.json", tmp_path / "wedlm.json", settings, seed=0, calibration=calibration,
+                           stages=[], timings={"total_seconds": 100.0, "longest_silence_seconds": 5.0},
+                           training=TRAINING)
+    q, targets, report = data["quickstart"], _targets(data), EvalReport.from_dict(data)
+    for task, tau in (("counting", 0.4), ("copying", 0.8)):
+        stream = report.result(task, "streaming", tau)
+        assert f"the task's tau={tau:g}" in targets[f"{task}: streaming accuracy"]["target"]
+        assert targets[f"{task}: tokens per forward"]["measured"] == f"{stream.tokens_per_forward:.2f}"
+        assert q["figures"][f"{task}: tau"] == tau and q["figures"][f"{task}: tokens/forward"] == stream.tokens_per_forward
+    assert q["figures"]["operating tau"] == q["settings"]["eval"]["operating_tau"] == 0.4
+    assert "each task's tau (counting 0.4, copying 0.8)" in S.markdown(data)
+    assert "tau per task: counting 0.4, copying 0.8" in "\n".join(calibration_describe(calibration))
+    lines = []
+    S.print_summary(data, lines.append)
+    starred = [line for line in lines[0].splitlines() if " WeDLM* " in line]  # the rows each task is judged on
+    assert [line.split()[0] for line in starred] == list(TASKS)
+    assert all(f"(tau={calibration.tau_for(line.split()[0]):g})" in line for line in starred)
+
+
 def test_operating_tau_rule_on_hand_made_accuracies():
     base = {"counting": 0.90, "copying": 1.00}
     sweep = {0.1: {"counting": 0.92, "copying": 1.00}, 0.3: {"counting": 0.89, "copying": 0.99},

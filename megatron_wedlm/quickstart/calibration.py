@@ -13,7 +13,13 @@ accuracy only falls as tau grows; measured sweeps show prompts lost at every tau
 that ends a range one number late does so whatever the threshold), and there the smallest tau
 gives up tokens per forward for nothing. The tolerance is counted in prompts in practice: on 70
 prompts, 1 point loses none, 2 points one.
-One tau serves every task, because it travels with the exported model as its decoding default.
+One tau, the *operating tau*, is chosen for every task together: it travels with the exported
+model as its decoding default. With ``per_task`` (a preset's ``eval.tau_per_task``) each task also
+gets its own tau by the same rule on its own calibration prompts, and is reported at it: tasks
+differ in how sure a model is of slots far from the prefix (a copy's letters against the end of a
+count), the decoder takes tau per request, and an evaluation harness passes generation settings per
+task, so one task's fragile end need not set another's parallelism. The operating tau stays the
+export's default, since it is the one that keeps every calibrated task within the tolerance.
 
 A task the base AR model never learned (calibration accuracy below ``learned_accuracy``; a
 preset's ``eval.base_learned_accuracy``) says nothing about WeDLM: streaming cannot be measured
@@ -46,6 +52,11 @@ class Calibration:
     operating_tau: float
     learned_accuracy: float = 0.0  # base AR accuracy below which a task counts as not learned
     unlearned: list[str] = field(default_factory=list)  # tasks the base model did not learn (not in the rule)
+    task_taus: dict[str, float] = field(default_factory=dict)  # per-task calibration: task -> its tau
+
+    def tau_for(self, task: str) -> float:
+        """The tau ``task`` is reported at: its own with per-task calibration, else the operating tau."""
+        return self.task_taus.get(task, self.operating_tau)
 
 
 def choose_operating_tau(sweep: Mapping[float, Mapping[str, float]], base: Mapping[str, float],
@@ -81,10 +92,11 @@ def keeps_up(accuracy: Mapping[str, float], base: Mapping[str, float], tolerance
 
 
 def calibration_from_reports(base_report: EvalReport, wedlm_report: EvalReport, tasks: Sequence[str],
-                             tolerance: float = CALIBRATION_TOLERANCE, learned_accuracy: float = 0.0) -> Calibration:
+                             tolerance: float = CALIBRATION_TOLERANCE, learned_accuracy: float = 0.0,
+                             per_task: bool = False) -> Calibration:
     """Apply :func:`choose_operating_tau` to the calibration reports (base: AR rows, WeDLM: streaming
     rows), over the tasks whose base AR accuracy reaches ``learned_accuracy`` (all of them: the
-    smallest tau, when the base learned none)."""
+    smallest tau, when the base learned none); with ``per_task`` also to each such task alone."""
     base = {task: base_report.result(task, "ar").accuracy for task in tasks}
     taus = sorted({r.tau for r in wedlm_report.results if r.method == "streaming" and r.tau is not None})
     sweep = {tau: {task: wedlm_report.result(task, "streaming", tau).accuracy for task in tasks} for tau in taus}
@@ -92,9 +104,13 @@ def calibration_from_reports(base_report: EvalReport, wedlm_report: EvalReport, 
     unlearned = [task for task in tasks if base[task] < learned_accuracy - _EPS]
     learned = {task: accuracy for task, accuracy in base.items() if task not in unlearned}
     tau = choose_operating_tau(sweep, learned, tolerance) if learned else min(sweep)
+    task_taus = {task: choose_operating_tau({t: {task: acc[task]} for t, acc in sweep.items()}, {task: base_accuracy},
+                                            tolerance)
+                 for task, base_accuracy in learned.items()} if per_task else {}
     return Calibration(tasks=list(tasks), num_examples=min(counts, default=0), tolerance=tolerance,
                        base_accuracy=base, sweep={f"{tau:g}": acc for tau, acc in sweep.items()},
-                       operating_tau=tau, learned_accuracy=learned_accuracy, unlearned=unlearned)
+                       operating_tau=tau, learned_accuracy=learned_accuracy, unlearned=unlearned,
+                       task_taus=task_taus)
 
 
 #: How messages name the reference model and its AR decoding, by a preset's ``accuracy_reference``:
@@ -133,4 +149,7 @@ def describe(c: Calibration, reference: str = "base") -> list[str]:
             + [f"operating tau {chosen}: " + (f"the largest within {points(c.tolerance)} of {ar} on {which}"
                                               if within else f"no tau stayed within {points(c.tolerance)} "
                                               f"of {ar} on {which}; the closest to it (the largest among "
-                                              f"equals)")])
+                                              f"equals)")]
+            + (["tau per task: " + ", ".join(f"{task} {tau:g}" for task, tau in c.task_taus.items())
+                + f" (each the largest within {points(c.tolerance)} of {ar} on its own prompts, else the closest)"]
+               if c.task_taus else []))

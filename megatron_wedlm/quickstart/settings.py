@@ -83,6 +83,9 @@ class EvalSettings:
     # base model: reported as such and left out of the tau rule (quickstart/calibration.py)
     base_learned_accuracy: float = 0.8
     taus: List[float] = field(default_factory=lambda: [0.2, 0.4])  # the sweep: calibrated, plotted
+    # also calibrate each task alone and report it at its own tau; the export's default stays the one
+    # tau that suits every task (quickstart/calibration.py)
+    tau_per_task: bool = False
     window_size: int = 16
     distance_penalty: float = 0.02
     # the task evaluation's weights and activations: one of EVAL_PRECISIONS ("native": bf16 where this

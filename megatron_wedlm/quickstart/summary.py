@@ -143,7 +143,8 @@ def check_targets(report: EvalReport, settings: AnySettings, calibration: Calibr
                   agreement: dict[str, float], current_fingerprint: str,
                   previous_fingerprint: str | None, general: dict[str, tuple[int, int]] | None = None,
                   general_tokens: dict[str, tuple[int, int]] | None = None) -> list[TargetCheck]:
-    """Each target of the quickstart with its measured value, streaming judged at the operating tau;
+    """Each target of the quickstart with its measured value, streaming judged at the task's tau
+    (:meth:`Calibration.tau_for`: the operating tau, or the task's own with per-task calibration);
     a task the reference model did not learn fails as such (:func:`_base_model_check`), not as WeDLM's.
     ``general``: model -> (replies equal to the base model's, prompts) on the general prompts;
     ``general_tokens``: model -> (reply tokens it predicts as the base model's reply has them,
@@ -151,7 +152,7 @@ def check_targets(report: EvalReport, settings: AnySettings, calibration: Calibr
     stated beside the target as how far the model moved."""
     t = settings.targets
     reference, ref_name = reference_method(settings), _reference_name(settings)
-    tau = calibration.operating_tau
+    which_tau = "the task's tau" if calibration.task_taus else "operating tau"
     checks: list[TargetCheck] = []
     total = float(timings.get("total_seconds", 0.0))
     checks.append(TargetCheck("total time", f"whole command < {t.max_total_seconds:.0f} s",
@@ -163,6 +164,7 @@ def check_targets(report: EvalReport, settings: AnySettings, calibration: Calibr
         if task in calibration.unlearned:
             checks += _base_model_check(task, calibration, settings.accuracy_reference)
             continue
+        tau = calibration.tau_for(task)
         base = report.result(task, reference)
         stream = report.result(task, "streaming", tau)
         ar = report.result(task, "ar")
@@ -170,7 +172,7 @@ def check_targets(report: EvalReport, settings: AnySettings, calibration: Calibr
         drop = t.max_accuracy_drop
         checks.append(TargetCheck(
             f"{task}: streaming accuracy",
-            f"WeDLM streaming (operating tau={tau:g}) exact match >= {ref_name} - {100 * drop:g} points",
+            f"WeDLM streaming ({which_tau}={tau:g}) exact match >= {ref_name} - {100 * drop:g} points",
             f"{_accuracy(stream)} vs {_accuracy(base)} (95% Wilson intervals); same answer as {ref_name} on "
             f"{'-' if agree is None else _pct(agree)} of prompts",
             MET if keeps_up({task: stream.accuracy}, {task: base.accuracy}, drop) else NOT_MET))
@@ -197,7 +199,8 @@ def check_targets(report: EvalReport, settings: AnySettings, calibration: Calibr
                            + f" by the {model} model"
                            for model, (k, m) in general_tokens.items())),
             MET if same >= t.min_general_same_answer * n - 1e-9 else NOT_MET))
-    speedups = {task: report.result(task, "streaming", tau).speedup_vs_ar for task in report.tasks}
+    speedups = {task: report.result(task, "streaming", calibration.tau_for(task)).speedup_vs_ar
+                for task in report.tasks}
     checks.append(TargetCheck(
         "speed-up on every task", "streaming / AR tokens/s of the same model, stated for every task",
         ", ".join(f"{task} {'-' if s is None else f'{s:.2f}x'}" for task, s in speedups.items()),
@@ -222,12 +225,15 @@ def _training_summary(training: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def headline_figures(report: EvalReport, tau: float, timings: dict[str, Any],
+def headline_figures(report: EvalReport, calibration: Calibration, timings: dict[str, Any],
                      agreement: dict[str, float], reference: str = BASE_METHOD) -> dict[str, float | None]:
-    """The numbers a reader compares across seeds (``tools/bench_quickstart.py --seeds``), per task at ``tau``."""
-    figures: dict[str, float | None] = {"operating tau": tau}
+    """The numbers a reader compares across seeds (``tools/bench_quickstart.py --seeds``), per task at
+    its tau (:meth:`Calibration.tau_for`)."""
+    figures: dict[str, float | None] = {"operating tau": calibration.operating_tau}
+    figures.update({f"{task}: tau": tau for task, tau in calibration.task_taus.items()})
     ref = _ref_label(reference)
     for task in report.tasks:
+        tau = calibration.tau_for(task)
         stream = report.result(task, "streaming", tau)
         agree = agreement.get(_key(task, "streaming", tau))
         figures.update({
@@ -276,7 +282,7 @@ def build_summary(base_report: str | Path | None, wedlm_report: str | Path, sett
         "agreement_with_reference": agreement,
         "general_prompts": general,
         "general_prompts_teacher_forced_tokens": general_tokens,
-        "figures": {**headline_figures(merged, tau, timings, agreement, reference),
+        "figures": {**headline_figures(merged, calibration, timings, agreement, reference),
                     **({} if general is None else {"general: same reply as base %": 100 * general["wedlm"][0]
                                                    / general["wedlm"][1]}),
                     **({} if general_tokens is None else {
@@ -294,8 +300,22 @@ def _rows(data: dict[str, Any]) -> list[tuple[str, MethodResult, float | None]]:
     return [(r.task, r, agreement.get(_key(r.task, r.method, r.tau))) for r in report.results]
 
 
+def _tau_of(q: dict[str, Any], task: str) -> float:
+    """The tau ``task`` is reported at, from report.json's calibration record (:meth:`Calibration.tau_for`)."""
+    c = q["calibration"]
+    return c.get("task_taus", {}).get(task, c["operating_tau"])
+
+
+def _taus_label(q: dict[str, Any]) -> str:
+    """``the operating tau 0.4``, or with per-task calibration ``each task's tau (counting 0.2, copying 0.6)``."""
+    c = q["calibration"]
+    if c.get("task_taus"):
+        return "each task's tau (" + ", ".join(f"{task} {tau:g}" for task, tau in c["task_taus"].items()) + ")"
+    return f"the operating tau {c['operating_tau']:g}"
+
+
 def _model(r: MethodResult, tau: float) -> str:
-    """Which model a row is of; ``*`` marks the streaming row at the operating tau."""
+    """Which model a row is of; ``*`` marks the streaming row at the task's tau (``tau``)."""
     if r.method == BASE_METHOD:
         return "base"
     return "WeDLM*" if r.method == "streaming" and r.tau == tau else "WeDLM"
@@ -312,7 +332,10 @@ def _calibration_lines(q: dict[str, Any]) -> list[str]:
              f"{ref} (the largest among equals). "
              f"Chosen: **tau = {c['operating_tau']:g}** (written into the WeDLM model's generation_config.json "
              f"with window {q['settings']['eval']['window_size']} and distance penalty "
-             f"{q['settings']['eval']['distance_penalty']:g}).", "",
+             f"{q['settings']['eval']['distance_penalty']:g})."
+             + ("" if not c.get("task_taus") else
+                f" Each task is also calibrated alone by the same rule and reported at its own tau: "
+                + ", ".join(f"**{task} {tau:g}**" for task, tau in c["task_taus"].items()) + "."), "",
              "| decoding | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks),
              f"| {ref} | " + " | ".join(_pct(c["base_accuracy"][t]) for t in tasks) + " |"]
     if c.get("unlearned"):
@@ -353,15 +376,15 @@ def markdown(data: dict[str, Any]) -> str:
     for stage, t in q["training"].items():
         if t["first_loss"] is not None:
             lines.append(f"* {stage}: loss {t['first_loss']:.3f} -> {t['last_loss']:.3f} over {t['steps']} steps")
-    tau = q["calibration"]["operating_tau"]
-    lines += ["", f"Test prompts per task below; `WeDLM*` is streaming at the operating tau ({tau:g}), the "
+    lines += ["", f"Test prompts per task below; `WeDLM*` is streaming at {_taus_label(q)}, the "
               "other taus are the sweep (also in speed_accuracy.png)."]
     headers = ["model"] + [h for h, _ in COLUMNS] + [f"same answer as {_ref_label(q['accuracy_reference'])}"]
     for task in dict.fromkeys(task for task, _, _ in _rows(data)):
         lines += ["", f"## {task}", "", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
         for t, r, agree in _rows(data):
             if t == task:
-                cells = [_model(r, tau)] + [cell(r) for _, cell in COLUMNS] + ["-" if agree is None else _pct(agree)]
+                cells = ([_model(r, _tau_of(q, task))] + [cell(r) for _, cell in COLUMNS]
+                         + ["-" if agree is None else _pct(agree)])
                 lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"Fingerprint of all non-timing numbers: `{q['fingerprint']}`.", ""]
     return "\n".join(lines)
@@ -375,8 +398,7 @@ def write_summary(data: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
     q = data["quickstart"]
     report = EvalReport.from_dict(data)
     plot_speed_accuracy(report, str(paths["plot"]), title=(
-        f"WeDLM quickstart ({q['preset']}, seed {q['seed']}): {report.model}; operating tau "
-        f"{q['calibration']['operating_tau']:g} (point labels: tau)"))
+        f"WeDLM quickstart ({q['preset']}, seed {q['seed']}): {report.model}; at {_taus_label(q)} (point labels: tau)"))
     return paths
 
 
@@ -385,17 +407,17 @@ def print_summary(data: dict[str, Any], emit: Callable[[str], None]) -> None:
     def f(x: float | None, spec: str) -> str:
         return "-" if x is None else format(x, spec)
 
-    tau = data["quickstart"]["calibration"]["operating_tau"]
+    q = data["quickstart"]
     head = f"{'task':<11} {'model':<6} {'method':<20} {'acc':>6} {'95% CI':>11} {'tok/fwd':>7} {'p_cache':>7} " \
            f"{'tok/s':>7} {'vs AR':>6} {'=ref':>6}"
     lines = [head, "-" * len(head)]
     for task, r, agree in _rows(data):
         label = "ar" if r.method == BASE_METHOD else r.label
-        lines.append(f"{task:<11} {_model(r, tau):<6} {label:<20} {100 * r.accuracy:5.1f}% "
+        lines.append(f"{task:<11} {_model(r, _tau_of(q, task)):<6} {label:<20} {100 * r.accuracy:5.1f}% "
                      f"{format_interval(r.accuracy_ci95):>11} {f(r.tokens_per_forward, '.2f'):>7} "
                      f"{f(r.p_cache, '.3f'):>7} {f(r.tokens_per_second, '.1f'):>7} "
                      f"{f(r.speedup_vs_ar, '.2f'):>6} {'-' if agree is None else _pct(agree):>6}")
-    lines += [f"WeDLM* = streaming at the operating tau {tau:g}, chosen on calibration prompts "
+    lines += [f"WeDLM* = streaming at {_taus_label(q)}, chosen on calibration prompts "
               "(the test prompts above are others)", "", "targets:"]
     lines += [f"  [{t['status']:^11}] {t['name']}: {t['measured']}  (wanted: {t['target']})"
               for t in data["quickstart"]["targets"]]
