@@ -222,7 +222,8 @@ def test_per_task_calibration_reports_each_task_at_its_own_tau(reports, tmp_path
         assert targets[f"{task}: tokens per forward"]["measured"] == f"{stream.tokens_per_forward:.2f}"
         assert q["figures"][f"{task}: tau"] == tau and q["figures"][f"{task}: tokens/forward"] == stream.tokens_per_forward
     assert q["figures"]["operating tau"] == q["settings"]["eval"]["operating_tau"] == 0.4
-    assert "each task's tau (counting 0.4, copying 0.8)" in S.markdown(data)
+    assert S.fingerprint(report, TRAINING, calibration) != S.fingerprint(report, TRAINING, shared)
+    assert "each task's tau (counting 0.4, copying 0.8, others 0.4)" in S.markdown(data)
     assert "tau per task: counting 0.4, copying 0.8" in "\n".join(calibration_describe(calibration))
     lines = []
     S.print_summary(data, lines.append)

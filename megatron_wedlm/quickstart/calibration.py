@@ -19,7 +19,7 @@ gets its own tau by the same rule on its own calibration prompts, and is reporte
 differ in how sure a model is of slots far from the prefix (a copy's letters against the end of a
 count), the decoder takes tau per request, and an evaluation harness passes generation settings per
 task, so one task's fragile end need not set another's parallelism. The operating tau stays the
-export's default, since it is the one that keeps every calibrated task within the tolerance.
+export's default: a task nobody calibrated is safest at the tau chosen for all of them.
 
 A task the base AR model never learned (calibration accuracy below ``learned_accuracy``; a
 preset's ``eval.base_learned_accuracy``) says nothing about WeDLM: streaming cannot be measured

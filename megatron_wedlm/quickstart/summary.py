@@ -109,8 +109,11 @@ def agreement_with_reference(report: EvalReport, method: str = BASE_METHOD) -> d
 
 def fingerprint(report: EvalReport, training: dict[str, dict[str, Any]], calibration: Calibration) -> str:
     """SHA-256 over everything a same-seed rerun must reproduce (no timings)."""
+    recorded = asdict(calibration)
+    if not recorded["task_taus"]:  # one tau for all: fingerprinted as before per-task calibration existed
+        del recorded["task_taus"]
     payload = {
-        "calibration": asdict(calibration),
+        "calibration": recorded,
         "results": [[r.task, r.method, r.tau, r.num_examples, r.num_correct, r.generated_tokens, r.forwards, r.slots]
                     for r in report.results],
         "samples": [[s.task, s.method, s.tau, s.uid, s.completion, s.forwards] for s in report.samples],
@@ -307,10 +310,12 @@ def _tau_of(q: dict[str, Any], task: str) -> float:
 
 
 def _taus_label(q: dict[str, Any]) -> str:
-    """``the operating tau 0.4``, or with per-task calibration ``each task's tau (counting 0.2, copying 0.6)``."""
+    """``the operating tau 0.4``, or with per-task calibration ``each task's tau (counting 0.2,
+    copying 0.6, others 0.2)`` (tasks not calibrated are reported at the operating tau)."""
     c = q["calibration"]
     if c.get("task_taus"):
-        return "each task's tau (" + ", ".join(f"{task} {tau:g}" for task, tau in c["task_taus"].items()) + ")"
+        return ("each task's tau (" + ", ".join(f"{task} {tau:g}" for task, tau in c["task_taus"].items())
+                + f", others {c['operating_tau']:g})")
     return f"the operating tau {c['operating_tau']:g}"
 
 
