@@ -303,20 +303,18 @@ def _rows(data: dict[str, Any]) -> list[tuple[str, MethodResult, float | None]]:
     return [(r.task, r, agreement.get(_key(r.task, r.method, r.tau))) for r in report.results]
 
 
-def _tau_of(q: dict[str, Any], task: str) -> float:
-    """The tau ``task`` is reported at, from report.json's calibration record (:meth:`Calibration.tau_for`)."""
-    c = q["calibration"]
-    return c.get("task_taus", {}).get(task, c["operating_tau"])
+def _calibration(q: dict[str, Any]) -> Calibration:
+    """report.json's calibration record as the :class:`Calibration` it was written from."""
+    return Calibration(**q["calibration"])
 
 
-def _taus_label(q: dict[str, Any]) -> str:
+def _taus_label(c: Calibration) -> str:
     """``the operating tau 0.4``, or with per-task calibration ``each task's tau (counting 0.2,
     copying 0.6, others 0.2)`` (tasks not calibrated are reported at the operating tau)."""
-    c = q["calibration"]
-    if c.get("task_taus"):
-        return ("each task's tau (" + ", ".join(f"{task} {tau:g}" for task, tau in c["task_taus"].items())
-                + f", others {c['operating_tau']:g})")
-    return f"the operating tau {c['operating_tau']:g}"
+    if c.task_taus:
+        return ("each task's tau (" + ", ".join(f"{task} {tau:g}" for task, tau in c.task_taus.items())
+                + f", others {c.operating_tau:g})")
+    return f"the operating tau {c.operating_tau:g}"
 
 
 def _model(r: MethodResult, tau: float) -> str:
@@ -381,14 +379,15 @@ def markdown(data: dict[str, Any]) -> str:
     for stage, t in q["training"].items():
         if t["first_loss"] is not None:
             lines.append(f"* {stage}: loss {t['first_loss']:.3f} -> {t['last_loss']:.3f} over {t['steps']} steps")
-    lines += ["", f"Test prompts per task below; `WeDLM*` is streaming at {_taus_label(q)}, the "
+    calibration = _calibration(q)
+    lines += ["", f"Test prompts per task below; `WeDLM*` is streaming at {_taus_label(calibration)}, the "
               "other taus are the sweep (also in speed_accuracy.png)."]
     headers = ["model"] + [h for h, _ in COLUMNS] + [f"same answer as {_ref_label(q['accuracy_reference'])}"]
     for task in dict.fromkeys(task for task, _, _ in _rows(data)):
         lines += ["", f"## {task}", "", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
         for t, r, agree in _rows(data):
             if t == task:
-                cells = ([_model(r, _tau_of(q, task))] + [cell(r) for _, cell in COLUMNS]
+                cells = ([_model(r, calibration.tau_for(task))] + [cell(r) for _, cell in COLUMNS]
                          + ["-" if agree is None else _pct(agree)])
                 lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"Fingerprint of all non-timing numbers: `{q['fingerprint']}`.", ""]
@@ -403,7 +402,8 @@ def write_summary(data: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
     q = data["quickstart"]
     report = EvalReport.from_dict(data)
     plot_speed_accuracy(report, str(paths["plot"]), title=(
-        f"WeDLM quickstart ({q['preset']}, seed {q['seed']}): {report.model}; at {_taus_label(q)} (point labels: tau)"))
+        f"WeDLM quickstart ({q['preset']}, seed {q['seed']}): {report.model}; at {_taus_label(_calibration(q))} "
+        "(point labels: tau)"))
     return paths
 
 
@@ -413,16 +413,17 @@ def print_summary(data: dict[str, Any], emit: Callable[[str], None]) -> None:
         return "-" if x is None else format(x, spec)
 
     q = data["quickstart"]
+    calibration = _calibration(q)
     head = f"{'task':<11} {'model':<6} {'method':<20} {'acc':>6} {'95% CI':>11} {'tok/fwd':>7} {'p_cache':>7} " \
            f"{'tok/s':>7} {'vs AR':>6} {'=ref':>6}"
     lines = [head, "-" * len(head)]
     for task, r, agree in _rows(data):
         label = "ar" if r.method == BASE_METHOD else r.label
-        lines.append(f"{task:<11} {_model(r, _tau_of(q, task)):<6} {label:<20} {100 * r.accuracy:5.1f}% "
+        lines.append(f"{task:<11} {_model(r, calibration.tau_for(task)):<6} {label:<20} {100 * r.accuracy:5.1f}% "
                      f"{format_interval(r.accuracy_ci95):>11} {f(r.tokens_per_forward, '.2f'):>7} "
                      f"{f(r.p_cache, '.3f'):>7} {f(r.tokens_per_second, '.1f'):>7} "
                      f"{f(r.speedup_vs_ar, '.2f'):>6} {'-' if agree is None else _pct(agree):>6}")
-    lines += [f"WeDLM* = streaming at {_taus_label(q)}, chosen on calibration prompts "
+    lines += [f"WeDLM* = streaming at {_taus_label(calibration)}, chosen on calibration prompts "
               "(the test prompts above are others)", "", "targets:"]
     lines += [f"  [{t['status']:^11}] {t['name']}: {t['measured']}  (wanted: {t['target']})"
               for t in data["quickstart"]["targets"]]
