@@ -176,6 +176,48 @@ def test_random_block_offsets_move_block_starts_and_leave_default_batches_unchan
         assert torch.equal(getattr(plain, name), getattr(again, name)), name
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    docs=documents_strategy,
+    block_size=st.integers(1, 9),
+    random_offset=st.booleans(),
+    end=st.integers(1, 6),
+    seed=st.integers(0, 2**31),
+)
+def test_a_masked_end_masks_the_rest_of_its_block(docs, block_size, random_offset, end, seed):
+    """``masked_end_token_id``: the uniform draw (same generator), plus every non-prompt token after a
+    masked end token of its block, checked token by token; gammas and 1/gamma weights unchanged."""
+    lengths, tokens, prompt_fracs = docs
+    tokens = [1 + t % 6 for t in tokens]  # small ids, so end tokens occur often (also inside prompts)
+    documents, at = [], 0
+    for n in lengths:
+        documents.append(torch.tensor(tokens[at:at + n]))
+        at += n
+    prompts = [int(f * n) // 2 for f, n in zip(prompt_fracs, lengths)]
+    kwargs = dict(prompt_lengths=prompts, random_block_offset=random_offset)
+    plain = build_dual_stream_batch(documents, block_size, MASK, torch.Generator().manual_seed(seed), **kwargs)
+    ended = build_dual_stream_batch(documents, block_size, MASK, torch.Generator().manual_seed(seed),
+                                    masked_end_token_id=end, **kwargs)
+    drawn, got = masked_positions_of(plain, len(documents)), masked_positions_of(ended, len(documents))
+    offsets = torch.randint(0, block_size, (len(documents),), generator=torch.Generator().manual_seed(seed)).tolist() \
+        if random_offset else [0] * len(documents)
+    for d, doc in enumerate(documents):
+        x = doc.tolist()
+        expected = set(drawn[d])
+        for p in range(prompts[d], len(x)):
+            block = (p + offsets[d]) // block_size
+            if any(x[q] == end and q in drawn[d] and (q + offsets[d]) // block_size == block for q in range(p)):
+                expected.add(p)
+        assert got[d] == expected, d
+    assert torch.equal(ended.mask_ratio, plain.mask_ratio)
+    expected_rows = reference_row(documents, block_size, prompts, got, offsets)
+    n = 2 * sum(lengths)
+    for name, values in expected_rows.items():
+        assert getattr(ended, name)[:n].tolist() == values, name
+    assert torch.allclose(ended.mlm_weights[ended.is_masked], 1.0 / ended.mask_ratio[ended.is_masked])
+    assert (ended.mlm_weights[~ended.is_masked] == 0).all()
+
+
 def test_selection_is_uniform_within_block_and_counts_follow_gamma():
     """Many 8-token documents in one row: each position masked equally often; counts ~ U(0,1] x 8 rounded."""
     docs = [torch.arange(1, 9)] * 4000

@@ -337,6 +337,41 @@ def test_sft_rows_end_with_learnable_end_tokens(sft_dir):
             assert all(torch.equal(getattr(row.batch, f), getattr(other.batch, f)) for f in row.batch.tensor_field_names())
 
 
+def _by_position(batch, doc: int, field: str) -> torch.Tensor:
+    """``field`` on document ``doc``'s prediction-stream slots, in logical order."""
+    slots = ~batch.is_memory & ~batch.is_padding & (batch.doc_ids == doc)
+    return getattr(batch, field)[slots][torch.argsort(batch.position_ids[slots])]
+
+
+@pytest.mark.parametrize("learnable", [1, 8])
+def test_a_masked_reply_end_masks_the_rest_of_its_block_in_loader_rows(sft_dir, pretrain_dir, learnable):
+    """wedlm.mask_after_masked_end: the loader's rows hold the plain rows' documents and masks, plus
+    every token after a masked end token of its block (raw pairs end a reply with EOS, so with no
+    end tokens appended nothing follows it); pretraining data and AR rows refuse the option."""
+    plain = _spec(sft_dir, num_streams=4, seq_length=96, num_learnable_end_tokens=learnable)
+    spec = _spec(sft_dir, num_streams=4, seq_length=96, num_learnable_end_tokens=learnable, mask_after_masked_end=True)
+    end = spec.end_token_id
+    assert end == json.loads((sft_dir / "manifest.json").read_text())["eos_token_id"]
+    extra = 0
+    for stream in range(spec.num_streams):
+        rows, plain_rows = stream_rows(spec, stream, StreamPosition()), stream_rows(plain, stream, StreamPosition())
+        for _ in range(3):
+            batch, before = next(rows).batch, next(plain_rows).batch
+            assert _row_documents(batch) == _row_documents(before)
+            for doc in range(len(_row_documents(batch))):
+                tokens, blocks = _by_position(batch, doc, "target_ids"), _by_position(batch, doc, "block_ids")
+                drawn, got = _by_position(before, doc, "is_masked"), _by_position(batch, doc, "is_masked")
+                for i in range(len(tokens)):
+                    after_end = any(drawn[j] and tokens[j] == end and blocks[j] == blocks[i] for j in range(i))
+                    assert bool(got[i]) == bool(drawn[i] or after_end)
+                extra += int(got.sum() - drawn.sum())
+    assert (extra > 0) == (learnable > 1)
+    with pytest.raises(ValueError, match="mask_after_masked_end is for SFT"):
+        _spec(pretrain_dir, mask_after_masked_end=True)
+    with pytest.raises(ValueError, match="mask_after_masked_end needs WeDLM rows"):
+        _spec(sft_dir, wedlm=False, mask_after_masked_end=True)
+
+
 def test_resume_with_other_end_tokens_is_refused(sft_dir):
     """Rows (and stream positions inside them) depend on the appended end tokens: a data state
     saved under one setting is refused under another; a state saved before the setting existed

@@ -89,6 +89,9 @@ class WeDLMConfig:
     # the rendered sample (the reference finetune's num_learnable_im_end), so decoding-window slots past a
     # reply's end learn to predict the end; 0 or 1 appends nothing; AR SFT and pretraining: unused
     num_learnable_end_tokens: int = 8
+    # SFT: a masked reply end masks the rest of its block, as a decoding window knows nothing past an
+    # undecided end (docs/method.md §2.1); off = uniform masking, the method's
+    mask_after_masked_end: bool = False
 
 
 @dataclass

@@ -26,6 +26,12 @@ Choices (fixed here so every training path behaves the same):
   ``count`` keys masked; ties go to the earlier position, probability ~2^-31).
 * SFT: the first ``prompt_lengths[i]`` tokens of document i are never masked and never a
   loss target (also not an AR label).
+* ``masked_end_token_id`` (off by default; the method masks uniformly): a masked reply end
+  token also masks every later token of its block. Why: a decoding window whose end slot is
+  still undecided knows nothing past it, but a uniform draw leaves some token after the end
+  observed in most blocks that hold it (the learnable end copies, the template's newline), and a
+  model then learns to end a reply only where it sees that, never where decoding needs it
+  (docs/quickstart.md). These extra masks do not change the block's gamma or its 1/gamma weight.
 * Random draws, in this order from ``generator``: with ``random_block_offset`` one int per
   document first (so default batches are unchanged), then the gammas (one float64 per block or
   per document, in document/block order), then one int key per token. Same generator state and
@@ -348,6 +354,19 @@ def _choose_masked(
     return is_masked, num_masked
 
 
+def _mask_after_masked_end(
+    docs: _DocumentTokens, blocks: _BlockGrid, is_masked: Tensor, end_token_id: int
+) -> tuple[Tensor, Tensor]:
+    """``(is_masked, masked per block)`` with every non-prompt token after a masked
+    ``end_token_id`` in its block masked too (a running count of masked ends per block)."""
+    masked_end = (is_masked & (docs.tokens == end_token_id) & ~docs.is_prompt).long()
+    seen = torch.cumsum(masked_end, 0) - masked_end  # masked ends strictly before each token
+    seen = seen - seen[blocks.start[blocks.of_token]]  # ... within its block
+    is_masked = is_masked | ((seen > 0) & ~docs.is_prompt)
+    num_masked = torch.bincount(blocks.of_token, weights=is_masked.double(), minlength=blocks.length.numel())
+    return is_masked, num_masked.long()
+
+
 def _reordered_places(blocks: _BlockGrid, is_masked: Tensor, num_masked: Tensor) -> Tensor:
     """Index t of the place each token takes once every block is reordered: observed tokens
     (ascending) then masked ones (ascending). Exclusive cumsums give each token its rank inside
@@ -408,10 +427,12 @@ def build_dual_stream_batch(
     pad_to_multiple_of: int | None = None,
     max_length: int | None = None,
     pad_token_id: int | None = None,
+    masked_end_token_id: int | None = None,
 ) -> DualStreamBatch:
     """Pack ``documents`` into one dual-stream row ``[xo_0 ; xt_0 ; xo_1 ; xt_1 ; ...]``.
 
     ``mask_token_id`` is required (no default: 0 is a real token in most vocabularies).
+    ``masked_end_token_id``: a masked token of this id masks the rest of its block (module docstring).
     ``generator`` drives every random choice (``None`` uses torch's global RNG). ``max_length``
     caps the row (ValueError if exceeded; see :func:`.packing.pack_documents_into_rows` for
     splitting). ``pad_to`` / ``pad_to_multiple_of`` append padding slots. All outputs are CPU.
@@ -431,6 +452,8 @@ def build_dual_stream_batch(
     blocks = _block_grid(docs, block_size, offset)
     gamma = _draw_gammas(blocks, ratio_mode, eps, generator)
     is_masked, num_masked = _choose_masked(docs, blocks, gamma, generator)
+    if masked_end_token_id is not None:
+        is_masked, num_masked = _mask_after_masked_end(docs, blocks, is_masked, masked_end_token_id)
 
     place = _reordered_places(blocks, is_masked, num_masked)
     row = _padding_slots(total, pad_id)

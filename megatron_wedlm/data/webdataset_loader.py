@@ -129,12 +129,15 @@ class LoaderSpec:
     shards_fingerprint: str = ""  # see shards_fingerprint(); empty: not known (no check)
     appended_end_tokens: int = 0  # copies of end_token_id appended to every SFT sample (learnt)
     end_token_id: int = -1  # the token that ends a reply in the prepared data (manifest end_token_id)
+    mask_after_masked_end: bool = False  # a masked end_token_id masks the rest of its block (SFT, WeDLM)
 
     def __post_init__(self) -> None:
         if self.appended_end_tokens < 0:
             raise ValueError(f"appended_end_tokens must be >= 0, got {self.appended_end_tokens}")
         if self.appended_end_tokens and (self.task != "sft" or self.end_token_id < 0):
             raise ValueError("appended_end_tokens needs SFT data and the reply's end_token_id")
+        if self.mask_after_masked_end and (self.task != "sft" or self.end_token_id < 0 or not self.wedlm):
+            raise ValueError("mask_after_masked_end needs WeDLM rows of SFT data and the reply's end_token_id")
         if self.num_streams < 1:
             raise ValueError(f"num_streams must be >= 1, got {self.num_streams}")
         if len(self.shard_paths) < self.num_streams:
@@ -193,11 +196,14 @@ def loader_spec_from_manifest(
     shuffle: bool = True,
     task: str | None = None,
     num_learnable_end_tokens: int = 0,
+    mask_after_masked_end: bool = False,
 ) -> LoaderSpec:
     """A :class:`LoaderSpec` for a directory written by ``tools/prepare_data.py``.
 
     ``num_learnable_end_tokens`` (SFT only; 0 or 1: none) appends ``n - 1`` copies of the
-    manifest's ``end_token_id`` to every sample (see the module docstring).
+    manifest's ``end_token_id`` to every sample (see the module docstring);
+    ``mask_after_masked_end`` lets a masked ``end_token_id`` mask the rest of its block
+    (:func:`.dual_stream.build_dual_stream_batch`).
     """
     manifest = read_manifest(data_dir)
     if task is not None and manifest["task"] != task:
@@ -217,7 +223,10 @@ def loader_spec_from_manifest(
     if pad is None:
         pad = recorded
     appended = max(0, num_learnable_end_tokens - 1) if manifest["task"] == "sft" else 0
-    end_token = _end_token_id(data_dir, manifest) if appended else -1
+    if mask_after_masked_end and manifest["task"] != "sft":
+        raise ValueError(f"{data_dir} holds {manifest['task']} data: wedlm.mask_after_masked_end is for SFT replies, "
+                         "whose end token it masks after; set it to false")
+    end_token = _end_token_id(data_dir, manifest) if appended or mask_after_masked_end else -1
     return LoaderSpec(
         data_dir=str(data_dir),
         shard_paths=tuple(s["path"] for s in manifest["shards"]),
@@ -236,6 +245,7 @@ def loader_spec_from_manifest(
         shards_fingerprint=shards_fingerprint(data_dir, manifest["shards"]),
         appended_end_tokens=appended,
         end_token_id=end_token,
+        mask_after_masked_end=mask_after_masked_end,
     )
 
 
@@ -418,6 +428,7 @@ def _build_row(spec: LoaderSpec, stream: int, row: int, docs: list[torch.Tensor]
             eps=spec.mask_eps,
             pad_to=spec.seq_length,
             pad_token_id=spec.pad_token_id,
+            masked_end_token_id=spec.end_token_id if spec.mask_after_masked_end else None,
         )
     row = build_memory_only_row(docs, prompts, spec.block_size, spec.mask_token_id, spec.pad_token_id)
     return pad_dual_stream_batch(row, spec.seq_length)
