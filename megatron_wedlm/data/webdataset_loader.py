@@ -136,7 +136,10 @@ class LoaderSpec:
             raise ValueError(f"appended_end_tokens must be >= 0, got {self.appended_end_tokens}")
         if self.appended_end_tokens and (self.task != "sft" or self.end_token_id < 0):
             raise ValueError("appended_end_tokens needs SFT data and the reply's end_token_id")
-        if self.mask_after_masked_end and (self.task != "sft" or self.end_token_id < 0 or not self.wedlm):
+        if self.mask_after_masked_end and self.task != "sft":
+            raise ValueError(f"{self.data_dir} holds {self.task} data: wedlm.mask_after_masked_end is for SFT "
+                             "replies, whose end token it masks after; set it to false")
+        if self.mask_after_masked_end and (self.end_token_id < 0 or not self.wedlm):
             raise ValueError("mask_after_masked_end needs WeDLM rows of SFT data and the reply's end_token_id")
         if self.num_streams < 1:
             raise ValueError(f"num_streams must be >= 1, got {self.num_streams}")
@@ -223,10 +226,8 @@ def loader_spec_from_manifest(
     if pad is None:
         pad = recorded
     appended = max(0, num_learnable_end_tokens - 1) if manifest["task"] == "sft" else 0
-    if mask_after_masked_end and manifest["task"] != "sft":
-        raise ValueError(f"{data_dir} holds {manifest['task']} data: wedlm.mask_after_masked_end is for SFT replies, "
-                         "whose end token it masks after; set it to false")
-    end_token = _end_token_id(data_dir, manifest) if appended or mask_after_masked_end else -1
+    wants_end = appended or (mask_after_masked_end and manifest["task"] == "sft")
+    end_token = _end_token_id(data_dir, manifest) if wants_end else -1
     return LoaderSpec(
         data_dir=str(data_dir),
         shard_paths=tuple(s["path"] for s in manifest["shards"]),
