@@ -183,10 +183,13 @@ def test_random_block_offsets_move_block_starts_and_leave_default_batches_unchan
     random_offset=st.booleans(),
     end=st.integers(1, 6),
     seed=st.integers(0, 2**31),
+    probability=st.sampled_from([1.0, 0.5, 0.0]),
 )
-def test_a_masked_end_masks_the_rest_of_its_block(docs, block_size, random_offset, end, seed):
+def test_a_masked_end_masks_the_rest_of_its_block(docs, block_size, random_offset, end, seed, probability):
     """``masked_end_token_id``: the uniform draw (same generator), plus every non-prompt token after a
-    masked end token of its block, checked token by token; gammas and 1/gamma weights unchanged."""
+    masked end token of its block in the blocks drawn with ``masked_end_probability`` (their draw
+    replayed: one float64 per block after the selection keys; none at 1), checked token by token;
+    gammas and 1/gamma weights unchanged."""
     lengths, tokens, prompt_fracs = docs
     tokens = [1 + t % 6 for t in tokens]  # small ids, so end tokens occur often (also inside prompts)
     documents, at = [], 0
@@ -197,16 +200,24 @@ def test_a_masked_end_masks_the_rest_of_its_block(docs, block_size, random_offse
     kwargs = dict(prompt_lengths=prompts, random_block_offset=random_offset)
     plain = build_dual_stream_batch(documents, block_size, MASK, torch.Generator().manual_seed(seed), **kwargs)
     ended = build_dual_stream_batch(documents, block_size, MASK, torch.Generator().manual_seed(seed),
-                                    masked_end_token_id=end, **kwargs)
+                                    masked_end_token_id=end, masked_end_probability=probability, **kwargs)
     drawn, got = masked_positions_of(plain, len(documents)), masked_positions_of(ended, len(documents))
-    offsets = torch.randint(0, block_size, (len(documents),), generator=torch.Generator().manual_seed(seed)).tolist() \
+    replay = torch.Generator().manual_seed(seed)
+    offsets = torch.randint(0, block_size, (len(documents),), generator=replay).tolist() \
         if random_offset else [0] * len(documents)
+    first_block = [0]  # global index of each document's first block, blocks in document order
+    for n, offset in zip(lengths, offsets):
+        first_block.append(first_block[-1] + (n - 1 + offset) // block_size + 1)
+    torch.rand(first_block[-1], generator=replay, dtype=torch.float64)  # the gammas
+    torch.randint(0, 2**31, (sum(lengths),), generator=replay)  # the selection keys
+    applies = (torch.rand(first_block[-1], generator=replay, dtype=torch.float64) < probability).tolist() \
+        if probability < 1 else [True] * first_block[-1]
     for d, doc in enumerate(documents):
         x = doc.tolist()
         expected = set(drawn[d])
         for p in range(prompts[d], len(x)):
             block = (p + offsets[d]) // block_size
-            if any(x[q] == end and q in drawn[d] and (q + offsets[d]) // block_size == block for q in range(p)):
+            if applies[first_block[d] + block] and any(x[q] == end and q in drawn[d] and (q + offsets[d]) // block_size == block for q in range(p)):
                 expected.add(p)
         assert got[d] == expected, d
     assert torch.equal(ended.mask_ratio, plain.mask_ratio)

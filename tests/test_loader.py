@@ -347,17 +347,20 @@ def _by_position(batch, doc: int, field: str) -> torch.Tensor:
 def test_a_masked_reply_end_masks_the_rest_of_its_block_in_loader_rows(sft_dir, pretrain_dir, learnable):
     """wedlm.mask_after_masked_end: the loader's rows hold the plain rows' documents and masks, plus
     every token after a masked end token of its block (raw pairs end a reply with EOS, so with no
-    end tokens appended nothing follows it); pretraining data and AR rows refuse the option."""
+    end tokens appended nothing follows it); at 0.5 each block holds either the plain masks or
+    those of 1, both kinds occurring; pretraining data, AR rows and shares outside [0, 1] are refused."""
     plain = _spec(sft_dir, num_streams=4, seq_length=96, num_learnable_end_tokens=learnable)
-    spec = _spec(sft_dir, num_streams=4, seq_length=96, num_learnable_end_tokens=learnable, mask_after_masked_end=True)
+    spec = _spec(sft_dir, num_streams=4, seq_length=96, num_learnable_end_tokens=learnable, mask_after_masked_end=1.0)
+    half = _spec(sft_dir, num_streams=4, seq_length=96, num_learnable_end_tokens=learnable, mask_after_masked_end=0.5)
     end = spec.end_token_id
     assert end == json.loads((sft_dir / "manifest.json").read_text())["eos_token_id"]
-    extra = 0
+    extra, blocks_kept, blocks_extended = 0, 0, 0
     for stream in range(spec.num_streams):
-        rows, plain_rows = stream_rows(spec, stream, StreamPosition()), stream_rows(plain, stream, StreamPosition())
+        rows = stream_rows(spec, stream, StreamPosition())
+        plain_rows, half_rows = stream_rows(plain, stream, StreamPosition()), stream_rows(half, stream, StreamPosition())
         for _ in range(3):
-            batch, before = next(rows).batch, next(plain_rows).batch
-            assert _row_documents(batch) == _row_documents(before)
+            batch, before, halfway = next(rows).batch, next(plain_rows).batch, next(half_rows).batch
+            assert _row_documents(batch) == _row_documents(before) == _row_documents(halfway)
             for doc in range(len(_row_documents(batch))):
                 tokens, blocks = _by_position(batch, doc, "target_ids"), _by_position(batch, doc, "block_ids")
                 drawn, got = _by_position(before, doc, "is_masked"), _by_position(batch, doc, "is_masked")
@@ -365,11 +368,22 @@ def test_a_masked_reply_end_masks_the_rest_of_its_block_in_loader_rows(sft_dir, 
                     after_end = any(drawn[j] and tokens[j] == end and blocks[j] == blocks[i] for j in range(i))
                     assert bool(got[i]) == bool(drawn[i] or after_end)
                 extra += int(got.sum() - drawn.sum())
+                got_half = _by_position(halfway, doc, "is_masked")
+                for block in blocks.unique():
+                    inside = blocks == block
+                    if torch.equal(got[inside], drawn[inside]):
+                        continue
+                    kept, extended = torch.equal(got_half[inside], drawn[inside]), torch.equal(got_half[inside], got[inside])
+                    assert kept or extended
+                    blocks_kept, blocks_extended = blocks_kept + kept, blocks_extended + extended
     assert (extra > 0) == (learnable > 1)
+    assert (blocks_kept > 0 and blocks_extended > 0) == (learnable > 1)
     with pytest.raises(ValueError, match="mask_after_masked_end is for SFT"):
-        _spec(pretrain_dir, mask_after_masked_end=True)
+        _spec(pretrain_dir, mask_after_masked_end=1.0)
     with pytest.raises(ValueError, match="mask_after_masked_end needs WeDLM rows"):
-        _spec(sft_dir, wedlm=False, mask_after_masked_end=True)
+        _spec(sft_dir, wedlm=False, mask_after_masked_end=1.0)
+    with pytest.raises(ValueError, match=r"in \[0, 1\]; got 1.5"):
+        _spec(sft_dir, mask_after_masked_end=1.5)
 
 
 def test_resume_with_other_end_tokens_is_refused(sft_dir):

@@ -89,9 +89,10 @@ class WeDLMConfig:
     # the rendered sample (the reference finetune's num_learnable_im_end), so decoding-window slots past a
     # reply's end learn to predict the end; 0 or 1 appends nothing; AR SFT and pretraining: unused
     num_learnable_end_tokens: int = 8
-    # SFT: a masked reply end masks the rest of its block, as a decoding window knows nothing past an
-    # undecided end (docs/method.md §2.1); off = uniform masking, the method's
-    mask_after_masked_end: bool = False
+    # SFT: the share of blocks (0..1) in which a masked reply end masks the rest of the block, as a
+    # decoding window often knows nothing past an undecided end (docs/method.md §2.1); 0 = uniform
+    # masking, the method's; 1 = every block, which never shows an observed end copy after a masked end
+    mask_after_masked_end: float = 0.0
 
 
 @dataclass
@@ -305,6 +306,8 @@ def validate_config(cfg: TrainConfig) -> None:
     _check_deepspeed(cfg.deepspeed)
     if not 0.0 < cfg.wedlm.mask_eps <= 1.0:
         raise ConfigError(f"wedlm.mask_eps={cfg.wedlm.mask_eps} must be in (0, 1]")
+    if not 0.0 <= cfg.wedlm.mask_after_masked_end <= 1.0:
+        raise ConfigError(f"wedlm.mask_after_masked_end={cfg.wedlm.mask_after_masked_end} is a share of blocks, in [0, 1]")
     _check_schedule(cfg)
     _check_sequence_parallel(cfg)
     _validate_context_and_virtual_pipeline(cfg)

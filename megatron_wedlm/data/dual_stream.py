@@ -26,15 +26,20 @@ Choices (fixed here so every training path behaves the same):
   ``count`` keys masked; ties go to the earlier position, probability ~2^-31).
 * SFT: the first ``prompt_lengths[i]`` tokens of document i are never masked and never a
   loss target (also not an AR label).
-* ``masked_end_token_id`` (off by default; the method masks uniformly): a masked reply end
-  token also masks every later token of its block. Why: a decoding window whose end slot is
-  still undecided knows nothing past it, but a uniform draw leaves some token after the end
-  observed in most blocks that hold it (the learnable end copies, the template's newline), and a
-  model then learns to end a reply only where it sees that, never where decoding needs it
-  (docs/quickstart.md). These extra masks do not change the block's gamma or its 1/gamma weight.
+* ``masked_end_token_id`` (off by default; the method masks uniformly): in a block drawn with
+  probability ``masked_end_probability`` (default 1: every block), a masked reply end token also
+  masks every later token of its block. Why: a decoding window whose end slot is still undecided
+  often knows nothing past it, but a uniform draw leaves some token after the end observed in
+  most blocks that hold it (the learnable end copies, the template's newline), and a model then
+  learns to end a reply only where it sees that, never where decoding needs it. Applied to every
+  block, the converse goes missing: a window that has filled end copies before the end slot
+  itself (decoding does, for a reply whose length the prompt gives) is a state training never
+  shows, and the model then reads observed end copies as "the end is not here" (docs/quickstart.md
+  has both measurements). The extra masks do not change the block's gamma or its 1/gamma weight.
 * Random draws, in this order from ``generator``: with ``random_block_offset`` one int per
   document first (so default batches are unchanged), then the gammas (one float64 per block or
-  per document, in document/block order), then one int key per token. Same generator state and
+  per document, in document/block order), then one int key per token, then, with
+  ``masked_end_token_id`` and ``masked_end_probability < 1``, one float64 per block. Same generator state and
   inputs -> same batch. Use :func:`megatron_wedlm.data.seeding.rank_generator` to give each
   data-parallel rank and step its own stream.
 * Per-slot fields on padding: ``doc_ids = -1``, ``position_ids = block_ids = 0``,
@@ -355,14 +360,24 @@ def _choose_masked(
 
 
 def _mask_after_masked_end(
-    docs: _DocumentTokens, blocks: _BlockGrid, is_masked: Tensor, end_token_id: int
+    docs: _DocumentTokens,
+    blocks: _BlockGrid,
+    is_masked: Tensor,
+    end_token_id: int,
+    probability: float,
+    generator: torch.Generator | None,
 ) -> tuple[Tensor, Tensor]:
     """``(is_masked, masked per block)`` with every non-prompt token after a masked
-    ``end_token_id`` in its block masked too (a running count of masked ends per block)."""
+    ``end_token_id`` masked too, in each block drawn with ``probability`` (a running count of
+    masked ends per block)."""
     masked_end = (is_masked & (docs.tokens == end_token_id) & ~docs.is_prompt).long()
     seen = torch.cumsum(masked_end, 0) - masked_end  # masked ends strictly before each token
     seen = seen - seen[blocks.start[blocks.of_token]]  # ... within its block
-    is_masked = is_masked | ((seen > 0) & ~docs.is_prompt)
+    added = (seen > 0) & ~docs.is_prompt
+    if probability < 1.0:  # no draw at 1, so rows built before the probability existed are unchanged
+        chosen = torch.rand(blocks.length.numel(), generator=generator, dtype=torch.float64) < probability
+        added &= chosen[blocks.of_token]
+    is_masked = is_masked | added
     num_masked = torch.bincount(blocks.of_token, weights=is_masked.double(), minlength=blocks.length.numel())
     return is_masked, num_masked.long()
 
@@ -428,11 +443,13 @@ def build_dual_stream_batch(
     max_length: int | None = None,
     pad_token_id: int | None = None,
     masked_end_token_id: int | None = None,
+    masked_end_probability: float = 1.0,
 ) -> DualStreamBatch:
     """Pack ``documents`` into one dual-stream row ``[xo_0 ; xt_0 ; xo_1 ; xt_1 ; ...]``.
 
     ``mask_token_id`` is required (no default: 0 is a real token in most vocabularies).
-    ``masked_end_token_id``: a masked token of this id masks the rest of its block (module docstring).
+    ``masked_end_token_id``: a masked token of this id masks the rest of its block, in a share
+    ``masked_end_probability`` of the blocks (module docstring).
     ``generator`` drives every random choice (``None`` uses torch's global RNG). ``max_length``
     caps the row (ValueError if exceeded; see :func:`.packing.pack_documents_into_rows` for
     splitting). ``pad_to`` / ``pad_to_multiple_of`` append padding slots. All outputs are CPU.
@@ -441,6 +458,8 @@ def build_dual_stream_batch(
         raise ValueError("documents is empty; need at least one document to build a row")
     mask_token_id = _as_mask_token_id(mask_token_id)
     _validate_options(block_size, eps, ratio_mode, pad_to, pad_to_multiple_of)
+    if not 0.0 <= masked_end_probability <= 1.0:
+        raise ValueError(f"masked_end_probability must be in [0, 1], got {masked_end_probability}")
     tokens, lengths = _concatenate(documents, mask_token_id)
     prompts = _prompt_tensor(prompt_lengths, lengths)
     total = _padded_length(2 * tokens.numel(), pad_to, pad_to_multiple_of, max_length)
@@ -453,7 +472,9 @@ def build_dual_stream_batch(
     gamma = _draw_gammas(blocks, ratio_mode, eps, generator)
     is_masked, num_masked = _choose_masked(docs, blocks, gamma, generator)
     if masked_end_token_id is not None:
-        is_masked, num_masked = _mask_after_masked_end(docs, blocks, is_masked, masked_end_token_id)
+        is_masked, num_masked = _mask_after_masked_end(
+            docs, blocks, is_masked, masked_end_token_id, masked_end_probability, generator
+        )
 
     place = _reordered_places(blocks, is_masked, num_masked)
     row = _padding_slots(total, pad_id)

@@ -129,16 +129,20 @@ class LoaderSpec:
     shards_fingerprint: str = ""  # see shards_fingerprint(); empty: not known (no check)
     appended_end_tokens: int = 0  # copies of end_token_id appended to every SFT sample (learnt)
     end_token_id: int = -1  # the token that ends a reply in the prepared data (manifest end_token_id)
-    mask_after_masked_end: bool = False  # a masked end_token_id masks the rest of its block (SFT, WeDLM)
+    # the share of blocks in which a masked end_token_id masks the rest of the block (SFT, WeDLM; 0: none)
+    mask_after_masked_end: float = 0.0
 
     def __post_init__(self) -> None:
         if self.appended_end_tokens < 0:
             raise ValueError(f"appended_end_tokens must be >= 0, got {self.appended_end_tokens}")
         if self.appended_end_tokens and (self.task != "sft" or self.end_token_id < 0):
             raise ValueError("appended_end_tokens needs SFT data and the reply's end_token_id")
+        if not 0.0 <= self.mask_after_masked_end <= 1.0:
+            raise ValueError(f"mask_after_masked_end is the share of blocks it applies to, in [0, 1]; "
+                             f"got {self.mask_after_masked_end}")
         if self.mask_after_masked_end and self.task != "sft":
             raise ValueError(f"{self.data_dir} holds {self.task} data: wedlm.mask_after_masked_end is for SFT "
-                             "replies, whose end token it masks after; set it to false")
+                             "replies, whose end token it masks after; set it to 0")
         if self.mask_after_masked_end and (self.end_token_id < 0 or not self.wedlm):
             raise ValueError("mask_after_masked_end needs WeDLM rows of SFT data and the reply's end_token_id")
         if self.num_streams < 1:
@@ -199,14 +203,14 @@ def loader_spec_from_manifest(
     shuffle: bool = True,
     task: str | None = None,
     num_learnable_end_tokens: int = 0,
-    mask_after_masked_end: bool = False,
+    mask_after_masked_end: float = 0.0,
 ) -> LoaderSpec:
     """A :class:`LoaderSpec` for a directory written by ``tools/prepare_data.py``.
 
     ``num_learnable_end_tokens`` (SFT only; 0 or 1: none) appends ``n - 1`` copies of the
     manifest's ``end_token_id`` to every sample (see the module docstring);
-    ``mask_after_masked_end`` lets a masked ``end_token_id`` mask the rest of its block
-    (:func:`.dual_stream.build_dual_stream_batch`).
+    ``mask_after_masked_end`` lets a masked ``end_token_id`` mask the rest of its block, in that
+    share of the blocks (:func:`.dual_stream.build_dual_stream_batch`).
     """
     manifest = read_manifest(data_dir)
     if task is not None and manifest["task"] != task:
@@ -430,6 +434,7 @@ def _build_row(spec: LoaderSpec, stream: int, row: int, docs: list[torch.Tensor]
             pad_to=spec.seq_length,
             pad_token_id=spec.pad_token_id,
             masked_end_token_id=spec.end_token_id if spec.mask_after_masked_end else None,
+            masked_end_probability=spec.mask_after_masked_end,
         )
     row = build_memory_only_row(docs, prompts, spec.block_size, spec.mask_token_id, spec.pad_token_id)
     return pad_dual_stream_batch(row, spec.seq_length)
