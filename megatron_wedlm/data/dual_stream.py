@@ -39,8 +39,8 @@ Choices (fixed here so every training path behaves the same):
 * Random draws, in this order from ``generator``: with ``random_block_offset`` one int per
   document first (so default batches are unchanged), then the gammas (one float64 per block or
   per document, in document/block order), then one int key per token, then, with
-  ``masked_end_token_id`` and ``masked_end_probability < 1``, one float64 per block. Same generator state and
-  inputs -> same batch. Use :func:`megatron_wedlm.data.seeding.rank_generator` to give each
+  ``masked_end_token_id`` and ``masked_end_probability < 1``, one float64 per block. Same
+  generator state and inputs -> same batch. Use :func:`megatron_wedlm.data.seeding.rank_generator` to give each
   data-parallel rank and step its own stream.
 * Per-slot fields on padding: ``doc_ids = -1``, ``position_ids = block_ids = 0``,
   ``input_ids = target_ids = pad_token_id`` (default: the mask token), no loss.
@@ -374,7 +374,7 @@ def _mask_after_masked_end(
     seen = torch.cumsum(masked_end, 0) - masked_end  # masked ends strictly before each token
     seen = seen - seen[blocks.start[blocks.of_token]]  # ... within its block
     added = (seen > 0) & ~docs.is_prompt
-    if probability < 1.0:  # no draw at 1, so rows built before the probability existed are unchanged
+    if probability < 1.0:  # nothing drawn at 1: every block, the same rows as the rule without a share
         chosen = torch.rand(blocks.length.numel(), generator=generator, dtype=torch.float64) < probability
         added &= chosen[blocks.of_token]
     is_masked = is_masked | added
