@@ -40,8 +40,8 @@ Choices (fixed here so every training path behaves the same):
   document first (so default batches are unchanged), then the gammas (one float64 per block or
   per document, in document/block order), then one int key per token, then, with
   ``masked_end_token_id`` and ``masked_end_probability < 1``, one float64 per block. Same
-  generator state and inputs -> same batch. Use :func:`megatron_wedlm.data.seeding.rank_generator` to give each
-  data-parallel rank and step its own stream.
+  generator state and inputs -> same batch. Use :func:`megatron_wedlm.data.seeding.rank_generator`
+  to give each data-parallel rank and step its own stream.
 * Per-slot fields on padding: ``doc_ids = -1``, ``position_ids = block_ids = 0``,
   ``input_ids = target_ids = pad_token_id`` (default: the mask token), no loss.
 * ``mask_ratio`` holds gamma on prediction-stream slots and 0 on memory and padding slots.
