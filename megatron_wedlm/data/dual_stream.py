@@ -33,7 +33,7 @@ Choices (fixed here so every training path behaves the same):
   most blocks that hold it (the learnable end copies, the template's newline), and a model then
   learns to end a reply only where it sees that, never where decoding needs it. Applied to every
   block, the converse goes missing: a window that has filled end copies before the end slot
-  itself (decoding does, for a reply whose length the prompt gives) is a state training never
+  itself (decoding can, for a reply whose length the prompt gives) is a state training never
   shows, and the model then reads observed end copies as "the end is not here" (docs/quickstart.md
   has both measurements). The extra masks do not change the block's gamma or its 1/gamma weight.
 * Random draws, in this order from ``generator``: with ``random_block_offset`` one int per
