@@ -159,12 +159,19 @@ def _as_token_tensor(doc: object, index: int) -> Tensor:
 
 
 def _validate_options(
-    block_size: int, eps: float, ratio_mode: str, pad_to: int | None, pad_to_multiple_of: int | None
+    block_size: int,
+    eps: float,
+    ratio_mode: str,
+    pad_to: int | None,
+    pad_to_multiple_of: int | None,
+    masked_end_probability: float,
 ) -> None:
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
     if not 0.0 < eps <= 1.0:
         raise ValueError(f"eps must be in (0, 1], got {eps!r}")
+    if not 0.0 <= masked_end_probability <= 1.0:
+        raise ValueError(f"masked_end_probability must be in [0, 1], got {masked_end_probability!r}")
     if ratio_mode not in ("block", "document"):
         raise ValueError(f"ratio_mode must be 'block' or 'document', got {ratio_mode!r}")
     if pad_to is not None and pad_to_multiple_of is not None:
@@ -457,9 +464,7 @@ def build_dual_stream_batch(
     if len(documents) == 0:
         raise ValueError("documents is empty; need at least one document to build a row")
     mask_token_id = _as_mask_token_id(mask_token_id)
-    _validate_options(block_size, eps, ratio_mode, pad_to, pad_to_multiple_of)
-    if not 0.0 <= masked_end_probability <= 1.0:
-        raise ValueError(f"masked_end_probability must be in [0, 1], got {masked_end_probability}")
+    _validate_options(block_size, eps, ratio_mode, pad_to, pad_to_multiple_of, masked_end_probability)
     tokens, lengths = _concatenate(documents, mask_token_id)
     prompts = _prompt_tensor(prompt_lengths, lengths)
     total = _padded_length(2 * tokens.numel(), pad_to, pad_to_multiple_of, max_length)
