@@ -44,7 +44,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from megatron_wedlm.decoding import METHODS
 from megatron_wedlm.decoding.cli import add_decoding_arguments, cli_values, float_list
 from megatron_wedlm.decoding.inputs import DTYPES
-from megatron_wedlm.decoding.options import describe, resolve_decoding_settings
+from megatron_wedlm.decoding.options import describe, resolve_decoding_settings, window_settings
 from megatron_wedlm.eval import evaluate, load_tasks, write_report
 from megatron_wedlm.eval.follow import FollowSettings, follow_run
 from megatron_wedlm.eval.runner import BATCH_SIZE, SPEED_EXAMPLES
@@ -173,8 +173,7 @@ def _evaluate(args: argparse.Namespace, methods: list[str], shots: dict[str, int
     start = time.perf_counter()
     report = evaluate(
         model, tokenizer, tasks, methods, taus=taus, mask_token_id=args.mask_token_id,
-        window_size=values["window_size"], distance_penalty=values["distance_penalty"],
-        fused_refill=values["fused_refill"], stop_at_eos=args.stop_at_eos,
+        **window_settings(values), stop_at_eos=args.stop_at_eos,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, seed=args.seed, chat=args.chat, keep_samples=not args.no_samples,
         progress=talk, model_name=args.model, batch_size=args.batch_size, speed_examples=args.speed_examples,
@@ -182,7 +181,7 @@ def _evaluate(args: argparse.Namespace, methods: list[str], shots: dict[str, int
     )
     if report is None:  # not rank 0: its decodes went into rank 0's report
         return 0
-    report.settings["decoding_sources"] = sources  # where window, tau, lambda and refill came from
+    report.settings["decoding_sources"] = sources  # where window, tau, lambda, refill and stop fill came from
     paths = write_report(report, args.out)
     with open(paths["markdown"], encoding="utf-8") as f:
         print(f.read())

@@ -62,7 +62,8 @@ def full_forward_logits(model, ids, positions):
 
 
 def reference_decode(
-    model, prompt, *, mask_id, window, tau, lam, max_new, stops=(), schedule="streaming", fused_refill=True
+    model, prompt, *, mask_id, window, tau, lam, max_new, stops=(), schedule="streaming", fused_refill=True,
+    contiguous_stop=False,
 ):
     """Algorithm 1 (or the block-wise baseline) written plainly, recomputing everything every step."""
     out, forwards, slots = [], 0, 0
@@ -107,10 +108,20 @@ def reference_decode(
                 h = -(p[p > 0] * p[p > 0].log()).sum().item()
                 adjusted[i] = h + lam * (i - masks[0])
             chosen = [i for i in masks if tau is not None and adjusted[i] < tau] or [min(masks, key=adjusted.get)]
-            for i in chosen:
+
+            def argmax(i):
                 scores = logits[i].clone()
                 scores[mask_id] = -math.inf
-                win[i] = int(scores.argmax())
+                return int(scores.argmax())
+
+            fill = {i: argmax(i) for i in chosen}
+            while contiguous_stop:  # drop a stop token with an unfilled mask before it, until none is left
+                early = [i for i in fill if fill[i] in stops and any(j < i and j not in fill for j in masks)]
+                if not early:
+                    break
+                del fill[early[0]]
+            for i, token in (fill or {masks[0]: argmax(masks[0])}).items():
+                win[i] = token
         win = win[n:]
         if n and schedule == "blockwise":
             block = len(win)
@@ -196,6 +207,28 @@ def test_stop_token_inside_the_window_matches_reference(tokenizer, schedule, fus
     assert result.token_ids == expected == free[:cut]
     assert (result.num_forwards, result.num_slots) == (forwards, slots)
     assert result.stop_reason == "stop_token"
+
+
+@pytest.mark.parametrize("schedule", ["streaming", "blockwise"])
+def test_contiguous_stop_puts_a_stop_token_only_after_filled_slots(tokenizer, schedule):
+    """With ``contiguous_stop`` the decoder equals the reference's rule (drop a stop token that has an
+    unfilled mask before it, else fill the leftmost mask); for some stop tokens the output changes."""
+    model = tiny_model(tokenizer, "qwen2", 60.0)  # unsure enough that some fills leave masks before them
+    mask_id = model.config.mask_token_id
+    prompt = tokenizer.encode("Repeat: a b c")
+    kw = dict(window_size=8, entropy_threshold=1.0, distance_penalty=0.02, max_new_tokens=40)
+    free = generate(model, prompt, method=schedule, **kw).token_ids
+    changed = 0
+    for stop in sorted(set(free)):
+        anywhere = generate(model, prompt, method=schedule, stop_token_ids=[stop], **kw)
+        held = generate(model, prompt, method=schedule, stop_token_ids=[stop], contiguous_stop=True, **kw)
+        expected, forwards, slots = reference_decode(
+            model, prompt, mask_id=mask_id, window=8, tau=1.0, lam=0.02, max_new=40, stops=(stop,),
+            schedule=schedule, contiguous_stop=True,
+        )
+        assert held.token_ids == expected and (held.num_forwards, held.num_slots) == (forwards, slots)
+        changed += held.token_ids != anywhere.token_ids or held.num_forwards != anywhere.num_forwards
+    assert changed  # the rule did apply somewhere, so the comparison above tested it
 
 
 def test_committed_kv_equals_one_causal_forward(tokenizer):

@@ -103,7 +103,8 @@ def checkpoint_with_defaults(checkpoint, tmp_path_factory):
     """The tiny checkpoint, storing its own decoding operating point in generation_config.json."""
     directory = tmp_path_factory.mktemp("tiny_wedlm_defaults")
     shutil.copytree(checkpoint, directory, dirs_exist_ok=True)
-    write_decoding_defaults(directory, {"window_size": 4, "entropy_threshold": 0.9, "fused_refill": False})
+    write_decoding_defaults(directory, {"window_size": 4, "entropy_threshold": 0.9, "fused_refill": False,
+                                        "contiguous_stop": True})
     return directory
 
 
@@ -117,16 +118,18 @@ def test_generate_uses_the_models_stored_defaults_unless_overridden(checkpoint_w
 
     stored = cli.main(common)
     assert {k: v["source"] for k, v in stored["decoding_settings"].items()} == {
-        "window_size": "model", "entropy_threshold": "model", "distance_penalty": "built-in", "fused_refill": "model"}
-    assert stored["refill"] == "paper"
+        "window_size": "model", "entropy_threshold": "model", "distance_penalty": "built-in", "fused_refill": "model",
+        "contiguous_stop": "model"}
+    assert stored["refill"] == "paper" and stored["decoding_settings"]["contiguous_stop"]["value"] is True
     expected = generate(model, prompt, window_size=4, entropy_threshold=0.9, fused_refill=False, max_new_tokens=20,
-                        stop_token_ids=eos)
+                        stop_token_ids=eos, contiguous_stop=True)
     assert (stored["token_ids"], stored["forwards"]) == (expected.token_ids, expected.num_forwards)
 
-    overridden = cli.main(common + ["--window-size", "8", "--refill", "fused"])
+    overridden = cli.main(common + ["--window-size", "8", "--refill", "fused", "--stop-fill", "anywhere"])
     settings = overridden["decoding_settings"]
     assert settings["window_size"] == {"value": 8, "source": "cli"}
     assert settings["fused_refill"] == {"value": True, "source": "cli"}
+    assert settings["contiguous_stop"] == {"value": False, "source": "cli"}
     assert settings["entropy_threshold"] == {"value": 0.9, "source": "model"}
     expected = generate(model, prompt, window_size=8, entropy_threshold=0.9, max_new_tokens=20, stop_token_ids=eos)
     assert (overridden["token_ids"], overridden["forwards"]) == (expected.token_ids, expected.num_forwards)
@@ -141,12 +144,16 @@ def test_evaluate_and_lm_eval_record_where_each_setting_came_from(checkpoint_wit
                      str(tmp_path), "--device", "cpu", "--quiet"]) == 0
     settings = json.loads((tmp_path / "report.json").read_text())["settings"]
     assert settings["decoding_sources"] == {
-        "window_size": "model", "entropy_threshold": "model", "distance_penalty": "cli", "fused_refill": "model"}
-    assert (settings["window_size"], settings["taus"], settings["distance_penalty"], settings["refill"]) == (
-        4, [0.9], 0.1, "paper")
+        "window_size": "model", "entropy_threshold": "model", "distance_penalty": "cli", "fused_refill": "model",
+        "contiguous_stop": "model"}
+    assert (settings["window_size"], settings["taus"], settings["distance_penalty"], settings["refill"],
+            settings["stop_fill"]) == (4, [0.9], 0.1, "paper", "contiguous")
 
     lm_eval_adapter = pytest.importorskip("megatron_wedlm.eval.lm_eval_adapter")
-    lm = lm_eval_adapter.WeDLMLM(pretrained=str(checkpoint_with_defaults), device="cpu", entropy_threshold="0.5")
+    lm = lm_eval_adapter.WeDLMLM(pretrained=str(checkpoint_with_defaults), device="cpu", entropy_threshold="0.5",
+                                 stop_fill="anywhere")
     assert lm.setting_sources == {
-        "window_size": "model", "entropy_threshold": "cli", "distance_penalty": "built-in", "fused_refill": "model"}
-    assert (lm.settings.window_size, lm.settings.entropy_threshold, lm.settings.fused_refill) == (4, 0.5, False)
+        "window_size": "model", "entropy_threshold": "cli", "distance_penalty": "built-in", "fused_refill": "model",
+        "contiguous_stop": "cli"}
+    assert (lm.settings.window_size, lm.settings.entropy_threshold, lm.settings.fused_refill,
+            lm.settings.contiguous_stop) == (4, 0.5, False, False)

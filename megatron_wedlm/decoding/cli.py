@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from megatron_wedlm.decoding.options import ONE_SLOT, REFILL_ORDERS
+from megatron_wedlm.decoding.options import ONE_SLOT, REFILL_ORDERS, STOP_FILLS
 
 
 def add_decoding_arguments(parser: argparse.ArgumentParser, entropy_threshold: bool = True) -> None:
-    """``--window-size``, ``--entropy-threshold``, ``--distance-penalty``, ``--refill`` and ``--stop-at-eos``.
+    """``--window-size``, ``--entropy-threshold``, ``--distance-penalty``, ``--refill``, ``--stop-fill``
+    and ``--stop-at-eos``.
 
-    The first four default to None = "not given", so the model's stored value can apply.
+    All but the last default to None = "not given", so the model's stored value can apply.
     """
     parser.add_argument("--window-size", type=int, default=None,
                         help="window W (default: the model's generation_config.json, else 16)")
@@ -30,6 +31,10 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, entropy_threshold: b
                         help="fused: the reference engine's schedule (the window is refilled before the forward, "
                              "so committing needs no forward of its own); paper: Algorithm 1's step order "
                              "(default: the model's, else fused)")
+    parser.add_argument("--stop-fill", choices=sorted(STOP_FILLS), default=None,
+                        help="anywhere: a stop token may fill any window slot (the reference engine); contiguous: "
+                             "only a slot whose earlier slots are all filled, so a reply's end is not placed "
+                             "before its text (default: the model's, else anywhere)")
     parser.add_argument("--stop-at-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="end generation at the tokenizer's / model's EOS token(s) (default, as the reference "
                              "engine; --no-stop-at-eos decodes past them)")
@@ -51,4 +56,5 @@ def cli_values(args: argparse.Namespace) -> dict[str, Any]:
         "entropy_threshold": ONE_SLOT if tau is not None and tau < 0 else tau,
         "distance_penalty": args.distance_penalty,
         "fused_refill": None if args.refill is None else REFILL_ORDERS[args.refill],
+        "contiguous_stop": None if args.stop_fill is None else STOP_FILLS[args.stop_fill],
     }

@@ -31,6 +31,7 @@ DECODING_KEYS: dict[str, type | tuple[type, ...]] = {
     "entropy_threshold": (int, float, type(None)),
     "distance_penalty": (int, float),
     "fused_refill": bool,
+    "contiguous_stop": bool,
 }
 
 

@@ -1,7 +1,7 @@
 """Decoding settings a caller gives: what the user gave, else what the model stores, else built-in.
 
 A model exported by the quickstart (or by hand, :mod:`.generation_defaults`) stores the
-operating point its trainer calibrated (window, tau, lambda, refill order) under ``"wedlm"`` in
+operating point its trainer calibrated (window, tau, lambda, refill order, stop fill) under ``"wedlm"`` in
 ``generation_config.json``, as HF keeps a model's own generation settings next to its weights.
 ``inference/generate.py``, ``inference/evaluate.py`` and the ``lm_eval`` adapter resolve each of
 these settings here, in one order, and report where each value came from (the command-line flags
@@ -22,6 +22,7 @@ from .settings import DecodeSettings
 
 CLI, MODEL, BUILT_IN = "cli", "model", "built-in"
 REFILL_ORDERS = {"fused": True, "paper": False}  # name -> fused_refill
+STOP_FILLS = {"anywhere": False, "contiguous": True}  # name -> contiguous_stop
 #: ``entropy_threshold`` given as "one slot per forward" (tau = None, which otherwise means "not given")
 ONE_SLOT = "one-slot"
 
@@ -44,6 +45,11 @@ def resolve_decoding_settings(
         else:
             values[key], sources[key] = getattr(built_in, key), BUILT_IN
     return values, sources
+
+
+def window_settings(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` less ``entropy_threshold``: the settings an evaluation applies to every tau of its sweep."""
+    return {key: value for key, value in values.items() if key != "entropy_threshold"}
 
 
 def describe(values: dict[str, Any], sources: dict[str, str]) -> str:

@@ -26,6 +26,7 @@ padded batch of masked tensors.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 
 import torch
 
@@ -84,9 +85,55 @@ class SlotSampler:
             chosen.append(rule)
             picks += [k + j for j in rule]
             k += len(slots)
-        at_picks = logits.index_select(0, torch.tensor(picks, dtype=torch.long, device=logits.device))
-        tokens = iter(sample_tokens(at_picks, s.temperature, s.top_k, s.top_p, self.generator).tolist())
-        return [([slots[j] for j in rule], [next(tokens) for _ in rule]) for slots, rule in zip(mask_slots, chosen)]
+        tokens = iter(self._draw(logits, picks))
+        fills = [([slots[j] for j in rule], [next(tokens) for _ in rule]) for slots, rule in zip(mask_slots, chosen)]
+        if s.contiguous_stop and s.stop_token_ids:
+            fills = self._hold_early_stops(logits, mask_slots, fills)
+        return fills
+
+    def _draw(self, logits: torch.Tensor, rows: list[int]) -> list[int]:
+        """One token from each of ``logits``'s ``rows`` (greedy or sampled)."""
+        at = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
+        return sample_tokens(at, self.settings.temperature, self.settings.top_k, self.settings.top_p,
+                             self.generator).tolist()
+
+    def _hold_early_stops(self, logits: torch.Tensor, mask_slots: list[list[int]],
+                          fills: list[tuple[list[int], list[int]]]) -> list[tuple[list[int], list[int]]]:
+        """``contiguous_stop``: each row's fills less its early stop tokens; a row left with none fills
+        its leftmost mask instead (one more draw, from that slot's logits)."""
+        stops = frozenset(self.settings.stop_token_ids)
+        held = [hold_early_stops(slots, tokens, masks, stops) for (slots, tokens), masks in zip(fills, mask_slots)]
+        empty = [r for r, (slots, _) in enumerate(held) if not slots and mask_slots[r]]
+        if empty:
+            first = list(accumulate((len(m) for m in mask_slots), initial=0))  # each row's first logits row
+            for r, token in zip(empty, self._draw(logits, [first[r] for r in empty])):
+                held[r] = ([mask_slots[r][0]], [token])
+        return held
+
+
+def hold_early_stops(
+    slots: Sequence[int], tokens: Sequence[int], masks: Sequence[int], stop_ids: frozenset[int]
+) -> tuple[list[int], list[int]]:
+    """The fills ``(slots, tokens)`` of one row without the stop tokens that would sit after a mask
+    this step leaves unfilled (``masks``: the row's mask slots, ascending).
+
+    Why (docs/method.md §3.5): a stop token ends the reply, so putting one into the window fixes the
+    reply's length; the slots before it are then filled to fit that length. The model's prediction of
+    an end several slots ahead is a guess about a length it has not written yet, often one slot off,
+    and a reply whose end was placed one slot late gets a token too many (a copied string whose last
+    letter comes twice). Held back, the stop token is put in once the slots before it are filled.
+    """
+    fill = dict(zip(slots, tokens))
+    kept_slots, kept_tokens = [], []
+    prefix_filled = True  # every mask left of the current one is filled this step
+    for slot in masks:
+        token = fill.get(slot)
+        if token is None or (token in stop_ids and not prefix_filled):
+            prefix_filled = False
+            continue
+        kept_slots.append(slot)
+        kept_tokens.append(token)
+    return kept_slots, kept_tokens
 
 
 def sample_tokens(

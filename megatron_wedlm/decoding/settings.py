@@ -17,7 +17,7 @@ AUTOREGRESSIVE = "ar"
 METHODS = (STREAMING, BLOCKWISE, AUTOREGRESSIVE)
 PARALLEL_METHODS = (STREAMING, BLOCKWISE)
 #: Settings that only the parallel decoders read (AR ignores them, so one object drives all methods).
-PARALLEL_ONLY = ("window_size", "entropy_threshold", "distance_penalty", "fused_refill")
+PARALLEL_ONLY = ("window_size", "entropy_threshold", "distance_penalty", "fused_refill", "contiguous_stop")
 
 
 def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
@@ -39,6 +39,9 @@ class DecodeSettings:
       ``distance_penalty`` lambda: the fill rule of docs/method.md §3.4.
     * ``fused_refill``: True (default) is the reference engine's schedule, False the paper's step
       order (see :mod:`megatron_wedlm.decoding.parallel`).
+    * ``contiguous_stop``: a stop token is put only into a slot whose earlier slots are all filled
+      (after this step's fills); False (default) is the reference engine's rule, a stop token
+      anywhere in the window (docs/method.md §3.5, :func:`~.sampling.hold_early_stops`).
     * ``max_new_tokens``; ``temperature`` (0 = greedy), ``top_k`` (0 = off), ``top_p`` (1 = off).
     * ``stop_token_ids``: a generation ends at the first one, which is kept in the output.
       ``stop_strings`` (need a tokenizer): it ends once the decoded output contains one.
@@ -50,6 +53,7 @@ class DecodeSettings:
     entropy_threshold: float | None = 0.4
     distance_penalty: float = 0.02
     fused_refill: bool = True
+    contiguous_stop: bool = False
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_k: int = 0

@@ -45,7 +45,7 @@ from typing import Any
 
 from megatron_wedlm.config import config_from_yaml_text
 from megatron_wedlm.config.schema import TrainConfig
-from megatron_wedlm.decoding.options import resolve_decoding_settings
+from megatron_wedlm.decoding.options import resolve_decoding_settings, window_settings
 from megatron_wedlm.eval.report import write_report
 from megatron_wedlm.eval.results import EvalReport
 from megatron_wedlm.eval.runner import evaluate
@@ -244,8 +244,7 @@ def _evaluate_checkpoint(key: tuple[int, str | None], path: Path, settings: Foll
     taus = list(settings.taus or [values["entropy_threshold"]])
     report = evaluate(
         model, tokenizer, list(settings.tasks), list(settings.methods), taus=taus,
-        window_size=values["window_size"], distance_penalty=values["distance_penalty"],
-        fused_refill=values["fused_refill"], model_name=str(path), **settings.evaluate_options,
+        **window_settings(values), model_name=str(path), **settings.evaluate_options,
     )
     metrics = row_metrics(report)
     report_dir = None

@@ -3,8 +3,9 @@
 * ``generate_until`` decodes with WeDLM streaming parallel decoding (``method=blockwise`` or
   ``ar`` in ``--model_args`` switch the decoder, for side-by-side runs; ``refill=fused``, the
   reference engine's schedule, is the default, ``refill=paper`` is Algorithm 1's step order;
+  ``stop_fill=contiguous`` puts a stop token only after filled slots (default ``anywhere``, the engine);
   ``stop_at_eos=false`` decodes past the tokenizer's EOS, which by default ends a generation;
-  window size, entropy threshold, distance penalty and refill default to the values stored with
+  window size, entropy threshold, distance penalty, refill and stop fill default to the values stored with
   a ``pretrained`` model, else the built-in ones, and ``setting_sources`` / the log say which);
 * ``loglikelihood`` / ``loglikelihood_rolling`` use the plain causal forward: a WeDLM checkpoint
   keeps its next-token head (the AR loss trains it), so likelihood tasks score as for any
@@ -41,7 +42,7 @@ except ImportError as e:  # pragma: no cover - exercised only without lm_eval in
 
 from megatron_wedlm.decoding.api import generate, generate_batch
 from megatron_wedlm.decoding.inputs import find_mask_token_id
-from megatron_wedlm.decoding.options import ONE_SLOT, REFILL_ORDERS, describe, resolve_decoding_settings
+from megatron_wedlm.decoding.options import ONE_SLOT, REFILL_ORDERS, STOP_FILLS, describe, resolve_decoding_settings
 from megatron_wedlm.decoding.settings import METHODS, DecodeSettings
 from megatron_wedlm.eval.tasks import truncate_at_stop
 from megatron_wedlm.training.hf_export import load_checkpoint
@@ -75,6 +76,7 @@ class WeDLMLM(LM):
         entropy_threshold: float | str | None = None,
         distance_penalty: float | None = None,
         refill: str | None = None,
+        stop_fill: str | None = None,
         stop_at_eos: bool | str = True,
         max_gen_toks: int = 256,
         max_length: int | None = None,
@@ -99,6 +101,8 @@ class WeDLMLM(LM):
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if refill is not None and refill not in REFILL_ORDERS:
             raise ValueError(f"refill must be fused (the reference engine's schedule) or paper, got {refill!r}")
+        if stop_fill is not None and stop_fill not in STOP_FILLS:
+            raise ValueError(f"stop_fill must be anywhere (the reference engine) or contiguous, got {stop_fill!r}")
         self.model, self.tokenizer = model.eval(), tokenizer
         self.mask_token_id = mask_token_id
         if entropy_threshold is not None:  # "none" in --model_args: one slot per forward
@@ -108,6 +112,7 @@ class WeDLMLM(LM):
             "entropy_threshold": entropy_threshold,
             "distance_penalty": None if distance_penalty is None else float(distance_penalty),
             "fused_refill": None if refill is None else REFILL_ORDERS[refill],
+            "contiguous_stop": None if stop_fill is None else STOP_FILLS[stop_fill],
         }
         values, self.setting_sources = resolve_decoding_settings(given, pretrained)
         logger.info(f"wedlm decoding settings: {describe(values, self.setting_sources)}")

@@ -51,6 +51,7 @@ import torch
 
 from megatron_wedlm.data.tokenizer import check_reload, save_tokenizer, train_tokenizer
 from megatron_wedlm.decoding.generation_defaults import write_decoding_defaults
+from megatron_wedlm.decoding.options import STOP_FILLS
 from megatron_wedlm.eval.builtin_tasks import builtin_task
 from megatron_wedlm.eval.report import write_report
 from megatron_wedlm.eval.results import EvalReport
@@ -294,7 +295,8 @@ class StagedRun:
                 "--taus", ",".join(f"{t:g}" for t in e.taus),
                 *([] if num_examples is None else ["--num-examples", str(num_examples)]),
                 "--seed", str(self.seed), "--window-size", str(e.window_size),
-                "--distance-penalty", f"{e.distance_penalty:g}", "--device", "cpu", "--dtype", dtype,
+                "--distance-penalty", f"{e.distance_penalty:g}", "--stop-fill", e.stop_fill,
+                "--device", "cpu", "--dtype", dtype,
                 "--speed-examples", speed_examples, "--out", out]
 
     def join_report_parts(self, out: Path, parts: list[str]) -> dict[str, Any]:
@@ -306,8 +308,8 @@ class StagedRun:
         return {"report": paths["json"], "joined": parts}
 
     def calibrate_into(self, base_report: Path, wedlm_report: Path, hf_dir: Path) -> dict[str, Any]:
-        """Choose tau on the calibration reports (``calibration.py``) and store it, with window and
-        penalty, in the exported WeDLM model's generation_config.json."""
+        """Choose tau on the calibration reports (``calibration.py``) and store it, with window,
+        penalty and stop fill, in the exported WeDLM model's generation_config.json."""
         e = self.settings.eval
         self.calibration = c = calibration_from_reports(
             EvalReport.load(str(base_report)), EvalReport.load(str(wedlm_report)), e.calibration_tasks,
@@ -315,7 +317,7 @@ class StagedRun:
         for line in describe(c, self.settings.accuracy_reference):
             self.console.print(f"[calibrate] {line}")
         defaults = {"window_size": e.window_size, "entropy_threshold": c.operating_tau,
-                    "distance_penalty": e.distance_penalty}
+                    "distance_penalty": e.distance_penalty, "contiguous_stop": STOP_FILLS[e.stop_fill]}
         path = write_decoding_defaults(hf_dir, defaults)
         self.console.print(f"[calibrate] decoding defaults {defaults} -> {path}")
         return {**asdict(c), "generation_config": str(path)}

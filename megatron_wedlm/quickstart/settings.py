@@ -23,6 +23,8 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from megatron_wedlm.decoding.options import STOP_FILLS
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PRESET_DIR = REPO_ROOT / "configs" / "quickstart"
 PRESETS = ("full", "ci", "smollm")
@@ -88,6 +90,9 @@ class EvalSettings:
     tau_per_task: bool = False
     window_size: int = 16
     distance_penalty: float = 0.02
+    # where a stop token may be put: "anywhere" in the window (the reference engine) or "contiguous",
+    # only after filled slots (megatron_wedlm/decoding/sampling.py, hold_early_stops)
+    stop_fill: str = "anywhere"
     # the task evaluation's weights and activations: one of EVAL_PRECISIONS ("native": bf16 where this
     # machine multiplies bf16 matrices natively, else fp32). A pretrained preset's general-prompt
     # check stays fp32: it compares with the base model's fp32 replies.
@@ -237,6 +242,8 @@ def _validate(s: AnySettings, path: Path) -> None:
     if not 0 <= s.eval.calibration_tolerance < 1:
         raise ValueError(f"{path}: eval.calibration_tolerance is a fraction in [0, 1) (0.01 = 1 point), "
                          f"got {s.eval.calibration_tolerance}")
+    if s.eval.stop_fill not in STOP_FILLS:
+        raise ValueError(f"{path}: eval.stop_fill must be one of {', '.join(STOP_FILLS)}, got {s.eval.stop_fill!r}")
     if s.eval.precision not in EVAL_PRECISIONS:
         raise ValueError(f"{path}: eval.precision must be one of {', '.join(EVAL_PRECISIONS)}, "
                          f"got {s.eval.precision!r}")
