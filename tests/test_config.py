@@ -157,6 +157,7 @@ def test_quickstart_presets_and_their_training_configs_load(preset):
     ("eval", "calibration_tolerance", 1.5, r"eval.calibration_tolerance is a fraction in \[0, 1\)"),
     ("sft", "precision", "fp16", r"sft.precision must be one of config, fp32, bf16, native, got 'fp16'"),
     ("eval", "precision", "config", r"eval.precision must be one of fp32, bf16, native, got 'config'"),
+    ("eval", "stop_fill", "early", r"eval.stop_fill must be one of anywhere, contiguous, got 'early'"),
     ("sft", "fp32_train_steps", 100, r"sft.fp32_train_steps is the step count for when precision 'native' falls "
                                      r"back to fp32: .* got 100 with precision 'config'"),
 ])

@@ -26,8 +26,10 @@ is filled (first on ties); greedy = argmax; a stop token is emitted and ends the
 fused into the first one, which is the engine's ``decode_forwards``. Deliberate deviations from
 the engine: the window is capped by the remaining token budget (the engine decodes past it and
 truncates), and the mask token is never emitted (its logit is excluded before entropy and
-sampling). Whether the tokenizer's EOS is a stop token is the caller's choice
-(``stop_token_ids``); the command lines stop at it by default, as the engine does.
+sampling); ``contiguous_stop`` (off by default) adds an optional one, a stop token only
+after filled slots (:func:`~.sampling.hold_early_stops`). Whether the tokenizer's EOS is a stop
+token is the caller's choice (``stop_token_ids``); the command lines stop at it by default, as
+the engine does.
 
 Choices this module makes (the method leaves them open; docs/method.md §3.5):
 
