@@ -26,7 +26,6 @@ padded batch of masked tensors.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import accumulate
 
 import torch
 
@@ -78,8 +77,9 @@ class SlotSampler:
         if not logits.shape[0]:
             return [([], []) for _ in mask_slots]
         entropies = entropy(logits).tolist()
-        chosen, picks, k = [], [], 0  # per row: indices into its slots; all of them as rows of ``logits``
+        chosen, picks, starts, k = [], [], [], 0  # per row: indices into its slots, its first row of ``logits``
         for slots in mask_slots:
+            starts.append(k)
             row_entropy = entropies[k : k + len(slots)]
             rule = select_slots(row_entropy, slots, s.entropy_threshold, s.distance_penalty) if slots else []
             chosen.append(rule)
@@ -88,7 +88,7 @@ class SlotSampler:
         tokens = iter(self._draw(logits, picks))
         fills = [([slots[j] for j in rule], [next(tokens) for _ in rule]) for slots, rule in zip(mask_slots, chosen)]
         if s.contiguous_stop and s.stop_token_ids:
-            fills = self._hold_early_stops(logits, mask_slots, fills)
+            fills = self._hold_early_stops(logits, mask_slots, starts, fills)
         return fills
 
     def _draw(self, logits: torch.Tensor, rows: list[int]) -> list[int]:
@@ -97,16 +97,15 @@ class SlotSampler:
         return sample_tokens(at, self.settings.temperature, self.settings.top_k, self.settings.top_p,
                              self.generator).tolist()
 
-    def _hold_early_stops(self, logits: torch.Tensor, mask_slots: list[list[int]],
+    def _hold_early_stops(self, logits: torch.Tensor, mask_slots: list[list[int]], starts: list[int],
                           fills: list[tuple[list[int], list[int]]]) -> list[tuple[list[int], list[int]]]:
         """``contiguous_stop``: each row's fills less its early stop tokens; a row left with none fills
-        its leftmost mask instead (one more draw, from that slot's logits)."""
+        its leftmost mask instead (one more draw, from that slot's logits: row ``starts[r]``)."""
         stops = frozenset(self.settings.stop_token_ids)
         held = [hold_early_stops(slots, tokens, masks, stops) for (slots, tokens), masks in zip(fills, mask_slots)]
         empty = [r for r, (slots, _) in enumerate(held) if not slots and mask_slots[r]]
         if empty:
-            first = list(accumulate((len(m) for m in mask_slots), initial=0))  # each row's first logits row
-            for r, token in zip(empty, self._draw(logits, [first[r] for r in empty])):
+            for r, token in zip(empty, self._draw(logits, [starts[r] for r in empty])):
                 held[r] = ([mask_slots[r][0]], [token])
         return held
 
