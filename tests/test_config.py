@@ -158,6 +158,10 @@ def test_quickstart_presets_and_their_training_configs_load(preset):
     ("sft", "precision", "fp16", r"sft.precision must be one of config, fp32, bf16, native, got 'fp16'"),
     ("eval", "precision", "config", r"eval.precision must be one of fp32, bf16, native, got 'config'"),
     ("eval", "stop_fill", "early", r"eval.stop_fill must be one of anywhere, contiguous, got 'early'"),
+    ("eval", "tasks", ["counting", "copying", "sorting"], r"eval.tasks \['sorting'\] are not built-in tasks"),
+    ("eval", "calibration_examples", 71, r"eval.calibration_examples is 71, but counting has only 70 calibration "
+                                         r"prompts: use at most 70"),
+    ("eval", "num_examples", 114, r"eval.num_examples is 114, but counting has only 113 test prompts"),
     ("sft", "fp32_train_steps", 100, r"sft.fp32_train_steps is the step count for when precision 'native' falls "
                                      r"back to fp32: .* got 100 with precision 'config'"),
 ])

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import json
+import random
 import re
 
 import pytest
 
 from megatron_wedlm.eval import answer_extraction as ax
 from megatron_wedlm.eval.builtin_tasks import (
+    _GENERATORS,
     FAMILIES,
+    SPLITS,
+    _keys,
     builtin_task,
     held_out_split,
     is_held_out,
+    split_size,
     training_corpus,
     training_pairs,
 )
@@ -107,6 +112,22 @@ def test_prompt_and_completion_tokenize_separately_as_joined():
 
 def _family(prompt: str) -> str:
     return "counting" if prompt.startswith("Count") else "copying" if prompt.startswith("Repeat") else "arithmetic"
+
+
+@pytest.mark.parametrize("family, draws", [("counting", 40_000), ("arithmetic", 400_000)])
+def test_split_sizes_count_every_prompt_the_generator_can_draw(family, draws):
+    """split_size counts an enumerated key set: it must be exactly the set the generator draws from,
+    and a task asking for every prompt of a split gets them all, one more is refused up front."""
+    rng = random.Random(0)
+    drawn = {_GENERATORS[family](rng)[0] for _ in range(draws)}
+    assert drawn == set(_keys(family))
+    for split in SPLITS:
+        size = split_size(family, split)
+        assert size == sum(held_out_split(k) == split for k in drawn)
+        assert len({e.uid for e in builtin_task(family, size, split=split).examples}) == size
+        with pytest.raises(ValueError, match=f"has {size} prompts in its {split} split, {size + 1} were asked"):
+            builtin_task(family, size + 1, split=split)
+    assert split_size("copying", "test") is None
 
 
 def test_builtin_bad_input():

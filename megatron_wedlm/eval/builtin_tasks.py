@@ -29,10 +29,11 @@ disjoint for every seed and size. Counting has 1,800 instances: 113 test, 70 cal
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 import string
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from megatron_wedlm.eval.tasks import EvalExample, Judgement, Task
 
@@ -98,6 +99,28 @@ _GENERATORS: dict[str, Callable[[random.Random], _Instance]] = {
 }
 
 
+def _keys(family: str) -> Iterator[str]:
+    """Every instance key ``family``'s generator can draw (counting and arithmetic: small finite sets)."""
+    if family == "counting":
+        yield from (f"counting:{a}:{a + k}" for a in range(200) for k in range(COUNT_MIN_STEPS, COUNT_MAX_STEPS + 1))
+    elif family == "arithmetic":
+        yield from (f"arithmetic:add:{a}:{b}" for a in range(100) for b in range(100))
+        yield from (f"arithmetic:mul:{a}:{b}" for a in range(1, 13) for b in range(1, 13))
+        yield from (f"arithmetic:multiples:{n}:{t}" for n in range(2, 100) for t in range(4, 13))
+    else:
+        raise ValueError(f"built-in task {family!r} has no finite key set")
+
+
+@functools.cache
+def split_size(family: str, split: str) -> int | None:
+    """How many distinct prompts ``family`` has in held-out ``split``; ``None`` where that is too many
+    to matter (copying: 26^3 to 26^12 strings). A task cannot ask for more prompts than this."""
+    _check_families([family])
+    if family == "copying":
+        return None
+    return sum(held_out_split(key) == split for key in _keys(family))
+
+
 def _check_families(families: Sequence[str]) -> None:
     unknown = [f for f in families if f not in _GENERATORS]
     if unknown or not families:
@@ -138,6 +161,10 @@ class BuiltinTask(Task):
         self.split = split
         # Budgets fit digit-by-digit tokenizers (Qwen): 13 numbers x (space + 3 digits) < 100.
         self.max_new_tokens = {"counting": 100, "copying": 40, "arithmetic": 80}[family]
+        available = split_size(family, split)
+        if available is not None and num_examples > available:
+            raise ValueError(f"built-in task {family!r} has {available} prompts in its {split} split, "
+                             f"{num_examples} were asked for: ask for at most {available}")
         rng = random.Random(f"eval:{family}:{seed}" + ("" if split == "test" else f":{split}"))
         seen: set[str] = set()
         examples = []

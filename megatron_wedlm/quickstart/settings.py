@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megatron_wedlm.decoding.options import STOP_FILLS
+from megatron_wedlm.eval.builtin_tasks import FAMILIES, split_size
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PRESET_DIR = REPO_ROOT / "configs" / "quickstart"
@@ -253,6 +254,16 @@ def _validate(s: AnySettings, path: Path) -> None:
     if outside or not s.eval.calibration_tasks:
         raise ValueError(f"{path}: eval.calibration_tasks must be some of eval.tasks {s.eval.tasks}, "
                          f"got {s.eval.calibration_tasks}")
+    unknown = [t for t in s.eval.tasks if t not in FAMILIES]
+    if unknown:
+        raise ValueError(f"{path}: eval.tasks {unknown} are not built-in tasks; choose from {', '.join(FAMILIES)}")
+    for key, split, tasks in (("num_examples", "test", s.eval.tasks),
+                              ("calibration_examples", "calibration", s.eval.calibration_tasks)):
+        for task in tasks:
+            available = split_size(task, split)
+            if available is not None and getattr(s.eval, key) > available:
+                raise ValueError(f"{path}: eval.{key} is {getattr(s.eval, key)}, but {task} has only {available} "
+                                 f"{split} prompts: use at most {available}")
     missing = [t for t in s.targets.low_entropy_tasks if t not in s.eval.tasks]
     if missing:
         raise ValueError(f"{path}: targets.low_entropy_tasks {missing} are not in eval.tasks {s.eval.tasks}")
