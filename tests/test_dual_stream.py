@@ -229,6 +229,38 @@ def test_a_masked_end_masks_the_rest_of_its_block(docs, block_size, random_offse
     assert (ended.mlm_weights[~ended.is_masked] == 0).all()
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    docs=documents_strategy,
+    block_size=st.integers(1, 9),
+    random_offset=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_pruning_keeps_every_memory_slot_and_exactly_the_prediction_blocks_with_a_mask(
+    docs, block_size, random_offset, seed
+):
+    """``prune_unmasked_blocks``: the same draws, and the full row's slots less each prediction
+    block (document, block) without a masked slot, in the same order; padding only after them."""
+    lengths, tokens, prompt_fracs = docs
+    documents, at = [], 0
+    for n in lengths:
+        documents.append(torch.tensor(tokens[at:at + n]))
+        at += n
+    prompts = [min(int(f * n), n - 1) for f, n in zip(prompt_fracs, lengths)]
+    kwargs = dict(prompt_lengths=prompts, random_block_offset=random_offset, masked_end_token_id=3)
+    full = build_dual_stream_batch(documents, block_size, MASK, torch.Generator().manual_seed(seed), **kwargs)
+    pruned = build_dual_stream_batch(documents, block_size, MASK, torch.Generator().manual_seed(seed),
+                                     prune_unmasked_blocks=True, pad_to=full.seq_len, **kwargs)
+    with_mask = {(int(d), int(b)) for d, b, m in zip(full.doc_ids, full.block_ids, full.is_masked) if m}
+    kept = [bool(memory) or (int(d), int(b)) in with_mask
+            for memory, d, b in zip(full.is_memory, full.doc_ids, full.block_ids)]
+    n = sum(kept)
+    assert n < full.seq_len or all(kept)
+    for name in full.tensor_field_names():
+        assert torch.equal(getattr(pruned, name)[:n], getattr(full, name)[torch.tensor(kept)]), name
+    assert pruned.is_padding[n:].all() and int(pruned.is_masked.sum()) == int(full.is_masked.sum())
+
+
 def test_selection_is_uniform_within_block_and_counts_follow_gamma():
     """Many 8-token documents in one row: each position masked equally often; counts ~ U(0,1] x 8 rounded."""
     docs = [torch.arange(1, 9)] * 4000
@@ -377,6 +409,40 @@ def test_packing_splits_block_aligned_and_keeps_every_token(lengths, block_size,
     if not fill:  # a row closes only when the next piece does not fit
         for row, following in zip(rows, rows[1:]):
             assert row.num_tokens + following.documents[0].numel() > capacity
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(2, 90), min_size=1, max_size=8),
+    block_size=st.integers(1, 8),
+    max_length=st.integers(16, 120),
+    prompt_fracs=st.lists(st.floats(0, 1), min_size=8, max_size=8),
+    seed=st.integers(0, 2**31),
+)
+def test_pruned_packing_fits_its_rows_for_any_block_offset_and_packs_at_least_as_tightly(
+    lengths, block_size, max_length, prompt_fracs, seed
+):
+    """Packed for pruned rows, every row fits ``max_length`` slots whatever block offsets are drawn,
+    holds every token once and in order, and no row holds fewer pieces than the unpruned packing
+    of the same documents gives up to that point."""
+    capacity = (max_length // 2) // block_size * block_size
+    documents = [torch.arange(1, n + 1) + 1000 * i for i, n in enumerate(lengths)]
+    prompts = [min(int(f * n), n - 1, capacity - 1) for f, n in zip(prompt_fracs, lengths)]
+    plain = pack_documents_into_rows(documents, max_length, block_size, prompt_lengths=prompts)
+    rows = pack_documents_into_rows(documents, max_length, block_size, prompt_lengths=prompts,
+                                    prune_unmasked_blocks=True)
+    for number, row in enumerate(rows):
+        batch = build_dual_stream_batch(row.documents, block_size, MASK, torch.Generator().manual_seed(seed + number),
+                                        prompt_lengths=row.prompt_lengths, random_block_offset=True,
+                                        prune_unmasked_blocks=True, pad_to=max_length)
+        assert batch.seq_len == max_length
+    assert [s for row in rows for s in row.sources] == [s for row in plain for s in row.sources]
+    assert len(rows) <= len(plain)
+    done_plain = done = 0
+    for a, b in zip(plain, rows):
+        done_plain += len(a.sources)
+        done += len(b.sources)
+        assert done >= done_plain
 
 
 def test_packing_errors():

@@ -289,6 +289,42 @@ def test_sft_rows_are_next_fit_and_never_mask_or_learn_prompts(sft_dir):
     assert skipped > 0  # samples whose prompt fills a whole row are skipped (and counted)
 
 
+def test_pruned_sft_rows_take_a_prompt_at_about_one_slot_a_token(sft_dir):
+    """``prune_unmasked_blocks``: next-fit where a sample of n tokens and prompt p takes
+    n - max(0, p - B + 1) // 2 token places (written out here), every row within its slots for the
+    block offsets drawn, the same pieces in the same order as unpruned rows, in no more rows."""
+    plain_spec = _spec(sft_dir, num_streams=4, seq_length=96, random_block_offset=True)
+    spec = _spec(sft_dir, num_streams=4, seq_length=96, random_block_offset=True, prune_unmasked_blocks=True)
+    capacity = row_capacity(spec)
+    pruned_any = False
+    for stream in range(spec.num_streams):
+        kept = [(t, p) for t, p in _epoch_samples(spec, stream, 0) if p < min(capacity, len(t))]
+        expected: list[list[list[int]]] = [[]]
+        used = 0
+        for tokens, prompt in kept:
+            pieces = [tokens[start:start + capacity] for start in range(0, len(tokens), capacity)]
+            for number, piece in enumerate(pieces):
+                whole = len(pieces) == 1
+                places = len(piece) - (max(0, prompt - BLOCK + 1) // 2 if whole else 0)
+                if expected[-1] and used + places > capacity:
+                    expected.append([])
+                    used = 0
+                expected[-1].append(piece)
+                used += places if number == len(pieces) - 1 else capacity  # a cut piece fills its row
+        rows, plain = stream_rows(spec, stream, StreamPosition()), stream_rows(plain_spec, stream, StreamPosition())
+        got, unpruned = [], []
+        for want in expected[:-1]:
+            item = next(rows)
+            assert _row_documents(item.batch) == want and item.batch.seq_len == 96
+            assert item.num_tokens == sum(map(len, want))
+            got += want
+            pruned_any |= bool(((~item.batch.is_memory) & ~item.batch.is_padding).sum() < item.num_tokens)
+        while sum(map(len, unpruned)) < sum(map(len, got)):
+            unpruned += _row_documents(next(plain).batch)
+        assert unpruned[: len(got)] == got  # the same pieces, in order, in fewer rows
+    assert pruned_any
+
+
 def test_memory_only_row_is_plain_next_token():
     docs = [torch.tensor([5, 6, 7, 8]), torch.tensor([9, 10, 11])]
     row = build_memory_only_row(docs, [0, 2], block_size=4, mask_token_id=2, pad_token_id=1)
@@ -427,6 +463,23 @@ def test_both_engines_read_sft_with_the_configured_end_tokens(sft_dir, overrides
     data = build_train_data(cfg, {}, 0, 1)
     assert data.spec.appended_end_tokens == appended
     assert data.state_dict()["appended_end_tokens"] == appended
+
+
+def test_wedlm_prune_unmasked_blocks_reaches_the_rows(sft_dir):
+    """The config key reaches the loader, and its rows hold no prediction block without a mask."""
+    from megatron_wedlm.config import load_config
+    from megatron_wedlm.training.run_data import build_train_data
+
+    cfg = load_config(ROOT / "configs" / "sft" / "tiny_cpu.yaml",
+                      [f"data.path={sft_dir}", "wedlm.prune_unmasked_blocks=true"])
+    data = build_train_data(cfg, {}, 0, 1)
+    batch, _ = data.next_microbatch()
+    prediction = ~batch.is_memory & ~batch.is_padding
+    blocks = {(int(r), int(d), int(b)) for r, d, b in zip(*torch.nonzero(prediction, as_tuple=True)[:1],
+                                                             batch.doc_ids[prediction], batch.block_ids[prediction])}
+    masked = {(int(r), int(d), int(b)) for r, d, b in zip(*torch.nonzero(batch.is_masked, as_tuple=True)[:1],
+                                                           batch.doc_ids[batch.is_masked], batch.block_ids[batch.is_masked])}
+    assert data.spec.prune_unmasked_blocks and blocks == masked
 # --------------------------------------------------------------------------------------------
 # Validation rows: fixed by their own seed, dealt to DP ranks as training rows, wrapping when short
 # --------------------------------------------------------------------------------------------

@@ -160,6 +160,22 @@ def model_checks(spec_dict: dict) -> dict:
             "logits": results["dense"], "target_ids": rows.target_ids, "is_masked": rows.is_masked,
             "mlm_weights": rows.mlm_weights, "ar_labels": rows.ar_labels, "mask_ratio": rows.mask_ratio,
         }
+
+    # 7. Pruned rows: the same documents and draws without the prediction blocks that hold no mask
+    #    (long SFT prompts, random block offsets) give the same loss and the same gradients.
+    docs = [torch.randint(0, spec.mask_token_id, (n,), generator=g) for n in (14, 9)]
+    results["prune"] = []
+    for prune in (False, True):
+        row = build_dual_stream_batch(docs, spec.block_size, spec.mask_token_id, torch.Generator().manual_seed(5),
+                                      prompt_lengths=[10, 6], random_block_offset=True, pad_to=spec.row_length,
+                                      prune_unmasked_blocks=prune)
+        model.zero_grad()
+        ce = model(row.input_ids[None], row.position_ids[None], attention_metadata=row.attention_metadata(),
+                   labels=wedlm_labels(row.is_masked, row.target_ids, row.ar_labels)[None])
+        loss = wedlm_loss(ce, row.is_masked[None], row.mlm_weights[None], row.ar_labels[None], ar_weight=0.5)
+        loss.total.backward()
+        results["prune"].append({"total": float(loss.total), "real_slots": int((row.doc_ids >= 0).sum()),
+                                 "grads": {n: p.grad.clone() for n, p in model.named_parameters()}})
     return results
 
 
@@ -232,6 +248,14 @@ def test_loss_matches_brute_force(checks, weighting, ar_weight):
     assert got["ar"] == pytest.approx(ar, rel=1e-5)
     assert got["total"] == pytest.approx((mlm + ar_weight * ar) / (1 + ar_weight), rel=1e-5)
     assert got["mlm_tokens"] == int(masked.sum()) and got["ar_tokens"] == int(has_ar.sum())
+
+
+def test_pruned_rows_give_the_same_loss_and_gradients(checks):
+    full, pruned = checks["prune"]
+    assert pruned["real_slots"] < full["real_slots"]  # the prompts' prediction blocks are gone
+    assert pruned["total"] == pytest.approx(full["total"], rel=1e-5)
+    for name, grad in full["grads"].items():
+        assert torch.allclose(pruned["grads"][name], grad, atol=ATOL, rtol=1e-4), name
 
 
 def test_mask_token_must_have_an_embedding_row_and_build_settings_name_real_choices():

@@ -93,6 +93,10 @@ class WeDLMConfig:
     # decoding window often knows nothing past an undecided end (docs/method.md §2.1); 0 = uniform
     # masking, the method's; 1 = every block, which never shows an observed end copy after a masked end
     mask_after_masked_end: float = 0.0
+    # leave the prediction-stream blocks without a masked slot out of each row (an SFT prompt's
+    # blocks): nothing attends them and they carry no loss, so loss and gradients are unchanged and
+    # SFT rows hold more pairs (docs/method.md §2.3); off = both streams whole, as the reference
+    prune_unmasked_blocks: bool = False
 
 
 @dataclass

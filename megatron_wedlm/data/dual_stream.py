@@ -36,6 +36,13 @@ Choices (fixed here so every training path behaves the same):
   itself (decoding can, for a reply whose length the prompt gives) is a state training never
   shows, and the model then reads observed end copies as "the end is not here" (docs/quickstart.md
   has both measurements). The extra masks do not change the block's gamma or its 1/gamma weight.
+* ``prune_unmasked_blocks`` (off by default; the method's rows hold both streams whole): the
+  prediction-stream blocks with no masked slot are left out of the row. Only slots of the same
+  prediction block attend a prediction slot, and an unmasked block carries no loss, so every
+  other slot's output, the loss and its gradients are unchanged (docs/method.md §2.3); the row is
+  just shorter. Why: an SFT prompt is never masked, so every block inside it is such a block (a
+  chat template's prompt is often most of a pair), and a loader that counts on this packs more
+  pairs into a row (:func:`.packing.pruned_prompt_tokens`).
 * Random draws, in this order from ``generator``: with ``random_block_offset`` one int per
   document first (so default batches are unchanged), then the gammas (one float64 per block or
   per document, in document/block order), then one int key per token, then, with
@@ -204,7 +211,7 @@ def _prompt_tensor(prompt_lengths: Sequence[int] | Tensor | None, lengths: Tenso
 def _padded_length(length: int, pad_to: int | None, pad_to_multiple_of: int | None, max_length: int | None) -> int:
     if max_length is not None and length > max_length:
         raise ValueError(
-            f"row length {length} (2 x {length // 2} tokens: memory + prediction streams) exceeds "
+            f"row length {length} (memory + prediction streams) exceeds "
             f"max_length {max_length}; split documents with pack_documents_into_rows"
         )
     target = length
@@ -451,12 +458,14 @@ def build_dual_stream_batch(
     pad_token_id: int | None = None,
     masked_end_token_id: int | None = None,
     masked_end_probability: float = 1.0,
+    prune_unmasked_blocks: bool = False,
 ) -> DualStreamBatch:
     """Pack ``documents`` into one dual-stream row ``[xo_0 ; xt_0 ; xo_1 ; xt_1 ; ...]``.
 
     ``mask_token_id`` is required (no default: 0 is a real token in most vocabularies).
     ``masked_end_token_id``: a masked token of this id masks the rest of its block, in a share
-    ``masked_end_probability`` of the blocks (module docstring).
+    ``masked_end_probability`` of the blocks (module docstring). ``prune_unmasked_blocks`` leaves
+    the prediction blocks without a masked slot out (module docstring; the draws are the same).
     ``generator`` drives every random choice (``None`` uses torch's global RNG). ``max_length``
     caps the row (ValueError if exceeded; see :func:`.packing.pack_documents_into_rows` for
     splitting). ``pad_to`` / ``pad_to_multiple_of`` append padding slots. All outputs are CPU.
@@ -467,7 +476,6 @@ def build_dual_stream_batch(
     _validate_options(block_size, eps, ratio_mode, pad_to, pad_to_multiple_of, masked_end_probability)
     tokens, lengths = _concatenate(documents, mask_token_id)
     prompts = _prompt_tensor(prompt_lengths, lengths)
-    total = _padded_length(2 * tokens.numel(), pad_to, pad_to_multiple_of, max_length)
     pad_id = mask_token_id if pad_token_id is None else pad_token_id
 
     docs = _document_tokens(tokens, lengths, prompts)
@@ -482,9 +490,27 @@ def build_dual_stream_batch(
         )
 
     place = _reordered_places(blocks, is_masked, num_masked)
-    row = _padding_slots(total, pad_id)
+    row = _padding_slots(2 * tokens.numel(), pad_id)
     _write_streams(row, docs, blocks, gamma, is_masked, place, mask_token_id)
+    if prune_unmasked_blocks:
+        kept = _slots_of_masked_blocks(row, docs, blocks, num_masked, place)
+        row = {name: tensor[kept] for name, tensor in row.items()}
+    length = row["input_ids"].numel()
+    total = _padded_length(length, pad_to, pad_to_multiple_of, max_length)
+    if total > length:
+        row = {name: torch.cat([tensor, pad[: total - length]])
+               for (name, tensor), pad in zip(row.items(), _padding_slots(total - length, pad_id).values())}
     return DualStreamBatch(**row, block_size=block_size, mask_token_id=mask_token_id, pad_token_id=int(pad_id))
+
+
+def _slots_of_masked_blocks(
+    row: dict[str, Tensor], docs: _DocumentTokens, blocks: _BlockGrid, num_masked: Tensor, place: Tensor
+) -> Tensor:
+    """Bool over the unpadded row: every memory slot, and the prediction slots of blocks with a mask."""
+    kept = torch.ones(row["input_ids"].numel(), dtype=torch.bool)
+    prediction_slot = docs.start + docs.lengths[docs.doc] + place  # as _write_streams places them
+    kept[prediction_slot] = num_masked[blocks.of_token] > 0
+    return kept
 
 
 def build_memory_only_row(

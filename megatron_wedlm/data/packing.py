@@ -26,6 +26,14 @@ earlier piece's memory (it lives in another row), so giving it the original posi
 train the model on contexts that never occur at inference. This is the usual
 truncate-and-continue treatment of pretraining documents that cross a row boundary.
 
+Rows whose unmasked prediction blocks are pruned (``prune_unmasked_blocks``, see
+:mod:`.dual_stream`) do not hold an SFT prompt's blocks in the prediction stream. Where the block
+grid falls is drawn later, with the masks, so the packer counts what every grid leaves out: all
+but the last ``block_size - 1`` prompt tokens (:func:`pruned_prompt_tokens`). A piece of ``n``
+tokens of which ``s`` are spared so takes ``2n - s`` slots, and the row its place counts as
+``n - s // 2`` tokens; a row never outgrows its slots, and the grid's real draw only adds padding.
+Only a piece that ends its document is counted so: a cut piece fills its row, as without pruning.
+
 SFT prompts are a prefix, so only the first piece(s) can hold prompt tokens: a piece's prompt
 length is the part of the prompt inside it. A prompt that fills a whole row leaves nothing to
 learn and is rejected (ValueError) rather than silently dropped; later pieces of a split SFT
@@ -42,18 +50,24 @@ from typing import Sequence
 
 from torch import Tensor
 
-__all__ = ["PackedRow", "next_piece_length", "pack_documents_into_rows", "piece_prompt_length"]
+__all__ = ["PackedRow", "next_piece_length", "pack_documents_into_rows", "piece_prompt_length",
+           "pruned_prompt_tokens", "spared_places"]
 
 
-def next_piece_length(remaining: int, space: int, capacity: int, block_size: int, *, fill: bool) -> int:
+def next_piece_length(
+    remaining: int, space: int, capacity: int, block_size: int, *, fill: bool, spared: int = 0
+) -> int:
     """Tokens of a document's ``remaining`` tokens that go into a row with ``space`` of its
     ``capacity`` tokens still free; 0 means "close this row and ask again with an empty one".
 
     ``fill=True`` packs pretraining rows full (block-aligned cut where the row ends);
     ``fill=False`` is next-fit (SFT: a document is only cut when it is longer than a row).
+    ``spared``: token places the remainder does not take if it goes in whole (a pruned row's
+    ``pruned_prompt_tokens(prompt) // 2``, module docstring); a piece still holds at most
+    ``capacity`` tokens, the positions a row is sized for.
     An empty row (``space == capacity``) always takes something, so the caller cannot loop.
     """
-    if remaining <= space:
+    if remaining - spared <= space and remaining <= capacity:
         return remaining
     if fill:
         return space // block_size * block_size
@@ -63,6 +77,19 @@ def next_piece_length(remaining: int, space: int, capacity: int, block_size: int
 def piece_prompt_length(prompt_length: int, start: int, piece_length: int) -> int:
     """The part of a document's prompt inside its piece ``[start, start + piece_length)``."""
     return min(max(prompt_length - start, 0), piece_length)
+
+
+def pruned_prompt_tokens(prompt_length: int, block_size: int) -> int:
+    """Prompt tokens whose prediction slots a pruned row leaves out, wherever the block grid
+    starts: a block edge lies within ``block_size - 1`` tokens before the prompt's end, and every
+    block before it holds prompt only (never masked)."""
+    return max(0, prompt_length - block_size + 1)
+
+
+def spared_places(prompt_length: int, block_size: int, prune: bool) -> int:
+    """Token places a piece with ``prompt_length`` prompt tokens leaves free in a pruned row (two
+    pruned slots are one token's place); 0 without pruning."""
+    return pruned_prompt_tokens(prompt_length, block_size) // 2 if prune else 0
 
 
 @dataclass
@@ -93,13 +120,15 @@ def pack_documents_into_rows(
     prompt_lengths: Sequence[int] | None = None,
     *,
     fill: bool = False,
+    prune_unmasked_blocks: bool = False,
 ) -> list[PackedRow]:
     """Cut documents at block-aligned points and pack the pieces, in order, into rows of at most
     ``(max_length // 2) // block_size * block_size`` tokens.
 
     ``fill=True`` is the loader's pretraining packing (rows filled, documents continued in the
-    next row); ``fill=False`` its SFT packing (next-fit). See the module docstring. Returns rows
-    whose ``row_length <= max_length``; build each with
+    next row); ``fill=False`` its SFT packing (next-fit). ``prune_unmasked_blocks``: the rows will
+    be built pruned, so a prompt takes fewer places (module docstring). Returns rows that fit
+    ``max_length`` slots (``row_length``, or fewer once pruned); build each with
     ``build_dual_stream_batch(row.documents, prompt_lengths=row.prompt_lengths, ...)``.
     """
     if len(documents) == 0:
@@ -141,7 +170,8 @@ def pack_documents_into_rows(
             )
         start = 0
         while start < length:
-            n = next_piece_length(length - start, capacity - used, capacity, block_size, fill=fill)
+            spared = spared_places(max(prompt - start, 0), block_size, prune_unmasked_blocks)
+            n = next_piece_length(length - start, capacity - used, capacity, block_size, fill=fill, spared=spared)
             if n == 0:
                 rows.append(PackedRow())
                 used = 0
@@ -150,5 +180,5 @@ def pack_documents_into_rows(
             rows[-1].prompt_lengths.append(piece_prompt_length(prompt, start, n))
             rows[-1].sources.append((index, start))
             start += n
-            used += n
+            used += n - (spared if start == length else 0)  # a cut piece fills its row
     return rows

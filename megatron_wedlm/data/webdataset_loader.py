@@ -33,7 +33,9 @@ How samples reach a rank (and why it is done this way):
   ones the whole sample would have had. Rows hold ``seq_length // 2`` tokens for WeDLM (two
   streams) and ``seq_length`` tokens for AR (``wedlm.enabled=false``, memory stream only),
   rounded down to whole blocks. SFT samples whose prompt fills a whole row cannot be learnt
-  and are skipped (counted in the position's ``skipped``).
+  and are skipped (counted in the position's ``skipped``). With ``prune_unmasked_blocks`` a
+  prompt's blocks leave the prediction stream, and a sample takes that much less of a row
+  (:mod:`~megatron_wedlm.data.packing`).
 * **Learnable end tokens.** WeDLM SFT reads every sample with ``appended_end_tokens``
   (``wedlm.num_learnable_end_tokens - 1``) copies of the reply's end token appended, as the
   reference finetune's ``num_learnable_im_end`` does: they belong to the reply (learnt, masked
@@ -74,7 +76,7 @@ from .dual_stream import (
     pad_dual_stream_batch,
     stack_dual_stream_batches,
 )
-from .packing import next_piece_length, piece_prompt_length
+from .packing import next_piece_length, piece_prompt_length, spared_places
 from .prepare import read_manifest
 from .seeding import rank_seed
 
@@ -131,6 +133,8 @@ class LoaderSpec:
     end_token_id: int = -1  # the token that ends a reply in the prepared data (manifest end_token_id)
     # the share of blocks in which a masked end_token_id masks the rest of the block (SFT, WeDLM; 0: none)
     mask_after_masked_end: float = 0.0
+    # WeDLM rows leave out prediction blocks without a mask, and SFT rows count on it (packing.py)
+    prune_unmasked_blocks: bool = False
 
     def __post_init__(self) -> None:
         if self.appended_end_tokens < 0:
@@ -204,13 +208,15 @@ def loader_spec_from_manifest(
     task: str | None = None,
     num_learnable_end_tokens: int = 0,
     mask_after_masked_end: float = 0.0,
+    prune_unmasked_blocks: bool = False,
 ) -> LoaderSpec:
     """A :class:`LoaderSpec` for a directory written by ``tools/prepare_data.py``.
 
     ``num_learnable_end_tokens`` (SFT only; 0 or 1: none) appends ``n - 1`` copies of the
     manifest's ``end_token_id`` to every sample (see the module docstring);
     ``mask_after_masked_end`` lets a masked ``end_token_id`` mask the rest of its block, in that
-    share of the blocks (:func:`.dual_stream.build_dual_stream_batch`).
+    share of the blocks, and ``prune_unmasked_blocks`` leaves the prediction blocks without a mask
+    out of the rows (:func:`.dual_stream.build_dual_stream_batch`).
     """
     manifest = read_manifest(data_dir)
     if task is not None and manifest["task"] != task:
@@ -251,6 +257,7 @@ def loader_spec_from_manifest(
         appended_end_tokens=appended,
         end_token_id=end_token,
         mask_after_masked_end=mask_after_masked_end,
+        prune_unmasked_blocks=prune_unmasked_blocks,
     )
 
 
@@ -392,9 +399,10 @@ def stream_rows(spec: LoaderSpec, stream: int, start: StreamPosition) -> Iterato
     """
     capacity = row_capacity(spec)
     fill = spec.task == "pretrain"
+    prune = spec.wedlm and spec.prune_unmasked_blocks
     docs: list[torch.Tensor] = []
     prompts: list[int] = []
-    used = 0
+    used = tokens = 0  # token places taken (fewer than tokens where a pruned row spares them), tokens
     rows = start.rows
     skipped = start.skipped
     for item in _samples(spec, stream, start):
@@ -404,19 +412,22 @@ def stream_rows(spec: LoaderSpec, stream: int, start: StreamPosition) -> Iterato
         offset = item.position.token_offset
         length = item.tokens.numel()
         while offset < length:
-            n = next_piece_length(length - offset, capacity - used, capacity, spec.block_size, fill=fill)
+            spared = spared_places(max(item.prompt_length - offset, 0), spec.block_size, prune)
+            n = next_piece_length(length - offset, capacity - used, capacity, spec.block_size, fill=fill,
+                                  spared=spared)
             if n == 0:
                 after = StreamPosition(
                     **{**asdict(item.position), "token_offset": offset, "rows": rows + 1, "skipped": skipped}
                 )
-                yield RowItem(_build_row(spec, stream, rows, docs, prompts), stream, rows, after, used)
+                yield RowItem(_build_row(spec, stream, rows, docs, prompts), stream, rows, after, tokens)
                 rows += 1
-                docs, prompts, used = [], [], 0
+                docs, prompts, used, tokens = [], [], 0, 0
                 continue
             docs.append(item.tokens[offset : offset + n])
             prompts.append(piece_prompt_length(item.prompt_length, offset, n))
             offset += n
-            used += n
+            used += n - (spared if offset == length else 0)  # a cut piece fills its row (packing.py)
+            tokens += n
 
 
 def _build_row(spec: LoaderSpec, stream: int, row: int, docs: list[torch.Tensor], prompts: list[int]) -> DualStreamBatch:
@@ -435,6 +446,7 @@ def _build_row(spec: LoaderSpec, stream: int, row: int, docs: list[torch.Tensor]
             pad_token_id=spec.pad_token_id,
             masked_end_token_id=spec.end_token_id if spec.mask_after_masked_end else None,
             masked_end_probability=spec.mask_after_masked_end,
+            prune_unmasked_blocks=spec.prune_unmasked_blocks,
         )
     row = build_memory_only_row(docs, prompts, spec.block_size, spec.mask_token_id, spec.pad_token_id)
     return pad_dual_stream_batch(row, spec.seq_length)

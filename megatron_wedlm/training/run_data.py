@@ -77,6 +77,7 @@ def _loader_spec(cfg: TrainConfig, data_dir: str, num_streams: int | None = None
             # AR SFT decodes left to right and stops at the first end token: no slot past it to train
             num_learnable_end_tokens=cfg.wedlm.num_learnable_end_tokens if cfg.wedlm.enabled else 0,
             mask_after_masked_end=cfg.wedlm.mask_after_masked_end if cfg.wedlm.enabled else 0.0,
+            prune_unmasked_blocks=cfg.wedlm.prune_unmasked_blocks,
         )
     except ValueError as err:
         if cfg.data.blend is None or data_dir == cfg.data.valid_path:
