@@ -474,12 +474,14 @@ def test_wedlm_prune_unmasked_blocks_reaches_the_rows(sft_dir):
                       [f"data.path={sft_dir}", "wedlm.prune_unmasked_blocks=true"])
     data = build_train_data(cfg, {}, 0, 1)
     batch, _ = data.next_microbatch()
+
+    def blocks(where: torch.Tensor) -> set[tuple[int, int, int]]:
+        """(row, document, block) of the slots ``where`` holds."""
+        rows = torch.nonzero(where, as_tuple=True)[0]
+        return set(zip(rows.tolist(), batch.doc_ids[where].tolist(), batch.block_ids[where].tolist()))
+
     prediction = ~batch.is_memory & ~batch.is_padding
-    blocks = {(int(r), int(d), int(b)) for r, d, b in zip(*torch.nonzero(prediction, as_tuple=True)[:1],
-                                                             batch.doc_ids[prediction], batch.block_ids[prediction])}
-    masked = {(int(r), int(d), int(b)) for r, d, b in zip(*torch.nonzero(batch.is_masked, as_tuple=True)[:1],
-                                                           batch.doc_ids[batch.is_masked], batch.block_ids[batch.is_masked])}
-    assert data.spec.prune_unmasked_blocks and blocks == masked
+    assert data.spec.prune_unmasked_blocks and blocks(prediction) == blocks(batch.is_masked)
 # --------------------------------------------------------------------------------------------
 # Validation rows: fixed by their own seed, dealt to DP ranks as training rows, wrapping when short
 # --------------------------------------------------------------------------------------------
