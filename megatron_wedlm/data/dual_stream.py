@@ -418,9 +418,10 @@ def _write_streams(
     is_masked: Tensor,
     place: Tensor,
     mask_token_id: int,
-) -> None:
+) -> Tensor:
     """Write every token into its memory slot and its prediction slot: document d occupies
-    physical slots ``[2*start_d, 2*start_d + 2*L_d)``, memory stream first."""
+    physical slots ``[2*start_d, 2*start_d + 2*L_d)``, memory stream first. Returns each
+    token's prediction slot."""
     tokens = docs.tokens
     memory_slot = docs.start + torch.arange(tokens.numel())
     prediction_slot = docs.start + docs.lengths[docs.doc] + place
@@ -440,6 +441,7 @@ def _write_streams(
         is_masked, 1.0 / token_gamma, torch.zeros_like(token_gamma)
     ).float()
     row["ar_labels"][memory_slot] = docs.ar_labels
+    return prediction_slot
 
 
 def build_dual_stream_batch(
@@ -491,9 +493,10 @@ def build_dual_stream_batch(
 
     place = _reordered_places(blocks, is_masked, num_masked)
     row = _padding_slots(2 * tokens.numel(), pad_id)
-    _write_streams(row, docs, blocks, gamma, is_masked, place, mask_token_id)
+    prediction_slot = _write_streams(row, docs, blocks, gamma, is_masked, place, mask_token_id)
     if prune_unmasked_blocks:
-        kept = _slots_of_masked_blocks(row, docs, blocks, num_masked, place)
+        kept = torch.ones(row["input_ids"].numel(), dtype=torch.bool)  # every memory slot stays
+        kept[prediction_slot] = num_masked[blocks.of_token] > 0
         row = {name: tensor[kept] for name, tensor in row.items()}
     length = row["input_ids"].numel()
     total = _padded_length(length, pad_to, pad_to_multiple_of, max_length)
@@ -501,16 +504,6 @@ def build_dual_stream_batch(
         row = {name: torch.cat([tensor, pad[: total - length]])
                for (name, tensor), pad in zip(row.items(), _padding_slots(total - length, pad_id).values())}
     return DualStreamBatch(**row, block_size=block_size, mask_token_id=mask_token_id, pad_token_id=int(pad_id))
-
-
-def _slots_of_masked_blocks(
-    row: dict[str, Tensor], docs: _DocumentTokens, blocks: _BlockGrid, num_masked: Tensor, place: Tensor
-) -> Tensor:
-    """Bool over the unpadded row: every memory slot, and the prediction slots of blocks with a mask."""
-    kept = torch.ones(row["input_ids"].numel(), dtype=torch.bool)
-    prediction_slot = docs.start + docs.lengths[docs.doc] + place  # as _write_streams places them
-    kept[prediction_slot] = num_masked[blocks.of_token] > 0
-    return kept
 
 
 def build_memory_only_row(

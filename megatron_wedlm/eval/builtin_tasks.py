@@ -45,7 +45,13 @@ SPLITS: tuple[str, ...] = ("test", "calibration")
 #: Counting ranges span this many steps. At most 12 (not more) because the end of a range is the one
 #: thing a small model must look up in the prompt; with longer ranges a model trained for minutes
 #: only learns a length prior and overshoots (docs/quickstart.md).
-COUNT_MIN_STEPS, COUNT_MAX_STEPS = 4, 12
+COUNT_STEPS = range(4, 13)
+# The other ranges the generators draw from; split_size enumerates the same ones.
+COUNT_STARTS = range(200)
+ADD_OPERANDS = range(100)
+MUL_FACTORS = range(1, 13)
+MULTIPLES_OF = range(2, 100)
+MULTIPLES_TERMS = range(4, 13)
 
 _Instance = tuple[str, str, str]  # (key, prompt, answer without the leading space)
 
@@ -67,9 +73,13 @@ def held_out_split(key: str) -> str | None:
     return "calibration" if bucket < CALIBRATION_PERCENT else "test"
 
 
+def _uniform(rng: random.Random, values: range) -> int:
+    return rng.randrange(values.start, values.stop)
+
+
 def _counting(rng: random.Random) -> _Instance:
-    start = rng.randrange(0, 200)
-    end = start + rng.randint(COUNT_MIN_STEPS, COUNT_MAX_STEPS)
+    start = _uniform(rng, COUNT_STARTS)
+    end = start + _uniform(rng, COUNT_STEPS)
     answer = " ".join(str(i) for i in range(start, end + 1))
     return f"counting:{start}:{end}", f"Count from {start} to {end}:", answer
 
@@ -82,12 +92,12 @@ def _copying(rng: random.Random) -> _Instance:
 def _arithmetic(rng: random.Random) -> _Instance:
     kind = rng.choice(("add", "mul", "multiples"))
     if kind == "add":
-        a, b = rng.randrange(100), rng.randrange(100)
+        a, b = _uniform(rng, ADD_OPERANDS), _uniform(rng, ADD_OPERANDS)
         return f"arithmetic:add:{a}:{b}", f"{a} + {b} =", str(a + b)
     if kind == "mul":
-        a, b = rng.randrange(1, 13), rng.randrange(1, 13)
+        a, b = _uniform(rng, MUL_FACTORS), _uniform(rng, MUL_FACTORS)
         return f"arithmetic:mul:{a}:{b}", f"{a} x {b} =", str(a * b)
-    n, terms = rng.randrange(2, 100), rng.randint(4, 12)
+    n, terms = _uniform(rng, MULTIPLES_OF), _uniform(rng, MULTIPLES_TERMS)
     answer = " ".join(str(n * i) for i in range(1, terms + 1))
     return f"arithmetic:multiples:{n}:{terms}", f"First {terms} multiples of {n}:", answer
 
@@ -102,11 +112,11 @@ _GENERATORS: dict[str, Callable[[random.Random], _Instance]] = {
 def _keys(family: str) -> Iterator[str]:
     """Every instance key ``family``'s generator can draw (counting and arithmetic: small finite sets)."""
     if family == "counting":
-        yield from (f"counting:{a}:{a + k}" for a in range(200) for k in range(COUNT_MIN_STEPS, COUNT_MAX_STEPS + 1))
+        yield from (f"counting:{a}:{a + k}" for a in COUNT_STARTS for k in COUNT_STEPS)
     elif family == "arithmetic":
-        yield from (f"arithmetic:add:{a}:{b}" for a in range(100) for b in range(100))
-        yield from (f"arithmetic:mul:{a}:{b}" for a in range(1, 13) for b in range(1, 13))
-        yield from (f"arithmetic:multiples:{n}:{t}" for n in range(2, 100) for t in range(4, 13))
+        yield from (f"arithmetic:add:{a}:{b}" for a in ADD_OPERANDS for b in ADD_OPERANDS)
+        yield from (f"arithmetic:mul:{a}:{b}" for a in MUL_FACTORS for b in MUL_FACTORS)
+        yield from (f"arithmetic:multiples:{n}:{t}" for n in MULTIPLES_OF for t in MULTIPLES_TERMS)
     else:
         raise ValueError(f"built-in task {family!r} has no finite key set")
 
