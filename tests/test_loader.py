@@ -482,6 +482,8 @@ def test_wedlm_prune_unmasked_blocks_reaches_the_rows(sft_dir):
 
     prediction = ~batch.is_memory & ~batch.is_padding
     assert data.spec.prune_unmasked_blocks and blocks(prediction) == blocks(batch.is_masked)
+
+
 # --------------------------------------------------------------------------------------------
 # Validation rows: fixed by their own seed, dealt to DP ranks as training rows, wrapping when short
 # --------------------------------------------------------------------------------------------
