@@ -155,6 +155,31 @@ def test_sft_without_template_needs_raw_mode(tmp_path, tokenizer_dir):
     assert read_manifest(tmp_path / "raw")["end_token_id"] == tok.eos_token_id
 
 
+def test_reply_end_names_the_end_token_and_skips_replies_without_it(tmp_path, tokenizer_dir, capsys):
+    """--reply-end: its one token becomes end_token_id in place of EOS; a reply that does not end
+    with it (before EOS) is a bad line naming file:line; a text of several tokens, or pretraining
+    data, is refused before anything is written."""
+    pairs = [{"prompt": "Count from 3 to 5:", "response": " 3 4 5\n"}, {"prompt": "Repeat a b:", "response": " a b"},
+             {"prompt": "12 + 35 =", "response": " 47\n"}]
+    src = write_lines(tmp_path / "pairs.jsonl", [json.dumps(p) for p in pairs])
+    out = tmp_path / "sft"
+    argv = ["--task", "sft", "--raw-sft", "--input", str(src), "--tokenizer", str(tokenizer_dir), "--output", str(out)]
+    assert _prepare_tool([*argv, "--reply-end", "\\n"]) == 0  # as a shell passes '\n'
+    assert f"skipped {src}:2: the reply does not end with reply_end ('\\n')" in capsys.readouterr().err
+    tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
+    [newline] = tok("\n", add_special_tokens=False)["input_ids"]
+    manifest = read_manifest(out)
+    assert (manifest["end_token_id"], manifest["reply_end"], manifest["num_samples"]) == (newline, "\n", 2)
+    assert newline != tok.eos_token_id
+    for tokens, meta in read_shards(out):
+        assert tokens[-2:] == [newline, tok.eos_token_id] and meta["prompt_length"] < len(tokens) - 2
+    for extra, message in ((["--reply-end", "4 5"], "must be one token"),
+                           (["--reply-end", "\\n", "--task", "pretrain"], "no meaning for pretraining")):
+        assert _prepare_tool([*argv, "--overwrite", *extra]) == 2
+        assert message in capsys.readouterr().err
+    assert read_manifest(out) == manifest  # the refused runs left the prepared directory as it was
+
+
 def test_cli_summary_and_refusal_to_overwrite(tmp_path, tokenizer_dir):
     src = write_lines(tmp_path / "d.jsonl", [json.dumps({"text": "a b c"}), "oops", json.dumps({"text": ""})])
     cmd = [sys.executable, str(ROOT / "tools" / "prepare_data.py"), "--input", str(src),

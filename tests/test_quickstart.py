@@ -99,6 +99,8 @@ def test_data_artefacts_parse(run):
     assert pairs and all(p["prompt"] and p["response"].endswith("\n") for p in pairs)
     sft_manifest = json.loads((out / "data" / "sft_shards" / "manifest.json").read_text())
     assert sft_manifest["num_samples"] == len(pairs) and sft_manifest["mask_token_id"] == tok.mask_token_id
+    # every answer ends with the newline, which the manifest names as the reply end
+    assert sft_manifest["end_token_id"] == tok.convert_tokens_to_ids("Ċ") and sft_manifest["bad_lines"] == 0
 
 
 def test_training_runs_wrote_losses_and_checkpoints(run):

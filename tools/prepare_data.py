@@ -21,6 +21,11 @@ from pathlib import Path
 from megatron_wedlm.data.prepare import DEFAULT_MASK_TOKEN, ENCODING_ERRORS, prepare_dataset
 
 
+def _unescaped(text: str) -> str:
+    """``text`` with backslash escapes read as in Python (a shell passes ``\\n`` as two characters)."""
+    return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--input", nargs="+", required=True, help="files or directories (.jsonl/.json/.txt)")
@@ -37,6 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mask-token", default=DEFAULT_MASK_TOKEN, help="added if the tokenizer has no mask token")
     parser.add_argument("--chat-template", help="jinja chat template file (SFT; overrides the tokenizer's)")
     parser.add_argument("--raw-sft", action="store_true", help="SFT without a chat template: prompt + response + EOS")
+    parser.add_argument(
+        "--reply-end", type=_unescaped,
+        help="SFT: the text, one token, that ends every reply before its closing special tokens (e.g. '\\n' for "
+        "replies that end with a newline before the EOS); recorded as the manifest's end_token_id, which "
+        "wedlm.mask_after_masked_end masks after; a reply that does not end with it is a bad line. Backslash "
+        "escapes are read as in Python. Default: the reply's last special token",
+    )
     parser.add_argument("--max-reported", type=int, default=100, help="bad lines listed individually")
     parser.add_argument(
         "--encoding-errors", choices=ENCODING_ERRORS, default="strict",
@@ -70,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             max_reported=args.max_reported,
             encoding_errors=args.encoding_errors,
             valid_fraction=args.valid_fraction,
+            reply_end=args.reply_end,
         )
     except (ValueError, OSError) as err:
         print(f"prepare_data: error: {err}", file=sys.stderr)

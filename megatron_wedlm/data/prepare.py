@@ -9,8 +9,9 @@ What a prepared directory holds (the contract with :mod:`.webdataset_loader`):
 * ``manifest.json``: task, shard list with sample/token counts, ``mask_token_id``,
   ``eos_token_id``, tokenizer length, and how many input lines were skipped and why; for SFT also
   ``end_token_id``, the token that ends a reply (the last special token of the first rendered
-  reply, e.g. the chat template's ``<|im_end|>``; EOS for raw pairs): the loader appends copies of
-  it as learnable end tokens (``wedlm.num_learnable_end_tokens``).
+  reply, e.g. the chat template's ``<|im_end|>``; EOS for raw pairs; or the token of
+  ``reply_end``): the loader appends copies of it as learnable end tokens
+  (``wedlm.num_learnable_end_tokens``), and ``wedlm.mask_after_masked_end`` masks after it.
 * ``valid/`` (with ``valid_fraction`` > 0): the held-out documents, a prepared directory of its
   own (shards, ``manifest.json``, ``tokenizer/``) for ``data.valid_path``. A document is held
   out when a hash of its source (``file:line`` as recorded, the input path as given) falls below
@@ -27,6 +28,11 @@ the assistant's reply, or ``{"prompt": ..., "response": ...}`` (``"completion"``
 everything before the final reply (the template's generation prompt included), and only the
 final reply is learnt. With ``chat_template=None`` and ``raw_sft=True`` pairs are concatenated
 as ``prompt + response + EOS`` (for base-model tasks that have no chat format).
+
+``reply_end`` names the reply's end where it is text before the closing special tokens, such as
+the newline that ends every answer of the built-in tasks and stops their decoding: its single token
+becomes ``end_token_id``, and a reply whose last token before its closing special tokens is
+another one is a bad line (so no sample quietly lacks the end the loader masks after).
 
 Bad input lines (invalid JSON, missing or non-string field, empty text, malformed messages, a
 sample with nothing to learn) are skipped; each is reported as ``file:line: reason`` and the
@@ -119,6 +125,7 @@ class PrepareSummary:
     mask_token_id: int = -1
     mask_token_added: bool = False
     end_token_id: int | None = None  # SFT: the token that ends a reply (see _reply_end_token)
+    reply_end: str | None = None  # SFT: the text named as the reply's end (prepare_dataset's reply_end)
     bad_lines: int = 0
     bad_by_reason: dict[str, int] = field(default_factory=dict)
     invalid_utf8: dict[str, dict[str, int]] = field(default_factory=dict)  # file -> bytes, lines, first_line
@@ -425,11 +432,16 @@ def _render_raw(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], i
     return prompt + reply, len(prompt)
 
 
+def _special_ids(tokenizer) -> set[int]:
+    special = set(tokenizer.all_special_ids)
+    special.update(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
+    return special
+
+
 def _reply_end_token(tokenizer, sample: Sample) -> int | None:
     """The last special token of a rendered reply: what ends a turn (a chat template's
     ``<|im_end|>`` before its trailing newline, or the raw pairs' EOS); None if it has none."""
-    special = set(tokenizer.all_special_ids)
-    special.update(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
+    special = _special_ids(tokenizer)
     for token in reversed(sample.tokens[sample.prompt_length:]):
         if token in special:
             return int(token)
@@ -443,6 +455,33 @@ def _recording_end_token(
     for item in samples:
         if summary.end_token_id is None and isinstance(item, Sample):
             summary.end_token_id = _reply_end_token(tokenizer, item)
+        yield item
+
+
+def _reply_end_token_id(tokenizer, reply_end: str, task: str) -> int:
+    """The one token of ``reply_end`` (a special token's text names that token)."""
+    if task != "sft":
+        raise ValueError("reply_end names the end of an SFT reply; it has no meaning for pretraining data")
+    ids = _ids(tokenizer(reply_end, add_special_tokens=False)["input_ids"])
+    if len(ids) != 1:
+        raise ValueError(f"reply_end {reply_end!r} is {len(ids)} tokens of this tokenizer ({ids}); it must be one "
+                         "token, the last of every reply before its closing special tokens")
+    return ids[0]
+
+
+def _ending_with(tokenizer, samples: Iterable[Sample | BadLine], end_id: int, reply_end: str
+                 ) -> Iterator[Sample | BadLine]:
+    """``samples``, with a reply whose last token before its closing special tokens is not
+    ``end_id`` turned into a bad line."""
+    special = _special_ids(tokenizer) - {end_id}
+    for item in samples:
+        if isinstance(item, Sample):
+            reply = list(item.tokens[item.prompt_length:])
+            while reply and reply[-1] in special:
+                reply.pop()
+            if not reply or reply[-1] != end_id:
+                file, _, line = item.source.rpartition(":")
+                item = BadLine(file, int(line), f"the reply does not end with reply_end ({reply_end!r})")
         yield item
 
 
@@ -543,10 +582,13 @@ def prepare_dataset(
     max_reported: int = 100,
     encoding_errors: str = "strict",
     valid_fraction: float = 0.0,
+    reply_end: str | None = None,
 ) -> PrepareSummary:
     """Tokenize ``inputs`` into webdataset shards under ``output_dir``; see the module docstring.
 
     ``valid_fraction``: the share of documents held out into ``output_dir/valid`` (0: none).
+    ``reply_end`` (SFT): the text, one token, that ends every reply before its closing special
+    tokens; recorded as ``end_token_id`` (None: the reply's last special token).
 
     ``report`` receives one line per bad input line (the first ``max_reported``) and per file
     with replaced invalid UTF-8, and is stderr by default. Every input is checked and the
@@ -570,7 +612,10 @@ def prepare_dataset(
 
     summary = PrepareSummary(task=task, output_dir=str(out), mask_token_id=mask_id, mask_token_added=added,
                              valid_fraction=valid_fraction)
-    if task == "sft":
+    if reply_end is not None:
+        summary.reply_end, summary.end_token_id = reply_end, _reply_end_token_id(tokenizer, reply_end, task)
+        samples = _ending_with(tokenizer, samples, summary.end_token_id, reply_end)
+    elif task == "sft":
         samples = _recording_end_token(tokenizer, samples, summary)
     with atomic_output_dir(out, inputs=read, overwrite=overwrite) as staging:
         valid = _ValidSplit(staging / VALID_DIR, samples_per_shard, valid_fraction) if valid_fraction else None
@@ -679,6 +724,7 @@ def _manifest(
         "mask_token_id": summary.mask_token_id,
         "eos_token_id": tokenizer.eos_token_id,
         **({"end_token_id": summary.end_token_id} if summary.task == "sft" else {}),
+        **({"reply_end": summary.reply_end} if summary.reply_end is not None else {}),
         "pad_token_id": tokenizer.pad_token_id,
         "tokenizer_length": len(tokenizer),
         "num_samples": summary.num_samples,

@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterator, Sequence
 from megatron_wedlm.eval.tasks import EvalExample, Judgement, Task
 
 FAMILIES: tuple[str, ...] = ("counting", "copying", "arithmetic")
+ANSWER_END = "\n"  # ends every completion and stops its decoding
 HELD_OUT_PERCENT = 10
 #: Held-out buckets below this one form the calibration split, the rest the test split.
 CALIBRATION_PERCENT = 4
@@ -153,13 +154,13 @@ def _draw(
 
 def normalize_answer(text: str) -> str:
     """The documented extraction: text up to the first newline, whitespace collapsed."""
-    return " ".join(text.split("\n", 1)[0].split())
+    return " ".join(text.split(ANSWER_END, 1)[0].split())
 
 
 class BuiltinTask(Task):
     """Exact-match task over one built-in family and held-out split; see the module docstring."""
 
-    stop_strings = ("\n",)
+    stop_strings = (ANSWER_END,)
 
     def __init__(self, family: str, num_examples: int = 50, seed: int = 0, split: str = "test"):
         _check_families([family])
@@ -195,7 +196,7 @@ def builtin_task(name: str, num_examples: int = 50, seed: int = 0, split: str = 
 
 def completion_of(answer: str) -> str:
     """The text a correct model generates for ``answer`` (a leading space, then the stop string)."""
-    return f" {answer}\n"
+    return f" {answer}{ANSWER_END}"
 
 
 def training_pairs(

@@ -8,7 +8,9 @@ their own: building text and training a tokenizer are what the quickstart *adds*
 else is the command a user would run, launched as a subprocess with the arguments printed:
 
 * ``tools/prepare_data.py``              corpus jsonl -> webdataset shards; SFT pairs -> shards
-  (``--task sft --raw-sft``: prompts unmaskable, no loss on them)
+  (``--task sft --raw-sft``: prompts unmaskable, no loss on them; ``--reply-end '\\n'``: the
+  newline that ends every answer is the reply's end token, for ``wedlm.mask_after_masked_end``
+  and the learnable end tokens)
 * ``torchrun pretrain/pretrain_wedlm.py`` AR pretraining from scratch (``wedlm.enabled=false``),
   then WeDLM continued pretraining from its last checkpoint (``model.init_from``)
 * ``torchrun sft/sft_wedlm.py``          WeDLM SFT on the task pairs from the WeDLM checkpoint
@@ -52,7 +54,7 @@ import torch
 from megatron_wedlm.data.tokenizer import check_reload, save_tokenizer, train_tokenizer
 from megatron_wedlm.decoding.generation_defaults import write_decoding_defaults
 from megatron_wedlm.decoding.options import STOP_FILLS
-from megatron_wedlm.eval.builtin_tasks import builtin_task
+from megatron_wedlm.eval.builtin_tasks import ANSWER_END, builtin_task
 from megatron_wedlm.eval.report import write_report
 from megatron_wedlm.eval.results import EvalReport
 from megatron_wedlm.eval.runner import combine_reports
@@ -378,8 +380,10 @@ class Quickstart(StagedRun):
                 "corpus_tokens": n_tokens, "path": str(self.layout.tokenizer)}
 
     def prepare_data(self) -> dict[str, Any]:
+        # the reply end is passed escaped ('\\n'), as the command is printed on one line (console, report.md)
         jobs = {"pretrain": (self.layout.corpus, self.layout.shards, []),
-                "sft": (self.layout.sft_pairs, self.layout.sft_shards, ["--task", "sft", "--raw-sft"])}
+                "sft": (self.layout.sft_pairs, self.layout.sft_shards,
+                        ["--task", "sft", "--raw-sft", "--reply-end", ANSWER_END.encode("unicode_escape").decode()])}
 
         def prepare(name: str) -> dict[str, Any]:
             source, out, extra = jobs[name]
