@@ -177,6 +177,9 @@ def test_reply_end_names_the_end_token_and_skips_replies_without_it(tmp_path, to
                            (["--reply-end", "\\n", "--task", "pretrain"], "no meaning for pretraining")):
         assert _prepare_tool([*argv, "--overwrite", *extra]) == 2
         assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _prepare_tool([*argv, "--overwrite", "--reply-end", "\\x"])
+    assert "--reply-end: '\\x' has a broken backslash escape" in capsys.readouterr().err
     assert read_manifest(out) == manifest  # the refused runs left the prepared directory as it was
 
 

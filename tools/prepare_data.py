@@ -23,7 +23,11 @@ from megatron_wedlm.data.prepare import DEFAULT_MASK_TOKEN, ENCODING_ERRORS, pre
 
 def _unescaped(text: str) -> str:
     """``text`` with backslash escapes read as in Python (a shell passes ``\\n`` as two characters)."""
-    return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    try:
+        return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError as err:
+        raise argparse.ArgumentTypeError(f"'{text}' has a broken backslash escape ({err.reason}); "
+                                         "escapes are read as in Python, e.g. '\\n' for a newline") from err
 
 
 def main(argv: list[str] | None = None) -> int:
