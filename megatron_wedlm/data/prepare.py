@@ -107,6 +107,12 @@ class BadLine:
     def __str__(self) -> str:
         return f"{self.file}:{self.line}: {self.reason}"
 
+    @classmethod
+    def at(cls, source: str, reason: str) -> BadLine:
+        """The bad line at ``source``, a sample's ``file:line``."""
+        file, _, line = source.rpartition(":")
+        return cls(file, int(line), reason)
+
 
 @dataclass
 class Sample:
@@ -480,8 +486,7 @@ def _ending_with(tokenizer, samples: Iterable[Sample | BadLine], end_id: int, re
             while reply and reply[-1] in special:
                 reply.pop()
             if not reply or reply[-1] != end_id:
-                file, _, line = item.source.rpartition(":")
-                item = BadLine(file, int(line), f"the reply does not end with reply_end ({reply_end!r})")
+                item = BadLine.at(item.source, f"the reply does not end with reply_end ({reply_end!r})")
         yield item
 
 
@@ -494,8 +499,7 @@ def _sft_samples(tokenizer, records, raw: bool) -> Iterator[Sample | BadLine]:
         source, messages = record
         result = render(tokenizer, messages)
         if isinstance(result, str):
-            file, _, line = source.rpartition(":")
-            yield BadLine(file, int(line), result)
+            yield BadLine.at(source, result)
             continue
         tokens, prompt_length = result
         yield Sample(tokens=tokens, prompt_length=prompt_length, source=source)
@@ -755,8 +759,7 @@ def _write_samples(
     try:
         for item in samples:
             if isinstance(item, Sample) and mask_id in item.tokens:
-                file, _, line = item.source.rpartition(":")
-                item = BadLine(file, int(line), "contains the mask token")
+                item = BadLine.at(item.source, "contains the mask token")
             if isinstance(item, BadLine):
                 summary.bad_lines += 1
                 reasons[_reason_kind(item.reason)] += 1
