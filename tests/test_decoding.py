@@ -23,6 +23,7 @@ from megatron_wedlm.decoding import (
     streaming_generate,
 )
 from megatron_wedlm.decoding.parallel import decode
+from megatron_wedlm.decoding.sampling import select_slots, stop_token_vocabulary
 from megatron_wedlm.testing.tiny_models import build_tiny_model, build_tiny_tokenizer
 
 
@@ -63,9 +64,12 @@ def full_forward_logits(model, ids, positions):
 
 def reference_decode(
     model, prompt, *, mask_id, window, tau, lam, max_new, stops=(), schedule="streaming", fused_refill=True,
-    contiguous_stop=False,
+    contiguous_stop=False, stop_penalty=False,
 ):
-    """Algorithm 1 (or the block-wise baseline) written plainly, recomputing everything every step."""
+    """Algorithm 1 (or the block-wise baseline) written plainly, recomputing everything every step.
+
+    ``stop_penalty``: a mask's score also carries ``-log(1 - p)`` of each mask before it that is not
+    filled this step, ``p`` its probability of a stop token."""
     out, forwards, slots = [], 0, 0
     win = [mask_id] * min(window, max_new)
     block = len(win)
@@ -100,14 +104,18 @@ def reference_decode(
             break
         masks = [i for i, t in enumerate(win) if t == mask_id]
         if masks:
-            adjusted = {}
+            adjusted, chosen, not_ended = {}, [], 1.0  # not_ended: P(no stop in the masks left unfilled so far)
             for i in masks:
                 scores = logits[i].clone()
                 scores[mask_id] = -math.inf
                 p = torch.softmax(scores, -1)
                 h = -(p[p > 0] * p[p > 0].log()).sum().item()
-                adjusted[i] = h + lam * (i - masks[0])
-            chosen = [i for i in masks if tau is not None and adjusted[i] < tau] or [min(masks, key=adjusted.get)]
+                adjusted[i] = h + lam * (i - masks[0]) - (math.log(not_ended) if stop_penalty else 0.0)
+                if tau is not None and adjusted[i] < tau:
+                    chosen.append(i)
+                else:
+                    not_ended *= 1.0 - sum(p[t].item() for t in stops)
+            chosen = chosen or [min(masks, key=adjusted.get)]
 
             def argmax(i):
                 scores = logits[i].clone()
@@ -209,10 +217,13 @@ def test_stop_token_inside_the_window_matches_reference(tokenizer, schedule, fus
     assert result.stop_reason == "stop_token"
 
 
+@pytest.mark.parametrize("option", ["contiguous_stop", "stop_penalty"])
 @pytest.mark.parametrize("schedule", ["streaming", "blockwise"])
-def test_contiguous_stop_puts_a_stop_token_only_after_filled_slots(tokenizer, schedule):
-    """With ``contiguous_stop`` the decoder equals the reference's rule (drop a stop token that has an
-    unfilled mask before it, else fill the leftmost mask); for some stop tokens the output changes."""
+def test_stop_rules_match_the_reference_for_every_stop_token(tokenizer, schedule, option):
+    """With ``contiguous_stop`` (drop a stop token that has an unfilled mask before it, else fill the
+    leftmost mask) or ``stop_penalty`` (a slot after masks left unfilled also scores ``-log P(no
+    stop in them)``) the decoder equals the reference's rule for every stop token the model
+    produces; for some of them the output or the forwards change, so the rule was exercised."""
     model = tiny_model(tokenizer, "qwen2", 60.0)  # unsure enough that some fills leave masks before them
     mask_id = model.config.mask_token_id
     prompt = tokenizer.encode("Repeat: a b c")
@@ -220,15 +231,52 @@ def test_contiguous_stop_puts_a_stop_token_only_after_filled_slots(tokenizer, sc
     free = generate(model, prompt, method=schedule, **kw).token_ids
     changed = 0
     for stop in sorted(set(free)):
-        anywhere = generate(model, prompt, method=schedule, stop_token_ids=[stop], **kw)
-        held = generate(model, prompt, method=schedule, stop_token_ids=[stop], contiguous_stop=True, **kw)
+        engine = generate(model, prompt, method=schedule, stop_token_ids=[stop], **kw)
+        ruled = generate(model, prompt, method=schedule, stop_token_ids=[stop], **{option: True}, **kw)
         expected, forwards, slots = reference_decode(
             model, prompt, mask_id=mask_id, window=8, tau=1.0, lam=0.02, max_new=40, stops=(stop,),
-            schedule=schedule, contiguous_stop=True,
+            schedule=schedule, **{option: True},
         )
-        assert held.token_ids == expected and (held.num_forwards, held.num_slots) == (forwards, slots)
-        changed += held.token_ids != anywhere.token_ids or held.num_forwards != anywhere.num_forwards
-    assert changed  # the rule did apply somewhere, so the comparison above tested it
+        assert ruled.token_ids == expected and (ruled.num_forwards, ruled.num_slots) == (forwards, slots)
+        changed += ruled.token_ids != engine.token_ids or ruled.num_forwards != engine.num_forwards
+    assert changed
+
+
+def test_stop_penalty_without_stop_tokens_is_the_engine_rule(tokenizer):
+    model = tiny_model(tokenizer, "qwen2", 60.0)
+    prompt = tokenizer.encode("Repeat: a b c")
+    kw = dict(window_size=8, entropy_threshold=1.0, distance_penalty=0.02, max_new_tokens=30)
+    plain, weighed = (generate(model, prompt, stop_penalty=on, **kw) for on in (False, True))
+    assert (weighed.token_ids, weighed.num_forwards) == (plain.token_ids, plain.num_forwards)
+
+
+def test_fill_rule_weighs_only_the_masks_left_unfilled():
+    slots = [0, 1, 2]
+    # the engine's rule fills every slot under tau, whatever lies before it
+    assert select_slots([0.0, 0.9, 0.0], slots, 0.4, 0.0) == [0, 2]
+    # slot 1 stays a mask and likely holds a stop, so the confident slot after it waits
+    assert select_slots([0.0, 0.9, 0.0], slots, 0.4, 0.0, [0.0, 0.9, 0.0]) == [0]
+    # filled this step, slot 1's token is decided and holds nothing back
+    assert select_slots([0.0, 0.1, 0.0], slots, 0.4, 0.0, [0.0, 0.9, 0.0]) == [0, 1, 2]
+    # nothing qualifies: the argmin counts the penalty too (slot 2 alone would have the lowest entropy)
+    assert select_slots([0.5, 0.6, 0.45], slots, 0.4, 0.0, [0.9, 0.0, 0.0]) == [0]
+    assert select_slots([0.5, 0.6, 0.45], slots, 0.4, 0.0) == [2]
+    # a certain stop keeps the penalty finite, and no threshold is cleared behind it
+    assert select_slots([0.5, 0.0], [3, 4], None, 0.0, [1.0, 0.0]) == [0]
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):  # stop probabilities of 0 leave the engine's rule unchanged
+        n = int(torch.randint(1, 12, (1,), generator=gen))
+        entropy = torch.rand(n, generator=gen).mul(0.8).tolist()
+        window = sorted(torch.randperm(16, generator=gen)[:n].tolist())
+        for tau in (None, 0.3):
+            assert select_slots(entropy, window, tau, 0.05, [0.0] * n) == select_slots(entropy, window, tau, 0.05)
+
+
+def test_stop_vocabulary_is_the_stop_ids_and_every_token_holding_a_stop_string(tokenizer):
+    stops = stop_token_vocabulary(tokenizer, [0], ["a", "Z"])
+    assert stops == sorted({0} | {i for i in range(len(tokenizer)) if {"a", "Z"} & set(tokenizer.decode([i]))})
+    assert tokenizer.convert_tokens_to_ids("a") in stops and tokenizer.convert_tokens_to_ids("b") not in stops
+    assert stop_token_vocabulary(tokenizer, [5, 3], []) == [3, 5]
 
 
 def test_committed_kv_equals_one_causal_forward(tokenizer):

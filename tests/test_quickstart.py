@@ -207,7 +207,8 @@ def test_exported_wedlm_model_carries_the_calibrated_decoding_defaults(run):
     e = json.loads((out / "report.json").read_text())["quickstart"]["settings"]["eval"]
     assert read_decoding_defaults(out / "hf" / "wedlm") == {
         "window_size": e["window_size"], "entropy_threshold": e["operating_tau"],
-        "distance_penalty": e["distance_penalty"], "contiguous_stop": e["stop_fill"] == "contiguous"}
+        "distance_penalty": e["distance_penalty"], "contiguous_stop": e["stop_fill"] == "contiguous",
+        "stop_penalty": e["stop_penalty"]}
     generation_config = json.loads((out / "hf" / "wedlm" / "generation_config.json").read_text())
     assert "transformers_version" in generation_config  # HF's own keys are kept next to ours
 

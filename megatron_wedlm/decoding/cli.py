@@ -15,8 +15,8 @@ from megatron_wedlm.decoding.options import ONE_SLOT, REFILL_ORDERS, STOP_FILLS
 
 
 def add_decoding_arguments(parser: argparse.ArgumentParser, entropy_threshold: bool = True) -> None:
-    """``--window-size``, ``--entropy-threshold``, ``--distance-penalty``, ``--refill``, ``--stop-fill``
-    and ``--stop-at-eos``.
+    """``--window-size``, ``--entropy-threshold``, ``--distance-penalty``, ``--refill``, ``--stop-fill``,
+    ``--stop-penalty`` and ``--stop-at-eos``.
 
     All but the last default to None = "not given", so the model's stored value can apply.
     """
@@ -35,6 +35,11 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, entropy_threshold: b
                         help="anywhere: a stop token may fill any window slot (the reference engine); contiguous: "
                              "only a slot whose earlier slots are all filled, so a reply's end is not placed "
                              "before its text (default: the model's, else anywhere)")
+    parser.add_argument("--stop-penalty", action=argparse.BooleanOptionalAction, default=None,
+                        help="score a slot after masks that may hold a stop token by the chance that the reply "
+                             "goes on (-log P(no stop before it) is added to its penalised entropy), so text past "
+                             "a likely end is not filled on confidence alone; --no-stop-penalty is the reference "
+                             "engine's rule (default: the model's, else off)")
     parser.add_argument("--stop-at-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="end generation at the tokenizer's / model's EOS token(s) (default, as the reference "
                              "engine; --no-stop-at-eos decodes past them)")
@@ -57,4 +62,5 @@ def cli_values(args: argparse.Namespace) -> dict[str, Any]:
         "distance_penalty": args.distance_penalty,
         "fused_refill": None if args.refill is None else REFILL_ORDERS[args.refill],
         "contiguous_stop": None if args.stop_fill is None else STOP_FILLS[args.stop_fill],
+        "stop_penalty": args.stop_penalty,
     }

@@ -32,6 +32,7 @@ DECODING_KEYS: dict[str, type | tuple[type, ...]] = {
     "distance_penalty": (int, float),
     "fused_refill": bool,
     "contiguous_stop": bool,
+    "stop_penalty": bool,
 }
 
 

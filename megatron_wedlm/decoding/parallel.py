@@ -26,8 +26,10 @@ is filled (first on ties); greedy = argmax; a stop token is emitted and ends the
 fused into the first one, which is the engine's ``decode_forwards``. Deliberate deviations from
 the engine: the window is capped by the remaining token budget (the engine decodes past it and
 truncates), and the mask token is never emitted (its logit is excluded before entropy and
-sampling); ``contiguous_stop`` (off by default) adds an optional one, a stop token only
-after filled slots (:func:`~.sampling.hold_early_stops`). Whether the tokenizer's EOS is a stop
+sampling); two optional ones are off by default: ``contiguous_stop``, a stop token only
+after filled slots (:func:`~.sampling.hold_early_stops`), and ``stop_penalty``, a slot after
+masks that may hold a stop token scored by the chance that the reply goes on
+(:func:`~.sampling.select_slots`). Whether the tokenizer's EOS is a stop
 token is the caller's choice (``stop_token_ids``); the command lines stop at it by default, as
 the engine does.
 
@@ -56,7 +58,7 @@ from .checks import check_fits, check_full_attention, generation_budget, resolve
 from .model_runner import ModelRunner
 from .policy import commit_policy
 from .result import STOP_STRING, GenerationResult, decode_text, find_stop_string
-from .sampling import SlotSampler
+from .sampling import SlotSampler, stop_token_vocabulary
 from .settings import DecodeSettings
 from .state import RowState
 
@@ -88,7 +90,9 @@ def decode(
     start = time.perf_counter()
     rows = _start_rows(model, prompts, settings)
     policy = commit_policy(settings)
-    sampler = SlotSampler(settings, generator)
+    stop_vocabulary = (stop_token_vocabulary(tokenizer, settings.stop_token_ids, settings.stop_strings)
+                       if settings.stop_penalty else ())
+    sampler = SlotSampler(settings, generator, stop_vocabulary)
     size = len(rows) if batch_rows is None else batch_rows
     if size < 1:
         raise ValueError(f"batch_rows must be at least 1, got {batch_rows}")

@@ -25,6 +25,8 @@ padded batch of masked tensors.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Sequence
 
 import torch
@@ -43,6 +45,7 @@ def select_slots(
     slots: Sequence[int],
     entropy_threshold: float | None,
     distance_penalty: float,
+    stop_probability: Sequence[float] | None = None,
 ) -> list[int]:
     """Which of one row's mask slots to fill this step: indices into ``slots``.
 
@@ -53,18 +56,57 @@ def select_slots(
     the single slot with the smallest ``H~`` is (the leftmost on ties). The penalty favours
     slots near the committed prefix, which is what lets the leftmost filled run, and so the
     cacheable prefix, grow.
+
+    ``stop_probability`` (the ``stop_penalty`` setting; None: the engine's rule above) is each
+    slot's probability of a stop token. Going left to right, every slot that stays a mask this
+    step adds ``-log(1 - p_stop)`` to the ``H~`` of the slots after it: a token there is only part
+    of the reply if the reply has not ended before it, and a model that never saw text past an end
+    in training predicts it as confidently as any other (docs/method.md §3.5). A slot filled this
+    step adds nothing: its token is decided.
     """
     first = slots[0]
-    adjusted = [h + distance_penalty * (s - first) for h, s in zip(slot_entropy, slots)]
-    chosen = [] if entropy_threshold is None else [j for j, a in enumerate(adjusted) if a < entropy_threshold]
+    chosen, adjusted, ended = [], [], 0.0  # ended: -log P(no stop in the masks left unfilled so far)
+    for j, (h, s) in enumerate(zip(slot_entropy, slots)):
+        adjusted.append(h + distance_penalty * (s - first) + ended)
+        if entropy_threshold is not None and adjusted[j] < entropy_threshold:
+            chosen.append(j)
+        elif stop_probability is not None:
+            ended -= math.log1p(-min(stop_probability[j], _MAX_STOP_PROBABILITY))
     return chosen or [min(range(len(adjusted)), key=adjusted.__getitem__)]
+
+
+#: keeps ``-log(1 - p)`` finite (about 16 nats, which no threshold clears) where a stop is certain
+_MAX_STOP_PROBABILITY = 1.0 - 1e-7
+
+
+def stop_token_vocabulary(tokenizer, stop_token_ids: Sequence[int], stop_strings: Sequence[str]) -> list[int]:
+    """The token ids that end a reply on their own: ``stop_token_ids``, and every token whose text
+    contains one of ``stop_strings`` (for a newline stop string, every token holding a newline).
+    A stop string that only ever spans several tokens has no such token; ``stop_penalty`` then
+    cannot see it."""
+    ids = set(stop_token_ids)
+    if stop_strings:
+        ids |= _tokens_containing(tokenizer, tuple(stop_strings))
+    return sorted(ids)
+
+
+@functools.lru_cache(maxsize=8)
+def _tokens_containing(tokenizer, stop_strings: tuple[str, ...]) -> frozenset[int]:
+    # one pass over the vocabulary per tokenizer and stop strings, not one per decode call
+    return frozenset(i for i in range(len(tokenizer))
+                     if any(stop in tokenizer.decode([i]) for stop in stop_strings))
 
 
 class SlotSampler:
     """Step d of Algorithm 1 for a batch: entropies and tokens of all mask slots, then each row's fill rule."""
 
-    def __init__(self, settings: DecodeSettings, generator: torch.Generator | None = None):
+    def __init__(self, settings: DecodeSettings, generator: torch.Generator | None = None,
+                 stop_vocabulary: Sequence[int] = ()):
+        """``stop_vocabulary``: the ids whose probability ``settings.stop_penalty`` weighs
+        (:func:`stop_token_vocabulary`); unused without it."""
         self.settings, self.generator = settings, generator
+        self.stop_vocabulary = (torch.tensor(sorted(stop_vocabulary), dtype=torch.long)
+                                if settings.stop_penalty and stop_vocabulary else None)
 
     def choose(self, logits: torch.Tensor, mask_slots: list[list[int]]) -> list[tuple[list[int], list[int]]]:
         """Per row ``(slots, tokens)`` to fill, given the logits ``[slots, vocab]`` of all rows' mask
@@ -77,11 +119,13 @@ class SlotSampler:
         if not logits.shape[0]:
             return [([], []) for _ in mask_slots]
         entropies = entropy(logits).tolist()
+        stops = self._stop_probability(logits)
         chosen, picks, starts, k = [], [], [], 0  # per row: indices into its slots, its first row of ``logits``
         for slots in mask_slots:
             starts.append(k)
             row_entropy = entropies[k : k + len(slots)]
-            rule = select_slots(row_entropy, slots, s.entropy_threshold, s.distance_penalty) if slots else []
+            row_stops = None if stops is None else stops[k : k + len(slots)]
+            rule = select_slots(row_entropy, slots, s.entropy_threshold, s.distance_penalty, row_stops) if slots else []
             chosen.append(rule)
             picks += [k + j for j in rule]
             k += len(slots)
@@ -90,6 +134,15 @@ class SlotSampler:
         if s.contiguous_stop and s.stop_token_ids:
             fills = self._hold_early_stops(logits, mask_slots, starts, fills)
         return fills
+
+    def _stop_probability(self, logits: torch.Tensor) -> list[float] | None:
+        """Each slot's probability of a stop token (``softmax(logits)`` summed over the stop vocabulary)."""
+        if self.stop_vocabulary is None:
+            return None
+        scores = logits.float()
+        stops = self.stop_vocabulary.to(scores.device)
+        stops = stops[stops < scores.shape[-1]]
+        return (torch.logsumexp(scores[:, stops], -1) - torch.logsumexp(scores, -1)).exp().tolist()
 
     def _draw(self, logits: torch.Tensor, rows: list[int]) -> list[int]:
         """One token from each of ``logits``'s ``rows`` (greedy or sampled)."""

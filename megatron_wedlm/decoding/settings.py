@@ -17,7 +17,8 @@ AUTOREGRESSIVE = "ar"
 METHODS = (STREAMING, BLOCKWISE, AUTOREGRESSIVE)
 PARALLEL_METHODS = (STREAMING, BLOCKWISE)
 #: Settings that only the parallel decoders read (AR ignores them, so one object drives all methods).
-PARALLEL_ONLY = ("window_size", "entropy_threshold", "distance_penalty", "fused_refill", "contiguous_stop")
+PARALLEL_ONLY = ("window_size", "entropy_threshold", "distance_penalty", "fused_refill", "contiguous_stop",
+                 "stop_penalty")
 
 
 def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
@@ -42,6 +43,9 @@ class DecodeSettings:
     * ``contiguous_stop``: a stop token is put only into a slot whose earlier slots are all filled
       (after this step's fills); False (default) is the reference engine's rule, a stop token
       anywhere in the window (docs/method.md §3.5, :func:`~.sampling.hold_early_stops`).
+    * ``stop_penalty``: a slot's score also counts the chance that the reply has already ended at a
+      mask before it, ``-log P(no stop in the masks left of it that stay masks this step)``; False
+      (default) is the reference engine's rule (docs/method.md §3.5, :func:`~.sampling.select_slots`).
     * ``max_new_tokens``; ``temperature`` (0 = greedy), ``top_k`` (0 = off), ``top_p`` (1 = off).
     * ``stop_token_ids``: a generation ends at the first one, which is kept in the output.
       ``stop_strings`` (need a tokenizer): it ends once the decoded output contains one.
@@ -54,6 +58,7 @@ class DecodeSettings:
     distance_penalty: float = 0.02
     fused_refill: bool = True
     contiguous_stop: bool = False
+    stop_penalty: bool = False
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_k: int = 0

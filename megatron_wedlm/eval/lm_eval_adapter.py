@@ -4,9 +4,12 @@
   ``ar`` in ``--model_args`` switch the decoder, for side-by-side runs; ``refill=fused``, the
   reference engine's schedule, is the default, ``refill=paper`` is Algorithm 1's step order;
   ``stop_fill=contiguous`` puts a stop token only after filled slots (default ``anywhere``, the engine);
+  ``stop_penalty=true`` scores a slot after masks that may hold a stop token by the chance that the
+  reply goes on (default false, the engine);
   ``stop_at_eos=false`` decodes past the tokenizer's EOS, which by default ends a generation;
-  window size, entropy threshold, distance penalty, refill and stop fill default to the values stored with
-  a ``pretrained`` model, else the built-in ones, and ``setting_sources`` / the log say which);
+  window size, entropy threshold, distance penalty, refill, stop fill and stop penalty default to
+  the values stored with a ``pretrained`` model, else the built-in ones, and ``setting_sources`` /
+  the log say which);
 * ``loglikelihood`` / ``loglikelihood_rolling`` use the plain causal forward: a WeDLM checkpoint
   keeps its next-token head (the AR loss trains it), so likelihood tasks score as for any
   causal LM. The mask token is excluded from every distribution, as in decoding: it is never a
@@ -77,6 +80,7 @@ class WeDLMLM(LM):
         distance_penalty: float | None = None,
         refill: str | None = None,
         stop_fill: str | None = None,
+        stop_penalty: bool | str | None = None,
         stop_at_eos: bool | str = True,
         max_gen_toks: int = 256,
         max_length: int | None = None,
@@ -113,6 +117,7 @@ class WeDLMLM(LM):
             "distance_penalty": None if distance_penalty is None else float(distance_penalty),
             "fused_refill": None if refill is None else REFILL_ORDERS[refill],
             "contiguous_stop": None if stop_fill is None else STOP_FILLS[stop_fill],
+            "stop_penalty": None if stop_penalty is None else _as_bool(stop_penalty),
         }
         values, self.setting_sources = resolve_decoding_settings(given, pretrained)
         logger.info(f"wedlm decoding settings: {describe(values, self.setting_sources)}")

@@ -298,6 +298,7 @@ class StagedRun:
                 *([] if num_examples is None else ["--num-examples", str(num_examples)]),
                 "--seed", str(self.seed), "--window-size", str(e.window_size),
                 "--distance-penalty", f"{e.distance_penalty:g}", "--stop-fill", e.stop_fill,
+                "--stop-penalty" if e.stop_penalty else "--no-stop-penalty",
                 "--device", "cpu", "--dtype", dtype,
                 "--speed-examples", speed_examples, "--out", out]
 
@@ -311,7 +312,7 @@ class StagedRun:
 
     def calibrate_into(self, base_report: Path, wedlm_report: Path, hf_dir: Path) -> dict[str, Any]:
         """Choose tau on the calibration reports (``calibration.py``) and store it, with window,
-        penalty and stop fill, in the exported WeDLM model's generation_config.json."""
+        penalty, stop fill and stop penalty, in the exported WeDLM model's generation_config.json."""
         e = self.settings.eval
         self.calibration = c = calibration_from_reports(
             EvalReport.load(str(base_report)), EvalReport.load(str(wedlm_report)), e.calibration_tasks,
@@ -319,7 +320,8 @@ class StagedRun:
         for line in describe(c, self.settings.accuracy_reference):
             self.console.print(f"[calibrate] {line}")
         defaults = {"window_size": e.window_size, "entropy_threshold": c.operating_tau,
-                    "distance_penalty": e.distance_penalty, "contiguous_stop": STOP_FILLS[e.stop_fill]}
+                    "distance_penalty": e.distance_penalty, "contiguous_stop": STOP_FILLS[e.stop_fill],
+                    "stop_penalty": e.stop_penalty}
         path = write_decoding_defaults(hf_dir, defaults)
         self.console.print(f"[calibrate] decoding defaults {defaults} -> {path}")
         return {**asdict(c), "generation_config": str(path)}

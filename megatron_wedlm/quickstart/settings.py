@@ -94,6 +94,9 @@ class EvalSettings:
     # where a stop token may be put: "anywhere" in the window (the reference engine) or "contiguous",
     # only after filled slots (megatron_wedlm/decoding/sampling.py, hold_early_stops)
     stop_fill: str = "anywhere"
+    # add -log P(the reply has not ended yet) to the score of a slot after masks that may hold a stop
+    # token (True), or fill on entropy alone like the reference engine (False); docs/method.md §3.5
+    stop_penalty: bool = False
     # the task evaluation's weights and activations: one of EVAL_PRECISIONS ("native": bf16 where this
     # machine multiplies bf16 matrices natively, else fp32). A pretrained preset's general-prompt
     # check stays fp32: it compares with the base model's fp32 replies.

@@ -335,8 +335,9 @@ def _calibration_lines(q: dict[str, Any]) -> list[str]:
              f"{ref} (the largest among equals). "
              f"Chosen: **tau = {c['operating_tau']:g}** (written into the WeDLM model's generation_config.json "
              f"with window {q['settings']['eval']['window_size']}, distance penalty "
-             f"{q['settings']['eval']['distance_penalty']:g} and stop fill "
-             f"{q['settings']['eval'].get('stop_fill', 'anywhere')})."
+             f"{q['settings']['eval']['distance_penalty']:g}, stop fill "
+             f"{q['settings']['eval'].get('stop_fill', 'anywhere')} and stop penalty "
+             f"{'on' if q['settings']['eval'].get('stop_penalty') else 'off'})."
              + ("" if not c.get("task_taus") else
                 f" Each task is also calibrated alone by the same rule and reported at its own tau: "
                 + ", ".join(f"**{task} {tau:g}**" for task, tau in c["task_taus"].items()) + "."), "",
