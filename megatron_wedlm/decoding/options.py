@@ -1,9 +1,9 @@
 """Decoding settings a caller gives: what the user gave, else what the model stores, else built-in.
 
 A model exported by the quickstart (or by hand, :mod:`.generation_defaults`) stores the
-operating point its trainer calibrated (window, tau, lambda, refill order, stop fill) under
-``"wedlm"`` in ``generation_config.json``, as HF keeps a model's own generation settings next to
-its weights.
+operating point its trainer calibrated (window, tau, lambda, refill order, stop fill, stop
+penalty) under ``"wedlm"`` in ``generation_config.json``, as HF keeps a model's own generation
+settings next to its weights.
 ``inference/generate.py``, ``inference/evaluate.py`` and the ``lm_eval`` adapter resolve each of
 these settings here, in one order, and report where each value came from (the command-line flags
 themselves are the decoding command line, :mod:`.cli`):
