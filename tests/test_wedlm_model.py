@@ -176,6 +176,24 @@ def model_checks(spec_dict: dict) -> dict:
         loss.total.backward()
         results["prune"].append({"total": float(loss.total), "real_slots": int((row.doc_ids >= 0).sum()),
                                  "grads": {n: p.grad.clone() for n, p in model.named_parameters()}})
+
+    # 8. Logits at the labelled slots only (the default) == stock GPTModel's logits at every slot:
+    #    per-slot loss and gradients, under a random weighting of the slots; and a micro-batch
+    #    with no labelled slot at all still runs forward and backward.
+    labels = wedlm_labels(rows.is_masked, rows.target_ids, rows.ar_labels)
+    weights = torch.rand(labels.shape, generator=g)
+    results["slot_logits"] = {}
+    for name, all_slots, row_labels in (("all", True, labels), ("labelled", False, labels),
+                                        ("none", False, torch.full_like(labels, -100))):
+        model.all_slot_logits = all_slots
+        model.zero_grad()
+        ce = model(rows.input_ids, rows.position_ids, attention_metadata=meta, labels=row_labels)
+        (ce * weights).sum().backward()
+        results["slot_logits"][name] = {
+            "ce": ce.detach(), "labelled": int((row_labels >= 0).sum()), "slots": row_labels.numel(),
+            "grads": {n: p.grad.clone() if p.grad is not None else None for n, p in model.named_parameters()},
+        }
+    model.all_slot_logits = False
     return results
 
 
@@ -256,6 +274,19 @@ def test_pruned_rows_give_the_same_loss_and_gradients(checks):
     assert pruned["total"] == pytest.approx(full["total"], rel=1e-5)
     for name, grad in full["grads"].items():
         assert torch.allclose(pruned["grads"][name], grad, atol=ATOL, rtol=1e-4), name
+
+
+def test_logits_at_labelled_slots_only_give_stock_gpt_loss_and_gradients(checks):
+    runs = checks["slot_logits"]
+    full, labelled = runs["all"], runs["labelled"]
+    assert 0 < labelled["labelled"] < labelled["slots"]  # some slots really are skipped
+    torch.testing.assert_close(labelled["ce"], full["ce"], atol=ATOL, rtol=0)
+    assert (full["ce"] > 0).sum() == labelled["labelled"]  # stock: zero exactly where unlabelled
+    for name, grad in full["grads"].items():
+        torch.testing.assert_close(labelled["grads"][name], grad, atol=ATOL, rtol=1e-4, msg=name)
+    empty = runs["none"]
+    assert empty["labelled"] == 0 and not empty["ce"].any()
+    assert all(g is None or not g.any() for g in empty["grads"].values())
 
 
 def test_mask_token_must_have_an_embedding_row_and_build_settings_name_real_choices():

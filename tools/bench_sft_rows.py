@@ -8,7 +8,8 @@ write theirs under ``<out>/data/sft_shards``). The loader packs ``--rows`` rows 
 with the settings given, once as the method builds rows (both streams whole) and once with
 ``wedlm.prune_unmasked_blocks`` (docs/method.md §2.3: the prediction blocks without a masked slot,
 an SFT prompt's, left out). It prints what the rows hold (pairs, and the shares of their slots
-that are padding, memory stream, prediction stream, and prediction blocks without a mask), then
+that are padding, memory stream, prediction stream, prediction blocks without a mask, and slots
+with a loss, the only ones the model computes logits for), then
 times a forward and backward of a small Llama-shaped model (``--layers``/``--hidden``; the vocabulary
 is the data's) on micro-batches of each, interleaved, median of ``--repeats``, and prints pairs
 per second and their ratio. Rows have the same length either way, so a step costs about the same
@@ -56,8 +57,10 @@ def rows_of(spec, count: int) -> list:
 
 def describe(items: list) -> dict:
     """Pairs per row and the shares of the rows' slots."""
+    from megatron_wedlm.training.objective import Objective
+
     total = sum(item.batch.seq_len for item in items)
-    share = {"padding": 0, "memory": 0, "prediction": 0, "prediction_without_a_mask": 0}
+    share = {"padding": 0, "memory": 0, "prediction": 0, "prediction_without_a_mask": 0, "labelled": 0}
     pairs = 0
     for item in items:
         b = item.batch
@@ -65,6 +68,7 @@ def describe(items: list) -> dict:
         share["padding"] += int(b.is_padding.sum())
         share["memory"] += int((b.is_memory & ~b.is_padding).sum())
         share["prediction"] += int(prediction.sum())
+        share["labelled"] += int((Objective().labels(b) >= 0).sum())
         masked = {(int(d), int(k)) for d, k in zip(b.doc_ids[b.is_masked], b.block_ids[b.is_masked])}
         share["prediction_without_a_mask"] += sum((int(d), int(k)) not in masked
                                                   for d, k in zip(b.doc_ids[prediction], b.block_ids[prediction]))

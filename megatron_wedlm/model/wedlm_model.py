@@ -2,7 +2,7 @@
 
 Why a thin subclass: everything that makes Megatron scale (vocab-parallel embedding and output
 layer, TP/SP/PP plumbing, ``sharded_state_dict``, DDP, distributed optimizer, recompute) stays
-Megatron's. The subclass changes two things:
+Megatron's. The subclass changes three things:
 
 1. RoPE: the model is built with ``position_embedding_type='none'`` (no learned positions, no
    0..S-1 table) and ``_preprocess`` supplies per-slot frequencies from ``position_ids``
@@ -11,6 +11,11 @@ Megatron's. The subclass changes two things:
 2. ``attention_mask`` carries the packed WeDLM metadata ``[B, 3, S]`` to the layers' core
    attention (see :mod:`.attention`); ``forward`` also accepts an ``AttentionMetadata``.
    Without either, the model is a plain causal LM over the row.
+3. Given labels, only the labelled slots go through the output layer (``_postprocess``). A
+   WeDLM row is twice its document's length, and its unmasked prediction slots, and in SFT its
+   prompt, carry no loss, so stock ``GPTModel`` would spend the vocabulary projection and
+   its ``[S, B, V / TP]`` logits on slots whose loss is then thrown away. The per-slot
+   loss is the same as stock ``GPTModel``'s (``tests/test_wedlm_model.py``).
 
 Parameter names equal those of ``GPTModel`` + ``get_gpt_layer_local_spec`` (see
 :mod:`.layer_spec`), so checkpoints convert 1:1.
@@ -34,6 +39,7 @@ from torch import Tensor
 
 from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer import TransformerConfig
 
 from megatron_wedlm.data.attention_rule import AttentionMetadata
@@ -96,7 +102,12 @@ class WeDLMGPTModel(GPTModel):
       the per-slot cross entropy ``[B, S]`` (vocab-parallel, zero where ignored); without them
       it returns logits ``[B, S, V / TP]`` (``[B, S, V]`` with ``runtime_gather_output=True``).
       Other stages return hidden states for the next one.
+
+    ``all_slot_logits`` (False) switches the loss back to stock ``GPTModel``'s path, logits at
+    every slot, for benchmarks and tests that compare the two.
     """
+
+    all_slot_logits: bool = False
 
     def __init__(
         self,
@@ -170,11 +181,7 @@ class WeDLMGPTModel(GPTModel):
             attention_mask = causal_packed_metadata(position_ids.shape[0], position_ids.shape[1], position_ids.device)
         if input_ids is not None and self.pre_process and input_ids.shape != position_ids.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and position_ids {tuple(position_ids.shape)} differ")
-        ignore = None
-        if labels is not None:
-            ignore = labels < 0
-            labels = labels.masked_fill(ignore, 0)  # vocab-parallel CE has no ignore index
-        out = super().forward(
+        return super().forward(
             input_ids=input_ids,
             position_ids=position_ids,
             attention_mask=attention_mask,
@@ -183,9 +190,46 @@ class WeDLMGPTModel(GPTModel):
             runtime_gather_output=runtime_gather_output,
             **kwargs,
         )
-        if labels is not None and self.post_process:
-            out = out.masked_fill(ignore, 0.0)
-        return out
+
+    def _postprocess(self, hidden_states: Tensor, input_ids, position_ids, labels: Tensor | None, *args, **kwargs):
+        if labels is None or not self.post_process:
+            return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
+        ignore = labels < 0
+        labels = labels.masked_fill(ignore, 0)  # vocab-parallel CE has no ignore index
+        if self.all_slot_logits:
+            loss = super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
+        else:
+            loss = self._labelled_slot_loss(hidden_states, labels, ignore)
+        return loss.masked_fill(ignore, 0.0)
+
+    def _labelled_slot_loss(self, hidden_states: Tensor, labels: Tensor, ignore: Tensor) -> Tensor:
+        """Per-slot cross entropy ``[B, S]`` from the labelled slots' logits alone; 0 elsewhere.
+
+        Under sequence parallelism the hidden states are gathered first (every TP rank then
+        picks the same slots) and the output layer runs without its own gather, as Megatron's
+        last-token inference path does; the gather's backward only splits, because the output
+        layer all-reduces its input gradient over TP. Every rank calls the output layer even
+        with nothing picked, so the tensor-parallel collectives stay matched.
+        """
+        layer = self.output_layer
+        sequence_parallel = layer.sequence_parallel
+        if sequence_parallel:
+            hidden_states = gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False, group=layer.tp_group
+            )
+        seq, batch, hidden = hidden_states.shape
+        keep = (~ignore).transpose(0, 1).reshape(-1).nonzero().squeeze(1)  # [S*B] order, as the hidden states
+        picked = hidden_states.reshape(seq * batch, hidden).index_select(0, keep).unsqueeze(1)
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        layer.sequence_parallel = False
+        try:
+            logits, _ = layer(picked, weight=weight, runtime_gather_output=False)
+        finally:
+            layer.sequence_parallel = sequence_parallel
+        picked_labels = labels.transpose(0, 1).reshape(-1).index_select(0, keep).unsqueeze(0)
+        loss = self.compute_language_model_loss(picked_labels, logits).reshape(-1)  # [1, N] -> [N]
+        full = loss.new_zeros(seq * batch).index_copy(0, keep, loss)
+        return full.view(seq, batch).transpose(0, 1)
 
 
 def _check_config(config) -> None:
