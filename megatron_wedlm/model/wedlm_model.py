@@ -209,7 +209,9 @@ class WeDLMGPTModel(GPTModel):
         picks the same slots) and the output layer runs without its own gather, as Megatron's
         last-token inference path does; the gather's backward only splits, because the output
         layer all-reduces its input gradient over TP. Every rank calls the output layer even
-        with nothing picked, so the tensor-parallel collectives stay matched.
+        with nothing picked, so the tensor-parallel collectives stay matched. Finding the slots
+        (``nonzero``) waits for the device once per micro-batch, which the logits it saves
+        outweigh; it rules out capturing the step in a CUDA graph, which this model does not do.
         """
         layer = self.output_layer
         sequence_parallel = layer.sequence_parallel
