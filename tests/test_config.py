@@ -155,6 +155,7 @@ def test_quickstart_presets_and_their_training_configs_load(preset):
 @pytest.mark.parametrize("section, key, value, message", [
     ("eval", "calibration_tolerance", -0.01, r"eval.calibration_tolerance is a fraction in \[0, 1\)"),
     ("eval", "calibration_tolerance", 1.5, r"eval.calibration_tolerance is a fraction in \[0, 1\)"),
+    ("eval", "calibration_min_gain", -0.1, r"eval.calibration_min_gain is a fraction >= 0"),
     ("sft", "precision", "fp16", r"sft.precision must be one of config, fp32, bf16, native, got 'fp16'"),
     ("eval", "precision", "config", r"eval.precision must be one of fp32, bf16, native, got 'config'"),
     ("eval", "stop_fill", "early", r"eval.stop_fill must be one of anywhere, contiguous, got 'early'"),

@@ -12,7 +12,8 @@ from megatron_wedlm.eval import builtin_task, evaluate
 from megatron_wedlm.eval.report import brief_model_name
 from megatron_wedlm.eval.results import EvalReport
 from megatron_wedlm.quickstart import summary as S
-from megatron_wedlm.quickstart.calibration import calibration_from_reports, choose_operating_tau, points, shortfall
+from megatron_wedlm.quickstart.calibration import (Calibration, calibration_from_reports, choose_operating_tau, points,
+                                                   shortfall)
 from megatron_wedlm.quickstart.calibration import describe as calibration_describe
 from megatron_wedlm.quickstart.pipeline import previous_fingerprint
 from megatron_wedlm.quickstart.settings import load_settings, preset_path
@@ -252,6 +253,65 @@ def test_operating_tau_rule_on_hand_made_accuracies():
         choose_operating_tau({0.3: {"counting": 0.9}}, base)
     with pytest.raises(ValueError, match="at least one tau"):
         choose_operating_tau({}, base)
+
+
+def test_min_gain_takes_a_larger_tau_only_for_enough_more_tokens_per_forward():
+    """A tau that keeps up is taken over the one taken below it only for ``1 + min_gain`` times its
+    tokens per forward; without a min gain the rule is the largest tau that keeps up."""
+    base = {"counting": 1.00}
+    sweep = {0.2: {"counting": 1.00}, 0.3: {"counting": 1.00}, 0.4: {"counting": 0.99}, 0.6: {"counting": 0.80}}
+    speed = {0.2: 2.95, 0.3: 3.16, 0.4: 3.30, 0.6: 3.60}
+    assert choose_operating_tau(sweep, base, 0.03) == choose_operating_tau(sweep, base, 0.03, speed) == 0.4
+    assert choose_operating_tau(sweep, base, 0.03, speed, min_gain=0.05) == 0.3  # +7.1%, then +4.4% over 0.3
+    # each larger tau is weighed against the one taken, not its neighbour: 0.4 is +11.9% over 0.2
+    assert choose_operating_tau(sweep, base, 0.03, speed, min_gain=0.1) == 0.4
+    assert choose_operating_tau(sweep, base, 0.03, speed, min_gain=0.2) == 0.2
+    assert choose_operating_tau(sweep, base, 0.03, {**speed, 0.3: 2.95 * 1.1}, min_gain=0.1) == 0.3  # exactly 10%
+    # 0.6 would be the fastest but does not keep up; no tau keeping up falls back as before, speeds aside
+    assert choose_operating_tau(sweep, base, 0.03, {**speed, 0.6: 9.0}, min_gain=0.1) == 0.4
+    short = {tau: {"counting": 0.9} for tau in (0.2, 0.3)}
+    assert choose_operating_tau(short, base, 0.03, {0.2: 3.0, 0.3: 3.1}, min_gain=0.1) == 0.3
+    with pytest.raises(ValueError, match="min_gain is a fraction >= 0"):
+        choose_operating_tau(sweep, base, 0.03, speed, min_gain=-0.1)
+    with pytest.raises(ValueError, match=r"min_gain needs the tokens per forward of every tau of the sweep"):
+        choose_operating_tau(sweep, base, 0.03, {0.2: 3.0}, min_gain=0.1)
+
+
+def test_min_gain_weighs_the_calibration_reports_tokens_per_forward(reports, tmp_path):
+    """Every prompt right at every tau: each task's speeds are its streaming rows' tokens per forward,
+    the one tau's their mean, each recorded; a min gain above any the sweep shows keeps the smallest
+    tau, and the fingerprint carries the speeds only when they decide."""
+    base = json.loads((reports / "base.json").read_text())
+    wedlm = json.loads((reports / "wedlm.json").read_text())
+    for r in base["results"] + wedlm["results"]:
+        r["num_correct"] = r["num_examples"]
+    (tmp_path / "base.json").write_text(json.dumps(base))
+    (tmp_path / "wedlm.json").write_text(json.dumps(wedlm))
+    base_report, wedlm_report = (EvalReport.load(str(tmp_path / f"{n}.json")) for n in ("base", "wedlm"))
+    tasks = ["counting", "copying"]
+    plain = calibration_from_reports(base_report, wedlm_report, tasks, per_task=True)
+    assert plain.operating_tau == 0.8 and plain.task_taus == {"counting": 0.8, "copying": 0.8}
+    for gain in (0.0, 0.25, 10.0):
+        c = calibration_from_reports(base_report, wedlm_report, tasks, per_task=True, min_gain=gain)
+        speeds = {tau: {t: wedlm_report.result(t, "streaming", tau).tokens_per_forward for t in tasks}
+                  for tau in (0.4, 0.8)}
+        assert c.min_gain == gain and c.tokens_per_forward == {f"{tau:g}": s for tau, s in speeds.items()}
+        sweep = {tau: {t: 1.0 for t in tasks} for tau in speeds}
+        mean = {tau: sum(s.values()) / len(s) for tau, s in speeds.items()}
+        assert c.operating_tau == choose_operating_tau(sweep, c.base_accuracy, c.tolerance, mean, gain)
+        for t in tasks:
+            assert c.task_taus[t] == choose_operating_tau({tau: {t: 1.0} for tau in speeds}, {t: 1.0}, c.tolerance,
+                                                          {tau: s[t] for tau, s in speeds.items()}, gain)
+        if gain == 10.0:
+            assert c.operating_tau == 0.4 and c.task_taus == {"counting": 0.4, "copying": 0.4}
+            assert "a larger tau taken only for 1000% more tokens per forward" in "\n".join(calibration_describe(c))
+    report = EvalReport.load(str(reports / "wedlm.json"))
+    faster = {tau: {t: s + 1.0 for t, s in speeds.items()} for tau, speeds in plain.tokens_per_forward.items()}
+    assert S.fingerprint(report, TRAINING, plain) == S.fingerprint(
+        report, TRAINING, Calibration(**{**plain.__dict__, "tokens_per_forward": faster}))
+    gained = calibration_from_reports(base_report, wedlm_report, tasks, per_task=True, min_gain=0.25)
+    assert S.fingerprint(report, TRAINING, gained) != S.fingerprint(
+        report, TRAINING, Calibration(**{**gained.__dict__, "tokens_per_forward": faster}))
 
 
 def test_report_records_the_operating_point_and_names_models_briefly(reports):

@@ -13,6 +13,15 @@ accuracy only falls as tau grows; measured sweeps show prompts lost at every tau
 that ends a range one number late does so whatever the threshold), and there the smallest tau
 gives up tokens per forward for nothing. The tolerance is counted in prompts in practice: on 70
 prompts, 1 point loses none, 2 points one.
+
+A larger tau may also be worth less than it risks. Seventy prompts cannot tell a tau that loses
+none of them from one that loses 3% of all prompts (no error in 70 has a chance of about 12% at that
+rate), so a tau that keeps up on them may still miss the target on the test prompts, by losing
+confident fills in far slots that no calibration prompt happened to show. With ``min_gain`` (a
+preset's ``eval.calibration_min_gain``) the rule walks the taus that keep up from the smallest and
+takes a larger one only if it decodes at least ``1 + min_gain`` times the tokens per forward of the
+one taken before it, measured on the same calibration prompts: accuracy risk that calibration
+cannot see is only taken for speed that it can.
 One tau, the *operating tau*, is chosen for every task together: it travels with the exported
 model as its decoding default. With ``per_task`` (a preset's ``eval.tau_per_task``) each task also
 gets its own tau by the same rule on its own calibration prompts, and is reported at it: tasks
@@ -53,6 +62,8 @@ class Calibration:
     learned_accuracy: float = 0.0  # base AR accuracy below which a task counts as not learned
     unlearned: list[str] = field(default_factory=list)  # tasks the base model did not learn (not in the rule)
     task_taus: dict[str, float] = field(default_factory=dict)  # per-task calibration: task -> its tau
+    min_gain: float = 0.0  # a larger tau must buy this much more tokens per forward (0.1 = 10%); 0: any
+    tokens_per_forward: dict[str, dict[str, float]] = field(default_factory=dict)  # f"{tau:g}" -> task -> streaming
 
     def tau_for(self, task: str) -> float:
         """The tau ``task`` is reported at: its own with per-task calibration, else the operating tau."""
@@ -60,21 +71,36 @@ class Calibration:
 
 
 def choose_operating_tau(sweep: Mapping[float, Mapping[str, float]], base: Mapping[str, float],
-                         tolerance: float = CALIBRATION_TOLERANCE) -> float:
+                         tolerance: float = CALIBRATION_TOLERANCE, speed: Mapping[float, float] | None = None,
+                         min_gain: float = 0.0) -> float:
     """The largest tau whose accuracy is >= base - tolerance on every task of ``base``; else the tau
     with the smallest worst shortfall against ``base``, the largest among equals (module docstring).
 
-    ``sweep`` maps tau -> task -> streaming accuracy, ``base`` task -> base AR accuracy.
+    ``sweep`` maps tau -> task -> streaming accuracy, ``base`` task -> base AR accuracy. With
+    ``min_gain`` > 0, ``speed`` maps tau -> tokens per forward, and of the taus that keep up a larger
+    one is taken only if its speed is at least ``1 + min_gain`` times that of the one taken before it.
     """
     if not sweep:
         raise ValueError("calibration needs at least one tau in the sweep")
     if not base:
         raise ValueError("calibration needs the base AR accuracy of at least one task")
+    if min_gain < 0:
+        raise ValueError(f"min_gain is a fraction >= 0 (0.1 = 10% more tokens per forward), got {min_gain}")
     for tau, accuracy in sweep.items():
         missing = sorted(set(base) - set(accuracy))
         if missing:
             raise ValueError(f"calibration at tau={tau:g} has no accuracy for task(s) {missing}")
-    good = [tau for tau, accuracy in sweep.items() if keeps_up(accuracy, base, tolerance)]
+    if min_gain and (speed is None or set(sweep) - set(speed)):
+        raise ValueError(f"min_gain needs the tokens per forward of every tau of the sweep {sorted(sweep)}, "
+                         f"got them for {sorted(speed or ())}")
+    good = sorted(tau for tau, accuracy in sweep.items() if keeps_up(accuracy, base, tolerance))
+    if good and min_gain:
+        assert speed is not None
+        taken = good[0]
+        for tau in good[1:]:
+            if speed[tau] >= (1 + min_gain) * speed[taken] - _EPS:
+                taken = tau
+        return taken
     if good:
         return max(good)
     least = min(shortfall(accuracy, base) for accuracy in sweep.values())
@@ -93,24 +119,30 @@ def keeps_up(accuracy: Mapping[str, float], base: Mapping[str, float], tolerance
 
 def calibration_from_reports(base_report: EvalReport, wedlm_report: EvalReport, tasks: Sequence[str],
                              tolerance: float = CALIBRATION_TOLERANCE, learned_accuracy: float = 0.0,
-                             per_task: bool = False) -> Calibration:
+                             per_task: bool = False, min_gain: float = 0.0) -> Calibration:
     """Apply :func:`choose_operating_tau` to the calibration reports (base: AR rows, WeDLM: streaming
     rows), over the tasks whose base AR accuracy reaches ``learned_accuracy`` (all of them: the
-    smallest tau, when the base learned none); with ``per_task`` also to each such task alone."""
+    smallest tau, when the base learned none); with ``per_task`` also to each such task alone. The
+    speed ``min_gain`` weighs is a task's streaming tokens per forward, for the one tau of all tasks
+    their mean."""
     base = {task: base_report.result(task, "ar").accuracy for task in tasks}
     taus = sorted({r.tau for r in wedlm_report.results if r.method == "streaming" and r.tau is not None})
-    sweep = {tau: {task: wedlm_report.result(task, "streaming", tau).accuracy for task in tasks} for tau in taus}
+    streaming = {tau: {task: wedlm_report.result(task, "streaming", tau) for task in tasks} for tau in taus}
+    sweep = {tau: {task: r.accuracy for task, r in rows.items()} for tau, rows in streaming.items()}
+    speeds = {tau: {task: r.tokens_per_forward for task, r in rows.items()} for tau, rows in streaming.items()}
     counts = {r.num_examples for r in wedlm_report.results if r.task in tasks}
     unlearned = [task for task in tasks if base[task] < learned_accuracy - _EPS]
     learned = {task: accuracy for task, accuracy in base.items() if task not in unlearned}
-    tau = choose_operating_tau(sweep, learned, tolerance) if learned else min(sweep)
+    mean_speed = {tau: sum(speeds[tau][task] for task in learned) / max(len(learned), 1) for tau in taus}
+    tau = choose_operating_tau(sweep, learned, tolerance, mean_speed, min_gain) if learned else min(sweep)
     task_taus = {task: choose_operating_tau({t: {task: acc[task]} for t, acc in sweep.items()}, {task: base_accuracy},
-                                            tolerance)
+                                            tolerance, {t: speeds[t][task] for t in taus}, min_gain)
                  for task, base_accuracy in learned.items()} if per_task else {}
     return Calibration(tasks=list(tasks), num_examples=min(counts, default=0), tolerance=tolerance,
                        base_accuracy=base, sweep={f"{tau:g}": acc for tau, acc in sweep.items()},
                        operating_tau=tau, learned_accuracy=learned_accuracy, unlearned=unlearned,
-                       task_taus=task_taus)
+                       task_taus=task_taus, min_gain=min_gain,
+                       tokens_per_forward={f"{tau:g}": speed for tau, speed in speeds.items()})
 
 
 #: How messages name the reference model and its AR decoding, by a preset's ``accuracy_reference``:
@@ -134,10 +166,13 @@ def points(fraction: float) -> str:
 def describe(c: Calibration, reference: str = "base") -> list[str]:
     """Console lines: what was measured on the calibration prompts and which tau it chose
     (``reference``: a key of :data:`REFERENCE_NAMES`)."""
-    def row(accuracy: Mapping[str, float]) -> str:
-        return ", ".join(f"{task} {100 * a:.1f}%" for task, a in accuracy.items())
+    def row(accuracy: Mapping[str, float], speed: Mapping[str, float] | None = None) -> str:
+        return ", ".join(f"{task} {100 * a:.1f}%" + (f" ({speed[task]:.2f} tokens/forward)" if speed else "")
+                         for task, a in accuracy.items())
 
     chosen = f"{c.operating_tau:g}"
+    worth = (f", a larger tau taken only for {100 * c.min_gain:g}% more tokens per forward than the one below it"
+             if c.min_gain else "")
     learned = {task: a for task, a in c.base_accuracy.items() if task not in c.unlearned}
     within = bool(learned) and keeps_up(c.sweep[chosen], learned, c.tolerance)
     model, ar = REFERENCE_NAMES[reference]
@@ -145,11 +180,12 @@ def describe(c: Calibration, reference: str = "base") -> list[str]:
              else f"{', '.join(learned) or 'no task'} (the tasks the {model} learned)")
     return ([f"{ar}: {row(c.base_accuracy)} ({c.num_examples} calibration prompts per task)"]
             + [unlearned_message(task, c, reference) for task in c.unlearned]
-            + [f"streaming tau {tau}: {row(acc)}" for tau, acc in c.sweep.items()]
-            + [f"operating tau {chosen}: " + (f"the largest within {points(c.tolerance)} of {ar} on {which}"
+            + [f"streaming tau {tau}: {row(acc, c.tokens_per_forward.get(tau))}" for tau, acc in c.sweep.items()]
+            + [f"operating tau {chosen}: " + (f"the largest within {points(c.tolerance)} of {ar} on {which}{worth}"
                                               if within else f"no tau stayed within {points(c.tolerance)} "
                                               f"of {ar} on {which}; the closest to it (the largest among "
                                               f"equals)")]
             + (["tau per task: " + ", ".join(f"{task} {tau:g}" for task, tau in c.task_taus.items())
-                + f" (each the largest within {points(c.tolerance)} of {ar} on its own prompts, else the closest)"]
+                + f" (each the largest within {points(c.tolerance)} of {ar} on its own prompts{worth}, else the "
+                  f"closest)"]
                if c.task_taus else []))

@@ -316,7 +316,8 @@ class StagedRun:
         e = self.settings.eval
         self.calibration = c = calibration_from_reports(
             EvalReport.load(str(base_report)), EvalReport.load(str(wedlm_report)), e.calibration_tasks,
-            tolerance=e.calibration_tolerance, learned_accuracy=e.base_learned_accuracy, per_task=e.tau_per_task)
+            tolerance=e.calibration_tolerance, learned_accuracy=e.base_learned_accuracy, per_task=e.tau_per_task,
+            min_gain=e.calibration_min_gain)
         for line in describe(c, self.settings.accuracy_reference):
             self.console.print(f"[calibrate] {line}")
         defaults = {"window_size": e.window_size, "entropy_threshold": c.operating_tau,

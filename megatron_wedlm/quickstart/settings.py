@@ -82,6 +82,9 @@ class EvalSettings:
     calibration_examples: int = 50  # calibration prompts per calibration task
     # tau may cost at most this much calibration accuracy against base AR (a fraction: 0.01 = 1 point)
     calibration_tolerance: float = 0.01
+    # a larger tau that keeps up is taken only if it decodes this much more tokens per forward on the
+    # calibration prompts than the tau taken below it (a fraction: 0.1 = 10%; 0: always the largest)
+    calibration_min_gain: float = 0.0
     # a calibration task whose base AR accuracy is below this (a fraction) was not learned by the
     # base model: reported as such and left out of the tau rule (quickstart/calibration.py)
     base_learned_accuracy: float = 0.8
@@ -246,6 +249,9 @@ def _validate(s: AnySettings, path: Path) -> None:
     if not 0 <= s.eval.calibration_tolerance < 1:
         raise ValueError(f"{path}: eval.calibration_tolerance is a fraction in [0, 1) (0.01 = 1 point), "
                          f"got {s.eval.calibration_tolerance}")
+    if s.eval.calibration_min_gain < 0:
+        raise ValueError(f"{path}: eval.calibration_min_gain is a fraction >= 0 (0.1 = 10% more tokens per forward), "
+                         f"got {s.eval.calibration_min_gain}")
     if s.eval.stop_fill not in STOP_FILLS:
         raise ValueError(f"{path}: eval.stop_fill must be one of {', '.join(STOP_FILLS)}, got {s.eval.stop_fill!r}")
     if s.eval.precision not in EVAL_PRECISIONS:

@@ -112,6 +112,8 @@ def fingerprint(report: EvalReport, training: dict[str, dict[str, Any]], calibra
     recorded = asdict(calibration)
     if not recorded["task_taus"]:  # one tau for all: fingerprinted as before per-task calibration existed
         del recorded["task_taus"]
+    if not recorded["min_gain"]:  # speeds only decide the tau with a min gain: as before it existed
+        del recorded["min_gain"], recorded["tokens_per_forward"]
     payload = {
         "calibration": recorded,
         "results": [[r.task, r.method, r.tau, r.num_examples, r.num_correct, r.generated_tokens, r.forwards, r.slots]
@@ -331,8 +333,10 @@ def _calibration_lines(q: dict[str, Any]) -> list[str]:
     lines = ["## Calibration", "",
              f"The operating tau is chosen on {c['num_examples']} calibration prompts per task, disjoint from "
              f"the test prompts below: the largest tau whose streaming accuracy stays within "
-             f"{points(c['tolerance'])} of {ref} on every task ({', '.join(tasks)}), else the one closest to "
-             f"{ref} (the largest among equals). "
+             f"{points(c['tolerance'])} of {ref} on every task ({', '.join(tasks)})"
+             + (f", a larger tau taken only where it decodes {100 * c['min_gain']:g}% more tokens per forward "
+                f"than the one below it" if c.get("min_gain") else "")
+             + f", else the one closest to {ref} (the largest among equals). "
              f"Chosen: **tau = {c['operating_tau']:g}** (written into the WeDLM model's generation_config.json "
              f"with window {q['settings']['eval']['window_size']}, distance penalty "
              f"{q['settings']['eval']['distance_penalty']:g}, stop fill "
@@ -346,8 +350,10 @@ def _calibration_lines(q: dict[str, Any]) -> list[str]:
     if c.get("unlearned"):
         lines[2] += (f" Left out of the rule: {', '.join(c['unlearned'])}, which the reference did not learn "
                      f"({ref} below {100 * c['learned_accuracy']:g}%).")
-    lines += [f"| streaming tau {tau} | " + " | ".join(_pct(acc[t]) for t in tasks) + " |"
-              for tau, acc in c["sweep"].items()]
+    speeds = c.get("tokens_per_forward") or {}
+    lines += [f"| streaming tau {tau} | " + " | ".join(
+        _pct(acc[t]) + (f", {speeds[tau][t]:.2f} tokens/forward" if tau in speeds else "") for t in tasks) + " |"
+        for tau, acc in c["sweep"].items()]
     return lines + [""]
 
 
