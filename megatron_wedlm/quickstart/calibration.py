@@ -171,8 +171,8 @@ def describe(c: Calibration, reference: str = "base") -> list[str]:
                          for task, a in accuracy.items())
 
     chosen = f"{c.operating_tau:g}"
-    worth = (f", a larger tau taken only for {100 * c.min_gain:g}% more tokens per forward than the one below it"
-             if c.min_gain else "")
+    worth = (f", a larger tau taken only for {100 * c.min_gain:g}% more tokens per forward than the tau taken "
+             f"below it" if c.min_gain else "")
     learned = {task: a for task, a in c.base_accuracy.items() if task not in c.unlearned}
     within = bool(learned) and keeps_up(c.sweep[chosen], learned, c.tolerance)
     model, ar = REFERENCE_NAMES[reference]

@@ -335,7 +335,7 @@ def _calibration_lines(q: dict[str, Any]) -> list[str]:
              f"the test prompts below: the largest tau whose streaming accuracy stays within "
              f"{points(c['tolerance'])} of {ref} on every task ({', '.join(tasks)})"
              + (f", a larger tau taken only where it decodes {100 * c['min_gain']:g}% more tokens per forward "
-                f"than the one below it" if c.get("min_gain") else "")
+                f"than the tau taken below it" if c.get("min_gain") else "")
              + f", else the one closest to {ref} (the largest among equals). "
              f"Chosen: **tau = {c['operating_tau']:g}** (written into the WeDLM model's generation_config.json "
              f"with window {q['settings']['eval']['window_size']}, distance penalty "
