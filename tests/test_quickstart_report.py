@@ -291,10 +291,10 @@ def test_min_gain_weighs_the_calibration_reports_tokens_per_forward(reports, tmp
     tasks = ["counting", "copying"]
     plain = calibration_from_reports(base_report, wedlm_report, tasks, per_task=True)
     assert plain.operating_tau == 0.8 and plain.task_taus == {"counting": 0.8, "copying": 0.8}
+    speeds = {tau: {t: wedlm_report.result(t, "streaming", tau).tokens_per_forward for t in tasks}
+              for tau in (0.4, 0.8)}
     for gain in (0.0, 0.25, 10.0):
         c = calibration_from_reports(base_report, wedlm_report, tasks, per_task=True, min_gain=gain)
-        speeds = {tau: {t: wedlm_report.result(t, "streaming", tau).tokens_per_forward for t in tasks}
-                  for tau in (0.4, 0.8)}
         assert c.min_gain == gain and c.tokens_per_forward == {f"{tau:g}": s for tau, s in speeds.items()}
         sweep = {tau: {t: 1.0 for t in tasks} for tau in speeds}
         mean = {tau: sum(s.values()) / len(s) for tau, s in speeds.items()}
@@ -306,7 +306,7 @@ def test_min_gain_weighs_the_calibration_reports_tokens_per_forward(reports, tmp
             assert c.operating_tau == 0.4 and c.task_taus == {"counting": 0.4, "copying": 0.4}
             assert "a larger tau taken only for 1000% more tokens per forward" in "\n".join(calibration_describe(c))
     report = EvalReport.load(str(reports / "wedlm.json"))
-    faster = {tau: {t: s + 1.0 for t, s in speeds.items()} for tau, speeds in plain.tokens_per_forward.items()}
+    faster = {tau: {t: s + 1.0 for t, s in by_task.items()} for tau, by_task in plain.tokens_per_forward.items()}
     assert S.fingerprint(report, TRAINING, plain) == S.fingerprint(
         report, TRAINING, Calibration(**{**plain.__dict__, "tokens_per_forward": faster}))
     gained = calibration_from_reports(base_report, wedlm_report, tasks, per_task=True, min_gain=0.25)

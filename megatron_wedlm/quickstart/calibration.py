@@ -94,15 +94,12 @@ def choose_operating_tau(sweep: Mapping[float, Mapping[str, float]], base: Mappi
         raise ValueError(f"min_gain needs the tokens per forward of every tau of the sweep {sorted(sweep)}, "
                          f"got them for {sorted(speed or ())}")
     good = sorted(tau for tau, accuracy in sweep.items() if keeps_up(accuracy, base, tolerance))
-    if good and min_gain:
-        assert speed is not None
+    if good:
         taken = good[0]
-        for tau in good[1:]:
-            if speed[tau] >= (1 + min_gain) * speed[taken] - _EPS:
+        for tau in good[1:]:  # without a min gain every larger tau is taken: the largest
+            if not min_gain or speed[tau] >= (1 + min_gain) * speed[taken] - _EPS:  # type: ignore[index]
                 taken = tau
         return taken
-    if good:
-        return max(good)
     least = min(shortfall(accuracy, base) for accuracy in sweep.values())
     return max(tau for tau, accuracy in sweep.items() if shortfall(accuracy, base) <= least + _EPS)
 
