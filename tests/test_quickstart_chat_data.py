@@ -43,11 +43,13 @@ def test_interleaved_pairs_round_trip_through_jsonl(tmp_path):
     assert [(r["prompt"], r["reference"]) for r in rows] == mixed
 
 
-def test_token_ids_go_beside_their_replies_and_must_be_one_list_per_pair(tmp_path):
+def test_fields_go_beside_their_replies_and_must_have_one_value_per_pair(tmp_path):
     pairs = [("a", "x y"), ("b", "")]
-    assert write_pairs(pairs, tmp_path / "x.jsonl", "reference", token_ids=[[7, 8], []]) == 2
+    fields = {"reference_ids": [[7, 8], []], "ended": [True, False]}
+    assert write_pairs(pairs, tmp_path / "x.jsonl", "reference", fields=fields) == 2
     rows = [json.loads(line) for line in (tmp_path / "x.jsonl").read_text().splitlines()]
-    assert [r["reference_ids"] for r in rows] == [[7, 8], []]
-    with pytest.raises(ValueError, match="2 pairs and 1 token id lists"):
-        write_pairs(pairs, tmp_path / "y.jsonl", "reference", token_ids=[[7, 8]])
+    assert rows == [{"prompt": "a", "reference": "x y", "reference_ids": [7, 8], "ended": True},
+                    {"prompt": "b", "reference": "", "reference_ids": [], "ended": False}]
+    with pytest.raises(ValueError, match="2 pairs and 1 values of 'ended'"):
+        write_pairs(pairs, tmp_path / "y.jsonl", "reference", fields={"ended": [True]})
     assert not (tmp_path / "y.jsonl").exists()  # refused before anything is written

@@ -11,7 +11,8 @@ chat template, a few SFT steps and a few prompts. It checks the machinery, not l
   (the "before SFT" figure is 50/50: references and evaluation encode chat prompts and decode
   alike), and the WeDLM model's figure on them is counted from the report's samples; both models
   are teacher-forced on every held-out reply and the report quotes those counts;
-* the SFT data are the chat-template renderings, the general prompts' test split never trains;
+* the SFT data are the chat-template renderings, the general prompts' test split never trains, and
+  of the training split only the replies that ended within their budget;
 * the report holds the general-prompt target and holds streaming to the same model's AR rows.
 """
 
@@ -111,7 +112,14 @@ def test_base_replies_replay_through_the_evaluation_and_the_test_prompts_never_t
     assert forced["base"]["reply_lengths"] == [len(r["reference_ids"]) for r in recorded if r["reference_ids"]]
     trained = {json.loads(line)["prompt"] for line in (out / "data/sft.jsonl").read_text().splitlines()}
     assert not trained & set(general_prompts("test"))
-    assert set(general_prompts("train")) <= trained
+    # every training reply is recorded; only those that ended train (a reply cut at its budget
+    # would teach the model to end mid-sentence)
+    replies = [json.loads(line) for line in (out / "data/general_train.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in replies] == general_prompts("train")
+    ended = {r["prompt"] for r in replies if r["ended"] and r["response"]}
+    assert trained & set(general_prompts("train")) == ended
+    stages = {s["name"]: s for s in json.loads((out / "stages.json").read_text())}
+    assert stages["convert"]["detail"]["replies"]["train_ended"] == sum(r["ended"] for r in replies)
     n_tasks = sum(settings["sft"]["task_examples"].values())
     assert len(trained) <= n_tasks + len(general_prompts("train"))
 

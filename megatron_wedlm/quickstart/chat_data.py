@@ -94,23 +94,22 @@ def interleave(first: list[tuple[str, str]], second: list[tuple[str, str]], seed
 
 
 def write_pairs(pairs: Iterable[tuple[str, str]], path: str | Path, reference_key: str = "response",
-                token_ids: Sequence[list[int]] | None = None) -> int:
+                fields: Mapping[str, Sequence[Any]] | None = None) -> int:
     """Write ``{"prompt", reference_key}`` jsonl lines; returns how many.
 
     ``response`` is what ``tools/prepare_data.py --task sft`` reads, ``reference`` what the
-    evaluation's ``replies`` task reads. ``token_ids``, one list per pair, go in as
-    ``<reference_key>_ids``: the tokens a model generated for the reply, which its text need not
-    tokenize back to.
+    evaluation's ``replies`` task reads. ``fields`` adds keys with one value per pair, e.g. the
+    tokens a model generated for the reply (which its text need not tokenize back to).
     """
     pairs = list(pairs)
-    if token_ids is not None and len(token_ids) != len(pairs):
-        raise ValueError(f"write_pairs got {len(pairs)} pairs and {len(token_ids)} token id lists")
+    for key, values in (fields or {}).items():
+        if len(values) != len(pairs):
+            raise ValueError(f"write_pairs got {len(pairs)} pairs and {len(values)} values of {key!r}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as f:
         for i, (prompt, reply) in enumerate(pairs):
             record: dict[str, Any] = {"prompt": prompt, reference_key: reply}
-            if token_ids is not None:
-                record[f"{reference_key}_ids"] = token_ids[i]
+            record.update({key: values[i] for key, values in (fields or {}).items()})
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
     return len(pairs)

@@ -6,8 +6,9 @@
   HF directory once per machine (``quickstart/smollm2.py``; nothing is fetched from a hub).
 * ``convert``: ``tools/convert_checkpoint.py hf-to-megatron`` (adds the mask token), and, in the
   same stage on the other core, the *base model's* own greedy replies to the general prompts
-  (``quickstart/chat_data.py``), decoded with the project's AR path: the training ones go into the
-  SFT data, the held-out ones become the references of the ``replies`` evaluation task.
+  (``quickstart/chat_data.py``), decoded with the project's AR path: the training ones that end
+  within their budget go into the SFT data, the held-out ones become the references of the
+  ``replies`` evaluation task.
 * ``prepare_data``: chat-formatted task pairs plus those replies, rendered with the model's chat
   template by ``tools/prepare_data.py --task sft`` (prompts observed, not learnt).
 * ``sft``: ``torchrun sft/sft_wedlm.py`` from the converted checkpoint.
@@ -18,7 +19,8 @@
   that the references replay). Test and calibration prompts decode in ``eval.precision`` (bf16
   where native: a parallel window's forward is compute-bound on a CPU, an AR step bound by reading
   the weights, so bf16 serves both as a GPU does); the general prompts decode in fp32, as their
-  references were, so that their match measures SFT and not bf16 rounding. Then, in process, both
+  references were, so that the decoding adds no rounding of its own (the export of a bf16 run holds
+  its bf16 parameters, which SFT's change of the weights dwarfs: docs/quickstart.md). Then, in process, both
   models teacher-forced on the base model's held-out replies (``eval/reply_agreement.py``): how
   many of their tokens each predicts.
 * ``calibrate`` and ``report`` as in the from-scratch quickstart (``pipeline.py``), except that the
@@ -57,6 +59,12 @@ from megatron_wedlm.quickstart.summary import build_summary
 WEDLM, BASE = "wedlm", "base"
 #: Rows decoded together when the base model writes its replies (and in the evaluation's accuracy mode).
 REPLY_BATCH = 16
+#: Token budget of the base model's replies to the general *training* prompts. A reply cut at a
+#: budget would be learnt with the end-of-turn token after it, teaching the model to end replies
+#: mid-sentence, so only replies that end within this budget train (docs/quickstart.md); the
+#: held-out references keep the evaluation's budget, :data:`REPLY_TOKENS`, as they are compared
+#: up to it.
+TRAIN_REPLY_TOKENS = 128
 #: Test prompts per task timed one at a time (speed mode); the rest are decoded in batches. A
 #: 135M-parameter model decodes one prompt in about a second per method, so timing all of them
 #: would double the evaluation for a ratio that 32 interleaved prompts already pin down.
@@ -125,7 +133,8 @@ class RealModelQuickstart(StagedRun):
         model, tokenizer = load_checkpoint(self.base_hf, device="cpu", dtype="float32", require_mask_token=False)
         stops = eos_token_ids(model, tokenizer)
         counts = {}
-        for split, file, key in (("train", "general_train.jsonl", "response"), ("test", "general_test.jsonl", "reference")):
+        for split, file, key, budget in (("train", "general_train.jsonl", "response", TRAIN_REPLY_TOKENS),
+                                         ("test", "general_test.jsonl", "reference", REPLY_TOKENS)):
             prompts = general_prompts(split)
             ids = [encode_prompt(tokenizer, p, chat=True) for p in prompts]
             done = [0]
@@ -135,23 +144,35 @@ class RealModelQuickstart(StagedRun):
                 if done[0] % REPLY_BATCH == 0 or done[0] == total:
                     self.console.print(f"[replies] {split}: {done[0]}/{total} base-model replies")
 
-            results = generate_batch(model, ids, method="ar", max_new_tokens=REPLY_TOKENS, batch_size=REPLY_BATCH,
+            results = generate_batch(model, ids, method="ar", max_new_tokens=budget, batch_size=REPLY_BATCH,
                                      stop_token_ids=stops, tokenizer=tokenizer, on_result=progress)
-            # the held-out replies keep their generated tokens too, which the teacher-forced measure
-            # scores (their text can tokenize back differently); the end-of-turn token is not scored
-            reply_ids = [[t for t in r.token_ids if t not in stops] for r in results] if split == "test" else None
-            counts[split] = write_pairs([(p, r.text.strip()) for p, r in zip(prompts, results)], self.data(file), key,
-                                        token_ids=reply_ids)
+            replies = [(p, r.text.strip()) for p, r in zip(prompts, results)]
+            if split == "train":
+                # every reply is kept in the file; prepare_data trains on those that ended
+                ended = [any(t in stops for t in r.token_ids) for r in results]
+                counts[split] = write_pairs(replies, self.data(file), key, fields={"ended": ended})
+                counts["train_ended"] = sum(ended)
+                self.console.print(f"[replies] train: {sum(ended)}/{len(ended)} replies end within {budget} tokens; "
+                                   "the others are left out of the SFT data (cut short, they would teach the model "
+                                   "to end a reply mid-sentence)")
+            else:
+                # the held-out replies keep their generated tokens too, which the teacher-forced
+                # measure scores (their text can tokenize back differently); the end-of-turn token
+                # is not scored
+                reply_ids = [[t for t in r.token_ids if t not in stops] for r in results]
+                counts[split] = write_pairs(replies, self.data(file), key, fields={f"{key}_ids": reply_ids})
         return counts
 
     def prepare_data(self) -> dict[str, Any]:
         s = self.settings.sft
         tasks = chat_task_pairs(s.task_examples, self.seed)
         with self.data("general_train.jsonl").open(encoding="utf-8") as f:
-            general = [(r["prompt"], r["response"]) for r in map(json.loads, f)]
+            records = [json.loads(line) for line in f]
+        general = [(r["prompt"], r["response"]) for r in records if r["ended"] and r["response"]]
         n = write_pairs(interleave(tasks, general * s.general_repeats, self.seed), self.data("sft.jsonl"))
-        self.console.print(f"[prepare_data] {len(tasks)} task pairs + {len(general)} general replies x "
-                           f"{s.general_repeats} = {n} conversations -> {self.data('sft.jsonl')}")
+        self.console.print(f"[prepare_data] {len(tasks)} task pairs + {len(general)} general replies (of "
+                           f"{len(records)}: those that ended) x {s.general_repeats} = {n} conversations -> "
+                           f"{self.data('sft.jsonl')}")
         out = self.data("sft_shards")
         self._run([*_python(), PREPARE_DATA, "--input", self.data("sft.jsonl"), "--tokenizer", self.converted,
                    "--output", out, "--task", "sft", "--samples-per-shard", str(s.samples_per_shard), "--overwrite"])
