@@ -12,6 +12,7 @@ from megatron_wedlm.quickstart.chat_data import (
     chat_task_pairs,
     general_prompts,
     interleave,
+    replies_that_end,
     write_pairs,
 )
 
@@ -53,3 +54,11 @@ def test_fields_go_beside_their_replies_and_must_have_one_value_per_pair(tmp_pat
     with pytest.raises(ValueError, match="2 pairs and 1 values of 'ended'"):
         write_pairs(pairs, tmp_path / "y.jsonl", "reference", fields={"ended": [True]})
     assert not (tmp_path / "y.jsonl").exists()  # refused before anything is written
+
+
+def test_only_replies_that_ended_and_say_something_train():
+    records = [{"prompt": "a", "response": "done.", "ended": True},
+               {"prompt": "b", "response": "cut at the bud", "ended": False},
+               {"prompt": "c", "response": "", "ended": True},
+               {"prompt": "d", "response": "also done.", "ended": True}]
+    assert replies_that_end(records) == [("a", "done."), ("d", "also done.")]

@@ -93,6 +93,13 @@ def interleave(first: list[tuple[str, str]], second: list[tuple[str, str]], seed
     return merged
 
 
+def replies_that_end(records: Iterable[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """``(prompt, response)`` of the recorded replies that ended and are not empty: the general
+    replies that train. One cut at its token budget would be learnt with the end-of-turn token
+    after it and teach the model to end replies mid-sentence."""
+    return [(r["prompt"], r["response"]) for r in records if r["ended"] and r["response"]]
+
+
 def write_pairs(pairs: Iterable[tuple[str, str]], path: str | Path, reference_key: str = "response",
                 fields: Mapping[str, Sequence[Any]] | None = None) -> int:
     """Write ``{"prompt", reference_key}`` jsonl lines; returns how many.

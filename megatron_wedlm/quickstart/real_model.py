@@ -43,7 +43,13 @@ from typing import Any
 
 from megatron_wedlm.eval.reply_tasks import REPLY_TOKENS
 from megatron_wedlm.eval.results import EvalReport
-from megatron_wedlm.quickstart.chat_data import chat_task_pairs, general_prompts, interleave, write_pairs
+from megatron_wedlm.quickstart.chat_data import (
+    chat_task_pairs,
+    general_prompts,
+    interleave,
+    replies_that_end,
+    write_pairs,
+)
 from megatron_wedlm.quickstart.pipeline import (
     CONVERT_CHECKPOINT,
     PREPARE_DATA,
@@ -168,7 +174,7 @@ class RealModelQuickstart(StagedRun):
         tasks = chat_task_pairs(s.task_examples, self.seed)
         with self.data("general_train.jsonl").open(encoding="utf-8") as f:
             records = [json.loads(line) for line in f]
-        general = [(r["prompt"], r["response"]) for r in records if r["ended"] and r["response"]]
+        general = replies_that_end(records)
         n = write_pairs(interleave(tasks, general * s.general_repeats, self.seed), self.data("sft.jsonl"))
         self.console.print(f"[prepare_data] {len(tasks)} task pairs + {len(general)} general replies (of "
                            f"{len(records)}: those that ended) x {s.general_repeats} = {n} conversations -> "
