@@ -28,7 +28,7 @@ import yaml
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from megatron_wedlm.eval.results import EvalReport
-from megatron_wedlm.quickstart.chat_data import GENERAL_TEST_PROMPTS, general_prompts
+from megatron_wedlm.quickstart.chat_data import GENERAL_TEST_PROMPTS, general_prompts, replies_that_end
 from megatron_wedlm.quickstart.launch import run_quickstart
 from megatron_wedlm.quickstart.smollm2 import smollm2_hf_dir
 from megatron_wedlm.runtime.precision import native_bf16
@@ -116,8 +116,7 @@ def test_base_replies_replay_through_the_evaluation_and_the_test_prompts_never_t
     # would teach the model to end mid-sentence)
     replies = [json.loads(line) for line in (out / "data/general_train.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in replies] == general_prompts("train")
-    ended = {r["prompt"] for r in replies if r["ended"] and r["response"]}
-    assert trained & set(general_prompts("train")) == ended
+    assert trained & set(general_prompts("train")) == {prompt for prompt, _ in replies_that_end(replies)}
     stages = {s["name"]: s for s in json.loads((out / "stages.json").read_text())}
     assert stages["convert"]["detail"]["replies"]["train_ended"] == sum(r["ended"] for r in replies)
     n_tasks = sum(settings["sft"]["task_examples"].values())

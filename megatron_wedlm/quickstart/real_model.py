@@ -20,9 +20,9 @@
   where native: a parallel window's forward is compute-bound on a CPU, an AR step bound by reading
   the weights, so bf16 serves both as a GPU does); the general prompts decode in fp32, as their
   references were, so that the decoding adds no rounding of its own (the export of a bf16 run holds
-  its bf16 parameters, which SFT's change of the weights dwarfs: docs/quickstart.md). Then, in process, both
-  models teacher-forced on the base model's held-out replies (``eval/reply_agreement.py``): how
-  many of their tokens each predicts.
+  its bf16 parameters, which SFT's change of the weights dwarfs: docs/quickstart.md). Then, in
+  process, both models teacher-forced on the base model's held-out replies
+  (``eval/reply_agreement.py``): how many of their tokens each predicts.
 * ``calibrate`` and ``report`` as in the from-scratch quickstart (``pipeline.py``), except that the
   AR decoding streaming is held to is the fine-tuned model's own: the base model never saw the
   task format (``RealModelSettings``).
@@ -65,11 +65,9 @@ from megatron_wedlm.quickstart.summary import build_summary
 WEDLM, BASE = "wedlm", "base"
 #: Rows decoded together when the base model writes its replies (and in the evaluation's accuracy mode).
 REPLY_BATCH = 16
-#: Token budget of the base model's replies to the general *training* prompts. A reply cut at a
-#: budget would be learnt with the end-of-turn token after it, teaching the model to end replies
-#: mid-sentence, so only replies that end within this budget train (docs/quickstart.md); the
-#: held-out references keep the evaluation's budget, :data:`REPLY_TOKENS`, as they are compared
-#: up to it.
+#: Token budget of the base model's replies to the general *training* prompts: only those that end
+#: within it train (:func:`~megatron_wedlm.quickstart.chat_data.replies_that_end`). The held-out
+#: references keep the evaluation's budget, :data:`REPLY_TOKENS`, as they are compared up to it.
 TRAIN_REPLY_TOKENS = 128
 #: Test prompts per task timed one at a time (speed mode); the rest are decoded in batches. A
 #: 135M-parameter model decodes one prompt in about a second per method, so timing all of them
