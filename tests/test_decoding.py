@@ -9,6 +9,7 @@ forward for forward.
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from megatron_wedlm.decoding import (
     generate_batch,
     streaming_generate,
 )
+from megatron_wedlm.decoding.model_runner import cache_keyword
 from megatron_wedlm.decoding.parallel import decode
 from megatron_wedlm.decoding.sampling import select_slots, stop_token_vocabulary
 from megatron_wedlm.testing.tiny_models import build_tiny_model, build_tiny_tokenizer
@@ -279,20 +281,40 @@ def test_stop_vocabulary_is_the_stop_ids_and_every_token_holding_a_stop_string(t
     assert stop_token_vocabulary(tokenizer, [5, 3], []) == [3, 5]
 
 
-def test_committed_kv_equals_one_causal_forward(tokenizer):
-    model = tiny_model(tokenizer, "qwen3", 200.0)
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+def test_committed_kv_equals_one_causal_forward(tokenizer, arch):
+    # The cache goes to the model under the keyword its forward declares: under one it no longer
+    # declares, the model would take it into **kwargs and attend to a fresh cache of its own (these
+    # keys would stay unwritten); under a deprecated one, transformers warns until it drops it.
+    model = tiny_model(tokenizer, arch, 200.0)
     prompt = tokenizer.encode("12 + 35 = 47. 7 x 8 =")
     settings = DecodeSettings(window_size=6, entropy_threshold=0.4, distance_penalty=0.02, max_new_tokens=30)
-    [result], runner = decode(model, [prompt], settings)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        [result], runner = decode(model, [prompt], settings)
     committed = runner.cache.committed_kv(0)
     length = committed[0][0].shape[1]
     assert len(prompt) + 10 <= length <= len(prompt) + len(result.token_ids)
     sequence = (prompt + result.token_ids)[:length]
     with torch.no_grad():
-        reference = model(input_ids=torch.tensor([sequence]), use_cache=True).past_key_values
+        reference = getattr(model(input_ids=torch.tensor([sequence]), use_cache=True), cache_keyword(model.model))
     for layer, (keys, values) in enumerate(committed):
         torch.testing.assert_close(keys, reference.layers[layer].keys[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(values, reference.layers[layer].values[0], atol=1e-5, rtol=1e-5)
+
+
+def test_cache_keyword_of_a_forward_before_the_rename():
+    class OldStyleBody(torch.nn.Module):  # the signature transformers models had before `cache`
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None, **kwargs):
+            return input_ids
+
+    class NoCache(torch.nn.Module):
+        def forward(self, input_ids=None, **kwargs):
+            return input_ids
+
+    assert cache_keyword(OldStyleBody()) == "past_key_values"
+    with pytest.raises(TypeError, match="takes no KV cache"):
+        cache_keyword(NoCache())
 
 
 @pytest.mark.parametrize("schedule", ["streaming", "blockwise"])

@@ -45,8 +45,9 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from megatron_wedlm.decoding import DecodeSettings, generate, generate_batch
-from megatron_wedlm.decoding.parallel import decode
+from megatron_wedlm.decoding.model_runner import cache_keyword
 from megatron_wedlm.decoding.packed_attention import Packing, packed_attention
+from megatron_wedlm.decoding.parallel import decode
 from megatron_wedlm.decoding.row_cache import RowKVCache
 
 PRESETS = {  # name -> (family, hidden, ffn, layers, heads, kv heads, vocab)
@@ -153,8 +154,8 @@ def _replay_step(model, step, uniform: bool, repeats: int) -> float:
         cache.commit(cached)
         cache.packing = packing
         start = time.perf_counter()
-        hidden = body(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
-                      wedlm_packing=packing).last_hidden_state
+        hidden = body(input_ids=ids, position_ids=positions, use_cache=True, wedlm_packing=packing,
+                      **{cache_keyword(body): cache}).last_hidden_state
         head(hidden.reshape(-1, hidden.shape[-1])[: step.masks])
         best = min(best, time.perf_counter() - start)
     return best

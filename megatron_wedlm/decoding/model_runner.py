@@ -22,6 +22,7 @@ slots of all rows concatenated. The prompt is prefilled in the same forward as t
 
 from __future__ import annotations
 
+import inspect
 from contextlib import ExitStack
 from itertools import accumulate, chain
 from typing import NamedTuple
@@ -31,6 +32,22 @@ import torch
 from .packed_attention import NAME as PACKED, Packing, packed_attention
 from .row_cache import RowKVCache
 from .state import RowState
+
+
+def cache_keyword(module) -> str:
+    """The keyword under which an HF model's ``forward`` takes (and its output returns) the KV cache.
+
+    transformers renamed ``past_key_values`` to ``cache``, keeps the old name only for a while, and
+    its models take any other keyword into ``**kwargs``: a cache passed under a name the model no
+    longer knows is silently dropped, and the forward runs on a fresh cache of its own, attending
+    to nothing committed. So the name is read from the signature of the model class's ``forward``
+    (an instance's may be wrapped, by hooks or timers, in a ``*args, **kwargs`` function).
+    """
+    params = inspect.signature(type(module).forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise TypeError(f"{type(module).__name__}.forward takes no KV cache (neither `cache` nor `past_key_values`)")
 
 
 class StepShape(NamedTuple):
@@ -59,6 +76,7 @@ class ModelRunner:
             raise ValueError("batched WeDLM decoding needs an explicit attention mask: load the model with sdpa or eager")
         self.model, self.device = model, model.device
         self.body, self.head = model.base_model, model.get_output_embeddings()
+        self.cache_keyword = cache_keyword(self.body)
         self.mask_id = rows[0].mask_id
         self.packable = impl == "sdpa"  # forwards are packed (packed_attention.py) on SDPA models
         # A padded forward writes every row up to the longest committed row plus the widest input;
@@ -124,8 +142,8 @@ class ModelRunner:
             input_ids=torch.tensor(ids, device=self.device),
             position_ids=torch.tensor(positions, device=self.device),
             attention_mask=mask,
-            past_key_values=self.cache,
             use_cache=True,
+            **{self.cache_keyword: self.cache},
             **({"wedlm_packing": packing} if packing else {}),
         ).last_hidden_state
         self.cache.packing = None
