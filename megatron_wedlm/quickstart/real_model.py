@@ -131,6 +131,7 @@ class RealModelQuickstart(StagedRun):
 
         from megatron_wedlm.decoding.api import generate_batch
         from megatron_wedlm.decoding.inputs import encode_prompt, eos_token_ids, load_checkpoint
+        from megatron_wedlm.decoding.result import STOP_TOKEN
 
         assert self.base_hf is not None
         torch.set_num_threads(1)  # the conversion runs on the other core
@@ -153,7 +154,7 @@ class RealModelQuickstart(StagedRun):
             replies = [(p, r.text.strip()) for p, r in zip(prompts, results)]
             if split == "train":
                 # every reply is kept in the file; prepare_data trains on those that ended
-                ended = [any(t in stops for t in r.token_ids) for r in results]
+                ended = [r.stop_reason == STOP_TOKEN for r in results]
                 counts[split] = write_pairs(replies, self.data(file), key, fields={"ended": ended})
                 counts["train_ended"] = sum(ended)
                 self.console.print(f"[replies] train: {sum(ended)}/{len(ended)} replies end within {budget} tokens; "
