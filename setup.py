@@ -13,7 +13,7 @@ HERE = Path(__file__).parent
 
 install_requires = [
     "torch>=2.5,<=2.13.0",
-    "megatron-core>=0.15.0,<0.17",
+    "megatron-core>=0.16.0,<0.20",
     "transformers>=5.0,<6",
     "tokenizers>=0.21",
     "safetensors>=0.4",

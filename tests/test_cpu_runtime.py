@@ -1,5 +1,7 @@
 """The CPU runtime: activation rules and the RNG tracker it installs."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -15,14 +17,14 @@ def test_refuses_when_cuda_is_available(monkeypatch):
 
 
 def test_refuses_untested_megatron_core_version(monkeypatch):
-    import megatron.core
-
-    monkeypatch.setattr(megatron.core, "__version__", "0.99.0")
+    monkeypatch.setattr(cpu, "megatron_core_version", lambda: "0.99.0")
     monkeypatch.delenv(cpu.UNTESTED_OVERRIDE_ENV_VAR, raising=False)
     with pytest.raises(cpu.CpuRuntimeError) as err:
         cpu.activate_cpu_runtime()
     message = str(err.value)
-    assert "0.99.0" in message and "0.16.1" in message and cpu.UNTESTED_OVERRIDE_ENV_VAR in message
+    assert "\n" not in message
+    assert "0.99.0" in message and cpu.UNTESTED_OVERRIDE_ENV_VAR in message
+    assert all(version in message for version in ("0.16.1", "0.19.2"))
     assert not cpu.cpu_runtime_active()
 
 
@@ -32,9 +34,43 @@ def test_env_var_is_the_only_implicit_switch(monkeypatch):
     assert not cpu.cpu_runtime_active()
 
 
-def test_every_patch_names_the_megatron_lines_it_covers():
-    for patch in cpu._patches():
-        assert ".py" in patch.covers, patch
+def _all_patches() -> list[cpu.Patch]:
+    return [*cpu._patches(), *cpu._patch_importers_of_clip_fn()]
+
+
+def test_every_patch_names_its_lines_in_every_tested_release():
+    for patch in _all_patches():
+        assert sorted(patch.sites) == sorted(cpu.TESTED_MEGATRON_CORE_VERSIONS), patch.attribute
+        assert any(patch.sites_in(version) for version in cpu.TESTED_MEGATRON_CORE_VERSIONS), patch.attribute
+
+
+def test_the_named_lines_hold_what_each_patch_redirects_in_the_installed_release():
+    """Read every line a patch names for the installed release from Megatron-Core's own source:
+    a line that moved, or no longer does what the patch redirects, fails here (in each CI leg)."""
+    import re
+
+    import megatron.core
+
+    version = cpu.check_megatron_core_version()
+    core = Path(megatron.core.__file__).parent
+    checked = 0
+    for patch in _all_patches():
+        for path, number in patch.sites_in(version):
+            lines = (core / path).read_text().splitlines()
+            assert number <= len(lines), f"{path}:{number} is past the end ({patch.attribute})"
+            line = lines[number - 1]
+            assert re.search(patch.marker, line), f"{version} {path}:{number} lacks {patch.marker!r}: {line!r}"
+            checked += 1
+    assert checked >= 60
+
+
+def test_version_is_the_release_not_the_checkout_suffix(monkeypatch):
+    """megatron.core.__version__ carries the commit of the git tree its files sit in."""
+    import megatron.core
+
+    monkeypatch.setattr(megatron.core, "__version__", "0.16.1+deadbee")
+    assert "+" not in cpu.megatron_core_version()
+    assert cpu.megatron_core_version() in cpu.TESTED_MEGATRON_CORE_VERSIONS
 
 
 def test_activate_and_deactivate_restore_megatron():
@@ -46,7 +82,16 @@ def test_activate_and_deactivate_restore_megatron():
     try:
         assert torch.cuda.current_device() == "cpu"
         assert schedules.torch.zeros([], device="cuda").device.type == "cpu"
-        assert len(cpu.applied_patches()) == len(cpu._patches()) + len(cpu._patch_importers_of_clip_fn())
+        version = cpu.megatron_core_version()
+        applied = [(p.owner, p.attribute) for p in cpu.applied_patches()]
+        assert applied == [(p.owner, p.attribute) for p in _all_patches() if p.sites_in(version)]
+        assert (torch.cuda, "current_stream") in applied or version == "0.16.1"
+        # the optimizer module calls the clip function it imported by name: the wrapped one
+        import megatron.core.optimizer.clip_grads as clip_grads
+        import megatron.core.optimizer.optimizer as mcore_optimizer
+
+        assert mcore_optimizer.clip_grad_by_total_norm_fp32 is clip_grads.clip_grad_by_total_norm_fp32
+        assert clip_grads.clip_grad_by_total_norm_fp32.__wrapped__ is not None
     finally:
         cpu.deactivate_cpu_runtime()
     assert torch.cuda.current_device is original_current_device

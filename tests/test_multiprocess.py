@@ -92,10 +92,11 @@ def test_killing_a_rank_leaves_no_process_of_the_launch(tmp_path):
 _RANK_WITH_CHECKPOINT_MANAGER = """
 import sys, time
 from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron_wedlm.runtime.megatron_compat import write_results_queue_attribute
 from megatron_wedlm.runtime.multiprocess import make_checkpoint_manager_die_with_rank
 if sys.argv[1] == "patched":
     assert make_checkpoint_manager_die_with_rank() is not None
-queue = filesystem_async._get_write_results_queue()
+queue = getattr(filesystem_async, write_results_queue_attribute())()
 print(queue._manager._process.pid, flush=True)
 time.sleep(600)
 """

@@ -171,13 +171,13 @@ def save_megatron_checkpoint(model, directory: str | Path, release_model: bool =
     original instead of sitting next to it (peak ~1x the model instead of ~1.5x). The model's
     ``linear_fc1`` weights are empty afterwards.
     """
-    from megatron.core import dist_checkpointing
+    from megatron_wedlm.runtime.megatron_compat import save_torch_dist
 
     Path(directory).mkdir(parents=True, exist_ok=True)
     sharded = model.sharded_state_dict()
     if release_model:
         _move_views_out_of_parameters(model, sharded)
-    dist_checkpointing.save(sharded, str(directory))
+    save_torch_dist(sharded, str(directory))
 
 
 def _move_views_out_of_parameters(model, sharded) -> None:

@@ -29,6 +29,8 @@ import socket
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from .megatron_compat import CHECKPOINT_WRITE_FAILURE_MARKERS
+
 __all__ = [
     "DiskFullError",
     "OutputDirError",
@@ -99,7 +101,8 @@ def is_disk_full(err: BaseException, path: str | Path) -> bool:
             return True
         if any(marker in str(item) for marker in _NO_SPACE_MARKERS):
             return True
-    if any(marker in str(item) for item in causes for marker in _WRITE_FAILURE_MARKERS):
+    markers = (*_WRITE_FAILURE_MARKERS, *CHECKPOINT_WRITE_FAILURE_MARKERS)
+    if any(marker in str(item) for item in causes for marker in markers):
         free = _free_bytes(Path(path))
         return free is not None and free < LOW_SPACE_BYTES
     return False

@@ -28,8 +28,12 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-#: Megatron-Core releases whose source lines the patches below were checked against.
-TESTED_MEGATRON_CORE_VERSIONS: tuple[str, ...] = ("0.16.1",)
+from .megatron_compat import SUPPORTED_RELEASES, megatron_core_version
+
+#: Megatron-Core releases whose source lines the patches below were checked against. Each
+#: ``Patch.sites`` names its lines in every one of them; ``tests/test_cpu_runtime.py`` reads those
+#: lines in the installed release and fails when one no longer holds what the patch redirects.
+TESTED_MEGATRON_CORE_VERSIONS: tuple[str, ...] = SUPPORTED_RELEASES
 
 ENV_VAR = "MEGATRON_WEDLM_CPU"
 UNTESTED_OVERRIDE_ENV_VAR = "MEGATRON_WEDLM_ALLOW_UNTESTED_MCORE"
@@ -41,12 +45,29 @@ class CpuRuntimeError(RuntimeError):
 
 @dataclass(frozen=True)
 class Patch:
-    """One redirection: ``owner.attribute`` is replaced by ``replacement`` while the runtime is on."""
+    """One redirection: ``owner.attribute`` is replaced by ``replacement`` while the runtime is on.
+
+    ``sites`` maps each tested Megatron-Core release to the lines the patch exists for, as
+    ``"path:line,line; path:line"`` with paths under ``megatron/core/``; every such line matches
+    the regular expression ``marker`` (what the patch redirects), which a test checks against the
+    installed release. A release that needs no such line has ``""``, and the patch is not applied
+    there.
+    """
 
     owner: Any
     attribute: str
     replacement: Any
-    covers: str  # the Megatron-Core code (file:line in TESTED_MEGATRON_CORE_VERSIONS) it exists for
+    why: str
+    marker: str
+    sites: dict[str, str]
+
+    def sites_in(self, version: str) -> list[tuple[str, int]]:
+        """The (path under megatron/core, line number) pairs this patch covers in ``version``."""
+        pairs = []
+        for entry in filter(str.strip, self.sites[version].split(";")):
+            path, lines = entry.strip().rsplit(":", 1)
+            pairs.extend((path, int(line)) for line in lines.split(","))
+        return pairs
 
 
 _applied: list[tuple[Patch, Any]] = []
@@ -56,23 +77,15 @@ def cpu_runtime_active() -> bool:
     return bool(_applied)
 
 
-def megatron_core_version() -> str:
-    import megatron.core
-
-    return str(getattr(megatron.core, "__version__", "unknown"))
-
-
 def check_megatron_core_version(allow_untested: bool = False) -> str:
     """Return the installed Megatron-Core version, or raise if the patches were not checked on it."""
     version = megatron_core_version()
     if version in TESTED_MEGATRON_CORE_VERSIONS or allow_untested:
         return version
     raise CpuRuntimeError(
-        f"megatron_wedlm's CPU runtime was checked against megatron-core "
-        f"{', '.join(TESTED_MEGATRON_CORE_VERSIONS)}, but {version} is installed. The CPU patches "
-        f"redirect specific Megatron-Core source lines, which may have moved. Install a tested "
-        f"version (pip install 'megatron-core=={TESTED_MEGATRON_CORE_VERSIONS[-1]}'), or set "
-        f"{UNTESTED_OVERRIDE_ENV_VAR}=1 to try anyway and re-run the parallel-equivalence tests."
+        f"megatron-core {version} is untested by megatron_wedlm's CPU runtime (tested: "
+        f"{', '.join(TESTED_MEGATRON_CORE_VERSIONS)}); install one of those, or set "
+        f"{UNTESTED_OVERRIDE_ENV_VAR}=1 to try anyway and re-run tests/test_cpu_runtime.py."
     )
 
 
@@ -127,6 +140,19 @@ def _cpu_current_device() -> str:
 
 def _noop(*_args: Any, **_kwargs: Any) -> None:
     return None
+
+
+class _CpuStream:
+    """The one stream of a CPU: every wait is already satisfied (CPU ops are synchronous)."""
+
+    wait_event = wait_stream = record_event = synchronize = staticmethod(_noop)
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def _cpu_current_stream(*_args: Any, **_kwargs: Any) -> _CpuStream:
+    return _CPU_STREAM
 
 
 def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
@@ -265,51 +291,125 @@ def _patches() -> list[Patch]:
     import megatron.core.utils as mcore_utils
 
     cpu_torch = _TorchWithCpuFactories()
+    cuda_factory = r"device=[\"']cuda[\"']"
     return [
         Patch(torch.cuda, "current_device", _cpu_current_device,
-              "tensor_parallel/layers.py:261,552,597,873,1197; mappings.py:91,141,181; "
-              "transformer/attention.py:430; rotary_pos_embedding.py:162; gpt_model.py:415; "
-              "param_and_grad_buffer.py:783-806; distrib_optimizer.py:791 (device=current_device())"),
+              "tensors and buffers created on device=torch.cuda.current_device()",
+              r"torch\.cuda\.current_device\(\)", {
+                  "0.16.1": "tensor_parallel/layers.py:261,552,597,873,1197; tensor_parallel/mappings.py:91,141,181; "
+                            "transformer/attention.py:430; models/common/embeddings/rotary_pos_embedding.py:162; "
+                            "models/gpt/gpt_model.py:415; distributed/param_and_grad_buffer.py:783,800,806; "
+                            "optimizer/distrib_optimizer.py:791",
+                  "0.19.2": "tensor_parallel/layers.py:305,647,708,1000,1363; tensor_parallel/mappings.py:95,145,185; "
+                            "transformer/attention.py:530; models/common/embeddings/rotary_pos_embedding.py:162; "
+                            "models/gpt/gpt_model.py:452; distributed/param_and_grad_buffer.py:1162,1180,1186; "
+                            "optimizer/distrib_optimizer.py:998",
+              }),
         Patch(torch.cuda, "synchronize", _noop,
-              "parallel_state.py:198,933; distributed_data_parallel.py:588,611 (CPU ops are synchronous)"),
+              "CPU ops are synchronous; torch.cuda.synchronize raises without CUDA",
+              r"torch\.cuda\.synchronize\(", {
+                  "0.16.1": "parallel_state.py:198,933; distributed/distributed_data_parallel.py:588,611",
+                  "0.19.2": "parallel_state.py:216,1035; distributed/distributed_data_parallel.py:649,672",
+              }),
+        Patch(torch.cuda, "current_stream", _cpu_current_stream,
+              "the grad all-reduce first waits on the current stream for CUDA-graph replays "
+              "(0.19; torch.cuda.current_stream raises without CUDA)",
+              r"torch\.cuda\.current_stream\(\)", {
+                  "0.16.1": "",
+                  "0.19.2": "distributed/param_and_grad_buffer.py:632",
+              }),
         Patch(torch.cuda, "manual_seed", torch.manual_seed,
-              "tensor_parallel/random.py model_parallel_cuda_manual_seed: default device RNG seed"),
+              "model_parallel_cuda_manual_seed and the tracker's add seed the device generator",
+              r"torch\.cuda\.manual_seed\(", {
+                  "0.16.1": "tensor_parallel/random.py:237,422",
+                  "0.19.2": "tensor_parallel/random.py:305,490",
+              }),
         Patch(torch.cuda, "get_rng_state", _cpu_get_rng_state,
-              "tensor_parallel/random.py:235 and CheckpointFunction (activation recompute)"),
+              "the tracker's add and the rerun state machine read the device generator",
+              r"torch\.cuda\.get_rng_state\(", {
+                  "0.16.1": "tensor_parallel/random.py:235,238; rerun_state_machine.py:957",
+                  "0.19.2": "tensor_parallel/random.py:303,306; rerun_state_machine.py:979",
+              }),
         Patch(torch.cuda, "set_rng_state", _cpu_set_rng_state,
-              "tensor_parallel/random.py CheckpointFunction backward"),
+              "the rerun state machine restores the device generator",
+              r"torch\.cuda\.set_rng_state\(", {
+                  "0.16.1": "rerun_state_machine.py:970",
+                  "0.19.2": "rerun_state_machine.py:992",
+              }),
         Patch(mcore_random, "_get_cuda_rng_state", _cpu_get_rng_state,
-              "tensor_parallel/random.py:41 (tracker fork, recompute, checkpointed RNG state)"),
+              "tracker fork, activation recompute and the checkpointed RNG state",
+              r"_get_cuda_rng_state\(", {
+                  "0.16.1": "tensor_parallel/random.py:41,250,273,447",
+                  "0.19.2": "tensor_parallel/random.py:104,318,341,528",
+              }),
         Patch(mcore_random, "_set_cuda_rng_state", _cpu_set_rng_state,
-              "tensor_parallel/random.py:72 (a lazy CUDA call that is a silent no-op on CPU)"),
+              "a lazy CUDA call that is a silent no-op on CPU",
+              r"_set_cuda_rng_state\(", {
+                  "0.16.1": "tensor_parallel/random.py:72,240,255,277,457",
+                  "0.19.2": "tensor_parallel/random.py:135,308,323,345,538",
+              }),
         Patch(mcore_random, "CudaRNGStatesTracker",
               _make_cpu_rng_tracker_class(mcore_random.CudaRNGStatesTracker),
-              "tensor_parallel/random.py:161 class used by initialize_rng_tracker:274"),
+              "the tracker class that initialize_rng_tracker instantiates",
+              r"CudaRNGStatesTracker\b", {
+                  "0.16.1": "tensor_parallel/random.py:161,315",
+                  "0.19.2": "tensor_parallel/random.py:229,383",
+              }),
         Patch(schedules, "torch", cpu_torch,
-              "pipeline_parallel/schedules.py:596,983,2138 total_num_tokens device='cuda'"),
+              "total_num_tokens counters built on device='cuda'", cuda_factory, {
+                  "0.16.1": "pipeline_parallel/schedules.py:596,983,2138",
+                  "0.19.2": "pipeline_parallel/schedules.py:749,1121,2292",
+              }),
         Patch(mcore_utils, "torch", cpu_torch,
-              "utils.py:1207 local_multi_tensor_l2_norm device='cuda' (grad-norm without apex)"),
+              "local_multi_tensor_l2_norm (the grad norm without apex) builds its result on 'cuda'",
+              cuda_factory, {
+                  "0.16.1": "utils.py:1207",
+                  "0.19.2": "utils.py:1332",
+              }),
         Patch(transformer_utils, "torch", cpu_torch,
-              "transformer/utils.py:35 get_default_causal_mask device='cuda' (local attention)"),
+              "get_default_causal_mask (local attention) builds its mask on 'cuda'", cuda_factory, {
+                  "0.16.1": "transformer/utils.py:35,40",
+                  "0.19.2": "transformer/utils.py:39,44",
+              }),
         Patch(mcore_optimizer, "torch", cpu_torch,
-              "optimizer/optimizer.py:473,481,485,907 device='cuda' (found_inf, scale buffers; "
-              "FP32Optimizer)"),
+              "found_inf, scale and grad-norm-group buffers (and FP32Optimizer's scale) on 'cuda'",
+              cuda_factory, {
+                  "0.16.1": "optimizer/optimizer.py:473,481,485,907",
+                  "0.19.2": "optimizer/optimizer.py:315,690,698,702,1249",
+              }),
         Patch(grad_scaler, "torch", cpu_torch,
-              "optimizer/grad_scaler.py:15,88,91,94 device='cuda' (loss-scale buffers)"),
+              "loss-scale buffers on 'cuda'", cuda_factory, {
+                  "0.16.1": "optimizer/grad_scaler.py:15,88,91,94",
+                  "0.19.2": "optimizer/grad_scaler.py:20,111,114,117",
+              }),
         Patch(clip_grads, "torch", cpu_torch,
-              "optimizer/clip_grads.py:90,103,115,174,207 device='cuda' buffers"),
+              "grad-norm and zero-count buffers on 'cuda'", cuda_factory, {
+                  "0.16.1": "optimizer/clip_grads.py:90,103,115,174,207",
+                  "0.19.2": "optimizer/clip_grads.py:96,108,112,180,231",
+              }),
         Patch(clip_grads, "clip_grad_by_total_norm_fp32",
               _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32),
-              "optimizer/clip_grads.py:167 assert grad.type() == 'torch.cuda.FloatTensor'"),
+              "it asserts every grad is a 'torch.cuda.FloatTensor'",
+              r"torch\.cuda\.FloatTensor'", {
+                  "0.16.1": "optimizer/clip_grads.py:167",
+                  "0.19.2": "optimizer/clip_grads.py:174",
+              }),
         Patch(distrib_optimizer.DistributedOptimizer, "_build_model_and_main_param_groups",
               _with_cuda_type_names(
                   distrib_optimizer.DistributedOptimizer.__dict__["_build_model_and_main_param_groups"]
               ),
-              "optimizer/distrib_optimizer.py:361,420 param.type() == 'torch.cuda.FloatTensor'"),
+              "it sorts parameters by param.type() == 'torch.cuda.FloatTensor'",
+              r"torch\.cuda\.FloatTensor'", {
+                  "0.16.1": "optimizer/distrib_optimizer.py:420",
+                  "0.19.2": "optimizer/distrib_optimizer.py:466",
+              }),
         Patch(LanguageModule, "setup_embeddings_and_output_layer",
               _without_cuda_moves(LanguageModule.__dict__["setup_embeddings_and_output_layer"]),
-              "models/common/language_module/language_module.py:244 weight.data.cuda() before the "
-              "all-reduce that copies tied embeddings to the last pipeline stage"),
+              "weight.data.cuda() before the all-reduce that copies tied embeddings to the last "
+              "pipeline stage", r"\.cuda\(\)", {
+                  "0.16.1": "models/common/language_module/language_module.py:244",
+                  "0.19.2": "models/common/language_module/language_module.py:307",
+              }),
     ]
 
 
@@ -321,7 +421,11 @@ def _patch_importers_of_clip_fn() -> list[Patch]:
     wrapped = clip_grads.clip_grad_by_total_norm_fp32
     return [
         Patch(mcore_optimizer, "clip_grad_by_total_norm_fp32", wrapped,
-              "optimizer/optimizer.py clip_grad_norm -> clip_grad_by_total_norm_fp32"),
+              "MegatronOptimizer.clip_grad_norm calls the name it imported",
+              r"clip_grad_by_total_norm_fp32\(", {
+                  "0.16.1": "optimizer/optimizer.py:215,1324",
+                  "0.19.2": "optimizer/optimizer.py:410,420,1906,1916",
+              }),
     ]
 
 
@@ -337,11 +441,13 @@ def activate_cpu_runtime(allow_untested_version: bool | None = None) -> None:
         )
     if allow_untested_version is None:
         allow_untested_version = os.environ.get(UNTESTED_OVERRIDE_ENV_VAR) == "1"
-    check_megatron_core_version(allow_untested_version)
-    for patch in _patches():
-        _apply(patch)
-    for patch in _patch_importers_of_clip_fn():
-        _apply(patch)
+    version = check_megatron_core_version(allow_untested_version)
+    # In two passes: the second reads the clip function the first one wrapped.
+    for patches in (_patches, _patch_importers_of_clip_fn):
+        for patch in patches():
+            # An untested release gets every patch: each replaces only what cannot run on a CPU.
+            if version not in patch.sites or patch.sites_in(version):
+                _apply(patch)
     # Megatron may have created a tracker of the stock class before activation.
     from megatron.core.tensor_parallel import random as mcore_random
 

@@ -114,14 +114,10 @@ def _leave_no_orphans(launcher_pid: int) -> None:
     die_with_parent(launcher_pid)
 
 
-#: The Megatron-Core releases whose ``_get_write_results_queue`` the replacement below mirrors.
-_CHECKED_MCORE_WRITER_QUEUE = ("0.16.1",)
-
-
-def _checkpoint_results_queue() -> Any:
-    """Megatron's ``filesystem_async._get_write_results_queue`` (0.16.1, lines 51-56), except
-    that the Manager's server process is started with ``die_with_parent``: same spawn context,
-    same queue, cached in the same module global."""
+def _checkpoint_results_queue(*_args: Any, **_kwargs: Any) -> Any:
+    """Megatron's write-results queue factory (``filesystem_async``, 0.16.1 lines 51-56,
+    0.19.2 lines 53-66), except that the Manager's server process is started with
+    ``die_with_parent``: same spawn context, same queue, cached in the same module global."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
@@ -137,17 +133,19 @@ def make_checkpoint_manager_die_with_rank() -> Callable[[], None] | None:
     Left alone (None returned) on a Megatron-Core release it was not checked on.
     """
     try:
-        import megatron.core
         from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        from .megatron_compat import SUPPORTED_RELEASES, megatron_core_version, write_results_queue_attribute
     except ImportError:  # no Megatron checkpoints in this process, so no Manager either
         return None
-    if getattr(megatron.core, "__version__", None) not in _CHECKED_MCORE_WRITER_QUEUE:
+    attribute = write_results_queue_attribute()
+    if megatron_core_version() not in SUPPORTED_RELEASES or attribute is None:
         return None
-    original = filesystem_async._get_write_results_queue
+    original = getattr(filesystem_async, attribute)
     if original is _checkpoint_results_queue:
         return lambda: None
-    filesystem_async._get_write_results_queue = _checkpoint_results_queue
-    return lambda: setattr(filesystem_async, "_get_write_results_queue", original)
+    setattr(filesystem_async, attribute, _checkpoint_results_queue)
+    return lambda: setattr(filesystem_async, attribute, original)
 
 
 def stop_process_groups(

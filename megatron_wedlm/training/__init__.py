@@ -13,5 +13,4 @@
 * :mod:`.optimization`   -- Megatron DDP, distributed optimizer, lr schedule.
 * :mod:`.checkpointing`  -- atomic torch_dist checkpoints, resume, keep-last-K.
 * :mod:`.metrics`        -- metrics.jsonl, wandb, progress bar.
-* :mod:`.megatron_compat`-- native-torch Adam checkpoint fixes for Megatron-Core (documented there).
 """

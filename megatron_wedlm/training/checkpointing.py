@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from megatron_wedlm.runtime.atomic_output import atomic_write_text, disk_full_is_named, publish_directory
 
-from .megatron_compat import prepare_optimizer_for_load, separate_adam_step_counters
+from megatron_wedlm.runtime.megatron_compat import prepare_optimizer_for_load, save_torch_dist, separate_adam_step_counters
 
 __all__ = [
     "CheckpointManager",
@@ -331,8 +331,6 @@ class CheckpointManager:
         """Collective: every rank calls it. ``model`` is the unwrapped chunk; ``files`` are
         extra files written by rank 0: name -> text (e.g. config.yaml) or -> a file to copy
         (e.g. the tokenizer's)."""
-        from megatron.core import dist_checkpointing
-
         final, partial = self.begin_save(step)
         model_sd = model.sharded_state_dict()
         optimizer_sd = optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=OPTIMIZER_METADATA)
@@ -341,7 +339,7 @@ class CheckpointManager:
             del optimizer_sd["param_state"]
         sharded = {"model": model_sd, "optimizer": optimizer_sd, "rng_state": _rng_sharded_object(_rng_state())}
         with disk_full_is_named(partial):
-            dist_checkpointing.save(sharded, str(partial))
+            save_torch_dist(sharded, str(partial))
         state = {**trainer_state, "step": step, "layout": _layout(), "optimizer_metadata": OPTIMIZER_METADATA}
         return self.finish_save(partial, final, state, files)
 

@@ -12,7 +12,7 @@ import torch
 
 from megatron_wedlm.config.schema import TrainConfig
 
-from .megatron_compat import patch_native_adam_step_restore
+from megatron_wedlm.runtime.megatron_compat import patch_native_adam_step_restore
 
 __all__ = ["wrap_ddp", "build_optimizer", "build_scheduler", "current_lr"]
 
