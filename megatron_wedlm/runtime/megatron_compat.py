@@ -93,9 +93,15 @@ def save_torch_dist(sharded_state_dict: dict[str, Any], directory: str) -> None:
 
     dist_checkpointing.save(sharded_state_dict, directory)
     root = Path(directory)
-    if (root / _COMMON_STATE_FILE).exists():  # the save ended in a barrier: every rank sees the same
+    distributed = torch.distributed.is_initialized()
+    # The save ended in a barrier, so every rank sees the same files now; the barrier below keeps
+    # rank 0 from writing before the others have looked (they would skip the last barrier).
+    written = (root / _COMMON_STATE_FILE).exists()
+    if distributed:
+        torch.distributed.barrier()
+    if written:
         return
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+    if not distributed or torch.distributed.get_rank() == 0:
         common = dist_checkpointing.load_common_state_dict(directory)
         torch.save(common, root / _COMMON_STATE_FILE)
         metadata = json.loads((root / "metadata.json").read_text())
