@@ -48,8 +48,10 @@ __all__ = [
 LOW_SPACE_BYTES = 1 << 20
 
 # Messages of write failures that do not carry ENOSPC: torch.save's zip writer (the short write
-# shows as a position mismatch) and safetensors (Rust I/O error text).
-_WRITE_FAILURE_MARKERS = ("inline_container.cc", "file write failed", "PytorchStreamWriter failed")
+# shows as a position mismatch), safetensors (Rust I/O error text) and Megatron-Core's checkpoint
+# writer where it drops the writer's own message (megatron_compat).
+_WRITE_FAILURE_MARKERS = ("inline_container.cc", "file write failed", "PytorchStreamWriter failed",
+                          *CHECKPOINT_WRITE_FAILURE_MARKERS)
 _NO_SPACE_MARKERS = ("No space left on device", "os error 28")
 
 
@@ -101,8 +103,7 @@ def is_disk_full(err: BaseException, path: str | Path) -> bool:
             return True
         if any(marker in str(item) for marker in _NO_SPACE_MARKERS):
             return True
-    markers = (*_WRITE_FAILURE_MARKERS, *CHECKPOINT_WRITE_FAILURE_MARKERS)
-    if any(marker in str(item) for item in causes for marker in markers):
+    if any(marker in str(item) for item in causes for marker in _WRITE_FAILURE_MARKERS):
         free = _free_bytes(Path(path))
         return free is not None and free < LOW_SPACE_BYTES
     return False

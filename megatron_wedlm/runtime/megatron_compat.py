@@ -106,7 +106,7 @@ def save_torch_dist(sharded_state_dict: dict[str, Any], directory: str) -> None:
         torch.save(common, root / _COMMON_STATE_FILE)
         metadata = json.loads((root / "metadata.json").read_text())
         (root / "metadata.json").write_text(json.dumps({**metadata, **_COMMON_BACKEND}))
-    if torch.distributed.is_initialized():
+    if distributed:
         torch.distributed.barrier()
 
 
@@ -136,13 +136,13 @@ def prepare_optimizer_for_load(optimizer: Any) -> None:
     """Give a never-stepped native-torch Adam the state ``sharded_state_dict(is_loading=True)`` needs."""
     if not _uses_native_torch_adam():
         return
+    import torch
+
     for sub in inner_optimizers(optimizer):
         init_state = getattr(sub, "init_state_fn", None)
         inner = getattr(sub, "optimizer", None)
         if init_state is None or inner is None:
             continue
-        import torch
-
         init_state(inner, getattr(sub, "config", None))
         for state in inner.state.values():
             state.setdefault("step", torch.tensor(0.0))
