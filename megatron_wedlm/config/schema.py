@@ -15,7 +15,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional, Sequence
 
 # The one table of attention backends (a light module: no torch or Megatron at import).
 from megatron_wedlm.model.attention_backends import ATTENTION_BACKEND_NAMES, ATTENTION_BACKENDS, backend_names
@@ -35,6 +35,8 @@ __all__ = [
     "WeDLMConfig",
     "ConfigError",
     "CHOICES",
+    "blend_from_data_path",
+    "indexed_options",
 ]
 
 
@@ -137,11 +139,12 @@ class OptimizerConfig:
 
 @dataclass
 class BlendSourceConfig:
-    """One source of ``data.blend``: a directory written by ``tools/prepare_data.py`` and its share."""
+    """One source of ``data.blend``: a directory written by ``tools/prepare_data.py`` (or a Megatron
+    indexed dataset's prefix) and its share."""
 
     path: Optional[str] = None  # required
     weight: float = 1.0  # > 0; normalised over the blend (a share of the rows)
-    name: Optional[str] = None  # in logs (tokens/<name>) and the data state; default: the directory's basename
+    name: Optional[str] = None  # in logs (tokens/<name>) and the data state; default: the path's basename
 
 
 @dataclass
@@ -154,13 +157,27 @@ class DataConfig:
     the exact sample under another DP size or worker count; it must be a multiple of
     ``dp * num_workers`` and at most the number of shards."""
 
-    path: Optional[str] = None  # directory holding manifest.json (this or blend is required)
-    # several prepared directories mixed by weight, [{path, weight, name}] (docs/training.md "Data blends");
-    # instead of path
+    # directory holding manifest.json, or the PREFIX of a Megatron indexed dataset (PREFIX.bin +
+    # PREFIX.idx, pretraining only; docs/training.md "Megatron indexed datasets"); this or blend is required
+    path: Optional[str] = None
+    # several sources mixed by weight, [{path, weight, name}] (docs/training.md "Data blends"), or
+    # Megatron-LM's --data-path form "0.3 /data/web 0.7 /data/code" (or a list of paths: equal
+    # weights), turned into that list when the config is loaded; instead of path
     blend: Optional[List[BlendSourceConfig]] = None
-    # a prepared directory of held-out documents (e.g. prepare_data.py --valid-fraction writes
-    # <output>/valid): same task, tokenizer and mask id as the training data; None = no validation
+    # a prepared directory (or prefix) of held-out documents (e.g. prepare_data.py --valid-fraction
+    # writes <output>/valid): same task, tokenizer and mask id as the training data; None = no validation
     valid_path: Optional[str] = None
+    # the HF tokenizer directory the Megatron indexed datasets among the sources were tokenized with,
+    # which a prefix does not record; required when a source is a prefix (unused otherwise). It must
+    # hold the mask token, because checkpoints and exports copy its files: the tokenizer/ of a
+    # prepared directory and the output of convert_checkpoint.py hf-to-megatron do
+    tokenizer: Optional[str] = None
+    # documents of a prefix per virtual shard: prepare_data.py's default --samples-per-shard, so the
+    # same documents give the same shards, hence the same rows, as prepared or as a prefix
+    indexed_documents_per_shard: int = 10000
+    # every document of a prefix must end with the tokenizer's EOS (preprocess_data.py --append-eod),
+    # as prepared pretraining data does; true: the loader appends EOS to each document that lacks it
+    append_eod: bool = False
     seq_length: int = 512
     micro_batch_size: int = 1
     global_batch_size: int = 8
@@ -289,7 +306,7 @@ _POSITIVE = (
     "parallelism.recompute_num_layers", "data.seq_length", "data.micro_batch_size",
     "data.global_batch_size", "data.num_streams", "data.prefetch_factor",
     "trainer.train_steps", "trainer.max_consecutive_nonfinite", "logging.log_interval", "logging.peak_tflops",
-    "trainer.eval_interval", "trainer.eval_iters",
+    "trainer.eval_interval", "trainer.eval_iters", "data.indexed_documents_per_shard",
     "model.make_vocab_size_divisible_by", "optimizer.lr", "trainer.exit_at_step",
     "model.num_layers", "model.hidden_size", "model.ffn_hidden_size",
     "model.num_attention_heads", "model.num_query_groups", "model.head_dim",
@@ -317,6 +334,7 @@ def validate_config(cfg: TrainConfig) -> None:
     _validate_context_and_virtual_pipeline(cfg)
     _check_attention_device(cfg)
     _check_data(cfg)
+    _check_indexed_sources(cfg)
     _check_valid_data(cfg)
     if cfg.trainer.exit_at_step is not None and cfg.trainer.exit_at_step > cfg.trainer.train_steps:
         raise ConfigError(
@@ -396,20 +414,56 @@ def _check_data(cfg: TrainConfig) -> None:
         )
 
 
+def blend_from_data_path(value: str | Sequence[Any]) -> list[dict[str, Any]]:
+    """``data.blend`` in Megatron-LM's ``--data-path`` form as the ``[{path, weight}]`` list the
+    schema holds: ``"0.3 /data/web 0.7 /data/code"`` (weights and paths alternating; a list of the
+    same items too), or paths alone, which get equal weights (as Megatron-LM reads them). Weights
+    are checked with the rest of the blend (:func:`_check_data_sources`)."""
+    items = value.split() if isinstance(value, str) else [str(item) for item in value]
+    if not items:
+        raise ConfigError("data.blend is empty; give \"W1 PATH1 W2 PATH2 ...\" or [{path: P, weight: W}, ...], "
+                          "or set data.path instead")
+    numbers = [_number(item) for item in items]
+    if len(items) % 2 == 0 and all(w is not None for w in numbers[0::2]):
+        return [{"path": path, "weight": weight} for weight, path in zip(numbers[0::2], items[1::2])]
+    if all(n is None for n in numbers):
+        return [{"path": path, "weight": 1.0} for path in items]
+    raise ConfigError(
+        f"data.blend={value!r} is neither weights and paths alternating (\"0.3 /data/web 0.7 /data/code\") "
+        "nor paths alone (equal weights)"
+    )
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def indexed_options(data: DataConfig) -> dict[str, Any]:
+    """How a Megatron indexed dataset among the sources is read (the keyword arguments of
+    :func:`megatron_wedlm.data.indexed.read_source_manifest`)."""
+    return {"tokenizer": data.tokenizer, "documents_per_shard": data.indexed_documents_per_shard,
+            "append_eod": data.append_eod}
+
+
 def _check_data_sources(data: DataConfig) -> None:
     """Exactly one of ``data.path`` and ``data.blend``; a blend's weights > 0 and its paths distinct."""
     if data.path is not None and data.blend is not None:
         raise ConfigError("data.path and data.blend are both set; set data.path for one source or data.blend to mix several")
     if data.blend is None:
         if data.path is None:
-            raise ConfigError("data.path is required: the directory written by tools/prepare_data.py (or data.blend)")
+            raise ConfigError("data.path is required: the directory written by tools/prepare_data.py or the prefix "
+                              "of a Megatron indexed dataset (or data.blend)")
         return
     if not data.blend:
         raise ConfigError("data.blend is empty; list [{path: DIR, weight: W}, ...] or set data.path instead")
     seen: dict[str, int] = {}
     for i, source in enumerate(data.blend):
         if not source.path:
-            raise ConfigError(f"data.blend[{i}].path is required: a directory written by tools/prepare_data.py")
+            raise ConfigError(f"data.blend[{i}].path is required: a directory written by tools/prepare_data.py "
+                              "or the prefix of a Megatron indexed dataset")
         if not (math.isfinite(source.weight) and source.weight > 0):
             raise ConfigError(f"data.blend[{i}].weight={source.weight} must be > 0 (weights are normalised to sum to 1)")
         key = os.path.normpath(os.path.abspath(source.path))
@@ -419,32 +473,78 @@ def _check_data_sources(data: DataConfig) -> None:
                 "and give it the sum of the weights"
             )
         seen[key] = i
+
+
+def _data_sources(cfg: TrainConfig) -> list[tuple[str, str]]:
+    """(config key, path) of every data source of the run: training and validation."""
+    sources = [("data.path", cfg.data.path)] if cfg.data.blend is None else [
+        (f"data.blend[{i}].path", s.path) for i, s in enumerate(cfg.data.blend)]
+    if cfg.data.valid_path is not None:
+        sources.append(("data.valid_path", cfg.data.valid_path))
+    return [(key, path) for key, path in sources if path]  # type: ignore[misc]
+
+
+def _check_indexed_sources(cfg: TrainConfig) -> None:
+    """A Megatron indexed dataset among the sources needs ``data.tokenizer`` and a pretraining run.
+    Only prefixes whose files exist are recognised: a saved config is re-read (exports, --follow)
+    where the data may be gone, and the run names a missing source when it reads it."""
+    sources = [(key, path) for key, path in _data_sources(cfg) if not Path(path).is_dir()]
+    if not sources:
+        return  # prepared directories only: the data package (torch) is not imported
+    from megatron_wedlm.data.indexed import is_indexed_prefix  # deferred: the data package imports torch
+
+    for key, path in sources:
+        if not is_indexed_prefix(path):
+            continue
+        if cfg.trainer.task != "pretrain":
+            raise ConfigError(
+                f"{key}={path} is a Megatron indexed dataset, whose documents carry no prompt and reply: it serves "
+                f"pretraining only; prepare {cfg.trainer.task} data with tools/prepare_data.py --task {cfg.trainer.task}"
+            )
+        if cfg.data.tokenizer is None:
+            raise ConfigError(
+                f"{key}={path} is a Megatron indexed dataset ({path}.bin, {path}.idx), which records no tokenizer: "
+                "set data.tokenizer to the HF tokenizer directory it was tokenized with, holding the mask token (the "
+                "tokenizer/ of a directory tools/prepare_data.py prepared with it, or the directory "
+                "tools/convert_checkpoint.py hf-to-megatron wrote)"
+            )
+
+
 def training_data_dir(cfg: TrainConfig) -> str | None:
-    """The directory whose manifest and tokenizer describe the run's data: ``data.path``, or the
-    first ``data.blend`` source (the others must match it)."""
+    """The source (directory or indexed prefix) whose manifest and tokenizer describe the run's
+    data: ``data.path``, or the first ``data.blend`` source (the others must match it)."""
     return cfg.data.path if cfg.data.blend is None else cfg.data.blend[0].path
 
 
 def _check_valid_data(cfg: TrainConfig) -> None:
     """``data.valid_path`` must be tokenized as the training data (``data.path``, or the first
     ``data.blend`` source, which the others match) and prepared for this run's task: validation
-    rows are built by the same loader and scored by the same model and objective."""
+    rows are built by the same loader and scored by the same model and objective. A Megatron
+    indexed dataset is tokenized as ``data.tokenizer`` says (its tokens are checked where the run
+    reads it)."""
     valid, train = cfg.data.valid_path, training_data_dir(cfg)
     if valid is None:
         return
     # deferred: the data package imports torch, and a config without validation data stays light
+    from megatron_wedlm.data.indexed import is_indexed_prefix, tokenizer_manifest
     from megatron_wedlm.data.prepare import MANIFEST_FILE, read_manifest, read_task_manifest, tokenization_of
 
-    if not (Path(valid) / MANIFEST_FILE).is_file():
+    if not (Path(valid) / MANIFEST_FILE).is_file() and not is_indexed_prefix(valid):
         # A saved config is re-read (exports, --follow) where the data may be gone; the run itself
-        # refuses a missing directory when it reads it (training/run_data.py).
+        # refuses a missing source when it reads it (training/run_data.py).
         return
+
+    def manifest_of(path: str, key: str | None) -> dict:
+        if is_indexed_prefix(path):  # a pretraining source (_check_indexed_sources) of data.tokenizer's ids
+            return tokenizer_manifest(cfg.data.tokenizer)  # type: ignore[arg-type]
+        return read_task_manifest(path, cfg.trainer.task, key) if key else read_manifest(path)
+
     try:
-        valid_manifest = read_task_manifest(valid, cfg.trainer.task, "data.valid_path")
-    except ValueError as err:
+        valid_manifest = manifest_of(valid, "data.valid_path")
+    except (OSError, ValueError) as err:
         raise ConfigError(str(err)) from None
     try:
-        train_manifest = read_manifest(train)  # type: ignore[arg-type]
+        train_manifest = manifest_of(train, None)  # type: ignore[arg-type]
     except (OSError, ValueError):
         return  # data.path itself is checked (and refused) where the run reads it
     train_format = tokenization_of(train, train_manifest)  # type: ignore[arg-type]
@@ -454,7 +554,8 @@ def _check_valid_data(cfg: TrainConfig) -> None:
             raise ConfigError(
                 f"data.valid_path={valid} was prepared with another tokenizer or mask token than data.path={train} "
                 f"({key}: {valid_format[key]!r} vs {value!r}); prepare both with the same --tokenizer and "
-                "--mask-token (tools/prepare_data.py --valid-fraction splits one input into both)"
+                "--mask-token (tools/prepare_data.py --valid-fraction splits one input into both; a Megatron "
+                "indexed dataset is read with data.tokenizer)"
             )
 
 

@@ -20,32 +20,22 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import os
 from pathlib import Path
 
 import torch
 
 from megatron_wedlm.runtime.atomic_output import atomic_output_dir
+# where cached_hf_from_gguf keeps converted checkpoints unless told otherwise
+from megatron_wedlm.runtime.cache import default_cache_dir
 from megatron_wedlm.runtime.hf_local import load_pretrained
 
 from .hf_checkpoint import ConversionError
-
-#: Where :func:`cached_hf_from_gguf` keeps converted checkpoints unless told otherwise.
-CACHE_ENV = "MEGATRON_WEDLM_CACHE"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 #: Part of the cache key: raised whenever :func:`convert_gguf_to_hf` writes a different directory,
 #: so a cache written by an earlier version is converted again instead of reused.
 CACHE_FORMAT = 2
-
-
-def default_cache_dir() -> Path:
-    """``$MEGATRON_WEDLM_CACHE``, else ``$XDG_CACHE_HOME/megatron_wedlm``, else ``~/.cache/megatron_wedlm``."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "megatron_wedlm"
 
 
 def packaged_file(distribution: str, relative_path: str, install_hint: str) -> Path:

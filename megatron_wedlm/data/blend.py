@@ -1,4 +1,5 @@
-"""Weighted blends of prepared directories (``data.blend``): which source each row comes from, resumably.
+"""Weighted blends of data sources (``data.blend``: prepared directories, Megatron indexed
+datasets' prefixes, or both): which source each row comes from, resumably.
 
 * **Unit: rows, in rounds of ``num_streams``.** Global rows are grouped into rounds of
   ``num_streams`` consecutive rows, and a round is taken whole from one source: its next
@@ -116,7 +117,8 @@ def check_compatible_sources(sources: Sequence[tuple[str, str, dict[str, Any]]])
                 raise ValueError(
                     f"data.blend sources '{first_name}' ({first_dir}) and '{name}' ({data_dir}) differ in their "
                     f"{key}: {value!r} vs {current[key]!r}; every source must be prepared by tools/prepare_data.py "
-                    "for the same task with the same tokenizer (re-prepare one of them)"
+                    "for the same task with the same tokenizer (re-prepare one of them; a Megatron indexed dataset "
+                    "is read with data.tokenizer)"
                 )
 
 

@@ -18,11 +18,13 @@ What a prepared directory holds (the contract with :mod:`.webdataset_loader`):
   the fraction, so the split is the same on every re-run with the same inputs and does not move
   when documents are added elsewhere.
 
-Pretraining inputs: ``.jsonl`` lines ``{"text": ...}`` or plain text files (one document per
-file, paragraph or line; see ``text_unit``). Text is tokenized with special-token parsing off,
+Inputs (:mod:`.input_formats`): JSON lines (plain, ``.gz``, ``.zst``), parquet, Arrow
+``save_to_disk`` directories and plain text. Pretraining records hold the document in
+``text_field`` (a JSON key or a column); plain text files are one document per file, paragraph
+or line (``text_unit``). Text is tokenized with special-token parsing off,
 so a literal ``<|mask|>`` in the data is ordinary text, and the EOS token is appended.
 
-SFT inputs: ``.jsonl`` lines ``{"messages": [{"role", "content"}, ...]}`` whose last message is
+SFT records (JSON lines, parquet or Arrow): ``{"messages": [{"role", "content"}, ...]}`` whose last message is
 the assistant's reply, or ``{"prompt": ..., "response": ...}`` (``"completion"`` is accepted for
 ``"response"``). The conversation is rendered with the tokenizer's chat template; the prompt is
 everything before the final reply (the template's generation prompt included), and only the
@@ -44,6 +46,17 @@ U+FFFD where the data had other text). ``encoding_errors="replace"`` keeps going
 place of each invalid byte sequence and records, per file, how many bytes on how many lines were
 replaced (console, summary and ``manifest.json`` under ``invalid_utf8``).
 
+**Parallel, partitioned, resumable.** The input is cut into parts that depend on the files
+alone (:func:`.input_formats.plan_parts`, :func:`default_part_bytes`); each part is tokenized into shards of its own in the
+work directory ``<output>.parts/`` (:mod:`.tokenize_part`), by ``workers`` processes, or, with
+``partition=(i, n)``, only the parts ``p`` with ``p % n == i`` (one job of a SLURM array or one
+per node on a shared file system). A finished part is a directory renamed into place with its
+``part.json``; a killed or failed run keeps its finished parts, and the same command goes on
+with the others (``plan.json`` records the inputs and options; other ones are refused unless
+``overwrite``). When every part is finished, the merge links the parts' shards, in part order,
+into the output as ``shard-NNNNNN.tar`` and writes the manifest; the output is thus the same
+documents, in the same order and shards, for any worker count or partitioning.
+
 The output is written into a temporary sibling directory and renamed into place at the end
 (:func:`megatron_wedlm.runtime.atomic_output.atomic_output_dir`): inputs are checked first, an
 output that overlaps an input is refused, and a failed run (a typo in an input path, no usable
@@ -52,23 +65,49 @@ sample, a full disk) leaves an earlier prepared directory exactly as it was.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import json
+import multiprocessing as mp
+import os
+import shutil
+import socket
 import sys
-from collections import Counter
-from dataclasses import dataclass, field
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
-import numpy as np
+from megatron_wedlm.runtime.atomic_output import atomic_output_dir, atomic_write_text, check_output_dir, pid_alive
+from megatron_wedlm.runtime.hf_local import tokenizer_files_in
 
-from megatron_wedlm.runtime.atomic_output import atomic_output_dir, check_output_dir
-from megatron_wedlm.runtime.hf_local import load_tokenizer, read_config, reference_mask_token_id
+from .input_formats import (
+    ENCODING_ERRORS,
+    BadLine,
+    InputFormatError,
+    InvalidUtf8Error,
+    Part,
+    collect_input_files,
+    input_format,
+    plan_parts,
+)
+from .tokenize_part import (
+    DEFAULT_MASK_TOKEN,
+    PART_FILE,
+    PartOptions,
+    PartResult,
+    Sample,
+    cached_run_tokenizer,
+    holds_out,
+    load_tokenizer_with_mask,
+    part_dir_name,
+    prepare_part,
+    reply_end_token_id,
+)
 
 __all__ = [
     "BadLine",
+    "InputFormatError",
     "InvalidUtf8Error",
     "PrepareSummary",
     "Sample",
@@ -76,49 +115,33 @@ __all__ = [
     "TOKENIZER_DIR",
     "VALID_DIR",
     "DEFAULT_MASK_TOKEN",
+    "default_part_bytes",
     "ENCODING_ERRORS",
     "collect_input_files",
     "holds_out",
     "load_tokenizer_with_mask",
+    "merge_parts",
     "prepare_dataset",
+    "prepare_partition",
     "read_manifest",
     "read_task_manifest",
     "tokenization_of",
     "tokenizer_dir_of",
+    "work_dir_of",
 ]
 
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VALID_DIR = "valid"  # <output>/valid: the held-out documents (valid_fraction > 0)
-DEFAULT_MASK_TOKEN = "<|mask|>"
+PLAN_FILE = "plan.json"
 FORMAT_VERSION = 1
-_JSON_SUFFIXES = (".jsonl", ".json")
+PLAN_VERSION = 1
 _TEXT_UNITS = ("file", "paragraph", "line")
-ENCODING_ERRORS = ("strict", "replace")
-_BATCH = 512  # documents tokenized per call (fast tokenizers batch in Rust)
-
-
-@dataclass(frozen=True)
-class BadLine:
-    file: str
-    line: int
-    reason: str
-
-    def __str__(self) -> str:
-        return f"{self.file}:{self.line}: {self.reason}"
-
-    @classmethod
-    def at(cls, source: str, reason: str) -> BadLine:
-        """The bad line at ``source``, a sample's ``file:line``."""
-        file, _, line = source.rpartition(":")
-        return cls(file, int(line), reason)
-
-
-@dataclass
-class Sample:
-    tokens: list[int]
-    prompt_length: int
-    source: str
+#: Bounds of the default part size, 1/64 of the input: at least 64 parts, so that every worker of
+#: a machine gets several and they finish together, even on one 10 MB file; at most 64 MiB, so a
+#: killed run loses little; at least 1 MiB, so a part's fixed costs (a hand-off to a worker, a
+#: partial last shard) stay small.
+MIN_PART_BYTES, MAX_PART_BYTES = 1 << 20, 64 << 20
 
 
 @dataclass
@@ -130,7 +153,7 @@ class PrepareSummary:
     num_shards: int = 0
     mask_token_id: int = -1
     mask_token_added: bool = False
-    end_token_id: int | None = None  # SFT: the token that ends a reply (see _reply_end_token)
+    end_token_id: int | None = None  # SFT: the token that ends a reply (see tokenize_part._reply_end_token)
     reply_end: str | None = None  # SFT: the text named as the reply's end (prepare_dataset's reply_end)
     bad_lines: int = 0
     bad_by_reason: dict[str, int] = field(default_factory=dict)
@@ -139,6 +162,7 @@ class PrepareSummary:
     valid_samples: int = 0  # held out to <output_dir>/valid (not counted in num_samples)
     valid_tokens: int = 0
     valid_shards: int = 0
+    num_parts: int = 0
 
     def describe(self) -> str:
         lines = [
@@ -161,411 +185,276 @@ class PrepareSummary:
         return "\n".join(lines)
 
 
-# --------------------------------------------------------------------------------------------
-# Tokenizer
-# --------------------------------------------------------------------------------------------
+@dataclass
+class PartitionReport:
+    """What one ``partition=(i, n)`` job did."""
+
+    work_dir: str
+    partition: tuple[int, int]
+    parts: int  # parts of this partition
+    already_done: int  # of them, finished by an earlier run
+    remaining: int  # parts of the whole plan not yet finished (by any partition)
+
+    def describe(self) -> str:
+        i, n = self.partition
+        done = f"partition {i}/{n}: {self.parts} parts finished in {self.work_dir}"
+        if self.already_done:
+            done += f" ({self.already_done} by an earlier run)"
+        if self.remaining:
+            return f"{done}; {self.remaining} parts of other partitions remain, then run --merge"
+        return f"{done}; every part is finished: run --merge to write the output"
 
 
-def load_tokenizer_with_mask(tokenizer_dir: str | Path, mask_token: str = DEFAULT_MASK_TOKEN):
-    """Load an HF tokenizer from a local directory; add ``mask_token`` if it has no mask token.
-
-    Returns ``(tokenizer, mask_token_id, added)``. An added token grows the vocabulary by one:
-    the model's embedding must have that row (conversion pads/initialises it, see
-    ``tools/convert_checkpoint.py``; a model trained from scratch sizes itself from the tokenizer).
-    """
-    path = Path(tokenizer_dir)
-    if not path.is_dir():
-        raise FileNotFoundError(f"tokenizer directory {path} does not exist (give a local HF tokenizer directory)")
-    tokenizer = load_tokenizer(path)
-    added = False
-    if tokenizer.mask_token is None:
-        # An official WeDLM checkpoint whose config names no mask token: the reference engine's id.
-        config = read_config(path) if (path / "config.json").is_file() else {}
-        reference = reference_mask_token_id(config, tokenizer)
-        added = reference is None
-        if not added:
-            mask_token = tokenizer.convert_ids_to_tokens(reference)
-        tokenizer.add_special_tokens({"mask_token": mask_token})
-    mask_id = tokenizer.convert_tokens_to_ids(tokenizer.mask_token)
-    if mask_id is None or mask_id == tokenizer.unk_token_id:
-        raise ValueError(f"tokenizer in {path}: mask token {tokenizer.mask_token!r} has no id")
-    return tokenizer, int(mask_id), added
+def work_dir_of(output_dir: str | Path) -> Path:
+    """Where the parts of ``output_dir`` are prepared: a sibling, so linking them into the
+    output stays on one file system, and shared by every partition's job."""
+    out = Path(output_dir)
+    return out.with_name(out.name + ".parts")
 
 
-# --------------------------------------------------------------------------------------------
-# Reading inputs
-# --------------------------------------------------------------------------------------------
+def _check_options(options: PartOptions) -> None:
+    if options.task not in ("pretrain", "sft"):
+        raise ValueError(f"task must be 'pretrain' or 'sft', got {options.task!r}")
+    if options.text_unit not in _TEXT_UNITS:
+        raise ValueError(f"text_unit must be one of {_TEXT_UNITS}, got {options.text_unit!r}")
+    if options.samples_per_shard < 1:
+        raise ValueError(f"samples_per_shard must be >= 1, got {options.samples_per_shard}")
+    if not 0.0 <= options.valid_fraction < 1.0:
+        raise ValueError(f"valid_fraction must be in [0, 1), got {options.valid_fraction}")
+    if options.encoding_errors not in ENCODING_ERRORS:
+        raise ValueError(f"encoding_errors must be one of {ENCODING_ERRORS}, got {options.encoding_errors!r}")
 
 
-class InvalidUtf8Error(ValueError):
-    """Input bytes that are not UTF-8, under ``encoding_errors="strict"``; names file and line."""
-
-
-class _Utf8Decoder:
-    """Decodes input bytes as UTF-8 under one ``encoding_errors`` policy; counts replacements per file."""
-
-    def __init__(self, errors: str) -> None:
-        if errors not in ENCODING_ERRORS:
-            raise ValueError(f"encoding_errors must be one of {ENCODING_ERRORS}, got {errors!r}")
-        self.errors = errors
-        self.replaced: dict[str, dict[str, int]] = {}
-
-    def decode(self, raw: bytes, path: Path, line: int) -> str:
-        """``raw`` (starting at ``line`` of ``path``) as text; raises or replaces invalid bytes."""
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            first = err
-        if self.errors == "strict":
-            at = line + raw.count(b"\n", 0, first.start)
-            raise InvalidUtf8Error(
-                f"{path}:{at}: invalid UTF-8 (byte 0x{raw[first.start]:02x}): the file is not UTF-8 text. "
-                "Convert it (e.g. iconv -f latin1 -t utf-8) or pass --encoding-errors replace to replace "
-                "invalid bytes by U+FFFD (counted per file in manifest.json)"
-            )
-        parts, start, bad_lines = [], 0, set()
-        entry = self.replaced.setdefault(str(path), {"bytes": 0, "lines": 0, "first_line": 0})
-        while True:
-            try:
-                parts.append(raw[start:].decode("utf-8"))
-                break
-            except UnicodeDecodeError as err:
-                end, stop = start + err.start, start + err.end
-                parts += [raw[start:end].decode("utf-8"), "\ufffd"]
-                bad_lines.add(line + raw.count(b"\n", 0, end))
-                entry["bytes"] += stop - end
-                start = stop
-        entry["lines"] += len(bad_lines)
-        entry["first_line"] = entry["first_line"] or min(bad_lines)
-        return "".join(parts)
-
-
-def collect_input_files(inputs: Sequence[str | Path]) -> list[Path]:
-    """Files named directly, plus ``*.jsonl``/``*.json``/``*.txt`` under named directories (sorted)."""
-    files: list[Path] = []
-    for item in inputs:
-        path = Path(item)
-        if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (*_JSON_SUFFIXES, ".txt"))
-            if not found:
-                raise FileNotFoundError(f"input directory {path} holds no .jsonl, .json or .txt files")
-            files.extend(found)
-        elif path.is_file():
-            files.append(path)
-        else:
-            raise FileNotFoundError(f"input {path} does not exist")
-    if not files:
-        raise ValueError("no input files given")
+def _input_files(inputs: Sequence[str | Path], task: str) -> list[Path]:
+    """The input files (:func:`collect_input_files`); SFT reads records, not plain text."""
+    files = collect_input_files(inputs)
+    if task == "sft":
+        for path in files:
+            if input_format(path) == "txt":
+                raise ValueError(f"SFT input {path} is plain text: SFT records need 'messages' (or 'prompt' and "
+                                 "'response'), in JSON lines, parquet or Arrow")
     return files
 
 
-def _json_lines(path: Path, decoder: _Utf8Decoder) -> Iterator[tuple[int, Any] | BadLine]:
-    with open(path, "rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            line = decoder.decode(raw, path, number)
-            if not line.strip():
-                continue
-            try:
-                yield number, json.loads(line)
-            except json.JSONDecodeError as err:
-                yield BadLine(str(path), number, f"invalid JSON ({err.msg})")
+def default_part_bytes(files: Sequence[Path]) -> int:
+    """About how many input bytes a part holds unless told: 1/64 of the input, within
+    [:data:`MIN_PART_BYTES`, :data:`MAX_PART_BYTES`] (a function of the input alone, as parts must be)."""
+    total = sum(f.stat().st_size for f in files)
+    return min(MAX_PART_BYTES, max(MIN_PART_BYTES, total // 64))
 
 
-def _text_documents(path: Path, unit: str, decoder: _Utf8Decoder) -> Iterator[tuple[int, str]]:
-    text = decoder.decode(path.read_bytes(), path, 1).replace("\r\n", "\n").replace("\r", "\n")  # as text mode
-    if unit == "file":
-        if text.strip():
-            yield 1, text
-        return
-    line_no, start_line, buffer = 0, 1, []
-    for line_no, line in enumerate(text.splitlines(keepends=True), start=1):
-        if unit == "line":
-            if line.strip():
-                yield line_no, line.rstrip("\n")
-            continue
-        if line.strip():
-            if not buffer:
-                start_line = line_no
-            buffer.append(line)
-        elif buffer:
-            yield start_line, "".join(buffer).rstrip("\n")
-            buffer = []
-    if buffer:
-        yield start_line, "".join(buffer).rstrip("\n")
+def _file_stats(files: Sequence[Path]) -> list[list[Any]]:
+    return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
 
 
-def _pretrain_texts(
-    files: Sequence[Path], text_field: str, text_unit: str, decoder: _Utf8Decoder
-) -> Iterator[tuple[str, str] | BadLine]:
-    for path in files:
-        if path.suffix not in _JSON_SUFFIXES:
-            for line, text in _text_documents(path, text_unit, decoder):
-                yield f"{path}:{line}", text
-            continue
-        for item in _json_lines(path, decoder):
-            if isinstance(item, BadLine):
-                yield item
-                continue
-            number, record = item
-            bad = _check_text_record(record, text_field)
-            if bad:
-                yield BadLine(str(path), number, bad)
-            else:
-                yield f"{path}:{number}", record[text_field]
+def _plan(inputs: Sequence[str | Path], out: Path, options: PartOptions, part_bytes: int | None, overwrite: bool
+          ) -> tuple[dict[str, Any], list[Path]]:
+    """Check everything a run needs before writing anything, and return the work directory's plan
+    (an earlier one when the inputs and options are the same; its finished parts are then kept)."""
+    _check_options(options)
+    files = _input_files(inputs, options.task)
+    part_bytes = part_bytes or default_part_bytes(files)
+    check_output_dir(out, [*inputs, *files, options.tokenizer_dir], overwrite)
+    tokenizer, _, _ = cached_run_tokenizer(options)  # loaded before the workers fork, which share it
+    if options.reply_end is not None:
+        reply_end_token_id(tokenizer, options.reply_end, options.task)
+    work = work_dir_of(out)
+    key = {"version": PLAN_VERSION, "inputs": [str(i) for i in inputs], "options": asdict(options),
+           "fingerprint": options.fingerprint(), "part_bytes": part_bytes}
+    stats = _file_stats(files)
+    stored = _read_plan(work)
+    if stored is not None and {k: stored.get(k) for k in key} == key and stored["files"] == stats:
+        return stored, files
+    if stored is not None and {k: stored.get(k) for k in key} != key:
+        if not overwrite:
+            raise ValueError(
+                f"{work} holds the parts of a preparation with other inputs or options; re-run that one's "
+                f"command to finish it, pass --overwrite to start over, or remove {work}"
+            )
+        shutil.rmtree(work)
+        stored = None
+    plan = {**key, "files": stats, "parts": [p.to_dict() for p in plan_parts(files, part_bytes)]}
+    if stored is not None:
+        _drop_changed_parts(work, stored, plan)
+    work.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(work / PLAN_FILE, json.dumps(plan, indent=1) + "\n")
+    return plan, files
 
 
-def _check_text_record(record: Any, text_field: str) -> str | None:
-    if not isinstance(record, dict):
-        return f"not a JSON object ({type(record).__name__})"
-    if text_field not in record:
-        return f"missing field '{text_field}'"
-    if not isinstance(record[text_field], str):
-        return f"field '{text_field}' is not a string"
-    if not record[text_field].strip():
-        return f"empty '{text_field}'"
-    return None
+def _drop_changed_parts(work: Path, old: dict[str, Any], new: dict[str, Any]) -> None:
+    """Remove the finished parts that a changed input file (a re-downloaded one) made stale: a
+    part is kept when it is the same part of the same file, unchanged (name, size, mtime)."""
+    old_stats = {f: s for f, *s in old["files"]}
+    new_stats = {f: s for f, *s in new["files"]}
+    for index in range(len(old["parts"])):
+        part = old["parts"][index]
+        same = (index < len(new["parts"]) and new["parts"][index] == part
+                and old_stats.get(part["file"]) == new_stats.get(part["file"]))
+        if not same:
+            shutil.rmtree(work / part_dir_name(index), ignore_errors=True)
 
 
-def _conversation(record: Any) -> list[dict[str, str]] | str:
-    """The record as a message list ending with the assistant reply, or the reason it is bad."""
-    if not isinstance(record, dict):
-        return f"not a JSON object ({type(record).__name__})"
-    if "messages" in record:
-        messages = record["messages"]
-        if not isinstance(messages, list) or not messages:
-            return "'messages' is not a non-empty list"
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                return f"messages[{i}] has no string 'role'"
-            if not isinstance(message.get("content"), str):
-                return f"messages[{i}] has no string 'content'"
-        if messages[-1]["role"] != "assistant":
-            return "the last message is not from the assistant (nothing to learn)"
-        if len(messages) < 2:
-            return "no prompt before the assistant reply"
-        if not messages[-1]["content"].strip():
-            return "empty assistant reply"
-        return [{"role": m["role"], "content": m["content"]} for m in messages]
-    response_key = "response" if "response" in record else "completion" if "completion" in record else None
-    if "prompt" not in record or response_key is None:
-        return "missing field 'messages' (or 'prompt' and 'response')"
-    prompt, response = record["prompt"], record[response_key]
-    if not isinstance(prompt, str) or not isinstance(response, str):
-        return f"'prompt' and '{response_key}' must be strings"
-    if not response.strip():
-        return f"empty '{response_key}'"
-    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+def _read_plan(work: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((work / PLAN_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError as err:
+        raise ValueError(f"{work / PLAN_FILE} is unreadable ({err}); remove {work} and start over") from None
 
 
-def _sft_conversations(
-    files: Sequence[Path], decoder: _Utf8Decoder
-) -> Iterator[tuple[str, list[dict[str, str]]] | BadLine]:
-    for path in files:  # all .jsonl/.json: checked by prepare_dataset
-        for item in _json_lines(path, decoder):
-            if isinstance(item, BadLine):
-                yield item
-                continue
-            number, record = item
-            conv = _conversation(record)
-            if isinstance(conv, str):
-                yield BadLine(str(path), number, conv)
-            else:
-                yield f"{path}:{number}", conv
+def _options_of(plan: dict[str, Any]) -> PartOptions:
+    return PartOptions(**plan["options"])
 
 
-# --------------------------------------------------------------------------------------------
-# Tokenizing
-# --------------------------------------------------------------------------------------------
+def _finished(work: Path, index: int) -> bool:
+    return (work / part_dir_name(index) / PART_FILE).is_file()
 
 
-def _batched(items: Iterable, size: int) -> Iterator[list]:
-    batch: list = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+def _remove_stale_part_dirs(work: Path) -> None:
+    """Temporary part directories of killed writers on this host."""
+    host = socket.gethostname()
+    for stale in work.glob(f"part-*.tmp-{host}-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
 
 
-def _pretrain_samples(tokenizer, records: Iterable[tuple[str, str] | BadLine], add_eos: bool) -> Iterator[Sample | BadLine]:
-    eos = tokenizer.eos_token_id if add_eos else None
-    for batch in _batched(records, _BATCH):
-        good = [r for r in batch if not isinstance(r, BadLine)]
-        encoded = iter(
-            tokenizer([text for _, text in good], add_special_tokens=False, split_special_tokens=True)["input_ids"]
-            if good
-            else []
-        )
-        for record in batch:
-            if isinstance(record, BadLine):
-                yield record
-                continue
-            ids = list(next(encoded))
-            if eos is not None:
-                ids.append(int(eos))
-            yield Sample(tokens=ids, prompt_length=0, source=record[0])
+class _Progress:
+    """One progress bar over parts, with documents and tokens per second."""
+
+    def __init__(self, total: int, done: int, enabled: bool) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, initial=done, unit="part", desc="prepare", disable=not enabled,
+                        file=sys.stderr, mininterval=1.0, dynamic_ncols=True)
+        self.start = time.perf_counter()
+        self.docs = self.tokens = 0
+
+    def add(self, docs: int, tokens: int) -> None:
+        self.docs += docs
+        self.tokens += tokens
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"{self.docs} docs, {self.docs / elapsed:,.0f} docs/s, "
+                                 f"{self.tokens / elapsed:,.0f} tokens/s", refresh=False)
+
+    def part_done(self) -> None:
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
-def _render_chat(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], int] | str:
-    prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=True, add_generation_prompt=True)
-    full = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=False)
-    prompt, full = _ids(prompt), _ids(full)
-    if full[: len(prompt)] != prompt:
-        return "the chat template does not render the prompt as a prefix of the full conversation"
-    if len(full) <= len(prompt):
-        return "the rendered reply has no tokens"
-    return full, len(prompt)
+_progress_queue: Any = None
 
 
-def _ids(rendered: Any) -> list[int]:
-    if isinstance(rendered, dict) or hasattr(rendered, "keys"):  # BatchEncoding in newer transformers
-        rendered = rendered["input_ids"]
-    return [int(t) for t in rendered]
+def _init_worker(queue: Any) -> None:
+    # one core per worker: the tokenizer's own thread pool would compete with the other workers
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    global _progress_queue
+    _progress_queue = queue
 
 
-def _render_raw(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], int] | str:
-    if len(messages) != 2:
-        return "raw SFT (no chat template) takes one prompt and one response, not a multi-turn conversation"
-    encode = lambda text: tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]  # noqa: E731
-    prompt = list(encode(messages[0]["content"]))
-    reply = list(encode(messages[1]["content"]))
-    if tokenizer.eos_token_id is not None:
-        reply.append(int(tokenizer.eos_token_id))
-    if not reply:
-        return "the reply has no tokens"
-    return prompt + reply, len(prompt)
+def _worker_part(options: PartOptions, index: int, part: Part, work: Path) -> PartResult:
+    return prepare_part(options, index, part, work, progress=lambda d, t: _progress_queue.put((d, t)))
 
 
-def _special_ids(tokenizer) -> set[int]:
-    special = set(tokenizer.all_special_ids)
-    special.update(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
-    return special
+def _run_parts(plan: dict[str, Any], indices: Sequence[int], workers: int, show_progress: bool) -> int:
+    """Prepare the unfinished parts among ``indices``; returns how many were finished before."""
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    work = Path(plan["work_dir"])
+    options = _options_of(plan)
+    parts = [Part(**p) for p in plan["parts"]]
+    _remove_stale_part_dirs(work)
+    todo = [i for i in indices if not _finished(work, i)]
+    progress = _Progress(len(indices), len(indices) - len(todo), show_progress)
+    try:
+        if workers == 1 or len(todo) <= 1:
+            for i in todo:
+                _guarded(i, parts[i], work, lambda i=i: prepare_part(options, i, parts[i], work, progress=progress.add))
+                progress.part_done()
+        else:
+            _run_in_pool(options, parts, todo, work, workers, progress)
+    finally:
+        progress.close()
+    return len(indices) - len(todo)
 
 
-def _reply_end_token(tokenizer, sample: Sample) -> int | None:
-    """The last special token of a rendered reply: what ends a turn (a chat template's
-    ``<|im_end|>`` before its trailing newline, or the raw pairs' EOS); None if it has none."""
-    special = _special_ids(tokenizer)
-    for token in reversed(sample.tokens[sample.prompt_length:]):
-        if token in special:
-            return int(token)
-    return None
+def _guarded(index: int, part: Part, work: Path, run: Callable[[], Any]) -> Any:
+    try:
+        return run()
+    except (ValueError, OSError) as err:
+        raise _part_failed(index, part, work, err) from err
 
 
-def _recording_end_token(
-    tokenizer, samples: Iterable[Sample | BadLine], summary: PrepareSummary
-) -> Iterator[Sample | BadLine]:
-    """``samples`` unchanged; the first reply with a special token names ``summary.end_token_id``."""
-    for item in samples:
-        if summary.end_token_id is None and isinstance(item, Sample):
-            summary.end_token_id = _reply_end_token(tokenizer, item)
-        yield item
+def _part_failed(index: int, part: Part, work: Path, err: BaseException) -> ValueError:
+    done = sum(1 for _ in work.glob(f"part-*/{PART_FILE}"))
+    return ValueError(f"part {index} ({part.file}) failed: {err}\n{done} finished parts are kept in {work}; "
+                      "fix the input and run the same command again to prepare the others")
 
 
-def _reply_end_token_id(tokenizer, reply_end: str, task: str) -> int:
-    """The one token of ``reply_end`` (a special token's text names that token)."""
-    if task != "sft":
-        raise ValueError("reply_end names the end of an SFT reply; it has no meaning for pretraining data")
-    ids = _ids(tokenizer(reply_end, add_special_tokens=False)["input_ids"])
-    if len(ids) != 1:
-        raise ValueError(f"reply_end {reply_end!r} is {len(ids)} tokens of this tokenizer ({ids}); it must be one "
-                         "token, the last of every reply before its closing special tokens")
-    return ids[0]
+def _run_in_pool(options: PartOptions, parts: list[Part], todo: list[int], work: Path, workers: int,
+                 progress: _Progress) -> None:
+    """The parts in ``workers`` processes (forked: the parent's imports are not redone). A failed
+    part stops new ones from starting; the running ones finish and are kept."""
+    context = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    queue = context.Queue()
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker, initargs=(queue,))
+    failure: BaseException | None = None
+    try:
+        pending: dict[Future, int] = {pool.submit(_worker_part, options, i, parts[i], work): i for i in todo}
+        while pending:
+            finished, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+            _drain(queue, progress)
+            for future in finished:
+                index = pending.pop(future)
+                if future.cancelled():
+                    continue
+                err = future.exception()
+                if err is None:
+                    progress.part_done()
+                elif failure is None:
+                    failure = _part_failed(index, parts[index], work, err)
+                    for other in pending:
+                        other.cancel()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        _drain(queue, progress)
+    if failure is not None:
+        raise failure
 
 
-def _ending_with(tokenizer, samples: Iterable[Sample | BadLine], end_id: int, reply_end: str
-                 ) -> Iterator[Sample | BadLine]:
-    """``samples``, with a reply whose last token before its closing special tokens is not
-    ``end_id`` turned into a bad line."""
-    special = _special_ids(tokenizer) - {end_id}
-    for item in samples:
-        if isinstance(item, Sample):
-            reply = list(item.tokens[item.prompt_length:])
-            while reply and reply[-1] in special:
-                reply.pop()
-            if not reply or reply[-1] != end_id:
-                item = BadLine.at(item.source, f"the reply does not end with reply_end ({reply_end!r})")
-        yield item
+def _drain(queue: Any, progress: _Progress) -> None:
+    import queue as queue_module
+
+    while True:
+        try:
+            docs, tokens = queue.get_nowait()
+        except queue_module.Empty:
+            return
+        progress.add(docs, tokens)
 
 
-def _sft_samples(tokenizer, records, raw: bool) -> Iterator[Sample | BadLine]:
-    render = _render_raw if raw else _render_chat
-    for record in records:
-        if isinstance(record, BadLine):
-            yield record
-            continue
-        source, messages = record
-        result = render(tokenizer, messages)
-        if isinstance(result, str):
-            yield BadLine.at(source, result)
-            continue
-        tokens, prompt_length = result
-        yield Sample(tokens=tokens, prompt_length=prompt_length, source=source)
-
-
-# --------------------------------------------------------------------------------------------
-# Writing shards
-# --------------------------------------------------------------------------------------------
-
-
-class _ShardWriter:
-    """Writes ``shard-%06d.tar`` files of ``samples_per_shard`` samples; records counts."""
-
-    def __init__(self, output_dir: Path, samples_per_shard: int) -> None:
-        import webdataset as wds
-
-        self._wds = wds
-        self.output_dir = output_dir
-        self.samples_per_shard = samples_per_shard
-        self.shards: list[dict[str, Any]] = []
-        self._writer = None
-        self._count = 0
-        self._tokens = 0
-        self.total = 0
-
-    def _open(self) -> None:
-        name = f"shard-{len(self.shards):06d}.tar"
-        self._writer = self._wds.TarWriter(str(self.output_dir / name), encoder=False)
-        self.shards.append({"path": name, "samples": 0, "tokens": 0})
-        self._count = self._tokens = 0
-
-    def _close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self.shards[-1].update(samples=self._count, tokens=self._tokens)
-            self._writer = None
-
-    def write(self, sample: Sample) -> None:
-        if self._writer is None or self._count == self.samples_per_shard:
-            self._close()
-            self._open()
-        buffer = io.BytesIO()
-        np.save(buffer, np.asarray(sample.tokens, dtype=np.int32))
-        meta = {"prompt_length": sample.prompt_length, "source": sample.source}
-        assert self._writer is not None
-        self._writer.write(
-            {"__key__": f"{self.total:010d}", "tokens.npy": buffer.getvalue(), "json": json.dumps(meta).encode()}
-        )
-        self._count += 1
-        self._tokens += len(sample.tokens)
-        self.total += 1
-
-    def finish(self) -> list[dict[str, Any]]:
-        self._close()
-        return self.shards
-
-    def abandon(self) -> None:
-        """Close the open shard after a failure, whether or not its last bytes can still be written
-        (its directory is about to be deleted; a full disk must not raise again at exit)."""
-        if self._writer is not None:
-            with contextlib.suppress(OSError):
-                self._writer.tarstream.close()
-            with contextlib.suppress(OSError):
-                if self._writer.own_fileobj is not None:
-                    self._writer.own_fileobj.close()
-            self._writer = None
+def prepare_partition(
+    inputs: Sequence[str | Path], output_dir: str | Path, tokenizer_dir: str | Path, partition: tuple[int, int], *,
+    workers: int = 1, part_bytes: int | None = None, overwrite: bool = False, show_progress: bool = False,
+    **options: Any,
+) -> PartitionReport:
+    """Prepare partition ``i`` of ``n`` (``partition=(i, n)``) of the parts into the work
+    directory; :func:`merge_parts` writes the output once every partition is finished. The other
+    keywords are :func:`prepare_dataset`'s."""
+    i, n = partition
+    if not (n >= 1 and 0 <= i < n):
+        raise ValueError(f"partition {i}/{n}: give I/N with 0 <= I < N")
+    out = Path(output_dir)
+    plan, _ = _plan(inputs, out, PartOptions(task=options.pop("task", "pretrain"), tokenizer_dir=str(tokenizer_dir),
+                                             **options), part_bytes, overwrite)
+    plan["work_dir"] = str(work_dir_of(out))
+    mine = [p for p in range(len(plan["parts"])) if p % n == i]
+    before = _run_parts(plan, mine, workers, show_progress)
+    remaining = sum(1 for p in range(len(plan["parts"])) if not _finished(work_dir_of(out), p))
+    return PartitionReport(str(work_dir_of(out)), (i, n), len(mine), before, remaining)
 
 
 def prepare_dataset(
@@ -587,133 +476,152 @@ def prepare_dataset(
     encoding_errors: str = "strict",
     valid_fraction: float = 0.0,
     reply_end: str | None = None,
+    workers: int = 1,
+    part_bytes: int | None = None,
+    show_progress: bool = False,
 ) -> PrepareSummary:
     """Tokenize ``inputs`` into webdataset shards under ``output_dir``; see the module docstring.
 
     ``valid_fraction``: the share of documents held out into ``output_dir/valid`` (0: none).
     ``reply_end`` (SFT): the text, one token, that ends every reply before its closing special
     tokens; recorded as ``end_token_id`` (None: the reply's last special token).
+    ``workers``: processes tokenizing parts at once (one core each); ``part_bytes``: about how
+    much input a part holds (None: :func:`default_part_bytes`).
 
     ``report`` receives one line per bad input line (the first ``max_reported``) and per file
     with replaced invalid UTF-8, and is stderr by default. Every input is checked and the
     tokenizer loaded before anything is written; the output replaces an earlier one only when
     complete. Returns the run summary (also stored in ``manifest.json``).
     """
-    _check_options(task, text_unit, samples_per_shard)
-    if not 0.0 <= valid_fraction < 1.0:
-        raise ValueError(f"valid_fraction must be in [0, 1), got {valid_fraction}")
-    decoder = _Utf8Decoder(encoding_errors)
-    report = report or (lambda line: print(line, file=sys.stderr))
+    options = PartOptions(
+        task=task, tokenizer_dir=str(tokenizer_dir), samples_per_shard=samples_per_shard, text_field=text_field,
+        text_unit=text_unit, add_eos=add_eos, mask_token=mask_token, chat_template=chat_template, raw_sft=raw_sft,
+        encoding_errors=encoding_errors, valid_fraction=valid_fraction, reply_end=reply_end,
+        max_reported=max_reported,
+    )
     out = Path(output_dir)
-    files = _input_files(inputs, task)
-    read = [*inputs, *files, tokenizer_dir]
-    check_output_dir(out, read, overwrite)
-    tokenizer, mask_id, added = _load_tokenizer(tokenizer_dir, mask_token, chat_template, task, raw_sft)
-    if task == "pretrain":
-        samples = _pretrain_samples(tokenizer, _pretrain_texts(files, text_field, text_unit, decoder), add_eos)
-    else:
-        samples = _sft_samples(tokenizer, _sft_conversations(files, decoder), raw_sft)
+    plan, _ = _plan(inputs, out, options, part_bytes, overwrite)
+    plan["work_dir"] = str(work_dir_of(out))
+    before = _run_parts(plan, range(len(plan["parts"])), workers, show_progress)
+    report = report or (lambda line: print(line, file=sys.stderr))
+    if before:
+        report(f"went on from an earlier run: {before} of {len(plan['parts'])} parts were finished")
+    return merge_parts(out, overwrite=overwrite, report=report)
 
-    summary = PrepareSummary(task=task, output_dir=str(out), mask_token_id=mask_id, mask_token_added=added,
-                             valid_fraction=valid_fraction)
-    if reply_end is not None:
-        summary.reply_end, summary.end_token_id = reply_end, _reply_end_token_id(tokenizer, reply_end, task)
-        samples = _ending_with(tokenizer, samples, summary.end_token_id, reply_end)
-    elif task == "sft":
-        samples = _recording_end_token(tokenizer, samples, summary)
-    with atomic_output_dir(out, inputs=read, overwrite=overwrite) as staging:
-        valid = _ValidSplit(staging / VALID_DIR, samples_per_shard, valid_fraction) if valid_fraction else None
-        shards = _write_samples(samples, staging, samples_per_shard, mask_id, summary, report, max_reported, valid)
-        if summary.num_samples == 0:
-            raise ValueError(f"no usable samples in {len(files)} input file(s); {summary.bad_lines} bad lines")
+
+def merge_parts(output_dir: str | Path, *, overwrite: bool = False,
+                report: Callable[[str], None] | None = None) -> PrepareSummary:
+    """Write ``output_dir`` from its finished parts (after every partition's job): the parts'
+    shards linked in part order, the tokenizer and the manifest; the work directory is removed."""
+    out = Path(output_dir)
+    work = work_dir_of(out)
+    plan = _read_plan(work)
+    if plan is None:
+        raise FileNotFoundError(f"{work} holds no prepared parts of {out}: run tools/prepare_data.py with "
+                                "--partition I/N first (or without it, to prepare and merge in one go)")
+    options = _options_of(plan)
+    report = report or (lambda line: print(line, file=sys.stderr))
+    missing = [i for i in range(len(plan["parts"])) if not _finished(work, i)]
+    if missing:
+        shown = ", ".join(str(i) for i in missing[:10]) + (" ..." if len(missing) > 10 else "")
+        raise ValueError(f"{len(missing)} of {len(plan['parts'])} parts are not finished ({shown}); run the "
+                         "partitions that hold them (a part p belongs to partition p % N) before --merge")
+    results = [PartResult.read(work / part_dir_name(i)) for i in range(len(plan["parts"]))]
+    tokenizer, mask_id, added = cached_run_tokenizer(options)
+    summary = _summary_of(results, options, tokenizer, out, mask_id, added, report)
+    files = [Path(f) for f, _, _ in plan["files"]]
+    with atomic_output_dir(out, inputs=[*plan["inputs"], *files, options.tokenizer_dir], overwrite=overwrite) as staging:
+        shards = _link_shards(work, results, staging, valid=False)
         summary.num_shards = len(shards)
-        summary.invalid_utf8 = decoder.replaced
-        if task == "sft" and summary.end_token_id is None:
-            summary.end_token_id = tokenizer.eos_token_id
-        for file, entry in decoder.replaced.items():
-            report(f"{file}:{entry['first_line']}: replaced {entry['bytes']} invalid UTF-8 byte(s) on "
-                   f"{entry['lines']} line(s) by U+FFFD")
         tokenizer.save_pretrained(str(staging / TOKENIZER_DIR))
-        manifest = _manifest(tokenizer, summary, shards, files, encoding_errors)
-        if valid is not None:
-            manifest["valid"] = {"path": VALID_DIR, "fraction": valid_fraction, "num_samples": summary.valid_samples,
-                                 "num_tokens": summary.valid_tokens}
-            _finish_valid_split(valid, tokenizer, summary, manifest)
+        manifest = _manifest(tokenizer, summary, shards, files, options.encoding_errors)
+        if options.valid_fraction:
+            valid_shards = _link_shards(work, results, staging / VALID_DIR, valid=True)
+            summary.valid_shards = len(valid_shards)
+            manifest["valid"] = {"path": VALID_DIR, "fraction": options.valid_fraction,
+                                 "num_samples": summary.valid_samples, "num_tokens": summary.valid_tokens}
+            _write_valid_manifest(staging / VALID_DIR, tokenizer, summary, manifest, valid_shards)
         (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+    shutil.rmtree(work, ignore_errors=True)
     return summary
 
 
-def holds_out(source: str, fraction: float) -> bool:
-    """Whether the document at ``source`` (``file:line``) belongs to the held-out split: a hash of
-    the source below ``fraction``, the same on every run."""
-    digest = hashlib.blake2b(f"wedlm-valid:{source}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") < fraction * 2**64
-
-
-class _ValidSplit:
-    """The held-out documents' shard writer and the fraction that selects them."""
-
-    def __init__(self, directory: Path, samples_per_shard: int, fraction: float) -> None:
-        directory.mkdir()
-        self.directory = directory
-        self.fraction = fraction
-        self.writer = _ShardWriter(directory, samples_per_shard)
-        self.shards: list[dict[str, Any]] = []
-
-
-def _finish_valid_split(valid: _ValidSplit, tokenizer, summary: PrepareSummary, train_manifest: dict[str, Any]) -> None:
-    """``valid/``'s tokenizer and manifest: the training manifest's tokenization, its own shards."""
-    if summary.valid_samples == 0:
+def _summary_of(results: Sequence[PartResult], options: PartOptions, tokenizer, out: Path, mask_id: int,
+                added: bool, report: Callable[[str], None]) -> PrepareSummary:
+    """The parts' counts added up; their bad lines reported in input order (the first ``max_reported``)."""
+    summary = PrepareSummary(task=options.task, output_dir=str(out), mask_token_id=mask_id, mask_token_added=added,
+                             valid_fraction=options.valid_fraction, reply_end=options.reply_end,
+                             num_parts=len(results))
+    reported = 0
+    for result in results:
+        summary.num_samples += result.samples
+        summary.num_tokens += result.tokens
+        summary.valid_samples += result.valid_samples
+        summary.valid_tokens += result.valid_tokens
+        summary.bad_lines += result.bad_lines
+        for reason, count in result.bad_by_reason.items():
+            summary.bad_by_reason[reason] = summary.bad_by_reason.get(reason, 0) + count
+        for line in result.reported:
+            if reported < options.max_reported:
+                report(f"skipped {line}")
+            reported += 1
+        for file, entry in result.invalid_utf8.items():
+            into = summary.invalid_utf8.setdefault(file, {"bytes": 0, "lines": 0, "first_line": 0})
+            into["bytes"] += entry["bytes"]
+            into["lines"] += entry["lines"]
+            into["first_line"] = min(into["first_line"] or entry["first_line"], entry["first_line"])
+        if summary.end_token_id is None and result.end_token_id is not None:
+            summary.end_token_id = result.end_token_id
+    if summary.bad_lines > options.max_reported:
+        report(f"(further bad lines are counted but not listed; max_reported={options.max_reported})")
+    for file, entry in summary.invalid_utf8.items():
+        report(f"{file}:{entry['first_line']}: replaced {entry['bytes']} invalid UTF-8 byte(s) on "
+               f"{entry['lines']} line(s) by U+FFFD")
+    if summary.num_samples == 0:
+        raise ValueError(f"no usable samples in {len(results)} input part(s); {summary.bad_lines} bad lines")
+    if options.reply_end is not None:
+        summary.end_token_id = reply_end_token_id(tokenizer, options.reply_end, options.task)
+    elif options.task == "sft" and summary.end_token_id is None:
+        summary.end_token_id = tokenizer.eos_token_id
+    if options.valid_fraction and summary.valid_samples == 0:
         raise ValueError(
-            f"valid_fraction={valid.fraction} held out none of the {summary.num_samples} documents; raise it "
+            f"valid_fraction={options.valid_fraction} held out none of the {summary.num_samples} documents; raise it "
             "(or leave it out for no validation split)"
         )
-    summary.valid_shards = len(valid.shards)
-    tokenizer.save_pretrained(str(valid.directory / TOKENIZER_DIR))
+    return summary
+
+
+def _link_shards(work: Path, results: Sequence[PartResult], directory: Path, valid: bool) -> list[dict[str, Any]]:
+    """Every part's shards (or held-out shards), in part order, as ``directory/shard-NNNNNN.tar``:
+    hard links where the file system allows (no copy of the data), copies elsewhere."""
+    directory.mkdir(exist_ok=True)
+    shards: list[dict[str, Any]] = []
+    for result in results:
+        source = work / part_dir_name(result.index) / (VALID_DIR if valid else "")
+        for shard in result.valid_shards if valid else result.shards:
+            name = f"shard-{len(shards):06d}.tar"
+            try:
+                os.link(source / shard["path"], directory / name)
+            except OSError:
+                shutil.copyfile(source / shard["path"], directory / name)
+            shards.append({**shard, "path": name})
+    return shards
+
+
+def _write_valid_manifest(directory: Path, tokenizer, summary: PrepareSummary, train_manifest: dict[str, Any],
+                          shards: list[dict[str, Any]]) -> None:
+    """``valid/``'s tokenizer and manifest: the training manifest's tokenization, its own shards."""
+    tokenizer.save_pretrained(str(directory / TOKENIZER_DIR))
     manifest = {
         **{k: v for k, v in train_manifest.items() if k != "valid"},
         "num_samples": summary.valid_samples,
         "num_tokens": summary.valid_tokens,
-        "shards": valid.shards,
-        "held_out": {"fraction": valid.fraction, "training_data": ".."},
+        "shards": shards,
+        "held_out": {"fraction": summary.valid_fraction, "training_data": ".."},
         "bad_lines": 0,  # counted in the training directory's manifest
         "bad_by_reason": {},
     }
-    (valid.directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
-
-
-def _check_options(task: str, text_unit: str, samples_per_shard: int) -> None:
-    if task not in ("pretrain", "sft"):
-        raise ValueError(f"task must be 'pretrain' or 'sft', got {task!r}")
-    if text_unit not in _TEXT_UNITS:
-        raise ValueError(f"text_unit must be one of {_TEXT_UNITS}, got {text_unit!r}")
-    if samples_per_shard < 1:
-        raise ValueError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
-
-
-def _input_files(inputs: Sequence[str | Path], task: str) -> list[Path]:
-    """The input files (:func:`collect_input_files`); SFT reads JSON lines only."""
-    files = collect_input_files(inputs)
-    if task == "sft":
-        for path in files:
-            if path.suffix not in _JSON_SUFFIXES:
-                raise ValueError(f"SFT input {path} is not .jsonl: SFT data must be JSON lines with 'messages'")
-    return files
-
-
-def _load_tokenizer(
-    tokenizer_dir: str | Path, mask_token: str, chat_template: str | None, task: str, raw_sft: bool
-) -> tuple[Any, int, bool]:
-    """:func:`load_tokenizer_with_mask`, with ``chat_template`` set; SFT without ``raw_sft`` needs a chat template."""
-    tokenizer, mask_id, added = load_tokenizer_with_mask(tokenizer_dir, mask_token)
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
-    if task == "sft" and not raw_sft and not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            f"the tokenizer in {tokenizer_dir} has no chat template: pass one (--chat-template FILE) "
-            "or use raw prompt+response concatenation (--raw-sft)"
-        )
-    return tokenizer, mask_id, added
+    (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 def _manifest(
@@ -740,57 +648,6 @@ def _manifest(
         "encoding_errors": encoding_errors,
         "invalid_utf8": summary.invalid_utf8,
     }
-
-
-def _write_samples(
-    samples: Iterable[Sample | BadLine],
-    directory: Path,
-    samples_per_shard: int,
-    mask_id: int,
-    summary: PrepareSummary,
-    report: Callable[[str], None],
-    max_reported: int,
-    valid: _ValidSplit | None = None,
-) -> list[dict[str, Any]]:
-    """Shard the good samples into ``directory`` (the held-out ones into ``valid``'s); count and
-    report the bad ones into ``summary``."""
-    reasons: Counter[str] = Counter()
-    writer = _ShardWriter(directory, samples_per_shard)
-    try:
-        for item in samples:
-            if isinstance(item, Sample) and mask_id in item.tokens:
-                item = BadLine.at(item.source, "contains the mask token")
-            if isinstance(item, BadLine):
-                summary.bad_lines += 1
-                reasons[_reason_kind(item.reason)] += 1
-                if summary.bad_lines <= max_reported:
-                    report(f"skipped {item}")
-                elif summary.bad_lines == max_reported + 1:
-                    report(f"(further bad lines are counted but not listed; max_reported={max_reported})")
-                continue
-            if valid is not None and holds_out(item.source, valid.fraction):
-                valid.writer.write(item)
-                summary.valid_samples += 1
-                summary.valid_tokens += len(item.tokens)
-                continue
-            writer.write(item)
-            summary.num_samples += 1
-            summary.num_tokens += len(item.tokens)
-        shards = writer.finish()
-        if valid is not None:
-            valid.shards = valid.writer.finish()
-    except BaseException:
-        writer.abandon()
-        if valid is not None:
-            valid.writer.abandon()
-        raise
-    summary.bad_by_reason = dict(reasons)
-    return shards
-
-
-def _reason_kind(reason: str) -> str:
-    """Group reasons for the summary ('invalid JSON (Expecting value)' -> 'invalid JSON')."""
-    return reason.split(" (")[0]
 
 
 def read_manifest(data_dir: str | Path) -> dict[str, Any]:
@@ -830,10 +687,11 @@ _NOT_VOCABULARY = ("tokenizer_config.json", "chat_template.jinja", "chat_templat
 def tokenization_of(data_dir: str | Path, manifest: dict[str, Any]) -> dict[str, Any]:
     """What must agree between prepared directories whose rows one model reads (blend sources,
     training and validation data): the task, the special ids, the mask token and a hash of the
-    tokenizer files (names and bytes of every file but the config and the chat template)."""
+    tokenizer files (names and bytes of each tokenizer file but the config and the chat template)."""
     directory = tokenizer_dir_of(data_dir, manifest)
     digest = hashlib.sha256()
-    for file in sorted(p for p in directory.rglob("*") if p.is_file() and p.name not in _NOT_VOCABULARY):
+    # the tokenizer's own files only: the directory may be a converted checkpoint's, weights and all
+    for file in sorted(p for p in tokenizer_files_in(directory) if p.name not in _NOT_VOCABULARY):
         digest.update(str(file.relative_to(directory)).encode() + b"\0" + file.read_bytes() + b"\0")
     return {
         "task": manifest["task"],

@@ -4,7 +4,7 @@
 * :mod:`.loop`           -- ``run_training(cfg, engine)``: the one step loop (both engines, skip non-finite).
 * :mod:`.engine`         -- the engine contract: ``Engine``, ``RankRole``, ``StepUpdate``.
 * :mod:`.megatron_engine`-- the Megatron-Core engine: model chunks, DDP, the one schedule call, forward step.
-* :mod:`.run_data`       -- the prepared data's manifest and this rank's resumable micro-batches.
+* :mod:`.run_data`       -- the data sources' manifests and this rank's resumable micro-batches.
 * :mod:`.run_dir`        -- the run's claim on its output directory: lock, resume decision, lineage.
 * :mod:`.objective`      -- ``Objective`` (WeDLM or AR): labels, loss contribution, logged loss.
 * :mod:`.step_record`    -- what both backends do around a step: step totals, metrics record, non-finite

@@ -119,6 +119,7 @@ def _train(cfg: TrainConfig, engine: Engine, role: RankRole, claim: RunClaim, de
         for step in recorder.steps():
             started = time.perf_counter()
             micro = [data.next_microbatch() for _ in range(num_microbatches)]
+            fed = time.perf_counter()  # the step waited this long for its rows
             batches = [b for b, _ in micro]
             normalizer = global_loss_normalizer(batches, objective.mlm_weighting, group=role.loss_group)
             lr = current_lr(optimizer)  # the lr this update uses
@@ -139,11 +140,12 @@ def _train(cfg: TrainConfig, engine: Engine, role: RankRole, claim: RunClaim, de
             update = engine.optimizer_step(apply=totals.finite)
             if update.applied:
                 scheduler.step(increment=1)
-            peak_memory = max_over_ranks(peak_memory_gib(device), device)
+            # the slowest rank's data wait holds every rank up
+            peak_memory, data_wait = max_over_ranks([peak_memory_gib(device), fed - started], device)
             trained = time.perf_counter()
             valid = validator.run(engine) if validator is not None and validator.due(step) else None
             due = recorder.record(step, started=started, totals=totals, lr=lr, grad_norm=update.grad_norm,
-                                  ended=trained, valid=valid, peak_memory_gib=peak_memory)
+                                  ended=trained, valid=valid, peak_memory_gib=peak_memory, data_wait_s=data_wait)
             if due:
                 trainer_state = recorder.trainer_state(scheduler, data)
                 recorder.saved(engine.save(step, trainer_state, {"config.yaml": recorder.config_yaml}))

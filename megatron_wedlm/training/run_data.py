@@ -1,18 +1,20 @@
-"""The run's training data: the prepared directory's manifest and this rank's resumable micro-batches.
+"""The run's training data: the sources' manifests and this rank's resumable micro-batches.
 
 Both engines read their data here, so rows, masks and positions are the same under either
 backend and a run can be compared or resumed across them. ``data.path`` is one source;
 ``data.blend`` mixes several by weight (:mod:`megatron_wedlm.data.blend`), and the model is then
-described by the first source's manifest and tokenizer (all sources must share them).
+described by the first source's manifest and tokenizer (all sources must share them). A source is
+a prepared directory or a Megatron indexed dataset's prefix, read with ``data.tokenizer``
+(:mod:`megatron_wedlm.data.indexed`, checked here, before training starts).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from megatron_wedlm.config.schema import ConfigError, TrainConfig, training_data_dir
+from megatron_wedlm.config.schema import ConfigError, TrainConfig, indexed_options, training_data_dir
 from megatron_wedlm.data.blend import BlendedDataIterator, BlendSource, blend_names, check_compatible_sources
-from megatron_wedlm.data.prepare import read_manifest, read_task_manifest
+from megatron_wedlm.data.indexed import read_source_manifest, read_source_task_manifest
 from megatron_wedlm.data.validation_rows import VALIDATION_SEED, ValidationRows, validation_rows
 from megatron_wedlm.data.webdataset_loader import LoaderSpec, TrainDataIterator, loader_spec_from_manifest
 
@@ -20,7 +22,8 @@ __all__ = ["build_train_data", "build_valid_data", "read_run_manifest", "run_dat
 
 
 def run_data_dir(cfg: TrainConfig) -> str:
-    """The directory whose manifest and tokenizer describe the run (required by the config check)."""
+    """The source (directory or indexed prefix) whose manifest and tokenizer describe the run
+    (required by the config check)."""
     return training_data_dir(cfg)  # type: ignore[return-value]
 
 
@@ -32,12 +35,21 @@ def _blend_names(cfg: TrainConfig) -> list[str]:
 
 
 def _task_manifest(cfg: TrainConfig, key: str, path: str) -> dict[str, Any]:
-    """The manifest of the prepared directory ``path`` (config key ``key``), refused when missing
-    or prepared for the other task."""
+    """The manifest of the source ``path`` (config key ``key``), refused when missing, prepared for
+    the other task or (a prefix) failing its checks."""
     try:
-        return read_task_manifest(path, cfg.trainer.task, key)
+        return read_source_task_manifest(path, cfg.trainer.task, key, **indexed_options(cfg.data))
     except ValueError as err:
         raise ConfigError(str(err)) from None
+
+
+def _source_manifest(cfg: TrainConfig, key: str, path: str) -> dict[str, Any]:
+    """The manifest of the source ``path`` (config key ``key``), whatever its task (a blend
+    compares the sources' tasks itself)."""
+    try:
+        return read_source_manifest(path, **indexed_options(cfg.data))
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{key}: {err}") from None
 
 
 def read_run_manifest(cfg: TrainConfig) -> dict[str, Any]:
@@ -47,8 +59,8 @@ def read_run_manifest(cfg: TrainConfig) -> dict[str, Any]:
     manifest = _task_manifest(cfg, key, run_data_dir(cfg))
     if cfg.data.blend is not None:
         names = _blend_names(cfg)
-        sources = [(n, s.path, manifest if i == 0 else read_manifest(s.path))  # type: ignore[arg-type]
-                   for i, (n, s) in enumerate(zip(names, cfg.data.blend))]
+        sources = [(name, s.path, manifest if i == 0 else _source_manifest(cfg, f"data.blend[{i}].path", s.path))
+                   for i, (name, s) in enumerate(zip(names, cfg.data.blend))]  # type: ignore[arg-type]
         try:
             check_compatible_sources(sources)  # type: ignore[arg-type]
         except ValueError as err:
@@ -63,6 +75,7 @@ def _loader_spec(cfg: TrainConfig, data_dir: str, num_streams: int | None = None
     try:
         return loader_spec_from_manifest(
             data_dir,
+            manifest=read_source_manifest(data_dir, **indexed_options(cfg.data)),
             num_streams=cfg.data.num_streams if num_streams is None else num_streams,
             seq_length=cfg.data.seq_length,
             wedlm=cfg.wedlm.enabled,

@@ -126,10 +126,12 @@ class StepRecorder:
 
     def record(self, step: int, *, started: float, totals: StepTotals, lr: float, grad_norm: float,
                ended: float | None = None, valid: dict[str, Any] | None = None,
-               peak_memory_gib: float = float("nan")) -> bool:
+               peak_memory_gib: float = float("nan"), data_wait_s: float = 0.0) -> bool:
         """Log step ``step`` (begun at ``time.perf_counter() == started``, its training done at
         ``ended`` (default: now); its update was applied when ``totals.finite``;
-        ``peak_memory_gib``: the largest over the ranks) with the ``valid/*`` numbers of a
+        ``peak_memory_gib``: the largest over the ranks; ``data_wait_s``: how long the slowest rank
+        waited for its rows, of which ``data_wait_fraction`` is the share of the step: a loader
+        that cannot keep up shows there) with the ``valid/*`` numbers of a
         validation after it; raise :class:`NonFiniteLossError` on too many skips in a row.
         Returns whether a checkpoint is due now."""
         finite, loss, tokens = totals.finite, totals.loss, totals.tokens
@@ -167,6 +169,8 @@ class StepRecorder:
             "tokens": int(tokens),
             "consumed_tokens": self.consumed_tokens,
             "step_time_s": elapsed,
+            "data_wait_s": data_wait_s,
+            "data_wait_fraction": data_wait_s / elapsed if elapsed > 0 else 0.0,
             "skipped": not finite,
             "run_id": self.claim.run_id,
             **{f"tokens/{name}": int(count) for name, count in totals.source_tokens.items()},

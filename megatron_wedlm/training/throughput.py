@@ -113,10 +113,10 @@ def peak_memory_gib(device: torch.device) -> float:
     return peak / 2**30 if sys.platform == "darwin" else peak / 2**20  # bytes on macOS, KiB on Linux
 
 
-def max_over_ranks(value: float, device: torch.device) -> float:
-    """The largest ``value`` over all ranks (one all-reduce)."""
+def max_over_ranks(values: Sequence[float], device: torch.device) -> list[float]:
+    """Each of ``values``, the largest over all ranks (one all-reduce for all of them)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return value
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+        return list(values)
+    tensor = torch.tensor(list(values), dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return float(tensor.item())
+    return tensor.tolist()
