@@ -78,7 +78,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from megatron_wedlm.runtime.atomic_output import atomic_output_dir, atomic_write_text, check_output_dir, pid_alive
+from megatron_wedlm.runtime.atomic_output import (
+    DiskFullError,
+    atomic_output_dir,
+    atomic_write_text,
+    check_output_dir,
+    is_disk_full,
+    pid_alive,
+)
 from megatron_wedlm.runtime.hf_local import tokenizer_files_in
 
 from .input_formats import (
@@ -359,8 +366,9 @@ def _worker_part(options: PartOptions, index: int, part: Part, work: Path) -> Pa
     return prepare_part(options, index, part, work, progress=lambda d, t: _progress_queue.put((d, t)))
 
 
-def _run_parts(plan: dict[str, Any], indices: Sequence[int], workers: int, show_progress: bool) -> int:
-    """Prepare the unfinished parts among ``indices``; returns how many were finished before."""
+def _run_parts(plan: dict[str, Any], indices: Sequence[int], workers: int, show_progress: bool, out: Path) -> int:
+    """Prepare the unfinished parts among ``indices``; returns how many were finished before. A
+    part that fails stops the run once the running parts are finished (:func:`_part_failed`)."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     work = Path(plan["work_dir"])
@@ -369,39 +377,54 @@ def _run_parts(plan: dict[str, Any], indices: Sequence[int], workers: int, show_
     _remove_stale_part_dirs(work)
     todo = [i for i in indices if not _finished(work, i)]
     progress = _Progress(len(indices), len(indices) - len(todo), show_progress)
+    failure: tuple[int, BaseException] | None = None
     try:
         if workers == 1 or len(todo) <= 1:
             for i in todo:
-                _guarded(i, parts[i], work, lambda i=i: prepare_part(options, i, parts[i], work, progress=progress.add))
+                try:
+                    prepare_part(options, i, parts[i], work, progress=progress.add)
+                except (ValueError, OSError) as err:
+                    failure = (i, err)
+                    break
                 progress.part_done()
         else:
-            _run_in_pool(options, parts, todo, work, workers, progress)
+            failure = _run_in_pool(options, parts, todo, work, workers, progress)
     finally:
         progress.close()
+    if failure is not None:
+        index, err = failure
+        raise _part_failed(index, parts[index], work, out, err) from err
     return len(indices) - len(todo)
 
 
-def _guarded(index: int, part: Part, work: Path, run: Callable[[], Any]) -> Any:
-    try:
-        return run()
-    except (ValueError, OSError) as err:
-        raise _part_failed(index, part, work, err) from err
-
-
-def _part_failed(index: int, part: Part, work: Path, err: BaseException) -> ValueError:
+def _part_failed(index: int, part: Part, work: Path, out: Path, err: BaseException) -> BaseException:
+    """The error a failed part stops the run with: a full disk named as such; otherwise the
+    part's error (of the same class where it can be rebuilt) with the part named and what became
+    of the finished ones: kept for the next run, or, none being finished, the work directory
+    removed."""
     done = sum(1 for _ in work.glob(f"part-*/{PART_FILE}"))
-    return ValueError(f"part {index} ({part.file}) failed: {err}\n{done} finished parts are kept in {work}; "
-                      "fix the input and run the same command again to prepare the others")
+    if not done:
+        shutil.rmtree(work, ignore_errors=True)
+    if is_disk_full(err, work.parent):
+        return DiskFullError(out)
+    kept = (f"\n{done} finished parts are kept in {work}; fix the input and run the same command again to "
+            "prepare the others" if done else "")
+    message = f"part {index} ({part.file}) failed: {err}{kept}"
+    try:
+        return type(err)(message) if isinstance(err, ValueError) else ValueError(message)
+    except TypeError:  # an error class that takes more than a message
+        return ValueError(message)
 
 
 def _run_in_pool(options: PartOptions, parts: list[Part], todo: list[int], work: Path, workers: int,
-                 progress: _Progress) -> None:
+                 progress: _Progress) -> tuple[int, BaseException] | None:
     """The parts in ``workers`` processes (forked: the parent's imports are not redone). A failed
-    part stops new ones from starting; the running ones finish and are kept."""
+    part stops new ones from starting; the running ones finish and are kept. Returns the first
+    failure (its part and error), if any."""
     context = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     queue = context.Queue()
     pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker, initargs=(queue,))
-    failure: BaseException | None = None
+    failure: tuple[int, BaseException] | None = None
     try:
         pending: dict[Future, int] = {pool.submit(_worker_part, options, i, parts[i], work): i for i in todo}
         while pending:
@@ -415,14 +438,13 @@ def _run_in_pool(options: PartOptions, parts: list[Part], todo: list[int], work:
                 if err is None:
                     progress.part_done()
                 elif failure is None:
-                    failure = _part_failed(index, parts[index], work, err)
+                    failure = (index, err)
                     for other in pending:
                         other.cancel()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         _drain(queue, progress)
-    if failure is not None:
-        raise failure
+    return failure
 
 
 def _drain(queue: Any, progress: _Progress) -> None:
@@ -452,7 +474,7 @@ def prepare_partition(
                                              **options), part_bytes, overwrite)
     plan["work_dir"] = str(work_dir_of(out))
     mine = [p for p in range(len(plan["parts"])) if p % n == i]
-    before = _run_parts(plan, mine, workers, show_progress)
+    before = _run_parts(plan, mine, workers, show_progress, out)
     remaining = sum(1 for p in range(len(plan["parts"])) if not _finished(work_dir_of(out), p))
     return PartitionReport(str(work_dir_of(out)), (i, n), len(mine), before, remaining)
 
@@ -502,7 +524,7 @@ def prepare_dataset(
     out = Path(output_dir)
     plan, _ = _plan(inputs, out, options, part_bytes, overwrite)
     plan["work_dir"] = str(work_dir_of(out))
-    before = _run_parts(plan, range(len(plan["parts"])), workers, show_progress)
+    before = _run_parts(plan, range(len(plan["parts"])), workers, show_progress, out)
     report = report or (lambda line: print(line, file=sys.stderr))
     if before:
         report(f"went on from an earlier run: {before} of {len(plan['parts'])} parts were finished")
