@@ -490,24 +490,14 @@ def _check_indexed_sources(cfg: TrainConfig) -> None:
     where the data may be gone, and the run names a missing source when it reads it."""
     sources = [(key, path) for key, path in _data_sources(cfg) if not Path(path).is_dir()]
     if not sources:
-        return  # prepared directories only: the data package (torch) is not imported
-    from megatron_wedlm.data.indexed import is_indexed_prefix  # deferred: the data package imports torch
+        return  # prepared directories only: the data readers are not needed
+    # deferred: loading a config imports no data readers unless a source may be a prefix
+    from megatron_wedlm.data.indexed import is_indexed_prefix, prefix_refusal
 
     for key, path in sources:
-        if not is_indexed_prefix(path):
-            continue
-        if cfg.trainer.task != "pretrain":
-            raise ConfigError(
-                f"{key}={path} is a Megatron indexed dataset, whose documents carry no prompt and reply: it serves "
-                f"pretraining only; prepare {cfg.trainer.task} data with tools/prepare_data.py --task {cfg.trainer.task}"
-            )
-        if cfg.data.tokenizer is None:
-            raise ConfigError(
-                f"{key}={path} is a Megatron indexed dataset ({path}.bin, {path}.idx), which records no tokenizer: "
-                "set data.tokenizer to the HF tokenizer directory it was tokenized with, holding the mask token (the "
-                "tokenizer/ of a directory tools/prepare_data.py prepared with it, or the directory "
-                "tools/convert_checkpoint.py hf-to-megatron wrote)"
-            )
+        refusal = prefix_refusal(path, key, cfg.trainer.task, cfg.data.tokenizer) if is_indexed_prefix(path) else None
+        if refusal:
+            raise ConfigError(refusal)
 
 
 def training_data_dir(cfg: TrainConfig) -> str | None:
@@ -525,7 +515,7 @@ def _check_valid_data(cfg: TrainConfig) -> None:
     valid, train = cfg.data.valid_path, training_data_dir(cfg)
     if valid is None:
         return
-    # deferred: the data package imports torch, and a config without validation data stays light
+    # deferred: a config without validation data imports no data readers
     from megatron_wedlm.data.indexed import is_indexed_prefix, tokenizer_manifest
     from megatron_wedlm.data.prepare import MANIFEST_FILE, read_manifest, read_task_manifest, tokenization_of
 

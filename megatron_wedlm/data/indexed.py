@@ -55,6 +55,7 @@ __all__ = [
     "indexed_manifest",
     "is_indexed_prefix",
     "open_indexed",
+    "prefix_refusal",
     "read_source_manifest",
     "read_source_task_manifest",
     "shard_documents",
@@ -133,11 +134,9 @@ def read_source_manifest(
     if not is_indexed_prefix(path):
         _refuse_neither(path)
         return read_manifest(path)
-    if tokenizer is None:
-        raise ValueError(
-            f"{path} is a Megatron indexed dataset ({path}.bin, {path}.idx), which records no tokenizer: set "
-            f"data.tokenizer to the HF tokenizer directory it was tokenized with ({_WHERE_MASK})"
-        )
+    refusal = prefix_refusal(path, None, None, tokenizer)
+    if refusal:
+        raise ValueError(refusal)
     return indexed_manifest(path, tokenizer, documents_per_shard=documents_per_shard, append_eod=append_eod)
 
 
@@ -151,15 +150,28 @@ def read_source_task_manifest(path: str | Path, task: str, key: str, **options: 
         except (OSError, ValueError) as err:
             raise ValueError(f"{key}: {err}") from None
         return read_task_manifest(path, task, key)
-    if task != "pretrain":
-        raise ValueError(
-            f"{key}={path} is a Megatron indexed dataset, whose documents carry no prompt and reply: it serves "
-            f"pretraining only; prepare {task} data with tools/prepare_data.py --task {task}"
-        )
+    refusal = prefix_refusal(path, key, task, options.get("tokenizer"))
+    if refusal:
+        raise ValueError(refusal)
     try:
         return read_source_manifest(path, **options)
     except (OSError, ValueError) as err:
         raise ValueError(f"{key}: {err}") from None
+
+
+def prefix_refusal(path: str | Path, key: str | None, task: str | None, tokenizer: str | Path | None) -> str | None:
+    """Why the prefix ``path`` (config key ``key``) cannot be read in a ``task`` run (None: any
+    task) with ``data.tokenizer=tokenizer``, or None: a prefix holds pretraining documents only
+    (they carry no prompt/reply split), and records no tokenizer. The config check and the readers
+    ask here, so the rule and its words are written once."""
+    named = f"{key}={path}" if key else str(path)
+    if task is not None and task != "pretrain":
+        return (f"{named} is a Megatron indexed dataset, whose documents carry no prompt and reply: it serves "
+                f"pretraining only; prepare {task} data with tools/prepare_data.py --task {task}")
+    if tokenizer is None:
+        return (f"{named} is a Megatron indexed dataset ({path}.bin, {path}.idx), which records no tokenizer: set "
+                f"data.tokenizer to the HF tokenizer directory it was tokenized with ({_WHERE_MASK})")
+    return None
 
 
 # --------------------------------------------------------------------------------------------

@@ -70,7 +70,6 @@ import json
 import multiprocessing as mp
 import os
 import shutil
-import socket
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -84,7 +83,7 @@ from megatron_wedlm.runtime.atomic_output import (
     atomic_write_text,
     check_output_dir,
     is_disk_full,
-    pid_alive,
+    remove_dead_writers,
 )
 from megatron_wedlm.runtime.hf_local import tokenizer_files_in
 
@@ -101,6 +100,7 @@ from .input_formats import (
 from .tokenize_part import (
     DEFAULT_MASK_TOKEN,
     PART_FILE,
+    VALID_DIR,
     PartOptions,
     PartResult,
     Sample,
@@ -139,7 +139,6 @@ __all__ = [
 
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
-VALID_DIR = "valid"  # <output>/valid: the held-out documents (valid_fraction > 0)
 PLAN_FILE = "plan.json"
 FORMAT_VERSION = 1
 PLAN_VERSION = 1
@@ -255,7 +254,7 @@ def _file_stats(files: Sequence[Path]) -> list[list[Any]]:
 
 
 def _plan(inputs: Sequence[str | Path], out: Path, options: PartOptions, part_bytes: int | None, overwrite: bool
-          ) -> tuple[dict[str, Any], list[Path]]:
+          ) -> dict[str, Any]:
     """Check everything a run needs before writing anything, and return the work directory's plan
     (an earlier one when the inputs and options are the same; its finished parts are then kept)."""
     _check_options(options)
@@ -271,7 +270,7 @@ def _plan(inputs: Sequence[str | Path], out: Path, options: PartOptions, part_by
     stats = _file_stats(files)
     stored = _read_plan(work)
     if stored is not None and {k: stored.get(k) for k in key} == key and stored["files"] == stats:
-        return stored, files
+        return stored
     if stored is not None and {k: stored.get(k) for k in key} != key:
         if not overwrite:
             raise ValueError(
@@ -285,7 +284,7 @@ def _plan(inputs: Sequence[str | Path], out: Path, options: PartOptions, part_by
         _drop_changed_parts(work, stored, plan)
     work.mkdir(parents=True, exist_ok=True)
     atomic_write_text(work / PLAN_FILE, json.dumps(plan, indent=1) + "\n")
-    return plan, files
+    return plan
 
 
 def _drop_changed_parts(work: Path, old: dict[str, Any], new: dict[str, Any]) -> None:
@@ -316,15 +315,6 @@ def _options_of(plan: dict[str, Any]) -> PartOptions:
 
 def _finished(work: Path, index: int) -> bool:
     return (work / part_dir_name(index) / PART_FILE).is_file()
-
-
-def _remove_stale_part_dirs(work: Path) -> None:
-    """Temporary part directories of killed writers on this host."""
-    host = socket.gethostname()
-    for stale in work.glob(f"part-*.tmp-{host}-*"):
-        pid = stale.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not pid_alive(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
 
 
 class _Progress:
@@ -371,10 +361,10 @@ def _run_parts(plan: dict[str, Any], indices: Sequence[int], workers: int, show_
     part that fails stops the run once the running parts are finished (:func:`_part_failed`)."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    work = Path(plan["work_dir"])
+    work = work_dir_of(out)
     options = _options_of(plan)
     parts = [Part(**p) for p in plan["parts"]]
-    _remove_stale_part_dirs(work)
+    remove_dead_writers(work, "part-*")  # the part directories of killed runs on this host
     todo = [i for i in indices if not _finished(work, i)]
     progress = _Progress(len(indices), len(indices) - len(todo), show_progress)
     failure: tuple[int, BaseException] | None = None
@@ -470,13 +460,13 @@ def prepare_partition(
     if not (n >= 1 and 0 <= i < n):
         raise ValueError(f"partition {i}/{n}: give I/N with 0 <= I < N")
     out = Path(output_dir)
-    plan, _ = _plan(inputs, out, PartOptions(task=options.pop("task", "pretrain"), tokenizer_dir=str(tokenizer_dir),
+    plan = _plan(inputs, out, PartOptions(task=options.pop("task", "pretrain"), tokenizer_dir=str(tokenizer_dir),
                                              **options), part_bytes, overwrite)
-    plan["work_dir"] = str(work_dir_of(out))
     mine = [p for p in range(len(plan["parts"])) if p % n == i]
     before = _run_parts(plan, mine, workers, show_progress, out)
-    remaining = sum(1 for p in range(len(plan["parts"])) if not _finished(work_dir_of(out), p))
-    return PartitionReport(str(work_dir_of(out)), (i, n), len(mine), before, remaining)
+    work = work_dir_of(out)
+    remaining = sum(1 for p in range(len(plan["parts"])) if not _finished(work, p))
+    return PartitionReport(str(work), (i, n), len(mine), before, remaining)
 
 
 def prepare_dataset(
@@ -522,8 +512,7 @@ def prepare_dataset(
         max_reported=max_reported,
     )
     out = Path(output_dir)
-    plan, _ = _plan(inputs, out, options, part_bytes, overwrite)
-    plan["work_dir"] = str(work_dir_of(out))
+    plan = _plan(inputs, out, options, part_bytes, overwrite)
     before = _run_parts(plan, range(len(plan["parts"])), workers, show_progress, out)
     report = report or (lambda line: print(line, file=sys.stderr))
     if before:

@@ -17,7 +17,6 @@ import io
 import json
 import os
 import shutil
-import socket
 import tarfile
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -26,6 +25,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
+from megatron_wedlm.runtime.atomic_output import writer_tag
 from megatron_wedlm.runtime.hf_local import load_tokenizer, read_config, reference_mask_token_id
 
 from .input_formats import SFT_FIELDS, BadLine, Part, Utf8Decoder, part_records
@@ -36,17 +36,19 @@ __all__ = [
     "PartOptions",
     "PartResult",
     "Sample",
+    "VALID_DIR",
     "holds_out",
     "cached_run_tokenizer",
     "load_run_tokenizer",
     "load_tokenizer_with_mask",
+    "part_dir_name",
     "prepare_part",
     "reply_end_token_id",
 ]
 
 DEFAULT_MASK_TOKEN = "<|mask|>"
 PART_FILE = "part.json"  # written last into a part's directory: the part is complete
-VALID_DIR = "valid"
+VALID_DIR = "valid"  # the held-out documents (valid_fraction > 0), in a part and in the output
 _BATCH = 512  # documents tokenized per call (fast tokenizers batch in Rust)
 
 
@@ -468,7 +470,7 @@ def prepare_part(
     tokenizer, mask_id, _ = cached_run_tokenizer(options)
     decoder = Utf8Decoder(options.encoding_errors)
     final = work_dir / part_dir_name(index)
-    staging = work_dir / f"{final.name}.tmp-{socket.gethostname()}-{os.getpid()}"
+    staging = work_dir / f"{final.name}.tmp-{writer_tag()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     result = PartResult(index=index)

@@ -41,6 +41,8 @@ __all__ = [
     "is_disk_full",
     "pid_alive",
     "publish_directory",
+    "remove_dead_writers",
+    "writer_tag",
 ]
 
 #: Free bytes below which a failed write whose message says nothing about space is taken for a
@@ -155,13 +157,16 @@ def check_output_dir(output: str | Path, inputs: Iterable[str | Path | None] = (
         )
 
 
-def _writer_tag() -> str:
+def writer_tag() -> str:
+    """``<host>-<pid>``: what a temporary directory's name ends with, so that a later writer can
+    tell whether the one that left it still runs (:func:`remove_dead_writers`)."""
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-def _remove_stale_siblings(output: Path) -> None:
-    """Temporary directories of writers of ``output`` on this host that are no longer running."""
-    for stale in output.parent.glob(f"{output.name}.tmp-{socket.gethostname()}-*"):
+def remove_dead_writers(parent: Path, stem: str) -> None:
+    """The temporary directories ``<stem>.tmp-<host>-<pid>`` under ``parent`` (``stem`` may be a
+    glob pattern) of writers on this host that are no longer running."""
+    for stale in parent.glob(f"{stem}.tmp-{socket.gethostname()}-*"):
         pid = stale.name.rsplit("-", 1)[-1]
         if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             shutil.rmtree(stale, ignore_errors=True)
@@ -215,8 +220,8 @@ def atomic_output_dir(
     final = Path(output)
     check_output_dir(final, inputs, overwrite)
     final.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_siblings(final)
-    tag = _writer_tag()
+    remove_dead_writers(final.parent, final.name)
+    tag = writer_tag()
     staging = final.with_name(f"{final.name}.tmp-{tag}")
     shutil.rmtree(staging, ignore_errors=True)
     with disk_full_is_named(final):
