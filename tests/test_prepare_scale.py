@@ -202,17 +202,17 @@ def test_partition_cli_merge_and_refusals(tmp_path, tokenizer_dir):  # noqa: F81
     first = subprocess.run([*base, "--partition", "0/2"], capture_output=True, text=True, timeout=120)
     assert first.returncode == 0, first.stderr
     assert "partition 0/2:" in first.stdout and "then run --merge" in first.stdout
-    early = subprocess.run([*PREPARE, "--output", str(tmp_path / "out"), "--merge"], capture_output=True, text=True)
+    early = subprocess.run([*PREPARE, "--output", str(tmp_path / "out"), "--merge"], capture_output=True, text=True, timeout=120)
     assert early.returncode == 2 and "are not finished" in early.stderr and "p % N" in early.stderr
-    other = subprocess.run([*base, "--partition", "1/2", "--text-field", "body"], capture_output=True, text=True)
+    other = subprocess.run([*base, "--partition", "1/2", "--text-field", "body"], capture_output=True, text=True, timeout=120)
     assert other.returncode == 2 and "other inputs or options" in other.stderr
     second = subprocess.run([*base, "--partition", "1/2"], capture_output=True, text=True, timeout=120)
     assert second.returncode == 0 and "run --merge to write the output" in second.stdout
-    merged = subprocess.run([*PREPARE, "--output", str(tmp_path / "out"), "--merge"], capture_output=True, text=True)
+    merged = subprocess.run([*PREPARE, "--output", str(tmp_path / "out"), "--merge"], capture_output=True, text=True, timeout=120)
     assert merged.returncode == 0, merged.stderr
     prepare_dataset([corpus], tmp_path / "clean", tokenizer_dir)
     assert samples_of(tmp_path / "out") == samples_of(tmp_path / "clean")
-    bad = subprocess.run([*base, "--partition", "2/2"], capture_output=True, text=True)
+    bad = subprocess.run([*base, "--partition", "2/2"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "0 <= I < N" in bad.stderr
 
 
