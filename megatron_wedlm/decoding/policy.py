@@ -14,7 +14,7 @@ the paper's order after it (every forward carries W slots).
 
 from __future__ import annotations
 
-from .settings import BLOCKWISE, STREAMING, DecodeSettings
+from .settings import AUTOREGRESSIVE, BLOCKWISE, STREAMING, DecodeSettings
 from .state import RowState
 
 
@@ -52,8 +52,12 @@ class BlockwisePolicy(StreamingPolicy):
 
 
 def commit_policy(settings: DecodeSettings) -> StreamingPolicy:
-    """The policy of ``settings.method``."""
+    """The policy of ``settings.method``. AR rows (:attr:`RowState.autoregressive`) are streaming
+    with a window of one slot refilled before the forward: each forward commits the token sampled
+    last and predicts the next."""
+    if settings.method == AUTOREGRESSIVE:
+        return StreamingPolicy(1, fused_refill=True)
     policies = {STREAMING: StreamingPolicy, BLOCKWISE: BlockwisePolicy}
     if settings.method not in policies:
-        raise ValueError(f"{settings.method!r} is not a parallel decoding schedule; choose one of {sorted(policies)}")
+        raise ValueError(f"{settings.method!r} is not a decoding schedule; choose one of {sorted(policies)}")
     return policies[settings.method](settings.window_size, settings.fused_refill)

@@ -36,7 +36,7 @@ class _RowLayer(CacheLayerMixin):
         self.owner = owner
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        rows, heads = len(self.owner.lengths), key_states.shape[1]
+        rows, heads = self.owner.buffer_rows, key_states.shape[1]
         shape_k = (rows, heads, self.owner.capacity, key_states.shape[-1])
         shape_v = (rows, heads, self.owner.capacity, value_states.shape[-1])
         self.keys = torch.zeros(shape_k, dtype=key_states.dtype, device=key_states.device)
@@ -47,13 +47,13 @@ class _RowLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        packing = self.owner.packing
+        packing, rows = self.owner.packing, len(self.owner.host_lengths)
         if packing is not None:  # one packed row [1, kv_heads, T, dim]: token t goes to its row and slot
             end = self._check(packing.end)
             if packing.uniform:  # every row writes the same slots: a slice copy
-                start, rows = packing.cached, packing.rows
-                self.keys[:, :, start:end] = key_states[0].unflatten(1, (rows, -1)).transpose(0, 1)
-                self.values[:, :, start:end] = value_states[0].unflatten(1, (rows, -1)).transpose(0, 1)
+                start = packing.cached
+                self.keys[:rows, :, start:end] = key_states[0].unflatten(1, (rows, -1)).transpose(0, 1)
+                self.values[:rows, :, start:end] = value_states[0].unflatten(1, (rows, -1)).transpose(0, 1)
             else:
                 # the index tensors live on the first layer's device; a model placed over several
                 # devices (device_map) holds this layer elsewhere (``.to`` is free on the same device)
@@ -63,15 +63,15 @@ class _RowLayer(CacheLayerMixin):
         elif self.owner.uniform:  # padded rows [rows, kv_heads, width, dim], all at the same length
             start = self.owner.max_length
             end = self._check(start + key_states.shape[-2])
-            self.keys[:, :, start:end] = key_states
-            self.values[:, :, start:end] = value_states
+            self.keys[:rows, :, start:end] = key_states
+            self.values[:rows, :, start:end] = value_states
         else:
             end = self._check(self.owner.max_length + key_states.shape[-2])
             lengths = self.owner.lengths.to(key_states.device)  # see above: device_map
             slots = lengths[:, None] + torch.arange(key_states.shape[-2], device=key_states.device)
-            self.keys.scatter_(2, slots[:, None, :, None].expand_as(key_states), key_states)
-            self.values.scatter_(2, slots[:, None, :, None].expand_as(value_states), value_states)
-        return self.keys[:, :, :end], self.values[:, :, :end]
+            self.keys[:rows].scatter_(2, slots[:, None, :, None].expand_as(key_states), key_states)
+            self.values[:rows].scatter_(2, slots[:, None, :, None].expand_as(value_states), value_states)
+        return self.keys[:rows, :, :end], self.values[:rows, :, :end]
 
     def _check(self, end: int) -> int:
         if end > self.owner.capacity:
@@ -87,21 +87,25 @@ class _RowLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.owner.capacity
 
-    def keep_rows(self, rows: torch.Tensor) -> None:
+    def move_row(self, source: int, target: int, length: int) -> None:
+        """Copy the first ``length`` slots of buffer row ``source`` into row ``target``."""
         if self.is_initialized:
-            self.keys = self.keys.index_select(0, rows)
-            self.values = self.values.index_select(0, rows)
+            self.keys[target, :, :length] = self.keys[source, :, :length]
+            self.values[target, :, :length] = self.values[source, :, :length]
 
 
 class RowKVCache(Cache):
     """HF ``Cache`` with per-row committed lengths; see the module docstring.
 
     ``capacity`` must cover the longest row's committed prefix plus the widest input fed in one
-    forward (the prompt plus a window in the first step).
+    forward (the prompt plus a window in the first step). The buffers hold ``num_rows`` rows, all
+    allocated at the first forward; the rows in use are the first ``len(host_lengths)`` of them, so
+    rows leaving and joining a long-lived batch (a server's) never reallocate the buffers.
     """
 
     def __init__(self, num_layers: int, num_rows: int, capacity: int, device: torch.device | str):
         self.capacity = capacity
+        self.buffer_rows = num_rows
         self.lengths = torch.zeros(num_rows, dtype=torch.long, device=device)
         self.host_lengths = [0] * num_rows  # host copy of lengths, so no step needs a device sync
         self.max_length = 0  # max(host_lengths)
@@ -121,11 +125,20 @@ class RowKVCache(Cache):
         self.uniform = min(lengths, default=0) == self.max_length
 
     def keep_rows(self, rows: list[int]) -> None:
-        """Drop every row not listed in ``rows`` (finished sequences leave the batch)."""
-        index = torch.tensor(rows, dtype=torch.long, device=self.lengths.device)
-        for layer in self.layers:
-            layer.keep_rows(index)
+        """Keep the rows listed in ``rows`` (ascending), moved to the front in that order; the others
+        leave the batch (finished sequences). Only a kept row's committed slots are copied, and only
+        when it moves."""
+        for target, source in enumerate(rows):
+            if source != target:
+                for layer in self.layers:
+                    layer.move_row(source, target, self.host_lengths[source])
         self.commit([self.host_lengths[i] for i in rows])
+
+    def add_rows(self, count: int) -> None:
+        """Take ``count`` more buffer rows into use, each at length 0 (new sequences join the batch)."""
+        if len(self.host_lengths) + count > self.buffer_rows:
+            raise ValueError(f"{len(self.host_lengths)} + {count} rows exceed the cache's {self.buffer_rows} rows")
+        self.commit(self.host_lengths + [0] * count)
 
     def attention_mask(self, query_length: int, dtype: torch.dtype) -> torch.Tensor:
         """Additive 4-D mask ``[rows, 1, query_length, max_length + query_length]`` for the next

@@ -22,15 +22,19 @@ class RowState:
     * ``emitted``: the tokens committed and emitted so far.
     * ``block``: size of the block being filled (used by the block-wise policy only).
     * ``forwards`` / ``slots``: the forwards this row took part in and the window slots it fed.
+    * ``autoregressive``: a next-token row (a window of one slot, predicted by the last filled token
+      instead of by a mask; :class:`~.model_runner.ModelRunner`), so AR requests share a batch with
+      parallel ones.
     """
 
     __slots__ = ("index", "prompt", "mask_id", "stop_ids", "budget", "capped_by_positions", "window", "start",
                  "cache_length",
-                 "emitted", "block", "forwards", "slots", "stop_reason", "stop_string")
+                 "emitted", "block", "forwards", "slots", "stop_reason", "stop_string", "autoregressive")
 
     def __init__(self, index: int, prompt: list[int], *, window_size: int, budget: int, max_new_tokens: int,
-                 mask_id: int, stop_ids: frozenset[int]):
+                 mask_id: int, stop_ids: frozenset[int], autoregressive: bool = False):
         self.index, self.prompt, self.mask_id, self.stop_ids = index, prompt, mask_id, stop_ids
+        self.autoregressive = autoregressive
         self.budget = budget
         self.capped_by_positions = budget < max_new_tokens
         self.window = [mask_id] * min(window_size, budget)  # capped by the budget (docs/method.md §3.5)

@@ -1,0 +1,274 @@
+"""The HTTP side of the server: OpenAI's completions and chat endpoints over a :class:`ServingEngine`.
+
+Every prompt of a request is one engine request. A streamed reply sends one server-sent event per
+forward that committed tokens for it (the ``wedlm`` field of each chunk says which forward and
+how many tokens it committed: the page at ``/`` draws them), then ``data: [DONE]``. A client that
+goes away, streamed or not, cancels its rows. The engine thread hands its events to the request's
+event loop (``call_soon_threadsafe``), so no HTTP handler ever blocks on the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+
+from megatron_wedlm.decoding.inputs import chat_prompt_text
+from megatron_wedlm.decoding.result import GenerationResult
+
+from .engine import Progress, QueueFull, Request as EngineRequest, ServingEngine, ShuttingDown
+from .metrics import metrics_text
+from .openai_api import BadRequest, ChatRequest, CompletionRequest, error_body, finish_reason
+from .text_stream import TextStream
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the endpoints need besides the engine: the name clients use, the tokenizer, the decoding
+    defaults (the model's ``generation_config.json``, then built-in), its stop tokens, and
+    ``max_tokens`` when a request gives none (capped by the context left)."""
+
+    name: str
+    tokenizer: Any
+    defaults: dict[str, Any]
+    stop_token_ids: list[int]
+    default_max_tokens: int = 256
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass
+class _Choice:
+    """One prompt of a request while it is decoded."""
+
+    prompt_tokens: int
+    text: TextStream
+    request: EngineRequest | None = None
+    result: GenerationResult | None = None
+    forwards: int = 0
+
+
+def build_app(engine: ServingEngine, served: ServedModel) -> FastAPI:
+    """The FastAPI application; it starts ``engine`` and, on shutdown, lets it finish what it holds."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="megatron-wedlm", lifespan=lifespan)
+    page = resources.files("megatron_wedlm.serving").joinpath("page.html").read_text(encoding="utf-8")
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        if errors and errors[0].get("type") == "json_invalid":
+            where = errors[0].get("loc", ("body", "?"))[-1]
+            detail = (errors[0].get("ctx") or {}).get("error", "")
+            return JSONResponse(error_body(f"the body is not valid JSON (at character {where}): {detail}"),
+                                status_code=400)
+        problems, params = [], []
+        for error in errors:
+            loc = [str(part) for part in error.get("loc", ()) if part != "body"]
+            params.append(loc[0] if loc else None)
+            problems.append(f"{'.'.join(loc) or 'body'}: {error.get('msg')}")
+        return JSONResponse(error_body("; ".join(problems), param=params[0] if params else None), status_code=400)
+
+    @app.exception_handler(BadRequest)
+    async def bad(request: Request, exc: BadRequest) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), param=exc.param), status_code=400)
+
+    @app.get("/", response_class=HTMLResponse)
+    async def index() -> str:
+        return page
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        running, waiting = engine.load()
+        return {"status": "ok", "running": running, "waiting": waiting}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(metrics_text(engine), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": served.created,
+                                            "owned_by": "megatron-wedlm", "max_model_len": engine.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        body.check_supported()
+        prompts = [_encode(served.tokenizer, p) for p in body.prompts()]
+        return await _serve(engine, served, body, prompts, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request) -> Response:
+        body.check_supported()
+        messages = [m.as_template_input() for m in body.messages]
+        return await _serve(engine, served, body, [_chat_ids(served.tokenizer, messages)], request, chat=True)
+
+    return app
+
+
+def _encode(tokenizer, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        ids = list(tokenizer(prompt)["input_ids"])
+    else:
+        ids = [int(t) for t in prompt]
+        if any(not 0 <= t < len(tokenizer) for t in ids):
+            raise BadRequest(f"prompt token ids must lie in [0, {len(tokenizer)})", "prompt")
+    if not ids:
+        raise BadRequest("the prompt is empty", "prompt")
+    return ids
+
+
+def _chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    try:
+        chat_prompt_text(tokenizer, "")  # refuses a tokenizer without a chat template, naming the fix
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except ValueError as error:
+        raise BadRequest(str(error), "messages") from None
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+async def _serve(engine: ServingEngine, served: ServedModel, body, prompts: list[list[int]], request: Request,
+                 chat: bool) -> Response:
+    limit, room = body.token_limit, engine.max_model_len
+    choices = []
+    for ids in prompts:
+        if len(ids) >= room:
+            raise BadRequest(f"the prompt has {len(ids)} tokens, and the server's context is max_model_len={room}: "
+                             "shorten the prompt", "messages" if chat else "prompt")
+        if limit is not None and len(ids) + limit > room:
+            raise BadRequest(f"the prompt's {len(ids)} tokens + max_tokens={limit} exceed the server's context "
+                             f"max_model_len={room}: lower max_tokens", "max_tokens")
+        settings = body.settings(served.defaults, served.stop_token_ids,
+                                 limit or min(served.default_max_tokens, room - len(ids)))
+        choices.append((_Choice(len(ids), TextStream(served.tokenizer, settings.stop_strings)), settings, ids))
+
+    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+
+    def sink(index: int):
+        return lambda event: loop.call_soon_threadsafe(events.put_nowait, (index, event))
+
+    submitted: list[_Choice] = []
+    try:
+        for index, (choice, settings, ids) in enumerate(choices):
+            choice.request = engine.submit(EngineRequest(ids, settings, sink(index), seed=body.seed))
+            submitted.append(choice)
+    except QueueFull as full:
+        _cancel(engine, submitted)
+        return JSONResponse(error_body(str(full), kind="rate_limit_error", code="queue_full"), status_code=429,
+                            headers={"Retry-After": str(full.retry_after)})
+    except ShuttingDown as stopping:
+        _cancel(engine, submitted)
+        return JSONResponse(error_body(str(stopping), kind="server_error", code="shutting_down"), status_code=503)
+    except ValueError as unfit:  # beyond the server's limits (engine.check)
+        _cancel(engine, submitted)
+        raise BadRequest(str(unfit)) from None
+
+    reply = _Reply(served, [c for c, _, _ in choices], chat, body.include_usage())
+    if body.stream:
+        return StreamingResponse(reply.stream(engine, events), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await reply.whole(engine, events, request)
+
+
+def _cancel(engine: ServingEngine, choices: list[_Choice]) -> None:
+    for choice in choices:
+        if choice.result is None and choice.request is not None:
+            engine.cancel(choice.request)
+
+
+class _Reply:
+    """The response to one request, built from its choices' engine events."""
+
+    def __init__(self, served: ServedModel, choices: list[_Choice], chat: bool, include_usage: bool):
+        self.served, self.choices, self.chat, self.include_usage = served, choices, chat, include_usage
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _apply(self, index: int, event: Progress) -> str:
+        """Record ``event`` for choice ``index``; returns the text it adds."""
+        choice = self.choices[index]
+        choice.forwards = event.forwards
+        if event.result is not None:
+            choice.result = event.result
+        return choice.text.delta(event.tokens, None if event.result is None else event.result.text)
+
+    def usage(self) -> dict[str, Any]:
+        prompt = sum(c.prompt_tokens for c in self.choices)
+        completion = sum(len(c.result.token_ids) for c in self.choices if c.result)
+        forwards = sum(c.forwards for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "forwards": forwards, "tokens_per_forward": completion / forwards if forwards else 0.0}
+
+    def _envelope(self, choices: list[dict[str, Any]], chunk: bool = False, **extra) -> dict[str, Any]:
+        kind = "text_completion" if not self.chat else "chat.completion.chunk" if chunk else "chat.completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.served.name,
+                "choices": choices, **extra}
+
+    async def whole(self, engine: ServingEngine, events: asyncio.Queue, request: Request) -> Response:
+        pending = len(self.choices)
+        try:
+            while pending:
+                try:
+                    index, event = await asyncio.wait_for(events.get(), timeout=0.5)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        return Response(status_code=499)
+                    continue
+                if isinstance(event, BaseException):
+                    return JSONResponse(error_body(f"generation failed: {event}", kind="server_error"), status_code=500)
+                self._apply(index, event)
+                pending -= event.result is not None
+        finally:
+            _cancel(engine, self.choices)
+        choices = []
+        for index, choice in enumerate(self.choices):
+            text, reason = choice.result.text, finish_reason(choice.result.stop_reason)
+            if self.chat:
+                choices.append({"index": index, "message": {"role": "assistant", "content": text},
+                                "finish_reason": reason})
+            else:
+                choices.append({"index": index, "text": text, "logprobs": None, "finish_reason": reason})
+        return JSONResponse(self._envelope(choices, usage=self.usage()))
+
+    async def stream(self, engine: ServingEngine, events: asyncio.Queue):
+        pending = len(self.choices)
+        try:
+            if self.chat:
+                for index in range(len(self.choices)):
+                    yield self._sse([{"index": index, "delta": {"role": "assistant", "content": ""},
+                                      "finish_reason": None}])
+            while pending:
+                index, event = await events.get()
+                if isinstance(event, BaseException):
+                    yield "data: " + json.dumps(error_body(f"generation failed: {event}", kind="server_error")) + "\n\n"
+                    return
+                text = self._apply(index, event)
+                reason = finish_reason(event.result.stop_reason) if event.result is not None else None
+                pending -= event.result is not None
+                if self.chat:
+                    item = {"index": index, "delta": {"content": text}, "finish_reason": reason}
+                else:
+                    item = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+                yield self._sse([item], wedlm={"forward": event.forwards, "tokens": len(event.tokens)})
+            if self.include_usage:
+                yield self._sse([], usage=self.usage())
+            yield "data: [DONE]\n\n"
+        finally:  # also when the client went away: its rows are freed at the next step
+            _cancel(engine, self.choices)
+
+    def _sse(self, choices: list[dict[str, Any]], **extra) -> str:
+        return "data: " + json.dumps(self._envelope(choices, chunk=True, **extra)) + "\n\n"

@@ -1,0 +1,304 @@
+"""The serving engine: one long-lived continuous batch that requests join and leave between forwards.
+
+:func:`megatron_wedlm.decoding.parallel.decode` decodes a list of prompts known up front; a server
+learns of its prompts one at a time. The engine runs the same step (:func:`decode_step`) in a
+thread of its own, over a batch that requests join at the next step (in the cache row of a row that
+finished, else in an unused one) and leave when they finish or are cancelled. Rows of one batch
+may use different methods and settings (each request carries its own :class:`RowPlan`); AR
+requests are next-token rows of the same batch (:attr:`RowState.autoregressive`), so a server
+measures streaming against AR on equal terms.
+
+The KV cache is allocated once for ``max_rows`` rows of ``max_model_len`` positions (plus two
+windows), so memory does not grow with the number of requests served, and a full waiting queue
+is refused (:class:`QueueFull`) rather than held. Every request hears of its progress through
+``on_event``, called on the engine thread once per forward that decided tokens for it (the run its
+next forward commits, sent without waiting for that forward), and once when it ends; a callback
+that raises fails its own request only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_wedlm.decoding.model_runner import ModelRunner
+from megatron_wedlm.decoding.parallel import RowPlan, check_settings, decode_step, row_result, start_row
+from megatron_wedlm.decoding.result import GenerationResult, find_stop_string
+from megatron_wedlm.decoding.settings import AUTOREGRESSIVE, DecodeSettings
+from megatron_wedlm.decoding.state import RowState
+
+log = logging.getLogger(__name__)
+
+CANCELLED = "cancelled"
+FAILED = "failed"
+
+
+class QueueFull(Exception):
+    """The waiting queue is full; ``retry_after`` (seconds) is the engine's guess of when a place frees."""
+
+    def __init__(self, retry_after: int):
+        super().__init__(f"the server's queue is full; retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+class ShuttingDown(Exception):
+    """The engine finishes the requests it has and takes no new ones."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What one forward did for a request: the tokens it decided (a prefix of the final reply; none
+    when the request ends without new tokens), the request's forwards so far, and its result once
+    it has ended."""
+
+    tokens: list[int]
+    forwards: int
+    result: GenerationResult | None = None
+
+
+@dataclass
+class Request:
+    """One generation: ``prompt`` token ids decoded with ``settings``; ``seed`` seeds its own sampler
+    (ignored when greedy). ``on_event`` receives :class:`Progress`, or the exception that failed it."""
+
+    prompt: list[int]
+    settings: DecodeSettings
+    on_event: Callable[[Progress | BaseException], None]
+    seed: int | None = None
+    id: int = -1
+    cancelled: bool = False
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class EngineStats:
+    """Counters for ``/metrics``; read without the lock (each is one Python integer)."""
+
+    requests: dict[str, int] = field(default_factory=lambda: {"finished": 0, CANCELLED: 0, FAILED: 0, "refused": 0})
+    tokens: int = 0  # generated tokens, all requests
+    row_forwards: int = 0  # forwards summed over rows: tokens / row_forwards = tokens per forward
+    forwards: int = 0  # batch forwards
+    recent: deque = field(default_factory=lambda: deque(maxlen=4096))  # (time, tokens) per forward
+
+
+class ServingEngine:
+    """Continuous batching over ``model`` (an SDPA HF model, eval mode) in a background thread.
+
+    ``max_rows``: rows decoded together; ``max_queue``: requests waiting for a row beyond those;
+    ``max_model_len``: the longest prompt plus generation a row holds; ``max_window``: the widest
+    window a request may ask for. Call :meth:`start` once, :meth:`shutdown` at the end.
+    """
+
+    def __init__(self, model, tokenizer, *, max_rows: int = 16, max_queue: int = 64, max_model_len: int = 2048,
+                 max_window: int = 64):
+        if (getattr(model.config, "_attn_implementation", "") or "") != "sdpa":
+            raise ValueError("the server decodes rows of different lengths in one packed forward: load the model "
+                             "with attn_implementation='sdpa'")
+        if max_rows < 1 or max_queue < 0:
+            raise ValueError(f"max_rows must be >= 1 and max_queue >= 0, got {max_rows} and {max_queue}")
+        self.model, self.tokenizer = model, tokenizer
+        self.max_rows, self.max_queue, self.max_model_len, self.max_window = max_rows, max_queue, max_model_len, max_window
+        self.mask_id = check_settings(model, DecodeSettings())
+        # a row holds its prompt and generation (max_model_len) plus the widest input of one forward
+        self.runner = ModelRunner(model, self.mask_id, max_rows, capacity=max_model_len + 2 * max_window,
+                                  record_steps=False)
+        self.stats = EngineStats()
+        self._cond = threading.Condition()
+        self._waiting: deque[Request] = deque()
+        self._requests: dict[int, Request] = {}  # id -> request, for rows in the batch
+        self._plans: dict[int, RowPlan] = {}
+        self._sent: dict[int, int] = {}  # id -> tokens reported to the request so far
+        self._shared_plans: dict[DecodeSettings, RowPlan] = {}  # greedy plans, shared by equal settings
+        self._ids = itertools.count()
+        self._running = 0
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="wedlm-engine", daemon=True)
+
+    # ---- called from the server's threads ------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def check(self, prompt: list[int], settings: DecodeSettings) -> None:
+        """Raise ValueError, naming the limit, when a request does not fit this engine."""
+        if len(prompt) + settings.max_new_tokens > self.max_model_len:
+            raise ValueError(f"{len(prompt)} prompt tokens + {settings.max_new_tokens} new tokens exceed the server's "
+                             f"max_model_len={self.max_model_len}")
+        if settings.method != AUTOREGRESSIVE and settings.window_size > self.max_window:
+            raise ValueError(f"window_size {settings.window_size} exceeds the server's max_window={self.max_window}")
+
+    def submit(self, request: Request) -> Request:
+        """Queue ``request``; raises ValueError when it does not fit (:meth:`check`), and
+        :class:`QueueFull` or :class:`ShuttingDown` instead of holding it."""
+        self.check(request.prompt, request.settings)
+        with self._cond:
+            if self._stopping:
+                raise ShuttingDown("the server is shutting down")
+            if len(self._waiting) >= self.max_queue + max(0, self.max_rows - self._running):
+                self.stats.requests["refused"] += 1
+                raise QueueFull(self._retry_after())
+            request.id = next(self._ids)
+            self._waiting.append(request)
+            self._cond.notify()
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """Stop decoding ``request`` (its client went away); its row is freed at the next step."""
+        with self._cond:
+            request.cancelled = True
+            if request in self._waiting:
+                self._waiting.remove(request)
+                self.stats.requests[CANCELLED] += 1
+
+    def load(self) -> tuple[int, int]:
+        """``(rows decoding, requests waiting)``."""
+        return self._running, len(self._waiting)
+
+    def tokens_per_second(self, seconds: float = 10.0) -> float:
+        """Generated tokens per second over the last ``seconds``."""
+        now = time.perf_counter()
+        recent = [(t, n) for t, n in list(self.stats.recent) if now - t <= seconds]
+        return sum(n for _, n in recent) / seconds if recent else 0.0
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Take no new requests, finish those queued and running, then stop the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _retry_after(self) -> int:
+        """Seconds until a row is likely free: a queue's worth of requests at the recent pace."""
+        finished = self.stats.requests["finished"]
+        rate = self.tokens_per_second(30.0)
+        if not finished or not rate:
+            return 1
+        per_request = self.stats.tokens / finished
+        return max(1, min(60, round(len(self._waiting) * per_request / rate)))
+
+    # ---- the engine thread ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        live: list[RowState] = []
+        with torch.inference_mode(), self.runner:
+            while True:
+                joining = self._next_requests(live)
+                if joining is None:
+                    break
+                for row in live:
+                    if self._requests[row.index].cancelled and not row.finished:
+                        row.stop_reason = CANCELLED
+                for row in live:
+                    if row.finished:
+                        self._release(row)
+                live = self.runner.advance(live, [row for row in (self._start(r) for r in joining) if row])
+                with self._cond:
+                    self._running = len(live)
+                if live:
+                    self._step(live)
+
+    def _next_requests(self, live: list[RowState]) -> list[Request] | None:
+        """The waiting requests that fit into the batch now; blocks while there is no work, None to stop."""
+        with self._cond:
+            while not live and not self._waiting:
+                if self._stopping:
+                    return None
+                self._cond.wait()
+            free = self.max_rows - sum(not row.finished and not self._requests[row.index].cancelled for row in live)
+            return [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+
+    def _start(self, request: Request) -> RowState | None:
+        """The row of ``request``, or None when its settings do not fit (the request fails alone)."""
+        try:
+            row = start_row(self.model, request.id, request.prompt, request.settings, self.mask_id)
+            self._plans[request.id] = self._plan(request.settings, request.seed)
+            self._requests[request.id] = request
+            return row
+        except Exception as error:  # noqa: BLE001 - reported to this request's client, the batch goes on
+            self._deliver(request, error)
+            self.stats.requests[FAILED] += 1
+            return None
+
+    def _plan(self, settings: DecodeSettings, seed: int | None) -> RowPlan:
+        if not settings.greedy:  # its own generator, so its draws do not depend on its neighbours
+            seed = int(torch.randint(2**62, (1,))) if seed is None else seed
+            return RowPlan(settings, self.tokenizer, torch.Generator(device=self.model.device).manual_seed(seed))
+        plan = self._shared_plans.get(settings)
+        if plan is None:
+            if len(self._shared_plans) >= 256:
+                self._shared_plans.clear()
+            plan = self._shared_plans[settings] = RowPlan(settings, self.tokenizer)
+        return plan
+
+    def _step(self, live: list[RowState]) -> None:
+        before = [len(row.emitted) for row in live]  # tokens committed before this step
+        try:
+            decode_step(self.runner, live, lambda row: self._plans[row.index], self.tokenizer)
+        except Exception as error:  # noqa: BLE001 - the forward failed: its rows fail, the server goes on
+            log.exception("a decoding step failed; its %d requests fail", len(live))
+            for row in live:
+                row.stop_reason = FAILED
+                self._deliver(self._requests[row.index], error)
+                self.stats.requests[FAILED] += 1
+            return
+        now, stats = time.perf_counter(), self.stats
+        stats.forwards += 1
+        stats.row_forwards += len(live)
+        made = 0
+        for row, count in zip(live, before):
+            request, plan = self._requests[row.index], self._plans[row.index]
+            made += len(row.emitted) - count
+            result = None
+            if row.finished:
+                result = row_result(row, now - request.submitted, plan.settings, self.tokenizer)
+            settled = result.token_ids if result else self._settled(row, plan)
+            sent = self._sent.get(row.index, 0)
+            if len(settled) == sent and result is None:
+                continue
+            self._sent[row.index] = len(settled)
+            if not self._deliver(request, Progress(settled[sent:], row.forwards, result)):
+                row.stop_reason = row.stop_reason or FAILED
+                stats.requests[FAILED] += 1
+            elif row.finished:
+                stats.requests["finished"] += 1
+        stats.tokens += made
+        stats.recent.append((now, made))
+
+    def _settled(self, row: RowState, plan: RowPlan) -> list[int]:
+        """The row's tokens that can no longer change: those committed, and the run its next forward
+        commits (already decided: the leftmost filled run, AR's sampled token, a full block), cut
+        as committing will cut it (after a stop token; after the token completing a stop string).
+        Sending them now saves the client a forward's wait."""
+        run = row.window[: plan.policy.commit_count(row)]
+        for k, token in enumerate(run):
+            if token in row.stop_ids:
+                run = run[: k + 1]
+                break
+        tokens = row.emitted + run
+        if run and plan.settings.stop_strings:
+            hit = find_stop_string(self.tokenizer, tokens, plan.settings.stop_strings)
+            if hit is not None:
+                tokens = tokens[: hit[0]]
+        return tokens
+
+    def _deliver(self, request: Request, event: Progress | BaseException) -> bool:
+        try:
+            request.on_event(event)
+            return True
+        except Exception:  # noqa: BLE001 - a failing client fails its own request only
+            log.exception("request %d: its event handler failed; the request is dropped", request.id)
+            return False
+
+    def _release(self, row: RowState) -> None:
+        self._requests.pop(row.index)
+        self._plans.pop(row.index, None)
+        self._sent.pop(row.index, None)
+        if row.stop_reason == CANCELLED:
+            self.stats.requests[CANCELLED] += 1
+

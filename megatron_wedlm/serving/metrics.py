@@ -1,0 +1,43 @@
+"""``GET /metrics``: the engine's counters in Prometheus' text format (``prometheus_client``).
+
+Read at scrape time from :class:`~.engine.EngineStats`, so the engine thread pays nothing per
+request for them. Rates (tokens/s) are also given as gauges over the last 10 s, for a glance
+without a Prometheus server; with one, ``rate(wedlm_generated_tokens_total[1m])`` is the same.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .engine import ServingEngine
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engine: ServingEngine):
+        self.engine = engine
+
+    def collect(self):
+        stats = self.engine.stats
+        running, waiting = self.engine.load()
+        requests = CounterMetricFamily("wedlm_requests", "Requests by how they ended (refused: 429, queue full)",
+                                       labels=["status"])
+        for status, count in stats.requests.items():
+            requests.add_metric([status], count)
+        yield requests
+        yield GaugeMetricFamily("wedlm_queue_depth", "Requests waiting for a row", value=waiting)
+        yield GaugeMetricFamily("wedlm_running_rows", "Rows being decoded", value=running)
+        yield CounterMetricFamily("wedlm_generated_tokens", "Tokens generated", value=stats.tokens)
+        yield CounterMetricFamily("wedlm_forwards", "Batch forwards", value=stats.forwards)
+        yield CounterMetricFamily("wedlm_row_forwards", "Forwards summed over the rows of each", value=stats.row_forwards)
+        yield GaugeMetricFamily("wedlm_tokens_per_second", "Tokens generated per second over the last 10 s",
+                                value=self.engine.tokens_per_second())
+        yield GaugeMetricFamily("wedlm_tokens_per_forward", "Tokens committed per row forward since the start",
+                                value=stats.tokens / stats.row_forwards if stats.row_forwards else 0.0)
+
+
+def metrics_text(engine: ServingEngine) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_EngineCollector(engine))
+    return generate_latest(registry)

@@ -1,0 +1,109 @@
+"""A served model for tests and benchmarks: ``inference/serve.py`` in a process of its own, on loopback.
+
+The server is the real one (uvicorn, the CLI's loading), started as users start it; callers talk
+to it over HTTP only. :func:`write_tiny_chat_model` writes a tiny random WeDLM-shaped checkpoint
+with a chat template, which is enough for every property that does not need a trained model
+(greedy outputs equal to the one-at-a-time decode, faults, limits).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SERVE = REPO_ROOT / "inference" / "serve.py"
+#: a minimal chat template (the tiny tokenizer has none): role tags, then the reply's start
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def write_tiny_chat_model(directory: str | Path, seed: int = 3) -> Path:
+    """A tiny random qwen2 WeDLM checkpoint (mask token in its config) with a chat template."""
+    from megatron_wedlm.testing.tiny_models import build_tiny_model, build_tiny_tokenizer
+
+    directory = Path(directory)
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    build_tiny_model(tokenizer, seed=seed).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``inference/serve.py --model MODEL ARGS`` on a free loopback port; a context manager.
+
+    ``url`` is the base URL (``http://127.0.0.1:PORT``); the server's output goes to ``log``.
+    Leaving the block sends SIGTERM (the server drains) and waits for the process.
+    """
+
+    def __init__(self, model: str | Path, *args: str, log: str | Path, startup_timeout: float = 180.0,
+                 python: str = sys.executable):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log)
+        self.command = [python, str(SERVE), "--model", str(model), "--port", str(self.port), *args]
+        self.startup_timeout = startup_timeout
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> "ServerProcess":
+        self._log = open(self.log_path, "w")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                        cwd=REPO_ROOT)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log_text()}")
+            try:
+                self.get("/health")
+                return self
+            except (urllib.error.URLError, ConnectionError, OSError):
+                time.sleep(0.3)
+        self.stop()
+        raise TimeoutError(f"the server did not answer /health in {self.startup_timeout} s:\n{self.log_text()}")
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def get(self, path: str, timeout: float = 10.0) -> dict:
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as response:
+            return json.loads(response.read())
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        """SIGTERM, then wait (SIGKILL after ``timeout``); returns the exit status."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        return self.process.returncode
+
+    def log_text(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server process."""
+        import psutil
+
+        return psutil.Process(self.process.pid).memory_info().rss
