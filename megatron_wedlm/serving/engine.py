@@ -19,6 +19,7 @@ that raises fails its own request only.
 from __future__ import annotations
 
 import itertools
+import math
 import logging
 import threading
 import time
@@ -86,6 +87,7 @@ class EngineStats:
     row_forwards: int = 0  # forwards summed over rows: tokens / row_forwards = tokens per forward
     forwards: int = 0  # batch forwards
     recent: deque = field(default_factory=lambda: deque(maxlen=4096))  # (time, tokens) per forward
+    finishes: deque = field(default_factory=lambda: deque(maxlen=1024))  # when requests finished
 
 
 class ServingEngine:
@@ -175,13 +177,15 @@ class ServingEngine:
             self._thread.join(timeout)
 
     def _retry_after(self) -> int:
-        """Seconds until a row is likely free: a queue's worth of requests at the recent pace."""
-        finished = self.stats.requests["finished"]
-        rate = self.tokens_per_second(30.0)
-        if not finished or not rate:
+        """Seconds until the queue has room: the requests ahead of a new one, at the pace at which
+        requests finished lately (over the time they took to finish, not over a fixed window,
+        which would read a short burst as a slow pace)."""
+        now = time.perf_counter()
+        finishes = [t for t in list(self.stats.finishes) if now - t <= 60.0]
+        if len(finishes) < 2 or now - finishes[0] <= 0:
             return 1
-        per_request = self.stats.tokens / finished
-        return max(1, min(60, round(len(self._waiting) * per_request / rate)))
+        per_second = len(finishes) / (now - finishes[0])
+        return max(1, min(60, math.ceil((len(self._waiting) - self.max_queue + 1) / per_second)))
 
     # ---- the engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:
@@ -267,6 +271,7 @@ class ServingEngine:
                 stats.requests[FAILED] += 1
             elif row.finished:
                 stats.requests["finished"] += 1
+                stats.finishes.append(now)
         stats.tokens += made
         stats.recent.append((now, made))
 
