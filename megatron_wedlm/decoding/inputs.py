@@ -35,22 +35,31 @@ def load_checkpoint(
     return model, load_tokenizer(path)
 
 
-def chat_prompt_text(tokenizer: Any, prompt: str) -> str:
-    """``prompt`` as one user turn in the tokenizer's chat template, up to where the reply begins."""
+def chat_text(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    """``messages`` (``role``/``content`` dicts) in the tokenizer's chat template, up to where the reply begins."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "chat prompts need a chat template, and this tokenizer has none: drop the chat option or add a "
             "chat_template to tokenizer_config.json"
         )
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def chat_prompt_text(tokenizer: Any, prompt: str) -> str:
+    """``prompt`` as one user turn in the tokenizer's chat template, up to where the reply begins."""
+    return chat_text(tokenizer, [{"role": "user", "content": prompt}])
+
+
+def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation in the chat template (the template holds the special tokens)."""
+    return list(tokenizer(chat_text(tokenizer, messages), add_special_tokens=False)["input_ids"])
 
 
 def encode_prompt(tokenizer: Any, prompt: str, chat: bool = False) -> list[int]:
     """Token ids of ``prompt``; ``chat`` wraps it as one user turn with the tokenizer's chat template."""
     if not chat:
         return list(tokenizer(prompt)["input_ids"])
-    return list(tokenizer(chat_prompt_text(tokenizer, prompt), add_special_tokens=False)["input_ids"])
+    return encode_chat(tokenizer, [{"role": "user", "content": prompt}])
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:

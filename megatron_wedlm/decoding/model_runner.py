@@ -50,6 +50,11 @@ def cache_keyword(module) -> str:
     raise TypeError(f"{type(module).__name__}.forward takes no KV cache (neither `cache` nor `past_key_values`)")
 
 
+def packs_rows(model) -> bool:
+    """Whether a step's rows go through ``model`` as one packed sequence (SDPA models, :mod:`.packed_attention`)."""
+    return (getattr(model.config, "_attn_implementation", "") or "") == "sdpa"
+
+
 class StepShape(NamedTuple):
     """One forward's work: new tokens and cache length per row, and the mask slots given logits."""
 
@@ -77,7 +82,7 @@ class ModelRunner:
         self.body, self.head = model.base_model, model.get_output_embeddings()
         self.cache_keyword = cache_keyword(self.body)
         self.mask_id = mask_id
-        self.packable = impl == "sdpa"  # forwards are packed (packed_attention.py) on SDPA models
+        self.packable = packs_rows(model)
         self.cache = RowKVCache(model.config.num_hidden_layers, batch_rows, capacity=capacity, device=self.device)
         self.dtype = self.head.weight.dtype
         self._scope = ExitStack()
@@ -91,10 +96,9 @@ class ModelRunner:
         how many are in the batch at once (default all): the first ones start, the others join through
         :meth:`advance` as rows finish."""
         batch_rows = len(rows) if batch_rows is None else min(batch_rows, len(rows))
-        packable = (getattr(model.config, "_attn_implementation", "") or "") == "sdpa"
         # A padded forward writes every row up to the longest committed row plus the widest input;
         # a row joining mid-decode brings its whole prompt as input.
-        joining = max(len(row.prompt) for row in rows) if batch_rows < len(rows) and not packable else 0
+        joining = max(len(row.prompt) for row in rows) if batch_rows < len(rows) and not packs_rows(model) else 0
         capacity = max(row.start + row.budget for row in rows) + 2 * window_size + joining  # + the widest window
         return cls(model, rows[0].mask_id, batch_rows, capacity)
 
@@ -119,19 +123,18 @@ class ModelRunner:
             prompt = row.prompt if fresh else []
             cached.append(0 if fresh else row.cache_length)
             window, start, order = row.window, row.start, row.reordered()
-            if row.autoregressive:  # next-token rows feed their filled run; its last token predicts the first mask
-                masks = [k for k, i in enumerate(order) if window[i] == self.mask_id][:1]
+            masks = [k for k, i in enumerate(order) if window[i] == self.mask_id]
+            if row.autoregressive:  # a next-token row feeds its filled run; its last token predicts the first mask
                 order = order[: masks[0]]
                 columns.append([len(prompt) + len(order) - 1])
                 mask_slots.append([len(order)])
                 row.slots += 1  # AR's N_fwd: one generated slot per forward (result.py)
-            ids.append(prompt + [window[i] for i in order])
-            positions.append(list(range(len(prompt))) + [start + i for i in order])
-            if not row.autoregressive:
-                masks = [k for k, i in enumerate(order) if window[i] == self.mask_id]
+            else:
                 columns.append([len(prompt) + k for k in masks])
                 mask_slots.append([order[k] for k in masks])
                 row.slots += len(order)
+            ids.append(prompt + [window[i] for i in order])
+            positions.append(list(range(len(prompt))) + [start + i for i in order])
             row.forwards += 1
         lengths = [len(t) for t in ids]
         width = max(lengths)

@@ -80,6 +80,14 @@ class RowState:
         """Whether committing the first ``n`` slots would finish this row (a stop token or the budget)."""
         return n >= self.remaining or any(t in self.stop_ids for t in self.window[:n])
 
+    def committable(self, n: int) -> list[int]:
+        """The first ``n`` window slots up to and including the first stop token: what committing them emits."""
+        run = self.window[:n]
+        for k, token in enumerate(run):
+            if token in self.stop_ids:
+                return run[: k + 1]
+        return run
+
     def commit(self, n: int, in_cache: bool = True) -> None:
         """Emit the first ``n`` window slots (up to and including a stop token) and slide the window past them.
 
@@ -89,11 +97,9 @@ class RowState:
         """
         if n == 0:
             return
-        run = self.window[:n]
-        for k, token in enumerate(run):
-            if token in self.stop_ids:
-                run, self.stop_reason = run[: k + 1], STOP_TOKEN
-                break
+        run = self.committable(n)
+        if run and run[-1] in self.stop_ids:
+            self.stop_reason = STOP_TOKEN
         self.emitted += run
         if self.stop_reason is None and len(self.emitted) >= self.budget:
             self.stop_reason = MAX_POSITIONS if self.capped_by_positions else MAX_NEW_TOKENS

@@ -21,12 +21,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from prometheus_client import generate_latest
 
-from megatron_wedlm.decoding.inputs import chat_prompt_text
+from megatron_wedlm.decoding.inputs import encode_chat, encode_prompt
 from megatron_wedlm.decoding.result import GenerationResult
 
 from .engine import Progress, QueueFull, Request as EngineRequest, ServingEngine, ShuttingDown
-from .metrics import metrics_text
+from .metrics import metrics_registry
 from .openai_api import BadRequest, ChatRequest, CompletionRequest, error_body, finish_reason
 from .text_stream import TextStream
 
@@ -67,6 +68,7 @@ def build_app(engine: ServingEngine, served: ServedModel) -> FastAPI:
 
     app = FastAPI(title="megatron-wedlm", lifespan=lifespan)
     page = resources.files("megatron_wedlm.serving").joinpath("page.html").read_text(encoding="utf-8")
+    registry = metrics_registry(engine)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -98,7 +100,7 @@ def build_app(engine: ServingEngine, served: ServedModel) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(metrics_text(engine), media_type="text/plain; version=0.0.4")
+        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -122,7 +124,7 @@ def build_app(engine: ServingEngine, served: ServedModel) -> FastAPI:
 
 def _encode(tokenizer, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, str):
-        ids = list(tokenizer(prompt)["input_ids"])
+        ids = encode_prompt(tokenizer, prompt)
     else:
         ids = [int(t) for t in prompt]
         if any(not 0 <= t < len(tokenizer) for t in ids):
@@ -134,11 +136,9 @@ def _encode(tokenizer, prompt: str | list[int]) -> list[int]:
 
 def _chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     try:
-        chat_prompt_text(tokenizer, "")  # refuses a tokenizer without a chat template, naming the fix
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except ValueError as error:
+        return encode_chat(tokenizer, messages)
+    except ValueError as error:  # no chat template: the message names the fix
         raise BadRequest(str(error), "messages") from None
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 async def _serve(engine: ServingEngine, served: ServedModel, body, prompts: list[list[int]], request: Request,

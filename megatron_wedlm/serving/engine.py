@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_wedlm.decoding.model_runner import ModelRunner
+from megatron_wedlm.decoding.model_runner import ModelRunner, packs_rows
 from megatron_wedlm.decoding.parallel import RowPlan, check_settings, decode_step, row_result, start_row
 from megatron_wedlm.decoding.result import GenerationResult, find_stop_string
 from megatron_wedlm.decoding.settings import AUTOREGRESSIVE, DecodeSettings
@@ -100,7 +100,7 @@ class ServingEngine:
 
     def __init__(self, model, tokenizer, *, max_rows: int = 16, max_queue: int = 64, max_model_len: int = 2048,
                  max_window: int = 64):
-        if (getattr(model.config, "_attn_implementation", "") or "") != "sdpa":
+        if not packs_rows(model):
             raise ValueError("the server decodes rows of different lengths in one packed forward: load the model "
                              "with attn_implementation='sdpa'")
         if max_rows < 1 or max_queue < 0:
@@ -280,11 +280,7 @@ class ServingEngine:
         commits (already decided: the leftmost filled run, AR's sampled token, a full block), cut
         as committing will cut it (after a stop token; after the token completing a stop string).
         Sending them now saves the client a forward's wait."""
-        run = row.window[: plan.policy.commit_count(row)]
-        for k, token in enumerate(run):
-            if token in row.stop_ids:
-                run = run[: k + 1]
-                break
+        run = row.committable(plan.policy.commit_count(row))
         tokens = row.emitted + run
         if run and plan.settings.stop_strings:
             hit = find_stop_string(self.tokenizer, tokens, plan.settings.stop_strings)

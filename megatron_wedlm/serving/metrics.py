@@ -7,7 +7,7 @@ without a Prometheus server; with one, ``rate(wedlm_generated_tokens_total[1m])`
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -37,7 +37,8 @@ class _EngineCollector(Collector):
                                 value=stats.tokens / stats.row_forwards if stats.row_forwards else 0.0)
 
 
-def metrics_text(engine: ServingEngine) -> bytes:
+def metrics_registry(engine: ServingEngine) -> CollectorRegistry:
+    """A registry of ``engine``'s figures, read at each scrape (``generate_latest(registry)``)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_EngineCollector(engine))
-    return generate_latest(registry)
+    return registry

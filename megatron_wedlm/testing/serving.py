@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from megatron_wedlm.runtime.multiprocess import find_free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVE = REPO_ROOT / "inference" / "serve.py"
@@ -38,12 +39,6 @@ def write_tiny_chat_model(directory: str | Path, seed: int = 3) -> Path:
     return directory
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServerProcess:
     """``inference/serve.py --model MODEL ARGS`` on a free loopback port; a context manager.
 
@@ -53,7 +48,7 @@ class ServerProcess:
 
     def __init__(self, model: str | Path, *args: str, log: str | Path, startup_timeout: float = 180.0,
                  python: str = sys.executable):
-        self.port = free_port()
+        self.port = find_free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log)
         self.command = [python, str(SERVE), "--model", str(model), "--port", str(self.port), *args]
