@@ -43,7 +43,7 @@ no ``mask_token_id`` is a plain AR model: the bench makes a WeDLM-shaped copy th
 project does (``tools/convert_checkpoint.py hf-to-megatron``, which adds ``<|mask|>`` with the
 mean embedding row, then ``megatron-to-hf``), cached under ``--work``.
 
-* ``quickstart``: the quickstart's exported WeDLM model, ``quickstart_out/hf/wedlm`` (the
+* ``quickstart``: the quickstart's exported WeDLM model, ``outputs/quickstart/hf/wedlm`` (the
   README's ``python tools/quickstart.py``); if absent, the ``ci`` preset is built once into
   ``--work/quickstart-ci`` (about 2-3 minutes). The ``ci`` model is a plumbing-sized model (2
   layers, hidden 64) that has not learnt to fill masks: it commits about one token per forward,
@@ -88,7 +88,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 DEFAULT_MODELS = ("quickstart", "smollm2")
-QUICKSTART_EXPORT = ROOT / "quickstart_out" / "hf" / "wedlm"  # the README's quickstart output
+QUICKSTART_EXPORT = ROOT / "outputs" / "quickstart" / "hf" / "wedlm"  # the README's quickstart output
 CONVERT_CHECKPOINT = ROOT / "tools" / "convert_checkpoint.py"
 TARGETS = {"batching_gain": 3.0, "speedup_rel_diff": 0.10, "rss_ratio": 1.10}
 TIMEOUT = 900.0  # seconds a request may take (a slow model behind a full queue)

@@ -17,7 +17,7 @@ Choices (fixed here so every training path behaves the same):
   block's start, and streaming decoding commits prefixes of every length, so training must put
   that boundary at every position of the text. With one SFT pair per document and the grid at
   position 0 it sits at the same few places of every answer (16 and 32 for a 9-token prompt),
-  and a small model learns to predict ahead only from there (docs/quickstart.md has the
+  and a small model learns to predict ahead only from there (docs/results.md has the
   quickstart's measurements). Default off: the method cuts blocks from position 0
   (docs/method.md §2.2).
 * Masked count per block: ``floor(gamma * maskable + 0.5)`` (round half up), computed in
@@ -34,7 +34,7 @@ Choices (fixed here so every training path behaves the same):
   learns to end a reply only where it sees that, never where decoding needs it. Applied to every
   block, the converse goes missing: a window that has filled end copies before the end slot
   itself (decoding can, for a reply whose length the prompt gives) is a state training never
-  shows, and the model then reads observed end copies as "the end is not here" (docs/quickstart.md
+  shows, and the model then reads observed end copies as "the end is not here" (docs/results.md
   has both measurements). The extra masks do not change the block's gamma or its 1/gamma weight.
 * ``prune_unmasked_blocks`` (off by default; the method's rows hold both streams whole): the
   prediction-stream blocks with no masked slot are left out of the row. Only slots of the same

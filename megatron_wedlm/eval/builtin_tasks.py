@@ -45,7 +45,7 @@ CALIBRATION_PERCENT = 4
 SPLITS: tuple[str, ...] = ("test", "calibration")
 #: Counting ranges span this many steps. At most 12 (not more) because the end of a range is the one
 #: thing a small model must look up in the prompt; with longer ranges a model trained for minutes
-#: only learns a length prior and overshoots (docs/quickstart.md).
+#: only learns a length prior and overshoots (docs/results.md).
 COUNT_STEPS = range(4, 13)
 # The other ranges the generators draw from; split_size enumerates the same ones.
 COUNT_STARTS = range(200)

@@ -15,13 +15,13 @@ It is the *first* prediction of each slot: in a real decode a slot may also be f
 some slots before it already filled. The wrong commits per distance still say which ``(tau,
 lambda)`` a model can afford (each one ends an answer as wrong) and whether training, not the
 decoder, is what fails. A typical finding on a small model: nearly all wrong commits are an
-end-of-text predicted a few slots ahead, where the answer goes on (docs/quickstart.md).
+end-of-text predicted a few slots ahead, where the answer goes on (docs/results.md).
 
 A wrong argmax that is the answer's token one place before or after the slot's own is counted as
 *slipped*: the model knows the text and has lost its place in it, one slot behind or ahead. A
 masked slot has to work out its offset in the answer from positions alone, where AR decoding
 reads the token just before it; on a copying task nearly every wrong argmax past the first mask
-is such a slip (docs/quickstart.md).
+is such a slip (docs/results.md).
 
 Given the end tokens (``end_token_ids``: what stops an answer, e.g. EOS and the built-in tasks'
 closing newline), the wrong commits are also split by how they end the answer: an *early end*

@@ -186,7 +186,7 @@ def write_sft_pairs(task_examples: Mapping[str, int], path: str | Path, seed: in
     quickstart: in continued pretraining a masked slot right after the end of a counting range
     rarely has the whole prompt and answer before it in view, so a minutes-trained model does not
     learn where to stop. SFT keeps every prompt observed and masks only answers, which is the
-    decoding situation (docs/quickstart.md: what it changed). Pairs are an independent draw of
+    decoding situation (docs/results.md: what it changed). Pairs are an independent draw of
     the training split (held-out prompts never appear), in a seeded shuffled order.
     """
     check_task_examples(task_examples, "sft")

@@ -29,7 +29,7 @@ its block-wise baseline, then the base model's test; the calibrations, then that
 rows join the WeDLM report afterwards), each single-threaded, so the machine's 2 cores are both
 busy. The targets' tokens/s ratios (streaming vs AR of the same model) are measured within one
 evaluation process, so an evaluation running on the other core affects both sides of a ratio
-alike (docs/quickstart.md: how much it moves them).
+alike (docs/results.md: how much it moves them).
 
 Layout of the output directory (each stage owns its subdirectory; a rerun replaces them)::
 
@@ -443,7 +443,7 @@ class Quickstart(StagedRun):
 
     def evaluate_all(self) -> dict[str, Any]:
         """The evaluations in two lanes of about equal length (one decoding thread each). The WeDLM
-        test sweep alone took as long as the rest, half of it the block-wise baseline, so that
+        test sweep alone is about as long as the rest, half of it the block-wise baseline, so that
         baseline decodes in the other lane and its rows join the WeDLM report afterwards."""
         lanes = [[(WEDLM, ["streaming", "ar"], "test", ""), (BASE, ["ar"], "test", "")],
                  [(BASE, ["ar"], "calibration", ""), (WEDLM, ["streaming"], "calibration", ""),

@@ -20,7 +20,7 @@
   where native: a parallel window's forward is compute-bound on a CPU, an AR step bound by reading
   the weights, so bf16 serves both as a GPU does); the general prompts decode in fp32, as their
   references were, so that the decoding adds no rounding of its own (the export of a bf16 run holds
-  its bf16 parameters, which SFT's change of the weights dwarfs: docs/quickstart.md). Then, in
+  its bf16 parameters, which SFT's change of the weights dwarfs: docs/results.md). Then, in
   process, both models teacher-forced on the base model's held-out replies
   (``eval/reply_agreement.py``): how many of their tokens each predicts.
 * ``calibrate`` and ``report`` as in the from-scratch quickstart (``pipeline.py``), except that the
