@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--follow-until", type=int, default=None,
                    help="stop once the run saved a checkpoint at or past this step and those up to it are "
                         "evaluated (default: the run's train_steps)")
+    p.add_argument("--follow-wait", type=float, default=0.0, metavar="SECONDS",
+                   help="once no run is training in RUN_DIR and every checkpoint is evaluated, wait this long for "
+                        "a job that continues the run (the next job of a SLURM chain, a requeue) before ending "
+                        "(default 0)")
     p.add_argument("--poll-interval", type=float, default=60.0, help="seconds between looks for new checkpoints")
     p.add_argument("--tasks", default="counting,copying,arithmetic",
                    help="comma-separated task specs: NAME or NAME:PATH.jsonl")
@@ -197,7 +201,8 @@ def _follow(args: argparse.Namespace, tasks: list, methods: list[str]) -> int:
                    keep_samples=not args.no_samples, progress=not args.quiet)
     settings = FollowSettings(tasks, methods, taus=args.taus, device=args.device, dtype=args.dtype,
                               decoding=cli_values(args), evaluate_options=options, report_dir=args.out)
-    follow_run(args.follow, settings, until_step=args.follow_until, poll_interval_s=args.poll_interval)
+    follow_run(args.follow, settings, until_step=args.follow_until, poll_interval_s=args.poll_interval,
+               wait_for_run_s=args.follow_wait)
     return 0
 
 

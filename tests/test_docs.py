@@ -7,9 +7,12 @@ this test instead of a reader's click.
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 import pytest
+
+from megatron_wedlm.testing.guide import bash_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted([ROOT / "README.md", *ROOT.glob("docs/*.md")])
@@ -83,3 +86,51 @@ def test_relative_links_resolve(doc: Path) -> None:
         if anchor and file.suffix == ".md" and anchor not in anchors(file):
             broken.append(f"{target}: no heading with anchor #{anchor} in {file.relative_to(ROOT)}")
     assert not broken, f"{doc.relative_to(ROOT)}: broken links:\n" + "\n".join(broken)
+
+
+def invocations(markdown: str) -> list[tuple[str, frozenset[str]]]:
+    """Each call of a project script in a page's ```bash blocks: the script (with its subcommand,
+    if any) and the ``--flags`` given to it. Continued lines are joined, and a quoted command
+    (``sbatch --wrap "python ..."``) is read as the command it holds."""
+    found: list[tuple[str, frozenset[str]]] = []
+
+    def scan(tokens: list[str]) -> None:
+        for i, token in enumerate(tokens):
+            if " " in token and (".py" in token or ".sbatch" in token):
+                scan(shlex.split(token))
+            if not token.endswith((".py", ".sbatch")) or "/" not in token:
+                continue
+            rest: list[str] = []
+            for t in tokens[i + 1:]:
+                if t in ("&&", "||", ";", "|", "&"):
+                    break
+                rest.append(t)
+            name = token
+            if rest and re.fullmatch(r"[a-z]+(-[a-z]+)+", rest[0]):
+                name += " " + rest[0]  # a subcommand, e.g. hf-to-megatron
+            found.append((name, frozenset(t.split("=", 1)[0] for t in rest if t.startswith("--"))))
+
+    for block in bash_blocks(markdown):
+        for line in block.text.replace("\\\n", " ").splitlines():
+            try:
+                tokens = shlex.split(line, comments=True)
+            except ValueError:  # a line of a here-document (Python), not a shell command
+                continue
+            scan(tokens)
+    return found
+
+
+def test_readme_commands_are_the_tested_guides() -> None:
+    """The README's path from an AR checkpoint shortens docs/cluster.md, whose commands a test runs
+    (tests/test_cluster_guide.py): each of its calls must appear there with at least its flags, so a
+    renamed flag fails here too."""
+    guide = invocations((ROOT / "docs" / "cluster.md").read_text())
+    readme_text = (ROOT / "README.md").read_text()
+    section = readme_text.split("## From an AR checkpoint to an evaluated WeDLM", 1)[1].split("\n## ", 1)[0]
+    readme = invocations(section)
+    assert len(readme) >= 5, f"the README's path should be five commands, found {readme}"
+    for name, flags in readme:
+        matches = [g for n, g in guide if n == name]
+        assert matches, f"README runs {name}, which docs/cluster.md does not"
+        assert any(flags <= g for g in matches), \
+            f"README's {name} {sorted(flags)}: no call in docs/cluster.md has these flags ({[sorted(g) for g in matches]})"

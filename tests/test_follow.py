@@ -9,11 +9,14 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from megatron_wedlm.eval.follow import EVALS_FILE, FollowSettings, follow_run, read_evals
+from megatron_wedlm.eval.registry import load_task
 from megatron_wedlm.training.run_dir import RunLock, run_in_progress
 from megatron_wedlm.testing.wandb_offline import read_history
 from megatron_wedlm.training.checkpointing import (
@@ -113,6 +116,30 @@ def test_follow_ends_once_no_run_holds_the_directory_and_every_checkpoint_is_eva
     assert not run_in_progress(copy)
     settings = FollowSettings(tasks=[], methods=["ar"])  # nothing is left to evaluate
     assert follow_run(copy, settings, until_step=100, poll_interval_s=0.01) == []
+
+
+def test_follow_wait_bridges_the_gap_between_two_jobs_of_a_run(run, tmp_path):
+    """Between the jobs of a SLURM chain no run holds the directory: without a wait the follower
+    ends there; with one, the next job's checkpoint (here step 6, appearing after a second) is
+    evaluated and the follower ends at train_steps, long before the wait is over."""
+    copy = tmp_path / "run"
+    _copy_with_evaluated(run, copy, [2, 4])
+    later = tmp_path / "iter_0000006"
+    shutil.move(copy / "checkpoints" / "iter_0000006", later)
+    settings = FollowSettings(tasks=[load_task("counting", num_examples=1)], methods=["ar"], device="cpu",
+                              evaluate_options={"max_new_tokens": 4, "progress": False})
+    assert follow_run(copy, settings, poll_interval_s=0.01) == []  # ended at the gap
+
+    said: list[str] = []
+    timer = threading.Timer(1.0, shutil.move, (later, copy / "checkpoints" / "iter_0000006"))
+    timer.start()
+    started = time.monotonic()
+    try:
+        rows = follow_run(copy, settings, poll_interval_s=0.05, wait_for_run_s=120, say=said.append)
+    finally:
+        timer.join()
+    assert [row["step"] for row in rows] == [6] and time.monotonic() - started < 60
+    assert any("waiting up to 120 s" in line for line in said)
 
 
 def test_follow_passes_over_the_checkpoints_of_an_abandoned_branch(run, tmp_path):

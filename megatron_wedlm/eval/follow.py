@@ -25,7 +25,9 @@ methods and taus by :func:`megatron_wedlm.eval.runner.evaluate`, and recorded:
 When it stops: once the run has saved a checkpoint at or past ``until_step`` (default: the
 run's ``trainer.train_steps``) and every checkpoint up to it has been evaluated, or once no live
 run holds ``RUN_DIR`` (its ``run.lock``; the run ended, was stopped early, or crashed) and every
-checkpoint there has been evaluated. While the directory, or its first checkpoint, does not
+checkpoint there has been evaluated, and has held it for none of the last ``wait_for_run_s``
+seconds: a run trained by a chain of SLURM jobs has gaps between its jobs (a time limit, a
+requeue, a job waiting in the queue), which that wait bridges. While the directory, or its first checkpoint, does not
 exist yet it waits, so ``--follow`` can be started before the training. A checkpoint pruned
 (``checkpointing.keep_last``) before its turn is skipped with a note. Only the checkpoints of
 the run's current lineage count (:func:`~megatron_wedlm.training.checkpointing.lineage_checkpoints`):
@@ -169,6 +171,7 @@ def follow_run(
     *,
     until_step: int | None = None,
     poll_interval_s: float = 60.0,
+    wait_for_run_s: float = 0.0,
     say: Callable[[str], None] = _stderr,
 ) -> list[dict[str, Any]]:
     """Evaluate the run's checkpoints as they appear until it is done (see the module
@@ -181,6 +184,7 @@ def follow_run(
     done = {_key(row) for row in read_evals(run_dir)}
     wandb_log = _WandbLog(run_dir, say)
     appended: list[dict[str, Any]] = []
+    idle_since: float | None = None  # when no run was found training, with nothing left to evaluate
     try:
         while True:
             root = checkpoints_root(run_dir)
@@ -202,8 +206,16 @@ def follow_run(
                 return appended
             remaining = [key for key, _ in _history(root) if key not in done]
             if found and not remaining and not run_in_progress(run_dir):
-                say(f"--follow: no run is training in {run_dir} and every checkpoint is evaluated; done")
-                return appended
+                if idle_since is None:
+                    idle_since = time.monotonic()
+                    if wait_for_run_s > 0:
+                        say(f"--follow: no run is training in {run_dir}; waiting up to {wait_for_run_s:g} s "
+                            "for a job that continues it")
+                if time.monotonic() - idle_since >= wait_for_run_s:
+                    say(f"--follow: no run is training in {run_dir} and every checkpoint is evaluated; done")
+                    return appended
+            else:
+                idle_since = None
             time.sleep(poll_interval_s)
     finally:
         wandb_log.close()

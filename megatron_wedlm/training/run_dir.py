@@ -8,8 +8,11 @@ rollback behave the same under Megatron-Core and DeepSpeed:
   process's start time and the run id. A second run into the directory is refused with a
   message naming the holder. A lock whose process is gone (same host, pid not alive or reused
   by another process) was left by a killed run: it is taken over with a warning. A lock from
-  another host cannot be checked and is refused; the message says to delete it if that run is
-  gone.
+  another host is checked through SLURM when it names the SLURM job it ran in (the job that
+  continues a run after a time limit or a preemption often starts on another node): it is taken
+  over once SLURM says that job no longer runs, or when it is an earlier start of one's own
+  requeued job (:mod:`megatron_wedlm.runtime.slurm`). Otherwise it cannot be checked and is
+  refused; the message says to delete it if that run is gone.
 * **Fresh over old.** A run without ``--resume`` into a directory that holds checkpoints is
   refused: it would restart at step 1 over the old run's metrics, config and checkpoints. Pass
   ``--resume auto`` or a checkpoint, another ``output_dir``, or ``trainer.overwrite=true``, which
@@ -36,6 +39,7 @@ from typing import Any, Callable
 from megatron_wedlm.config.schema import ConfigError, TrainConfig
 from megatron_wedlm.runtime.atomic_output import pid_alive
 from megatron_wedlm.runtime.rank_zero import agreed
+from megatron_wedlm.runtime.slurm import current_job, job_is_live
 
 from .checkpointing import (
     Lineage,
@@ -80,6 +84,7 @@ class RunLock:
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "run_id": run_id,
             "command": " ".join(sys.argv),
+            "slurm_job": current_job(),  # None outside SLURM
         }
         self.held = False
 
@@ -93,9 +98,11 @@ class RunLock:
                 if holder is None:
                     continue  # released between our attempt and the read
                 if not self._stale(holder):
+                    job = holder.get("slurm_job")
+                    in_job = f", SLURM job {job['job_id']}" if isinstance(job, dict) and "job_id" in job else ""
                     raise RunDirError(
                         f"{self.path.parent} is in use by another run (host {holder.get('host')}, pid "
-                        f"{holder.get('pid')}, started {holder.get('started')}, run {holder.get('run_id')}). Wait "
+                        f"{holder.get('pid')}{in_job}, started {holder.get('started')}, run {holder.get('run_id')}). Wait "
                         f"for it to end or choose another trainer.output_dir; if that run is gone (e.g. it ran "
                         f"on another host), delete {self.path}"
                     )
@@ -129,7 +136,7 @@ class RunLock:
         if "pid" not in holder:
             return True
         if holder.get("host") != self.holder["host"]:
-            return False
+            return _slurm_job_ended(holder.get("slurm_job"))
         pid = int(holder["pid"])
         if not pid_alive(pid):
             return True
@@ -144,6 +151,17 @@ class RunLock:
         holder = self._read()
         if holder and holder.get("run_id") == self.holder["run_id"] and holder.get("pid") == self.holder["pid"]:
             self.path.unlink(missing_ok=True)
+
+
+def _slurm_job_ended(job: Any) -> bool:
+    """Whether the SLURM job a lock from another host names has ended (False: running, or cannot tell)."""
+    if not isinstance(job, dict) or not isinstance(job.get("job_id"), int):
+        return False
+    own = current_job()
+    if own is not None and own["job_id"] == job["job_id"]:
+        # one job runs once at a time: a lock from an earlier start of it was left by a killed incarnation
+        return int(job.get("restart_count") or 0) < own["restart_count"]
+    return job_is_live(job["job_id"]) is False
 
 
 def run_in_progress(output_dir: str | Path) -> bool:
