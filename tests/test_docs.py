@@ -6,6 +6,7 @@ this test instead of a reader's click.
 """
 from __future__ import annotations
 
+import functools
 import re
 import shlex
 from pathlib import Path
@@ -44,6 +45,7 @@ def github_slug(heading: str) -> str:
     return text.replace(" ", "-")
 
 
+@functools.lru_cache(maxsize=None)  # a page is linked many times; its headings are read once
 def anchors(path: Path) -> set[str]:
     """Every anchor a markdown file offers, with GitHub's -1, -2 suffixes for repeated headings."""
     seen: dict[str, int] = {}

@@ -165,8 +165,9 @@ def _slurm_job_ended(job: Any) -> bool:
 
 
 def run_in_progress(output_dir: str | Path) -> bool:
-    """Whether a run holds ``output_dir`` now: its lock exists and is not one a killed run left
-    on this host (a lock from another host cannot be checked and counts as held)."""
+    """Whether a run holds ``output_dir`` now: its lock exists and is not stale (:meth:`RunLock._stale`:
+    a killed run's on this host, or one whose SLURM job has ended; a lock from another host that
+    SLURM cannot vouch for counts as held)."""
     lock = RunLock(output_dir, run_id="")
     holder = lock._read()
     return holder is not None and not lock._stale(holder)
