@@ -41,6 +41,7 @@ from megatron_wedlm.testing.guide import (
     read_names,
 )
 from megatron_wedlm.testing.slurm import SlurmCluster, why_unavailable
+from megatron_wedlm.training.metrics import METRICS_ABANDONED_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = ROOT / "docs" / "cluster.md"
@@ -318,7 +319,10 @@ def test_the_chain_runs_one_job_at_a_time_and_the_second_continues_the_first(wal
     lineage = final["lineage"]
     assert len(lineage) == 2, lineage  # the first job's run, then the second job's, resumed from it
     resumed_at = lineage[1]["from_step"]
-    assert SAVE_INTERVAL <= resumed_at < TRAIN_STEPS and resumed_at % SAVE_INTERVAL == 0
+    assert SAVE_INTERVAL <= resumed_at < TRAIN_STEPS
+    # scancel's SIGTERM stopped the first job at the end of a step, which it saved: nothing to train again
+    first_log = (walkthrough.path("LOGS") / f"wedlm-{first['JobId']}.out").read_text()
+    assert f"stopped by SIGTERM after step {resumed_at} of {TRAIN_STEPS}, saved" in first_log, first_log[-3000:]
     assert final["run_id"] == lineage[1]["run_id"] and final["parent"].endswith(f"iter_{resumed_at:07d}")
     second_log = (walkthrough.path("LOGS") / f"wedlm-{second['JobId']}.out").read_text()
     assert f"resumed from {run}/checkpoints/iter_{resumed_at:07d}" in second_log
@@ -326,7 +330,8 @@ def test_the_chain_runs_one_job_at_a_time_and_the_second_continues_the_first(wal
 
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in records if "loss" in r]
-    assert steps == list(range(1, TRAIN_STEPS + 1))  # each step once; the stopped job's later steps moved aside
+    assert steps == list(range(1, TRAIN_STEPS + 1))  # each step once
+    assert not (run / METRICS_ABANDONED_FILE).exists()  # no step of the stopped job went unsaved
     assert {r["run_id"] for r in records if r["step"] <= resumed_at} == {lineage[0]["run_id"]}
     assert {r["run_id"] for r in records if r["step"] > resumed_at} == {lineage[1]["run_id"]}
 
@@ -341,7 +346,8 @@ def test_both_jobs_and_the_evaluation_log_to_one_wandb_run(walkthrough):
     assert len(offline) >= 3 and {d.name.rsplit("-", 1)[1] for d in offline} == {run_id}  # 2 jobs + the evaluation
     history = read_history(run / "wandb")
     trained = {h["_step"] for h in history if "loss" in h}
-    # the second job's steps; what the stopped job had not yet written to its offline log died with it
+    # the second job's steps; scancel's SIGTERM reached the first job's wandb service too (SLURM signals
+    # every process of the job), so what it had not yet written died with it: metrics.jsonl has every step
     resumed_at = json.loads((run / "checkpoints" / f"iter_{TRAIN_STEPS:07d}" / "trainer_state.json").read_text())[
         "lineage"][1]["from_step"]
     assert trained >= set(range(resumed_at + 1, TRAIN_STEPS + 1))

@@ -236,6 +236,9 @@ class TrainerConfig:
     overwrite: bool = False
     train_steps: int = 1000
     exit_at_step: Optional[int] = None  # stop (and save) here, keeping the schedule of train_steps
+    # on this signal (SLURM sends SIGTERM at a time limit, on scancel and on preemption) every rank
+    # finishes its step, the run saves that step and exits 0; null: the signal's default (die at once)
+    exit_signal: Optional[str] = "SIGTERM"
     seed: int = 1234
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 (CPU too: docs/training.md)
@@ -288,6 +291,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "trainer.backend": ("megatron", "deepspeed"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "trainer.precision": ("auto", "fp32", "bf16"),
+    "trainer.exit_signal": ("SIGTERM", "SIGUSR1", "SIGUSR2"),
     "deepspeed.offload_optimizer": ("none", "cpu"),
     "deepspeed.offload_params": ("none", "cpu"),
 }

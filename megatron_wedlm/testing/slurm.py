@@ -114,7 +114,9 @@ class SlurmCluster:
             "AccountingStorageType=accounting_storage/none",
             "JobAcctGatherType=jobacct_gather/none",
             "JobCompType=jobcomp/none",
-            "KillWait=5",          # seconds between SIGTERM and SIGKILL when a job is cancelled or times out
+            # seconds between SIGTERM and SIGKILL when a job is cancelled or times out: SLURM's default,
+            # the time a signalled run has to finish its step and save (trainer.exit_signal)
+            "KillWait=30",
             "MinJobAge=600",       # finished jobs stay visible to scontrol for the test's asserts
             "SchedulerParameters=sched_interval=2",
             f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} Gres=gpu:{self.gpus} State=UNKNOWN",

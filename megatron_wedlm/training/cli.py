@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 from megatron_wedlm.config.loading import config_to_yaml, load_config
 from megatron_wedlm.config.schema import ConfigError
 
+from .stop_signal import block_stop_signal
+
 if TYPE_CHECKING:
     from megatron_wedlm.config.schema import TrainConfig
 
@@ -81,6 +83,10 @@ def run_entry_point(argv: Sequence[str] | None, task: str, backends: Backends) -
         if rank == 0:
             print(config_to_yaml(cfg), end="")
         return 0
+    # before torch starts a thread: every thread and helper process inherits the blocked signal
+    if not block_stop_signal(cfg.trainer.exit_signal) and cfg.trainer.exit_signal is not None and rank == 0:
+        print(f"trainer.exit_signal={cfg.trainer.exit_signal} is not armed (threads were running already): "
+              "the signal kills the run without a save", file=sys.stderr)
     from megatron_wedlm.runtime.parallel import destroy_parallel_state  # imports torch
 
     from .checkpointing import CheckpointReadError  # imports torch

@@ -38,6 +38,7 @@ from .optimization import build_scheduler, current_lr
 from .run_data import build_train_data, build_valid_data, read_run_manifest
 from .run_dir import RunClaim, claim_output_dir
 from .step_record import NonFiniteLossError, StepRecorder, StepTotals, TrainResult, result_dict
+from .stop_signal import StopSignal
 from .throughput import batch_flops, default_peak_tflops, max_over_ranks, peak_memory_gib
 from .validation import Validator
 
@@ -115,6 +116,7 @@ def _train(cfg: TrainConfig, engine: Engine, role: RankRole, claim: RunClaim, de
         validator = Validator(cfg, valid_rows, objective, role, device, recorder.end_step)
         logger.message(validator.describe())
 
+    stop = StopSignal(cfg.trainer.exit_signal)  # blocked by the entry point, asked after each step
     try:
         for step in recorder.steps():
             started = time.perf_counter()
@@ -136,19 +138,24 @@ def _train(cfg: TrainConfig, engine: Engine, role: RankRole, claim: RunClaim, de
             local.source_tokens = {name: float(n) if role.counts_tokens else 0.0  # every rank sends every name
                                    for name, n in data.take_source_tokens().items()}
             local.ranks_with_bad_grads = 0.0 if engine.grads_finite() else 1.0
-            totals = local.summed_over_ranks(device)
+            local.stop_requests = stop.requested
+            totals = local.summed_over_ranks(device)  # every rank learns here whether one was signalled
+            stopping = totals.stop_requests > 0 and step < recorder.end_step  # the last step ends as usual
             update = engine.optimizer_step(apply=totals.finite)
             if update.applied:
                 scheduler.step(increment=1)
             # the slowest rank's data wait holds every rank up
             peak_memory, data_wait = max_over_ranks([peak_memory_gib(device), fed - started], device)
             trained = time.perf_counter()
-            valid = validator.run(engine) if validator is not None and validator.due(step) else None
+            valid = validator.run(engine) if validator is not None and validator.due(step) and not stopping else None
             due = recorder.record(step, started=started, totals=totals, lr=lr, grad_norm=update.grad_norm,
                                   ended=trained, valid=valid, peak_memory_gib=peak_memory, data_wait_s=data_wait)
-            if due:
+            if due or stopping:
                 trainer_state = recorder.trainer_state(scheduler, data)
                 recorder.saved(engine.save(step, trainer_state, {"config.yaml": recorder.config_yaml}))
+            if stopping:
+                recorder.stopped(step, cfg.trainer.exit_signal)
+                break
         if result.final_step == cfg.trainer.train_steps:
             engine.finish(logger)
     finally:

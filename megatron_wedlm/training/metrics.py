@@ -24,7 +24,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from megatron_wedlm.config.schema import TrainConfig
 from megatron_wedlm.runtime.atomic_output import atomic_write_text
@@ -173,7 +173,18 @@ class MetricsLogger:
         if self.wandb_run is not None:
             # committed now, so the row's automatic summary precedes the explicit one written at close
             numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
-            self.wandb_run.log(numbers, step=step, commit=True)
+            self._to_wandb(f"step {step}", lambda run: run.log(numbers, step=step, commit=True))
+
+    def _to_wandb(self, what: str, call: Callable[[Any], Any]) -> None:
+        """``call(run)``; if wandb fails, say so once and log on without it. Its service is a process
+        of its own, which SLURM signals with the job's (SIGTERM on scancel or at the time limit): a
+        run that is finishing its step to save must not fail on it, and metrics.jsonl has every record."""
+        try:
+            call(self.wandb_run)
+        except Exception as err:  # noqa: BLE001 - any failure of the logging side channel
+            self.wandb_run = None
+            self.message(f"wandb failed at {what} ({type(err).__name__}: {err}); its run misses the records from "
+                         f"there on, which {self.path} holds")
 
     def message(self, text: str) -> None:
         """A line for the console that does not break the progress bar."""
@@ -191,6 +202,6 @@ class MetricsLogger:
             self._bar.close()
             self._bar = None
         if self.wandb_run is not None:
-            self.wandb_run.summary.update({k: _json_number(v) for k, v in self._summary.items()})
-            self.wandb_run.finish()
+            summary = {k: _json_number(v) for k, v in self._summary.items()}
+            self._to_wandb("the run's end", lambda run: (run.summary.update(summary), run.finish()))
             self.wandb_run = None

@@ -51,6 +51,7 @@ class TrainResult:
     checkpoints: list[str] = field(default_factory=list)
     wandb_run_dir: str | None = None
     output_dir: str = ""
+    stopped_by: str | None = None  # the signal that stopped the run before its last step
 
 
 def result_dict(result: TrainResult) -> dict[str, Any]:
@@ -70,6 +71,7 @@ class StepTotals:
     tokens: float = 0.0
     flops: float = 0.0  # model FLOPs of the step (forward + backward; see .throughput)
     ranks_with_bad_grads: float = 0.0
+    stop_requests: float = 0.0  # ranks that got trainer.exit_signal (.stop_signal)
     # tokens per data.blend source name (empty for one source); every rank lists the same names
     source_tokens: dict[str, float] = field(default_factory=dict)
 
@@ -223,6 +225,14 @@ class StepRecorder:
     def saved(self, path: Path) -> None:
         self.result.checkpoints.append(str(path))
         self.logger.message(f"saved checkpoint {path}")
+
+    def stopped(self, step: int, signal_name: str) -> None:
+        """The run stops after ``step`` (just saved) because a rank got ``signal_name``."""
+        self.result.stopped_by = signal_name
+        self.logger.message(
+            f"stopped by {signal_name} after step {step} of {self.end_step}, saved; the same command with "
+            "--resume auto continues from this checkpoint"
+        )
 
     def close(self) -> None:
         self.logger.close()
