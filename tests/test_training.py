@@ -71,11 +71,18 @@ def _base(data_dir: str, out: Path, progress_bar: bool = False) -> list[str]:
     return [f"data.path={data_dir}", f"trainer.output_dir={out}", f"logging.progress_bar={str(progress_bar).lower()}"]
 
 
-def torchrun(script: str, args: list[str]) -> subprocess.CompletedProcess:
+def torchrun_command(script: str, args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The two-rank torchrun command line for an entry point, and its environment (the CPU runtime
+    is chosen by the entry point itself, so an inherited MEGATRON_WEDLM_CPU is dropped)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"}
     env.pop("MEGATRON_WEDLM_CPU", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / script), *args]
+    return cmd, env
+
+
+def torchrun(script: str, args: list[str]) -> subprocess.CompletedProcess:
+    cmd, env = torchrun_command(script, args)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc

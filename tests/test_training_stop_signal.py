@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from megatron_wedlm.config import ConfigError, load_config
 from megatron_wedlm.testing.wandb_offline import read_history
 from megatron_wedlm.training.checkpointing import complete_checkpoints
 from megatron_wedlm.training.stop_signal import StopSignal
-from test_training import LAUNCH_TIMEOUT, ROOT, TINY, _base, data, losses, torchrun  # noqa: F401  (data: the fixture)
+from test_training import LAUNCH_TIMEOUT, ROOT, TINY, _base, data, losses, torchrun, torchrun_command  # noqa: F401  (data: the fixture)
 
 TRAIN_STEPS = 200  # far more than the test lets the first launch train
 
@@ -63,14 +62,11 @@ def test_sigterm_saves_the_step_in_flight_and_the_resumed_run_loses_no_step(data
     args = ["--config", str(TINY), *_base(data["pretrain"], out), f"trainer.train_steps={TRAIN_STEPS}",
             "checkpointing.save_interval=0",  # no scheduled save: only the signal's
             "logging.wandb.enabled=true", "logging.wandb.mode=offline"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"}
-    env.pop("MEGATRON_WEDLM_CPU", None)
+    cmd, env = torchrun_command("pretrain/pretrain_wedlm.py", args)
     log = tmp_path / "first.log"
     with open(log, "w") as handle:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-             str(ROOT / "pretrain" / "pretrain_wedlm.py"), *args],
-            stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                start_new_session=True)
         try:
             _wait_for_step(out, 3, proc, LAUNCH_TIMEOUT)
             os.killpg(proc.pid, signal.SIGTERM)  # as slurmstepd does: torchrun and both workers
