@@ -33,7 +33,9 @@ extras_require = {
     "gpu": ["flash-attn>=2.6", "transformer-engine[pytorch]>=2.0"],
     # import-linter: tests/test_architecture.py checks the layering (.importlinter); it needs no torch
     # datasets: the tests write Arrow save_to_disk directories with it, as users' corpora are written
-    "test": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "import-linter==2.16", "datasets>=2.14"],
+    # pytest-xdist: .ci/run runs each leg on two workers, a file to a worker (docs/architecture.md#tests)
+    "test": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "import-linter==2.16",
+             "datasets>=2.14"],
     # corpora as they ship: zstd-compressed JSON lines, parquet and Arrow (tools/prepare_data.py)
     "data": ["zstandard>=0.22", "pyarrow>=14"],
     # lm-eval's api extra: its local-completions client (tests/test_serve_clients.py)

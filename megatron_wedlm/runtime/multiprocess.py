@@ -7,6 +7,10 @@ comes back through a file (tensors included), a rank that fails makes the whole 
 with that rank's traceback, and a launch that hangs (a collective waiting forever) is killed
 at the deadline, so CI never hangs.
 
+Ranks start from a fork server that has imported torch and Megatron-Core once per launcher
+process, so a launch's ranks skip the few seconds each would spend importing them; everything a
+rank's function needs beyond that it imports itself, in the rank, as under spawn.
+
 A launch leaves no process behind. Each rank leads its own process group, which the helpers it
 starts join (Megatron's checkpoint writers and the ``multiprocessing`` Manager behind their
 result queue, DataLoader workers); when the launch ends, for any reason, every rank's group gets
@@ -45,6 +49,10 @@ STOP_GRACE_S = 5.0
 
 _PR_SET_PDEATHSIG = 1
 
+#: What the fork server imports before it forks any rank: third-party modules only, which read
+#: nothing of a rank's environment on import (the rank sets its own before it runs ``fn``).
+RANK_PRELOAD = ("torch", "torch.distributed", "megatron.core")
+
 
 class DistributedLaunchError(RuntimeError):
     """A rank raised, died, or the launch ran past its deadline."""
@@ -54,6 +62,26 @@ def find_free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+class _LauncherStdio:
+    """The launcher's stdout and stderr as they are at launch, for the rank to write to (what a
+    spawned rank inherits; the fork server's own were the launcher's when the server started).
+    The descriptors travel when the rank's arguments are pickled for the fork server."""
+
+    def __reduce__(self) -> tuple:
+        from multiprocessing.reduction import DupFd
+
+        return (_AttachedStdio, tuple(DupFd(fd) for fd in (1, 2)))
+
+
+class _AttachedStdio:
+    def __init__(self, *fds: Any) -> None:
+        self.fds = fds
+
+    def attach(self) -> None:
+        for target, fd in zip((1, 2), self.fds):
+            os.dup2(fd.detach(), target)
 
 
 def _rank_main(
@@ -66,8 +94,11 @@ def _rank_main(
     args: tuple,
     kwargs: dict,
     launcher_pid: int,
+    stdio: _AttachedStdio,
 ) -> None:
     _leave_no_orphans(launcher_pid)
+    stdio.attach()
+    os.environ.clear()  # the launcher's environment as it is now, not as the fork server found it
     os.environ.update(env)
     os.environ.update(
         {
@@ -109,9 +140,31 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def _leave_no_orphans(launcher_pid: int) -> None:
-    """Lead a process group of our own (for our helpers to join) and die with the launcher."""
+    """Lead a process group of our own (for our helpers to join) and die with the launcher.
+
+    Our parent is the launcher's fork server, which exits once no process holds its "alive" pipe:
+    the launcher and, as CPython hands it to every child (``forkserver._serve_one``), each rank. We
+    close our copy, so the server, and with it each rank, dies with the launcher.
+    """
+    from multiprocessing import forkserver
+
     os.setpgid(0, 0)
-    die_with_parent(launcher_pid)
+    die_with_parent(os.getppid())
+    alive_fd = forkserver._forkserver._forkserver_alive_fd
+    if alive_fd is not None:
+        os.close(alive_fd)
+        forkserver._forkserver._forkserver_alive_fd = None
+    try:
+        os.kill(launcher_pid, 0)
+    except ProcessLookupError:
+        os._exit(1)
+
+
+def _rank_context() -> Any:
+    """The multiprocessing context ranks start from: the fork server, with ``RANK_PRELOAD``."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(RANK_PRELOAD))
+    return ctx
 
 
 def _checkpoint_results_queue(*_args: Any, **_kwargs: Any) -> Any:
@@ -192,15 +245,14 @@ def run_distributed(
     """
     if world_size < 1:
         raise ValueError("world_size must be >= 1")
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     port = find_free_port()
-    child_env = {"OMP_NUM_THREADS": "1", "MEGATRON_WEDLM_CPU": "1"}
-    child_env.update(env or {})
+    child_env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGATRON_WEDLM_CPU": "1", **(env or {})}
     with tempfile.TemporaryDirectory(prefix="wedlm-mp-") as result_dir:
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(fn, rank, world_size, port, result_dir, child_env, args, kwargs, os.getpid()),
+                args=(fn, rank, world_size, port, result_dir, child_env, args, kwargs, os.getpid(), _LauncherStdio()),
                 daemon=False,
             )
             for rank in range(world_size)
