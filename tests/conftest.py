@@ -17,6 +17,11 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# On pytest-xdist's workers (.ci/run: two on two cores), torch in the test process and in the
+# commands it starts uses one thread: two workers' thread pools on two cores spin against each
+# other, which made in-process decoding tests 3-5x slower than one worker running them alone.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing as mp
 import os
+import random
 import signal
 import socket
 import sys
@@ -59,9 +60,26 @@ class DistributedLaunchError(RuntimeError):
 
 
 def find_free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A free TCP port on 127.0.0.1, below the kernel's ephemeral range when there is room.
+
+    A launch binds its port again for each process group it starts (a worker may train several
+    times). Between two, an outgoing connection of any other process could take the port if it
+    came from the ephemeral range, where connections take their local ports; below it, only
+    another caller of this function could, and it picks at random among thousands.
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    candidates = random.Random().sample(range(10_000, low), min(64, max(0, low - 10_000)))
+    for port in [*candidates, 0]:  # 0: the kernel's choice, when none below the range is free
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(sock.getsockname()[1])
+    raise OSError("no free TCP port on 127.0.0.1")
 
 
 class _LauncherStdio:
