@@ -68,6 +68,50 @@ def rank_one_killed_with_helpers_running(pid_dir: str) -> None:
     dist.barrier()  # rank 0 waits here for a rank that is gone
 
 
+def report_pid_env_and_sleep(pid_dir: str) -> None:
+    """Prints the launch-time variable, writes its pid, then waits to be killed."""
+    print(f"rank {os.environ['RANK']} says {os.environ.get('WEDLM_TEST_SET_AT_LAUNCH')}", flush=True)
+    Path(pid_dir, f"rank{os.environ['RANK']}").write_text(str(os.getpid()))
+    time.sleep(600)
+
+
+_LAUNCHER = """
+import os, sys
+sys.path.insert(0, sys.argv[2])
+from megatron_wedlm.runtime.multiprocess import run_distributed
+from test_multiprocess import report_pid_env_and_sleep
+run_distributed(os.getpid, 1)  # the fork server starts here
+os.environ["WEDLM_TEST_SET_AT_LAUNCH"] = "yes"
+os.dup2(os.open(sys.argv[3], os.O_WRONLY | os.O_CREAT), 1)
+run_distributed(report_pid_env_and_sleep, 2, sys.argv[1], timeout_s=300)
+"""
+
+
+def test_ranks_see_the_launch_time_environment_and_stdout_and_die_with_a_killed_launcher(tmp_path):
+    """Ranks fork from a server started before the variable was set and stdout redirected:
+    they still see the variable and print to the new stdout, and SIGKILL to the launcher ends
+    them (through the server, which exits with it)."""
+    pid_dir, stdout = tmp_path / "pids", tmp_path / "stdout.txt"
+    pid_dir.mkdir()
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(pid_dir), str(Path(__file__).parent),
+                                 str(stdout)], stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while sorted(p.name for p in pid_dir.iterdir() if p.read_text()) != ["rank0", "rank1"]:
+            assert launcher.poll() is None and time.monotonic() < deadline, "the launch did not start"
+            time.sleep(0.1)
+        pids = [int(p.read_text()) for p in pid_dir.iterdir()]
+        assert all(map(_alive, pids))
+    finally:
+        launcher.kill()
+        launcher.wait(timeout=30)
+    assert sorted(stdout.read_text().splitlines()) == ["rank 0 says yes", "rank 1 says yes"]
+    deadline = time.monotonic() + 10
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [p for p in pids if _alive(p)] == [], "ranks outlived their launcher"
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
