@@ -37,8 +37,7 @@ import time  # noqa: E402
 
 import pytest  # noqa: E402
 
-_FILE_TIMES: dict[str, list[float]] = {}
-_TEST_TIMES: dict[str, tuple[float, float]] = {}
+_TEST_TIMES: dict[str, tuple[float, float]] = {}  # node id -> (wall s, CPU s)
 
 
 def _cpu_seconds() -> float:
@@ -63,43 +62,37 @@ def _fork_server_cpu_seconds() -> float:
 def pytest_runtest_protocol(item, nextitem):
     wall, cpu = time.perf_counter(), _cpu_seconds()
     yield
-    wall, cpu = time.perf_counter() - wall, _cpu_seconds() - cpu
-    _TEST_TIMES[item.nodeid] = (wall, cpu)
-    entry = _FILE_TIMES.setdefault(item.location[0], [0.0, 0.0, 0])
-    entry[0] += wall
-    entry[1] += cpu
-    entry[2] += 1
+    _TEST_TIMES[item.nodeid] = (time.perf_counter() - wall, _cpu_seconds() - cpu)
 
 
 def pytest_sessionfinish(session):
     """Under pytest-xdist, each worker hands its times to the controller, which prints them."""
     if hasattr(session.config, "workeroutput"):
         session.config.workeroutput["test_times"] = json.dumps(_TEST_TIMES)
-        session.config.workeroutput["file_times"] = json.dumps(_FILE_TIMES)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
-    output = getattr(node, "workeroutput", {})
-    _TEST_TIMES.update(json.loads(output.get("test_times", "{}")))
-    for path, (wall, cpu, count) in json.loads(output.get("file_times", "{}")).items():
-        entry = _FILE_TIMES.setdefault(path, [0.0, 0.0, 0])
-        entry[0] += wall
-        entry[1] += cpu
-        entry[2] += count
+    _TEST_TIMES.update(json.loads(getattr(node, "workeroutput", {}).get("test_times", "{}")))
 
 
 def pytest_terminal_summary(terminalreporter):
-    if not _FILE_TIMES:
+    if not _TEST_TIMES:
         return
-    rows = sorted(_FILE_TIMES.items(), key=lambda kv: -kv[1][0])
+    files: dict[str, list[float]] = {}  # path -> [wall s, CPU s, tests]
+    for nodeid, (wall, cpu) in _TEST_TIMES.items():
+        entry = files.setdefault(nodeid.split("::", 1)[0], [0.0, 0.0, 0])
+        entry[0] += wall
+        entry[1] += cpu
+        entry[2] += 1
+    rows = sorted(files.items(), key=lambda kv: -kv[1][0])
     terminalreporter.write_sep("=", "time per test file (wall s, CPU s, CPU/wall, tests)")
     for path, (wall, cpu, count) in rows[:25]:
         terminalreporter.write_line(f"{wall:8.1f} {cpu:8.1f} {cpu / max(wall, 1e-9):5.2f} {count:4d}  {path}")
-    total_wall, total_cpu = sum(v[0] for v in _FILE_TIMES.values()), sum(v[1] for v in _FILE_TIMES.values())
+    total_wall, total_cpu = sum(v[0] for v in files.values()), sum(v[1] for v in files.values())
     terminalreporter.write_line(f"{total_wall:8.1f} {total_cpu:8.1f} {total_cpu / max(total_wall, 1e-9):5.2f}  all files")
     target = os.environ.get("MEGATRON_WEDLM_TEST_TIMES")
     if target:
         Path(target).write_text(json.dumps({
-            "files": {p: {"wall_s": w, "cpu_s": c, "tests": n} for p, (w, c, n) in _FILE_TIMES.items()},
+            "files": {p: {"wall_s": w, "cpu_s": c, "tests": n} for p, (w, c, n) in files.items()},
             "tests": {t: {"wall_s": w, "cpu_s": c} for t, (w, c) in _TEST_TIMES.items()}}, indent=1))
