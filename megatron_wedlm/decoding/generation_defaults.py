@@ -33,6 +33,7 @@ DECODING_KEYS: dict[str, type | tuple[type, ...]] = {
     "fused_refill": bool,
     "contiguous_stop": bool,
     "stop_penalty": bool,
+    "leftmost_fallback": bool,
 }
 
 

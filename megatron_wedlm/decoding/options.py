@@ -24,6 +24,7 @@ from .settings import DecodeSettings
 CLI, MODEL, BUILT_IN = "cli", "model", "built-in"
 REFILL_ORDERS = {"fused": True, "paper": False}  # name -> fused_refill
 STOP_FILLS = {"anywhere": False, "contiguous": True}  # name -> contiguous_stop
+FALLBACKS = {"argmin": False, "leftmost": True}  # name -> leftmost_fallback
 #: ``entropy_threshold`` given as "one slot per forward" (tau = None, which otherwise means "not given")
 ONE_SLOT = "one-slot"
 

@@ -75,7 +75,7 @@ class RowPlan:
     def __init__(self, settings: DecodeSettings, tokenizer=None, generator: torch.Generator | None = None):
         if settings.method == AUTOREGRESSIVE:  # one slot per forward: the parallel-only settings do not apply
             settings = dataclasses.replace(settings, window_size=1, entropy_threshold=None, stop_penalty=False,
-                                           contiguous_stop=False, fused_refill=True)
+                                           contiguous_stop=False, fused_refill=True, leftmost_fallback=False)
         self.settings = settings
         self.policy = commit_policy(settings)
         stop_vocabulary = (stop_token_vocabulary(tokenizer, settings.stop_token_ids, settings.stop_strings)

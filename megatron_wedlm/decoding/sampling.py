@@ -46,6 +46,7 @@ def select_slots(
     entropy_threshold: float | None,
     distance_penalty: float,
     stop_probability: Sequence[float] | None = None,
+    leftmost_fallback: bool = False,
 ) -> list[int]:
     """Which of one row's mask slots to fill this step: indices into ``slots``.
 
@@ -53,7 +54,9 @@ def select_slots(
     their entropies. The WeDLM rule: ``H~ = H + distance_penalty * d`` with ``d`` = window index
     minus that of the leftmost remaining mask. Every slot with ``H~ < entropy_threshold``
     (strict) is filled; if none qualifies (or ``entropy_threshold is None``: one slot per step)
-    the single slot with the smallest ``H~`` is (the leftmost on ties). The penalty favours
+    the single slot with the smallest ``H~`` is (the leftmost on ties), or with
+    ``leftmost_fallback`` the leftmost slot: the reference rule's choice may lie past the first
+    mask, and then the next forward commits nothing. The penalty favours
     slots near the committed prefix, which is what lets the leftmost filled run, and so the
     cacheable prefix, grow.
 
@@ -72,7 +75,9 @@ def select_slots(
             chosen.append(j)
         elif stop_probability is not None:
             ended -= math.log1p(-min(stop_probability[j], _MAX_STOP_PROBABILITY))
-    return chosen or [min(range(len(adjusted)), key=adjusted.__getitem__)]
+    if chosen:
+        return chosen
+    return [0] if leftmost_fallback else [min(range(len(adjusted)), key=adjusted.__getitem__)]
 
 
 #: keeps ``-log(1 - p)`` finite (about 16 nats, which no threshold clears) where a stop is certain
@@ -125,7 +130,8 @@ class SlotSampler:
             starts.append(k)
             row_entropy = entropies[k : k + len(slots)]
             row_stops = None if stops is None else stops[k : k + len(slots)]
-            rule = select_slots(row_entropy, slots, s.entropy_threshold, s.distance_penalty, row_stops) if slots else []
+            rule = (select_slots(row_entropy, slots, s.entropy_threshold, s.distance_penalty, row_stops,
+                                 s.leftmost_fallback) if slots else [])
             chosen.append(rule)
             picks += [k + j for j in rule]
             k += len(slots)

@@ -18,7 +18,7 @@ METHODS = (STREAMING, BLOCKWISE, AUTOREGRESSIVE)
 PARALLEL_METHODS = (STREAMING, BLOCKWISE)
 #: Settings that only the parallel decoders read (AR ignores them, so one object drives all methods).
 PARALLEL_ONLY = ("window_size", "entropy_threshold", "distance_penalty", "fused_refill", "contiguous_stop",
-                 "stop_penalty")
+                 "stop_penalty", "leftmost_fallback")
 
 
 def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
@@ -46,6 +46,9 @@ class DecodeSettings:
     * ``stop_penalty``: a slot's score also counts the chance that the reply has already ended at a
       mask before it, ``-log P(no stop in the masks left of it that stay masks this step)``; False
       (default) is the reference engine's rule (docs/method.md §3.5, :func:`~.sampling.select_slots`).
+    * ``leftmost_fallback``: when no slot passes the threshold, fill the leftmost mask, so every
+      forward commits at least one token; False (default) is the reference engine's rule, the
+      slot of least penalised entropy, which need not be the leftmost (:func:`~.sampling.select_slots`).
     * ``max_new_tokens``; ``temperature`` (0 = greedy), ``top_k`` (0 = off), ``top_p`` (1 = off).
     * ``stop_token_ids``: a generation ends at the first one, which is kept in the output.
       ``stop_strings`` (need a tokenizer): it ends once the decoded output contains one.
@@ -59,6 +62,7 @@ class DecodeSettings:
     fused_refill: bool = True
     contiguous_stop: bool = False
     stop_penalty: bool = False
+    leftmost_fallback: bool = False
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_k: int = 0

@@ -18,6 +18,10 @@
 * ``lm_eval_adapter``  the ``wedlm`` model for lm-evaluation-harness (imports lm_eval lazily)
 * ``slot_probe``       per distance, how many confidently filled mask slots are wrong (no decoding)
 * ``follow``           ``--follow RUN_DIR``: evaluate a training run's checkpoints as they appear
+* ``multiple_choice``  ARC / HellaSwag / MMLU by log-likelihood, as lm-eval's ``hf`` model scores them
+* ``lm_eval_reference`` the same items through lm-eval's own ``hf`` model (the check of the above)
+* ``chat_speed``       streaming against AR of one model on chat prompts: speed and agreement
+* ``comparison``       a base model and its WeDLMs side by side (``tools/compare_models.py``)
 """
 
 from megatron_wedlm.eval.builtin_tasks import builtin_task, training_corpus, training_pairs

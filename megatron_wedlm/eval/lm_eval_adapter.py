@@ -6,6 +6,8 @@
   ``stop_fill=contiguous`` puts a stop token only after filled slots (default ``anywhere``, the engine);
   ``stop_penalty=true`` scores a slot after masks that may hold a stop token by the chance that the
   reply goes on (default false, the engine);
+  ``fallback=leftmost`` fills the leftmost mask when no slot passes the threshold, so every forward
+  commits a token (default ``argmin``, the engine);
   ``stop_at_eos=false`` decodes past the tokenizer's EOS, which by default ends a generation;
   window size, entropy threshold, distance penalty, refill, stop fill and stop penalty default to
   the values stored with a ``pretrained`` model, else the built-in ones, and ``setting_sources`` /
@@ -45,7 +47,7 @@ except ImportError as e:  # pragma: no cover - exercised only without lm_eval in
 
 from megatron_wedlm.decoding.api import generate, generate_batch
 from megatron_wedlm.decoding.inputs import find_mask_token_id
-from megatron_wedlm.decoding.options import ONE_SLOT, REFILL_ORDERS, STOP_FILLS, describe, resolve_decoding_settings
+from megatron_wedlm.decoding.options import FALLBACKS, ONE_SLOT, REFILL_ORDERS, STOP_FILLS, describe, resolve_decoding_settings
 from megatron_wedlm.decoding.settings import METHODS, DecodeSettings
 from megatron_wedlm.eval.tasks import truncate_at_stop
 from megatron_wedlm.training.hf_export import load_checkpoint
@@ -81,6 +83,7 @@ class WeDLMLM(LM):
         refill: str | None = None,
         stop_fill: str | None = None,
         stop_penalty: bool | str | None = None,
+        fallback: str | None = None,
         stop_at_eos: bool | str = True,
         max_gen_toks: int = 256,
         max_length: int | None = None,
@@ -107,6 +110,8 @@ class WeDLMLM(LM):
             raise ValueError(f"refill must be fused (the reference engine's schedule) or paper, got {refill!r}")
         if stop_fill is not None and stop_fill not in STOP_FILLS:
             raise ValueError(f"stop_fill must be anywhere (the reference engine) or contiguous, got {stop_fill!r}")
+        if fallback is not None and fallback not in FALLBACKS:
+            raise ValueError(f"fallback must be argmin (the reference engine) or leftmost, got {fallback!r}")
         self.model, self.tokenizer = model.eval(), tokenizer
         self.mask_token_id = mask_token_id
         if entropy_threshold is not None:  # "none" in --model_args: one slot per forward
@@ -118,6 +123,7 @@ class WeDLMLM(LM):
             "fused_refill": None if refill is None else REFILL_ORDERS[refill],
             "contiguous_stop": None if stop_fill is None else STOP_FILLS[stop_fill],
             "stop_penalty": None if stop_penalty is None else _as_bool(stop_penalty),
+            "leftmost_fallback": None if fallback is None else FALLBACKS[fallback],
         }
         values, self.setting_sources = resolve_decoding_settings(given, pretrained)
         logger.info(f"wedlm decoding settings: {describe(values, self.setting_sources)}")

@@ -50,6 +50,7 @@ def markdown_table(report: EvalReport) -> str:
         "",
         f"window {s.get('window_size')}, distance penalty {s.get('distance_penalty')}, "
         f"stop fill {s.get('stop_fill', 'anywhere')}, stop penalty {'on' if s.get('stop_penalty') else 'off'}, "
+        f"fallback {s.get('fallback', 'argmin')}, "
         f"temperature {s.get('temperature')}, device {s.get('device')}, torch {s.get('torch')}. "
         "Speed (tokens/s, speedup): speed mode, one prompt at a time, wall clock of each decode call "
         "(prefill included, same for every method), on the first examples of each task (`timed`); "

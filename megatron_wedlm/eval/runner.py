@@ -149,7 +149,7 @@ def evaluate(
         methods=list(methods), taus=[float(t) for t in taus], window_size=base.window_size,
         distance_penalty=base.distance_penalty, refill="fused" if base.fused_refill else "paper",
         stop_fill="contiguous" if base.contiguous_stop else "anywhere", stop_penalty=base.stop_penalty,
-        stop_at_eos=stop_at_eos, max_new_tokens=max_new_tokens, temperature=base.temperature,
+        fallback="leftmost" if base.leftmost_fallback else "argmin", stop_at_eos=stop_at_eos, max_new_tokens=max_new_tokens, temperature=base.temperature,
         top_k=base.top_k, top_p=base.top_p, seed=seed, chat=chat, mask_token_id=mask_token_id,
         stop_token_ids=stop_ids, tasks={t.name: len(t.examples) for t in tasks},
         speed_examples=speed_examples, batch_size=batch_size,
