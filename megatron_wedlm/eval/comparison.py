@@ -212,14 +212,17 @@ def _decode_parts(spec: ModelSpec, report: dict[str, Any], gen_tasks: Sequence[s
                     "speedup_vs_ar": r.speedup_vs_ar}
                 log(f"{spec.name} {r.task} {r.method}: accuracy {r.accuracy:.3f}, "
                     f"{r.tokens_per_forward or 0:.2f} tokens/forward")
+    def on_prompt(k: int, n: int) -> None:
+        if k % 8 == 0 or k == n:
+            log(f"{spec.name} chat: {k}/{n} prompts")
+
     if chat_prompts and not spec.base:
-        decodes = decode_chat_prompts(model, tokenizer, chat_prompts, settings, shard=shard,
-                                      on_prompt=lambda k, n: log(f"{spec.name} chat: {k}/{n}") if k % 8 == 0 else None)
+        decodes = decode_chat_prompts(model, tokenizer, chat_prompts, settings, shard=shard, on_prompt=on_prompt)
         if decodes is not None:
             report["chat"][spec.name] = summarize_chat(decodes).to_dict()
     elif chat_prompts:  # the base model has no streaming: its AR speed is the reference
         ar = decode_chat_prompts(model, tokenizer, chat_prompts, DecodeSettings.build(settings, method=AR),
-                                 shard=shard, ar_only=True)
+                                 shard=shard, on_prompt=on_prompt, ar_only=True)
         if ar is not None:
             summary = summarize_chat(ar).to_dict()
             report["chat"][spec.name] = {k: summary[k] for k in ("prompts", "ar_tokens", "ar_seconds",
