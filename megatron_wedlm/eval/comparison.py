@@ -127,7 +127,8 @@ def compare_models(
                 per_item[name][spec.name] = [MCScore(**{**d, "logprobs": tuple(d["logprobs"]),
                                                         "is_greedy": tuple(d["is_greedy"])})
                                              for d in json.loads(cached.read_text())]
-                log(f"{spec.name} {name}: scores read from {cached}") if lead else None
+                if lead:
+                    log(f"{spec.name} {name}: scores read from {cached}")
                 continue
             if model is None:
                 model, tokenizer = load_checkpoint(spec.path, device=device, dtype=mc_dtype, require_mask_token=False)
@@ -221,8 +222,8 @@ def _decode_parts(spec: ModelSpec, report: dict[str, Any], gen_tasks: Sequence[s
         if decodes is not None:
             report["chat"][spec.name] = summarize_chat(decodes).to_dict()
     elif chat_prompts:  # the base model has no streaming: its AR speed is the reference
-        ar = decode_chat_prompts(model, tokenizer, chat_prompts, DecodeSettings.build(settings, method=AR),
-                                 shard=shard, on_prompt=on_prompt, ar_only=True)
+        ar = decode_chat_prompts(model, tokenizer, chat_prompts, settings, shard=shard, on_prompt=on_prompt,
+                                 ar_only=True)
         if ar is not None:
             summary = summarize_chat(ar).to_dict()
             report["chat"][spec.name] = {k: summary[k] for k in ("prompts", "ar_tokens", "ar_seconds",
