@@ -70,20 +70,18 @@ def lm_eval_hf_logprobs(
     for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(var, "1")
     import lm_eval
-    from lm_eval.tasks import TaskManager
+    from lm_eval.models.huggingface import HFLM  # the class itself: the registry's lazy names are
+    from lm_eval.tasks import TaskManager         # missing once another module registered a model first
 
     work = Path(work_dir).resolve()
     task_dir = work / "lm_eval_tasks"
     name = _write_task(items, task_dir)
     results = lm_eval.simple_evaluate(
-        model="hf",
-        model_args=f"pretrained={model_dir},dtype=float32",
+        model=HFLM(pretrained=str(model_dir), dtype="float32", device="cpu", batch_size=batch_size),
         tasks=[name],
         task_manager=TaskManager(include_path=str(task_dir)),
         num_fewshot=0,
         log_samples=True,
-        device="cpu",
-        batch_size=batch_size,
     )
     samples = sorted(results["samples"][name], key=lambda s: s["doc_id"])
     if [s["doc_id"] for s in samples] != list(range(len(items))):
