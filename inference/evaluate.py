@@ -155,6 +155,10 @@ def _evaluate(args: argparse.Namespace, methods: list[str], shots: dict[str, int
         num_examples=args.num_examples, seed=args.seed, sandbox_timeout_s=args.sandbox_timeout,
         sandbox_memory_mb=args.sandbox_memory_mb, sandbox_workers=args.sandbox_workers,
     )
+    if talk:
+        for task in tasks:
+            if task.data_files:
+                print(f"{task.name}: read {', '.join(task.data_files)}", file=sys.stderr)
     if args.follow:
         if shard.world > 1:
             raise SystemExit("--follow evaluates checkpoints one after another in one process: run it without torchrun")

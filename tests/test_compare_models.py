@@ -105,5 +105,6 @@ def test_chat_summary_counts_agreement_from_the_token_ids():
 
 def test_mc_set_names_and_limits_are_checked():
     assert parse_mc_sets("arc_easy, mmlu:10") == [("arc_easy", None), ("mmlu", 10)]
+    assert parse_mc_sets("arc_c:50,arc_e") == [("arc_challenge", 50), ("arc_easy", None)]  # the paper suite's spelling
     with pytest.raises(ValueError, match="unknown multiple-choice set 'arc'"):
         parse_mc_sets("arc")

@@ -40,7 +40,8 @@ def tiny_model(tokenizer, arch="qwen2", scale=1.0, seed=0):
         qwen = build_tiny_model(tokenizer, arch="qwen2", max_position_embeddings=256)
         fields = {k: getattr(qwen.config, k) for k in (
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings", "mask_token_id")}
+            "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings", "mask_token_id",
+            "eos_token_id", "pad_token_id", "bos_token_id")}  # not LlamaConfig's default EOS 2, the tiny mask token
         torch.manual_seed(seed)
         model = LlamaForCausalLM(LlamaConfig(**fields)).eval()
     else:
@@ -451,10 +452,12 @@ def test_mask_token_is_never_emitted(tokenizer, method):
 
 
 def test_ar_greedy_equals_a_plain_argmax_loop(tokenizer):
+    """Without a stop token (``stop_token_ids=()``) AR runs to the budget; by default it stops at the
+    model's EOS as HF ``generate`` does (this random model reaches it inside 15 tokens)."""
     model = tiny_model(tokenizer, "qwen3", 1.0)
     prompt = tokenizer.encode("for i in range(10):")
     mask_id = model.config.mask_token_id
-    result = ar_generate(model, prompt, max_new_tokens=15)
+    result = ar_generate(model, prompt, max_new_tokens=15, stop_token_ids=())
     ids = list(prompt)
     for _ in range(15):
         with torch.no_grad():
@@ -464,6 +467,12 @@ def test_ar_greedy_equals_a_plain_argmax_loop(tokenizer):
     assert result.token_ids == ids[len(prompt):]
     assert result.num_forwards == result.num_slots == 15
     assert result.p_cache == result.tokens_per_forward == 1.0
+
+    eos = model.config.eos_token_id
+    assert eos in result.token_ids
+    stopped = ar_generate(model, prompt, max_new_tokens=15)
+    assert stopped.token_ids == result.token_ids[: result.token_ids.index(eos) + 1]
+    assert stopped.stop_reason == "stop_token"
 
 
 def test_metrics_are_consistent_across_methods(tokenizer):

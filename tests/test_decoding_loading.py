@@ -27,7 +27,9 @@ def _source_model(kind):
     tokenizer = build_tiny_tokenizer(vocab_size=300)
     if kind == "llama":
         torch.manual_seed(0)
-        return LlamaForCausalLM(LlamaConfig(**{**SIZE, "vocab_size": len(tokenizer)})).eval()
+        # the tokenizer's EOS, not LlamaConfig's default 2 (the mask token here)
+        config = LlamaConfig(**{**SIZE, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id})
+        return LlamaForCausalLM(config).eval()
     if kind == "qwen3-bias":
         model = build_tiny_causal_lm("qwen3", vocab_size=len(tokenizer), attention_bias=True, head_dim=8,
                                      max_position_embeddings=128)

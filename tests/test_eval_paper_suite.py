@@ -277,6 +277,59 @@ def test_mbpp_rules(tmp_path):
     assert (task.max_new_tokens, task.temperature) == (512, 0.1)
 
 
+# ---------------------------------------------------------------- downloaded hub directories
+
+
+def gsm8k_record(question):
+    return {"question": question, "answer": "#### 1"}
+
+
+def test_a_hub_download_is_searched_for_its_configs_test_split(tmp_path):
+    """openai/gsm8k as ``hf download`` leaves it: the main config's test split is
+    scored, found below the directory given; train, the socratic config and .cache are not."""
+    root = tmp_path / "gsm8k"
+    for folder in ("main", "socratic", ".cache/huggingface"):
+        (root / folder).mkdir(parents=True)
+    write_parquet(root / "main" / "train-00000-of-00001.parquet", [gsm8k_record("train q")] * 3)
+    test = write_parquet(root / "main" / "test-00000-of-00001.parquet",
+                         [gsm8k_record("test q1"), gsm8k_record("test q2")])
+    write_parquet(root / "socratic" / "test-00000-of-00001.parquet", [gsm8k_record("socratic q")])
+    write_jsonl(root / ".cache" / "huggingface" / "test.jsonl", [gsm8k_record("cached q")])
+    for given in (root, root / "main"):
+        task = load_paper_task("paper:gsm8k", str(given), prompts=False)
+        assert task.data_files == (test,)
+        assert [e.meta["row"] for e in task.examples] == [0, 1]
+        assert all("Question: test q" in e.prompt for e in task.examples)
+
+
+def test_a_directory_without_the_expected_split_is_refused_with_what_it_holds(tmp_path):
+    (tmp_path / "gsm8k" / "main").mkdir(parents=True)
+    write_parquet(tmp_path / "gsm8k" / "main" / "train-00000-of-00001.parquet", [gsm8k_record("q")])
+    with pytest.raises(ValueError, match=r"holds no file named test\.\* or test-\*\.\* under main/; it holds "
+                                         r"main/train-00000-of-00001\.parquet"):
+        load_paper_task("paper:gsm8k", str(tmp_path / "gsm8k"), prompts=False)
+    (tmp_path / "other" / "socratic").mkdir(parents=True)  # another config only: not read as main
+    write_parquet(tmp_path / "other" / "socratic" / "test-00000-of-00001.parquet", [gsm8k_record("q")])
+    with pytest.raises(ValueError, match="under main/; it holds socratic/test-00000-of-00001.parquet"):
+        load_paper_task("paper:gsm8k", str(tmp_path / "other"), prompts=False)
+
+
+def test_arc_reads_every_split_of_its_own_config_as_the_reference_does(tmp_path):
+    """allenai/ai2_arc with both configs: paper:arc_c reads ARC-Challenge's three splits (the reference
+    joins them), never ARC-Easy's; ``paper:arc_challenge`` is the same task."""
+    record = {"question": "Q", "choices": {"text": ["a", "b"], "label": ["A", "B"]}, "answerKey": "A"}
+    for config, split in [("ARC-Challenge", "train"), ("ARC-Challenge", "validation"), ("ARC-Challenge", "test"),
+                          ("ARC-Easy", "test")]:
+        (tmp_path / config).mkdir(exist_ok=True)
+        write_parquet(tmp_path / config / f"{split}-00000-of-00001.parquet",
+                      [{**record, "id": f"{config}-{split}"}])
+    for spelling in ("arc_c", "arc_challenge", "ARC_C"):
+        task = load_task(f"paper:{spelling}:{tmp_path}")
+        assert task.name == "paper:arc_c"
+        splits = ("test", "train", "validation")  # sorted path order
+        assert [e.uid for e in task.examples] == [f"paper:arc_c:ARC-Challenge-{s}" for s in splits]
+
+
 # ---------------------------------------------------------------- prompts from a reference checkout
 
 
@@ -317,8 +370,12 @@ def test_a_changed_reference_text_is_refused(checkout, tmp_path, monkeypatch):
 def test_prompts_without_a_checkout_say_how_to_get_one(tmp_path, monkeypatch):
     monkeypatch.delenv(reference_prompts.REFERENCE_ENV, raising=False)
     data = write_jsonl(tmp_path / "g.jsonl", [{"question": "2+2?", "answer": "#### 4"}])
-    with pytest.raises(ValueError, match="git clone https://github.com/Tencent/WeDLM"):
+    with pytest.raises(ValueError) as error:
         load_task(f"paper:gsm8k:{data}")
+    message = str(error.value)
+    assert message.startswith("paper:gsm8k needs WEDLM_REFERENCE, the path of a clone of the WeDLM reference")
+    assert "git clone https://github.com/Tencent/WeDLM" in message and "export WEDLM_REFERENCE=" in message
+    assert "Tasks that need it: paper:gsm8k, paper:math, " in message and "paper:arc_c and paper:arc_e" in message
     # ARC has no few-shot text: it needs no checkout
     arc = {"question": "Q", "choices": {"text": ["a", "b"], "label": ["A", "B"]}, "answerKey": "A"}
     assert load_task("paper:arc_e:" + write_jsonl(tmp_path / "a.jsonl", [arc])).examples[0].prompt == (
@@ -363,6 +420,9 @@ def test_specs_of_the_suite(tmp_path):
         parse_task_spec("paper:gsm9k:/x")
     with pytest.raises(ValueError, match="write it as paper:math:PATH"):
         parse_task_spec("paper:math")
+    # ARC's two spellings are read as each protocol's own
+    assert parse_task_spec("paper:arc_easy:/d") == ("paper:arc_e", "/d")
+    assert parse_task_spec("arc_c:/d/arc.jsonl") == ("arc_challenge", "/d/arc.jsonl")
     arc = write_jsonl(tmp_path / "a.jsonl", [{"question": "Q", "choices": {"text": ["a", "b"], "label": ["A", "B"]},
                                               "answerKey": "A"}])
     with pytest.raises(ValueError, match="shots are fixed"):

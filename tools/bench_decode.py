@@ -206,7 +206,8 @@ def main(argv=None):
     prompts = [torch.randint(0, vocab - 1, (n,), generator=g).tolist()
                for n in torch.randint(args.prompt_length // 2, args.prompt_length + 1, (args.batch,), generator=g)]
     settings = DecodeSettings(window_size=args.window_size, entropy_threshold=args.entropy_threshold,
-                              distance_penalty=args.distance_penalty, max_new_tokens=args.max_new_tokens)
+                              distance_penalty=args.distance_penalty, max_new_tokens=args.max_new_tokens,
+                              stop_token_ids=())  # no stop: every method decodes the same number of tokens
     params = sum(p.numel() for p in model.parameters()) / 1e6
     default_threads = torch.get_num_threads()
     print(f"model: random {args.preset} ({type(model).__name__}) {params:.2f}M params, lm_head x{args.output_scale}; "

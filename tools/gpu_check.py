@@ -538,7 +538,8 @@ def check_decoding(ctx: Context) -> dict[str, Any]:
 
     model, tokenizer, source = decoding_model(ctx)
     mask_id, mask_source = mask_token_of(model, tokenizer)
-    settings = DecodeSettings(max_new_tokens=ctx.sizes.decode_new_tokens, mask_token_id=mask_id)
+    # no stop token: both methods decode the same number of tokens per row
+    settings = DecodeSettings(max_new_tokens=ctx.sizes.decode_new_tokens, mask_token_id=mask_id, stop_token_ids=())
     result: dict[str, Any] = {
         "model": source,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),

@@ -5,7 +5,7 @@ All methods take a HF causal LM (``load_wedlm_model``) and token ids, and return
 
     from megatron_wedlm.decoding import DecodeSettings, generate
     settings = DecodeSettings(window_size=16, entropy_threshold=0.4, distance_penalty=0.02,
-                              max_new_tokens=256, stop_token_ids=(eos,))
+                              max_new_tokens=256)  # stops at the model's EOS; stop_token_ids=() never stops
     r = generate(model, prompt_ids, settings)          # or generate(model, prompt_ids, window_size=16, ...)
     r.token_ids, r.num_forwards, r.num_slots, r.p_cache, r.tokens_per_forward, r.seconds
 

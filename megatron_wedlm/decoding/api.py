@@ -3,6 +3,10 @@
 Every function takes one :class:`DecodeSettings` and/or keyword overrides of its fields
 (``generate(model, ids, method="blockwise", window_size=8)``), plus the runtime objects
 ``tokenizer`` (needed for stop strings and ``text``) and ``generator`` (seeded sampling).
+
+A reply stops where HF ``generate`` stops it: at the model's EOS ids (its ``generation_config``),
+and at the tokenizer's EOS when a tokenizer is passed (a chat tokenizer's end of turn), unless
+``stop_token_ids`` names others; ``stop_token_ids=()`` decodes to ``max_new_tokens`` without a stop.
 """
 
 from __future__ import annotations

@@ -8,13 +8,14 @@ so it is never emitted (as in the parallel decoders).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
 import torch
 from transformers import GenerationConfig
 
-from .checks import check_fits, check_full_attention, generation_budget
+from .checks import check_fits, check_full_attention, generation_budget, resolve_stop_token_ids
 from .result import (
     MAX_NEW_TOKENS,
     MAX_POSITIONS,
@@ -46,9 +47,12 @@ def ar_decode(
     with ``batch_size`` groups prompts by their own budget (then by length, which also keeps
     padding low). ``on_result(index, result)`` is called for each prompt as its call ends.
     ``settings.mask_token_id`` (default ``config.mask_token_id``, may be absent) is only
-    suppressed here; the parallel-only settings are ignored.
+    suppressed here; the parallel-only settings are ignored. ``settings.stop_token_ids`` None: the
+    model's EOS ids (:func:`~.checks.eos_token_ids`), as ``generate`` itself would stop.
     """
     check_full_attention(model)
+    settings = dataclasses.replace(
+        settings, stop_token_ids=resolve_stop_token_ids(model, settings.stop_token_ids, tokenizer))
     for prompt in prompts:
         check_fits(model, len(prompt), 1)
     if batch_size is None:

@@ -51,6 +51,32 @@ def resolve_mask_token_id(model, mask_token_id: int | None = None) -> int:
     return int(mask_token_id)
 
 
+def eos_token_ids(model, tokenizer=None) -> list[int]:
+    """The ids a reply stops at unless the caller names others (``DecodeSettings.stop_token_ids=None``).
+
+    The model's EOS as HF ``generate`` reads it: ``model.generation_config.eos_token_id``, else
+    ``model.config.eos_token_id`` (an int or a list). With a tokenizer, its EOS too: a chat
+    tokenizer's EOS is its end of turn (e.g. ``<|im_end|>``), which a base model's generation
+    config may not list. The command lines, the evaluation and the server stop at the same ids.
+    """
+    generation = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    model_eos = generation if generation is not None else getattr(getattr(model, "config", None), "eos_token_id", None)
+    ids: set[int] = set()
+    for source in (model_eos, getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(int(t) for t in source)
+    return sorted(ids)
+
+
+def resolve_stop_token_ids(model, stop_token_ids: Sequence[int] | None, tokenizer=None) -> tuple[int, ...]:
+    """``stop_token_ids`` as given (``()``: none), or for None the model's EOS ids (:func:`eos_token_ids`)."""
+    if stop_token_ids is None:
+        return tuple(eos_token_ids(model, tokenizer))
+    return tuple(stop_token_ids)
+
+
 def max_positions(model) -> int | None:
     """``max_position_embeddings`` of the model, or None if the config has none."""
     return getattr(model.config, "max_position_embeddings", None)

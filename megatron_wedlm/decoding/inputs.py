@@ -1,6 +1,7 @@
 """What the command lines and the evaluation share around a decode: loading by dtype name, prompt
-encoding, and the EOS stop tokens. Written once here so ``inference/``, ``eval/`` and the
-``lm_eval`` adapter cannot drift apart (e.g. one of them tokenizing a chat prompt differently).
+encoding, and the EOS stop tokens (:func:`~.checks.eos_token_ids`, also the engine's default).
+Written once so ``inference/``, ``eval/`` and the ``lm_eval`` adapter cannot drift apart (e.g. one
+of them tokenizing a chat prompt differently).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .checks import eos_token_ids  # noqa: F401  (defined beside the engine, which stops at them by default)
 from .loading import load_tokenizer, load_wedlm_model
 
 #: dtype names accepted by ``--dtype`` (``auto``: bf16 on CUDA, fp32 on CPU).
@@ -60,17 +62,6 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool = False) -> list[int]:
     if not chat:
         return list(tokenizer(prompt)["input_ids"])
     return encode_chat(tokenizer, [{"role": "user", "content": prompt}])
-
-
-def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
-    """The EOS ids of the tokenizer and of the model's generation config (the engine stops at them)."""
-    ids: set[int] = set()
-    for source in (tokenizer.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif source:
-            ids.update(int(t) for t in source)
-    return sorted(ids)
 
 
 def find_mask_token_id(model: Any, tokenizer: Any, mask_token_id: int | None = None) -> int | None:

@@ -29,9 +29,8 @@ truncates), and the mask token is never emitted (its logit is excluded before en
 sampling); two optional ones are off by default: ``contiguous_stop``, a stop token only
 after filled slots (:func:`~.sampling.hold_early_stops`), and ``stop_penalty``, a slot after
 masks that may hold a stop token scored by the chance that the reply goes on
-(:func:`~.sampling.select_slots`). Whether the tokenizer's EOS is a stop
-token is the caller's choice (``stop_token_ids``); the command lines stop at it by default, as
-the engine does.
+(:func:`~.sampling.select_slots`). A row stops at ``stop_token_ids``; by default (None) those
+are the model's EOS ids, as HF ``generate`` and the engine stop, and ``()`` decodes without any.
 
 Choices this module makes (the method leaves them open; docs/method.md §3.5):
 
@@ -56,7 +55,13 @@ from itertools import accumulate
 
 import torch
 
-from .checks import check_fits, check_full_attention, generation_budget, resolve_mask_token_id
+from .checks import (
+    check_fits,
+    check_full_attention,
+    generation_budget,
+    resolve_mask_token_id,
+    resolve_stop_token_ids,
+)
 from .model_runner import ModelRunner
 from .policy import commit_policy
 from .result import STOP_STRING, GenerationResult, decode_text, find_stop_string
@@ -110,6 +115,8 @@ def decode(
     start = time.perf_counter()
     if not settings.is_parallel:
         raise ValueError(f"{settings.method!r} is not a parallel decoding schedule; choose one of {PARALLEL_METHODS}")
+    settings = dataclasses.replace(
+        settings, stop_token_ids=resolve_stop_token_ids(model, settings.stop_token_ids, tokenizer))
     mask_id = check_settings(model, settings)
     rows = [start_row(model, index, prompt, settings, mask_id) for index, prompt in enumerate(prompts)]
     plan = RowPlan(settings, tokenizer, generator)

@@ -50,7 +50,11 @@ class DecodeSettings:
       forward commits at least one token; False (default) is the reference engine's rule, the
       slot of least penalised entropy, which need not be the leftmost (:func:`~.sampling.select_slots`).
     * ``max_new_tokens``; ``temperature`` (0 = greedy), ``top_k`` (0 = off), ``top_p`` (1 = off).
-    * ``stop_token_ids``: a generation ends at the first one, which is kept in the output.
+    * ``stop_token_ids``: a generation ends at the first one, which is kept in the output. None
+      (default): the model's EOS ids, as HF ``generate`` stops (``generation_config.eos_token_id``,
+      else ``config.eos_token_id``), and the tokenizer's EOS when one is passed, which for a chat
+      tokenizer is its end of turn (e.g. ``<|im_end|>``); see :func:`~.checks.eos_token_ids`.
+      ``()``: no stop token, every reply runs to ``max_new_tokens``.
       ``stop_strings`` (need a tokenizer): it ends once the decoded output contains one.
     * ``mask_token_id``: default ``model.config.mask_token_id``.
     """
@@ -67,13 +71,14 @@ class DecodeSettings:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    stop_token_ids: tuple[int, ...] = field(default=())
+    stop_token_ids: tuple[int, ...] | None = None
     stop_strings: tuple[str, ...] = field(default=())
     mask_token_id: int | None = None
 
     def __post_init__(self):
         # lists and tensors are accepted for the sequences; stored as tuples so the object stays hashable
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        if self.stop_token_ids is not None:
+            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings or ()))
         if self.method not in METHODS:
             raise ValueError(f"unknown decoding method {self.method!r}; choose one of {METHODS}")
@@ -85,8 +90,9 @@ class DecodeSettings:
             raise ValueError("entropy_threshold must be a number or None (one slot per forward), got nan")
         if self.distance_penalty < 0:
             raise ValueError(f"distance_penalty must be >= 0, got {self.distance_penalty}")
-        if self.mask_token_id is not None and self.mask_token_id in self.stop_token_ids:
-            raise ValueError("the mask token cannot be a stop token")
+        if self.mask_token_id is not None and self.mask_token_id in (self.stop_token_ids or ()):
+            raise ValueError(f"the mask token {self.mask_token_id} cannot be a stop token (stop_token_ids: "
+                             f"{list(self.stop_token_ids)}, by default the model's EOS ids)")
         validate_sampling(self.temperature, self.top_k, self.top_p)
 
     @classmethod

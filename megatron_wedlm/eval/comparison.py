@@ -38,6 +38,7 @@ from megatron_wedlm.eval.multiple_choice import (
     score_multiple_choice,
 )
 from megatron_wedlm.eval.sharding import Shard
+from megatron_wedlm.eval.tasks import arc_spelling
 
 __all__ = ["ModelSpec", "compare_models", "comparison_markdown", "plot_comparison", "write_comparison",
            "parse_mc_sets"]
@@ -62,6 +63,7 @@ def parse_mc_sets(text: str) -> list[tuple[str, int | None]]:
     out = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, _, limit = part.partition(":")
+        name = arc_spelling(name)  # arc_c / arc_e: the paper suite's spelling of the same sets
         if name not in CHANCE:
             raise ValueError(f"unknown multiple-choice set {name!r}; choose from {sorted(CHANCE)}")
         out.append((name, int(limit) if limit else None))

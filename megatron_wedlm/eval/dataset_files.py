@@ -1,10 +1,13 @@
 """Reading benchmark records from local files in the layouts the datasets are published in.
 
 Nothing is downloaded. A dataset is read from what a hub download leaves on disk: a jsonl file,
-a JSON list, a parquet file (``pyarrow``), a csv file (GPQA's layout), or a directory holding
-several of them (the split files of a hub dataset, read in sorted file-name order and joined).
-Each record is a dict keyed by column name; every file is checked to have the columns the
-benchmark needs, and an error names the file (and line, for jsonl), the columns expected and
+a JSON list, a parquet file (``pyarrow``), a csv file (GPQA's layout), or a directory. A file is
+read as given. A directory is searched recursively (hidden ones, such as the ``.cache/`` of
+``hf download``, left out) for the files its :class:`Layout` means: those under the
+hub config's directory (gsm8k's ``main/``, not ``socratic/``) whose name is one of its splits
+(``test`` matches ``test-00000-of-00001.parquet`` and ``test.jsonl``), read in sorted path order
+and joined. Each record is a dict keyed by column name; every file is checked to have the columns
+the benchmark needs, and an error names the file (and line, for jsonl), the columns expected and
 where such a file comes from, so a wrong download is caught before any model is loaded.
 """
 
@@ -14,6 +17,7 @@ import csv
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
@@ -21,32 +25,73 @@ SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 @dataclass(frozen=True)
 class Layout:
-    """What one benchmark's data file must hold, and where it comes from.
+    """What one benchmark's data file must hold, and which files of a downloaded directory it reads.
 
     ``columns`` are required in every record; ``source`` names the hub dataset and the files a
-    download holds, for error messages and the docs.
+    download holds, for error messages and the docs. ``config``: the hub config's directory
+    (``main`` of openai/gsm8k); a directory given holds it, or is it, or (a flat directory) holds
+    the split files itself. ``splits``: the file names a directory means, without the shard
+    suffix (``test``: ``test-00000-of-00001.parquet``, ``test.jsonl``); empty: every data file.
     """
 
     task: str
     columns: tuple[str, ...]
     source: str
+    config: str | None = None
+    splits: tuple[str, ...] = ()
 
     def describe(self) -> str:
         return f"columns {', '.join(self.columns)} ({self.source})"
 
+    def wanted(self) -> str:
+        """The files a directory means, in words: ``file named test.* or test-*.* under main/``."""
+        names = "file named " + " or ".join(f"{s}.* or {s}-*.*" for s in self.splits) if self.splits else "data file"
+        return names + (f" under {self.config}/" if self.config else "")
 
-def _files(path: str, layout: Layout) -> list[str]:
-    if os.path.isdir(path):
-        files = sorted(
-            os.path.join(path, f) for f in os.listdir(path)
-            if f.endswith(SUFFIXES) and not f.startswith(".") and os.path.isfile(os.path.join(path, f))
+
+def _split(file: str) -> str:
+    """The split a file holds, by its name: ``test`` of ``test-00000-of-00001.parquet`` and ``test.jsonl``."""
+    name = os.path.basename(file)
+    return name[: -len(next(s for s in SUFFIXES if name.endswith(s)))].split("-", 1)[0]
+
+
+def _tree(path: str) -> list[str]:
+    """Every data file under ``path``, hidden directories and files left out, in sorted path order."""
+    found = []
+    for directory, subdirectories, names in os.walk(path):
+        subdirectories[:] = [d for d in subdirectories if not d.startswith(".")]
+        found += [os.path.join(directory, n) for n in names if n.endswith(SUFFIXES) and not n.startswith(".")]
+    return sorted(found)
+
+
+def _selected(path: str, layout: Layout) -> list[str]:
+    """The files of directory ``path`` that ``layout`` means (see :class:`Layout`)."""
+    files = everything = _tree(path)
+    if not files:
+        raise ValueError(
+            f"{layout.task}: directory {path!r} holds no {'/'.join(SUFFIXES)} file; "
+            f"expected {layout.describe()}"
         )
-        if not files:
-            raise ValueError(
-                f"{layout.task}: directory {path!r} holds no {'/'.join(SUFFIXES)} file; "
-                f"expected {layout.describe()}"
-            )
-        return files
+    if layout.config:
+        is_config = Path(path).resolve().name == layout.config
+        folders = {f: Path(os.path.relpath(f, path)).parts[:-1] for f in files}
+        under = [f for f in files if is_config or layout.config in folders[f]]
+        files = under or [f for f in files if not folders[f]]  # else only a flat directory's own files
+    chosen = [f for f in files if not layout.splits or _split(f) in layout.splits]
+    if not chosen:
+        found = ", ".join(os.path.relpath(f, path) for f in everything[:8]) + (", ..." if len(everything) > 8 else "")
+        raise ValueError(
+            f"{layout.task}: directory {path!r} holds no {layout.wanted()}; it holds {found}. Expected "
+            f"{layout.describe()}; a file named otherwise can be given itself"
+        )
+    return chosen
+
+
+def data_files(path: str, layout: Layout) -> list[str]:
+    """The files :func:`read_records` reads for ``path``: the file itself, or those of a directory
+    that ``layout`` means (its config's directory, its splits; see :class:`Layout`)."""
+    if os.path.isdir(path):
+        return _selected(path, layout)
     if not os.path.isfile(path):
         raise ValueError(
             f"{layout.task}: data file {path!r} does not exist; expected a local file or directory "
@@ -113,10 +158,11 @@ def _read_csv(path: str, layout: Layout) -> list[tuple[str, dict[str, Any]]]:
 _READERS = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet, ".csv": _read_csv}
 
 
-def read_records(path: str, layout: Layout) -> list[dict[str, Any]]:
-    """Every record of ``path`` (a file or a directory of split files), checked against ``layout``."""
+def read_records(path: str, layout: Layout, files: list[str] | None = None) -> list[dict[str, Any]]:
+    """Every record of ``path`` (a file, or a directory's :func:`data_files`; ``files`` if the caller
+    has them already), checked against ``layout``."""
     records = []
-    for file in _files(path, layout):
+    for file in data_files(path, layout) if files is None else files:
         suffix = next(s for s in SUFFIXES if file.endswith(s))
         for where, record in _READERS[suffix](file, layout):
             missing = [c for c in layout.columns if c not in record]

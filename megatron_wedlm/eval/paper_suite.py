@@ -22,7 +22,9 @@ paper:gpqa         512     0.1     5 (CoT)      the text after ``####`` must be 
 =================  ======  ======  ===========  ===============================================
 
 The rules are in ``paper_extraction``; the data layouts (hub files read as downloaded) in each
-task's ``layout``; the few-shot text is read from a reference checkout (``reference_prompts``).
+task's ``layout``: a downloaded directory means its config's test split (gsm8k ``main/``, mmlu
+``all/``), except where the reference joins every split (ARC, MBPP); the few-shot text is read
+from a reference checkout (``reference_prompts``).
 
 Where an answer ends: the reference stops generating at the token sequences of ``Question``
 and ``Problem`` for every benchmark. That matches the word where it begins a token (after a
@@ -47,9 +49,9 @@ from typing import Any
 
 from megatron_wedlm.eval import paper_extraction as px
 from megatron_wedlm.eval.code_tasks import CodeTask
-from megatron_wedlm.eval.dataset_files import Layout, as_list, read_records, require
+from megatron_wedlm.eval.dataset_files import Layout, as_list, data_files, read_records, require
 from megatron_wedlm.eval.reference_prompts import PREFIXES, few_shot_prefix
-from megatron_wedlm.eval.tasks import EvalExample, Judgement, Task
+from megatron_wedlm.eval.tasks import EvalExample, Judgement, Task, arc_spelling
 
 PREFIX = "paper:"
 STOP_STRINGS = ("\nQuestion", "\nProblem")
@@ -77,7 +79,9 @@ class _Protocol:
         raise NotImplementedError
 
     def _examples(self, path: str, reference: str | None, prompts: bool) -> list[EvalExample]:
-        records = read_records(path, self.layout)
+        #: the files the records were read from (a directory's: its config's test split, see ``layout``)
+        self.data_files = tuple(data_files(path, self.layout))
+        records = read_records(path, self.layout, list(self.data_files))
         prefix = few_shot_prefix(self.benchmark, reference) if prompts and self.benchmark in PREFIXES else ""
         examples = [self.example(r, i, prefix) for i, r in enumerate(records)]
         # "row": the record's position in the file, which pairs it with a saved completion
@@ -120,7 +124,7 @@ class PaperGSM8K(PaperTask):
     benchmark = "gsm8k"
     layout = Layout("paper:gsm8k", ("question", "answer"),
                     "openai/gsm8k, config main: main/test-00000-of-00001.parquet, or test.jsonl of "
-                    "github.com/openai/grade-school-math")
+                    "github.com/openai/grade-school-math", config="main", splits=("test",))
     max_new_tokens = 768
     temperature = 0.1
 
@@ -143,7 +147,7 @@ class PaperMath(PaperTask):
     """
 
     benchmark = "math"
-    layout = Layout("paper:math", ("problem", "solution"), "HuggingFaceH4/MATH-500: test.jsonl")
+    layout = Layout("paper:math", ("problem", "solution"), "HuggingFaceH4/MATH-500: test.jsonl", splits=("test",))
     max_new_tokens = 1024
 
     def example(self, record: Mapping[str, Any], index: int, prefix: str) -> EvalExample | None:
@@ -182,7 +186,8 @@ class PaperMMLU(_ChoiceTask):
 
     benchmark = "mmlu"
     layout = Layout("paper:mmlu", ("question", "choices", "answer"),
-                    "cais/mmlu, config all: all/test-00000-of-00001.parquet; 'answer' is 0-3")
+                    "cais/mmlu, config all: all/test-00000-of-00001.parquet; 'answer' is 0-3",
+                    config="all", splits=("test",))
 
     def example(self, record: Mapping[str, Any], index: int, prefix: str) -> EvalExample:
         a, b, c, d = _four(as_list(record["choices"], "'choices'", self.layout))
@@ -196,6 +201,11 @@ class PaperMMLU(_ChoiceTask):
 
     def choose(self, example: EvalExample, completion: str) -> str:
         return px.mmlu_letter(completion)
+
+
+#: ARC's hub splits, all read: the reference joins them (``evaluation/dataset_download/arc.py``
+#: lines 62-71 at 0216110: every split of ``load_dataset("allenai/ai2_arc", subset)`` into one file).
+_ARC_SPLITS = ("train", "validation", "test")
 
 
 class _PaperARC(_ChoiceTask):
@@ -232,7 +242,8 @@ class PaperARCChallenge(_PaperARC):
     benchmark = "arc_c"
     layout = Layout("paper:arc_c", ("question", "choices", "answerKey"),
                     "allenai/ai2_arc, config ARC-Challenge: ARC-Challenge/{train,validation,test}-"
-                    "00000-of-00001.parquet; the reference joins all three splits: pass the directory")
+                    "00000-of-00001.parquet; the reference joins all three splits: pass the directory",
+                    config="ARC-Challenge", splits=_ARC_SPLITS)
     letters = _LETTERS[:4]
 
 
@@ -240,7 +251,8 @@ class PaperARCEasy(_PaperARC):
     benchmark = "arc_e"
     layout = Layout("paper:arc_e", ("question", "choices", "answerKey"),
                     "allenai/ai2_arc, config ARC-Easy: ARC-Easy/{train,validation,test}-"
-                    "00000-of-00001.parquet; the reference joins all three splits: pass the directory")
+                    "00000-of-00001.parquet; the reference joins all three splits: pass the directory",
+                    config="ARC-Easy", splits=_ARC_SPLITS)
     letters = _LETTERS
 
 
@@ -255,7 +267,7 @@ class PaperHellaSwag(_ChoiceTask):
     benchmark = "hellaswag"
     layout = Layout("paper:hellaswag", ("ctx", "endings", "label"),
                     "Rowan/hellaswag: data/{validation,test}-00000-of-00001.parquet (the reference "
-                    "uses test, whose labels are blank)")
+                    "uses test, whose labels are blank; a directory means test)", splits=("test",))
 
     def example(self, record: Mapping[str, Any], index: int, prefix: str) -> EvalExample:
         endings = _four(as_list(record["endings"], "'endings'", self.layout))
@@ -283,7 +295,8 @@ class PaperGPQA(_ChoiceTask):
     benchmark = "gpqa"
     layout = Layout("paper:gpqa", ("Question", "Correct Answer", "Incorrect Answer 1",
                                    "Incorrect Answer 2", "Incorrect Answer 3"),
-                    "Idavidrein/gpqa (gated: accept its terms on the hub): gpqa_diamond.csv")
+                    "Idavidrein/gpqa (gated: accept its terms on the hub): gpqa_diamond.csv",
+                    splits=("gpqa_diamond",))
     max_new_tokens = 512
     temperature = 0.1
 
@@ -316,7 +329,8 @@ class PaperHumanEval(PaperCodeTask):
 
     benchmark = "humaneval"
     layout = Layout("paper:humaneval", ("task_id", "prompt", "canonical_solution", "test", "entry_point"),
-                    "openai/openai_humaneval: openai_humaneval/test-00000-of-00001.parquet, or HumanEval.jsonl")
+                    "openai/openai_humaneval: openai_humaneval/test-00000-of-00001.parquet, or HumanEval.jsonl",
+                    splits=("test",))
     max_new_tokens = 256
 
     def example(self, record: Mapping[str, Any], index: int, prefix: str) -> EvalExample:
@@ -343,7 +357,8 @@ class PaperMBPP(PaperCodeTask):
     benchmark = "mbpp"
     layout = Layout("paper:mbpp", ("task_id", "text", "code", "test_list"),
                     "google-research-datasets/mbpp, config full: full/{train,test,validation,prompt}-"
-                    "00000-of-00001.parquet, or mbpp.jsonl")
+                    "00000-of-00001.parquet, or mbpp.jsonl", config="full",
+                    splits=("train", "validation", "test", "prompt"))
     max_new_tokens = 512
     temperature = 0.1
 
@@ -369,6 +384,15 @@ PAPER_TASKS: dict[str, type[PaperTask] | type[PaperCodeTask]] = {
 }
 
 
+def paper_task_name(name: str) -> str:
+    """A suite task's name as the suite spells it, lower case, ARC as the reference does:
+    ``paper:ARC_Challenge`` -> ``paper:arc_c`` (``tasks.ARC_SPELLINGS``); a name outside the suite unchanged."""
+    lowered = name.strip().lower()
+    if not lowered.startswith(PREFIX):
+        return name
+    return PREFIX + arc_spelling(lowered.removeprefix(PREFIX).strip(), reference=True)
+
+
 def load_paper_task(
     name: str,
     path: str,
@@ -384,6 +408,7 @@ def load_paper_task(
     ``reference``: a Tencent/WeDLM checkout for the few-shot text (default ``$WEDLM_REFERENCE``);
     ``prompts=False`` builds the task for scoring only, without it.
     """
+    name = paper_task_name(name)
     if name not in PAPER_TASKS:
         raise ValueError(f"unknown paper task {name!r}; the suite has {', '.join(PAPER_TASKS)}")
     cls = PAPER_TASKS[name]

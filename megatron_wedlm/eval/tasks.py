@@ -39,6 +39,19 @@ class Judgement:
     detail: str = ""
 
 
+#: ARC's two sets by the two spellings users meet: lm-eval's (this project's own tasks and
+#: ``--mc-sets``) -> the WeDLM reference's (the paper suite: ``paper:arc_c``). Wherever a user names
+#: one, both are accepted and read as that place's own (docs/evaluation.md, "ARC's names").
+ARC_SPELLINGS = {"arc_challenge": "arc_c", "arc_easy": "arc_e"}
+
+
+def arc_spelling(name: str, reference: bool = False) -> str:
+    """``name`` with an ARC set spelt as lm-eval does (``arc_challenge``), or with ``reference`` as the
+    WeDLM reference does (``arc_c``); any other name unchanged."""
+    lm_eval = {short: long for long, short in ARC_SPELLINGS.items()}.get(name, name)
+    return ARC_SPELLINGS.get(lm_eval, lm_eval) if reference else lm_eval
+
+
 def truncate_at_stop(text: str, stop_strings: Sequence[str]) -> str:
     """Cut ``text`` at the earliest occurrence of any stop string (the stop string is dropped)."""
     cut = len(text)
@@ -62,6 +75,8 @@ class Task:
     stop_strings: tuple[str, ...] = ()
     #: Generation budget that fits every reference answer of the task.
     max_new_tokens: int = 256
+    #: The data files the examples were read from, where the task records them (printed by evaluate.py).
+    data_files: tuple[str, ...] = ()
 
     def __init__(self, examples: Sequence[EvalExample]):
         if not examples:
