@@ -30,7 +30,8 @@ install_requires = [
 
 extras_require = {
     "deepspeed": ["deepspeed>=0.16", "accelerate>=1.0"],
-    "gpu": ["flash-attn>=2.6", "transformer-engine[pytorch]>=2.0"],
+    # compiled against the installed CUDA torch (pip install --no-build-isolation; docs/training.md#install)
+    "gpu": ["flash-attn==2.8.3.post2", "transformer-engine[pytorch]==2.20.2"],
     # import-linter: tests/test_architecture.py checks the layering (.importlinter); it needs no torch
     # datasets: the tests write Arrow save_to_disk directories with it, as users' corpora are written
     # pytest-xdist: .ci/run runs each leg on two workers, a file to a worker (docs/architecture.md#tests)

@@ -37,6 +37,7 @@ from megatron_wedlm.testing.guide import (
     assigned_names,
     bash_blocks,
     block_outputs,
+    commands,
     compose_script,
     read_names,
 )
@@ -45,11 +46,12 @@ from megatron_wedlm.training.metrics import METRICS_ABANDONED_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = ROOT / "docs" / "cluster.md"
+README = ROOT / "README.md"
 #: what a skipped block may run: commands that need the network, which CI has not
-NETWORK_COMMANDS = ("huggingface-cli download", "wandb login", "wandb sync")
+NETWORK_COMMANDS = ("hf download", "wandb login", "wandb sync")
 SCRIPT_TIMEOUT_S = 780  # under pytest's 900 s, so a hang reports the script's output
 
-TRAIN_STEPS, SAVE_INTERVAL = 10, 2
+TRAIN_STEPS, SAVE_INTERVAL, SFT_STEPS = 10, 2, 4
 TP, PP, CP, GPUS_PER_NODE = 2, 1, 2, 4
 
 
@@ -71,12 +73,35 @@ def test_the_guide_opens_with_its_settings_and_later_blocks_read_only_them():
 
 def test_only_the_networks_commands_are_skipped():
     skipped = [b for b in bash_blocks(GUIDE.read_text()) if b.skipped]
-    assert len(skipped) == 2
+    assert len(skipped) == 3  # the hub download, wandb login, wandb sync
     for block in skipped:
         commands = [line for line in block.text.splitlines()[1:] if line.strip()]
         assert commands and all(line.startswith(NETWORK_COMMANDS) for line in commands), block.text
     text = "\n".join(b.text for b in bash_blocks(GUIDE.read_text()) if not b.skipped)
     assert SKIP_MARKER not in text and not any(command in text for command in NETWORK_COMMANDS)
+
+
+def test_the_readmes_cluster_commands_are_the_guides_and_so_run_here():
+    """The README's short version is not a second text to keep in step: each of its commands is
+    one the guide's blocks run as written (the walk-through below), and it reads only the guide's
+    settings, which the README tells the reader to copy first."""
+    guide = bash_blocks(GUIDE.read_text())
+    ran = {command for block in guide[1:] if not block.skipped for command in commands(block.text)}
+    readme = [b for b in bash_blocks(README.read_text()) if "hf-to-megatron" in b.text]
+    assert len(readme) == 1, "the README's cluster block"
+    shown = commands(readme[0].text)
+    assert len(shown) == 8 and "sbatch" in readme[0].text and "--dependency singleton" in readme[0].text
+    assert [c for c in shown if c not in ran] == [], "README commands the guide does not run"
+    assert read_names(readme[0].text) <= set(assigned_names(guide[0].text))
+    assert commands("a \\\n   --b  c   # note\n# alone\n\n") == ["a --b c"]
+
+
+def test_the_sbatch_scripts_default_log_needs_no_directory():
+    """SLURM opens --output before the script runs, so a default under a directory nobody made
+    kills the job without a log (the README's bare `sbatch examples/slurm/train_wedlm.sbatch`)."""
+    script = (ROOT / "examples" / "slurm" / "train_wedlm.sbatch").read_text()
+    outputs = re.findall(r"^#SBATCH --output=(\S+)", script, re.MULTILINE)
+    assert outputs and all("/" not in path for path in outputs), outputs
 
 
 def test_a_guide_whose_command_breaks_fails_and_skipped_blocks_do_not_run():
@@ -125,16 +150,26 @@ EVAL_LIMIT=2
 EVAL_POLL=1
 FOLLOW_WAIT=300
 export WEDLM_REFERENCE={root}/no-reference  # ARC has no few-shot text to read
+CHATS={root}/chats.jsonl
+SFT_DATA={root}/data/sft
+SFT_CONFIG={root}/tiny_sft_qwen3_8b.yaml
+SFT_RUN_DIR={root}/runs/wedlm-tiny-sft
+SFT_STEPS={SFT_STEPS}
+SFT_CHAIN=1
 HF_OUT={root}/ckpt/wedlm-tiny-hf
+SFT_HF_OUT={root}/ckpt/wedlm-tiny-sft-hf
 PORT={port}
 """
 
 
 def write_hf_model(directory: Path) -> None:
-    """A random Qwen3 (QK-norm, GQA, untied) whose tokenizer has no mask token, as Qwen3-8B's has none."""
+    """A random Qwen3 (QK-norm, GQA, untied) whose tokenizer has no mask token, as Qwen3-8B's has
+    none, and a chat template, as Qwen3-8B's has one."""
+    from megatron_wedlm.testing.serving import CHAT_TEMPLATE
     from megatron_wedlm.testing.tiny_models import build_tiny_ar_tokenizer, build_tiny_causal_lm
 
     tokenizer = build_tiny_ar_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
     model = build_tiny_causal_lm("qwen3", vocab_size=len(tokenizer), hidden_size=64, num_layers=2, num_heads=4,
                                  num_kv_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=512,
                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
@@ -142,19 +177,20 @@ def write_hf_model(directory: Path) -> None:
     tokenizer.save_pretrained(directory)
 
 
-def write_tiny_config(path: Path) -> None:
-    """configs/pretrain/qwen3_8b.yaml with the tiny model's shape and CPU-sized rows and batches;
-    every other key (WeDLM, optimizer, checkpointing, wandb) as committed. A key renamed there
-    fails here instead of being added."""
-    cfg = yaml.safe_load((ROOT / "configs" / "pretrain" / "qwen3_8b.yaml").read_text())
+def write_tiny_config(path: Path, committed: str = "pretrain/qwen3_8b.yaml") -> None:
+    """``configs/<committed>`` with the tiny model's shape and CPU-sized rows and batches; every
+    other key (WeDLM, optimizer, checkpointing, wandb) as committed. A key renamed there fails
+    here instead of being added."""
+    cfg = yaml.safe_load((ROOT / "configs" / committed).read_text())
 
     def shrink(section: dict, **values) -> None:
         missing = set(values) - set(section)
         assert not missing, f"qwen3_8b.yaml no longer has {sorted(missing)}"
         section.update(values)
 
-    shrink(cfg["model"], num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
-           head_dim=16, rope_theta=10000.0)
+    if "num_layers" in cfg["model"]:  # the SFT config reads the shape from model.init_from
+        shrink(cfg["model"], num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+               num_query_groups=2, head_dim=16, rope_theta=10000.0)
     shrink(cfg["data"], seq_length=128, micro_batch_size=1, global_batch_size=2, num_workers=1, num_streams=4)
     shrink(cfg["optimizer"], warmup_steps=2)
     shrink(cfg["logging"], log_interval=1)
@@ -172,6 +208,16 @@ def write_corpus(directory: Path, documents: int = 400) -> None:
             start = (7 * i) % 90
             f.write(json.dumps({"text": f"Count from {start} to {start + 8}: "
                                 + " ".join(str(n) for n in range(start, start + 9))}) + "\n")
+
+
+def write_chats(path: Path, conversations: int = 200) -> None:
+    """SFT conversations in the messages layout: a question and its counted answer."""
+    with open(path, "w") as f:
+        for i in range(conversations):
+            start = (5 * i) % 90
+            f.write(json.dumps({"messages": [
+                {"role": "user", "content": f"Count from {start} to {start + 5}."},
+                {"role": "assistant", "content": " ".join(str(n) for n in range(start, start + 6))}]}) + "\n")
 
 
 def write_arc(directory: Path) -> None:
@@ -194,8 +240,8 @@ def write_arc(directory: Path) -> None:
 # ---------------------------------------------------------------------- the run
 
 
-def harness_before_export(harness: Path) -> str:
-    """Bash run before the export block: what time does on a cluster, and waiting for the queue."""
+def harness_before_sft(harness: Path) -> str:
+    """Bash run before the SFT jobs: what time does on a cluster, and waiting for the queue."""
     return f"""
 # -- test harness: the chain's first job stops once it has saved a checkpoint, as its time limit would stop it
 __first=$(squeue -h -n wedlm -o %i | sort -n | head -n 1)
@@ -206,8 +252,13 @@ until compgen -G "$RUN_DIR/checkpoints/iter_???????" >/dev/null; do
   sleep 0.2
 done
 scancel "$__first"
+{WAIT_FOR_QUEUE}"""
+
+
+#: bash: wait until the queue is empty (the guide's "once the chain has ended")
+WAIT_FOR_QUEUE = """__deadline=$((SECONDS + 600))
 until [ -z "$(squeue -h -o %i)" ]; do
-  (( SECONDS < __deadline )) || {{ echo "harness: jobs still queued" >&2; squeue >&2; exit 1; }}
+  (( SECONDS < __deadline )) || { echo "harness: jobs still queued" >&2; squeue >&2; exit 1; }
   sleep 1
 done
 """
@@ -242,6 +293,8 @@ def walkthrough(tmp_path_factory) -> Walkthrough:
     root = tmp_path_factory.mktemp("cluster_guide")
     write_hf_model(root / "models" / "Qwen3-tiny")
     write_tiny_config(root / "tiny_qwen3_8b.yaml")
+    write_tiny_config(root / "tiny_sft_qwen3_8b.yaml", "sft/qwen3_8b.yaml")
+    write_chats(root / "chats.jsonl")
     write_corpus(root / "corpus")
     write_arc(root / "data" / "ai2_arc")
     harness = root / "harness"
@@ -249,7 +302,8 @@ def walkthrough(tmp_path_factory) -> Walkthrough:
     blocks = bash_blocks(GUIDE.read_text())
     script = root / "guide.sh"
     script.write_text(compose_script(blocks, tiny_settings(root, find_free_port()),
-                                     before={"megatron-to-hf": harness_before_export(harness)}))
+                                     before={"SCRIPT=sft/sft_wedlm.py": harness_before_sft(harness),
+                                             "megatron-to-hf": WAIT_FOR_QUEUE}))
 
     with SlurmCluster(root / "slurm", cpus=72, gpus=8) as cluster:
         env = {**cluster.env(), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
@@ -302,7 +356,7 @@ def _jobs(walkthrough) -> list[dict[str, str]]:
 
 
 def test_the_chain_runs_one_job_at_a_time_and_the_second_continues_the_first(walkthrough):
-    first, second, spare, evaluation = _jobs(walkthrough)
+    first, second, spare, evaluation = _jobs(walkthrough)[:4]
     assert [j["JobName"] for j in (first, second, spare, evaluation)] == ["wedlm"] * 3 + ["wedlm-eval"]
     stopped = (walkthrough.root / "harness" / "stopped_job").read_text().strip()
     assert first["JobId"] == stopped and first["JobState"] == "CANCELLED"
@@ -388,11 +442,33 @@ def test_the_export_loads_as_a_qwen3_causal_lm_with_the_mask_token(walkthrough):
     assert torch.isfinite(logits).all()
 
 
+def test_sft_continues_the_pretraining_run_and_is_evaluated_with_the_chat_template(walkthrough):
+    sft_job, sft_eval = _jobs(walkthrough)[4:]
+    assert (sft_job["JobName"], sft_job["JobState"], sft_job["ExitCode"]) == ("wedlm-sft", "COMPLETED", "0:0")
+    assert (sft_eval["JobName"], sft_eval["JobState"], sft_eval["ExitCode"]) == ("wedlm-sft-eval", "COMPLETED", "0:0")
+    run, cpt = walkthrough.path("SFT_RUN_DIR"), walkthrough.path("RUN_DIR")
+    log = (walkthrough.path("LOGS") / f"wedlm-sft-{sft_job['JobId']}.out").read_text()
+    assert "sft: WeDLM training" in log and f"tp {TP} x pp {PP} x cp {CP} x dp 1" in log, log[-3000:]
+    assert "no validation" not in log  # data.valid_path: auto found the held-out conversations
+    saved = yaml.safe_load((run / "checkpoints" / f"iter_{SFT_STEPS:07d}" / "config.yaml").read_text())
+    assert saved["model"]["init_from"] == str(cpt / "checkpoints" / f"iter_{TRAIN_STEPS:07d}")
+    assert saved["data"]["valid_path"] == str(walkthrough.path("SFT_DATA") / "valid")
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, SFT_STEPS + 1))
+    assert any("valid/loss" in r for r in records)
+    from megatron_wedlm.eval.follow import read_evals
+
+    rows = read_evals(run)
+    assert [r["step"] for r in rows] == list(range(SAVE_INTERVAL, SFT_STEPS + 1, SAVE_INTERVAL))
+    report = json.loads((Path(rows[-1]["report"]) / "report.json").read_text())
+    assert report["settings"]["chat"] is True
+
+
 def test_the_server_answers_curl_and_the_openai_sdk(walkthrough):
-    replies = [json.loads(line) for line in walkthrough.output_of("/v1/completions").splitlines()
+    replies = [json.loads(line) for line in walkthrough.output_of("/v1/chat/completions").splitlines()
                if line.startswith("{")]
-    assert len(replies) == 1 and replies[0]["model"] == "wedlm-8b"
-    assert replies[0]["usage"]["completion_tokens"] > 0 and replies[0]["choices"][0]["text"]
+    assert len(replies) == 1 and replies[0]["model"] == "wedlm-8b-instruct"
+    assert replies[0]["usage"]["completion_tokens"] > 0 and replies[0]["choices"][0]["message"]["content"]
     sdk = walkthrough.output_of("from openai import OpenAI")
     usage = re.search(r"completion_tokens=(\d+).*forwards=(\d+).*tokens_per_forward=([\d.]+)", sdk)
     assert usage, sdk

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -130,12 +131,16 @@ def test_shipped_configs_load(path):
     assert (cfg.trainer.backend == "deepspeed") == ("deepspeed" in path.name)
     if cfg.trainer.backend == "deepspeed":
         validate_deepspeed_run(cfg)
-    if "qwen" in path.name:  # the paper's settings
+    first_gpu_run = path.name in ("qwen3_0.6b.yaml", "llama3.2_1b.yaml")  # one node of 8 GPUs
+    if "qwen" in path.name or first_gpu_run:  # the paper's method settings
         assert cfg.wedlm.enabled and cfg.wedlm.block_size == 32
-        assert cfg.optimizer.lr == 3e-6 and cfg.optimizer.min_lr == 3e-7
         assert cfg.optimizer.decay_style == "cosine"
         assert cfg.wedlm.ar_weight > 0
         assert cfg.trainer.precision == "auto"
+    if "qwen" in path.name and not first_gpu_run:  # the paper's lr (8B); smaller models take larger steps
+        assert cfg.optimizer.lr == 3e-6 and cfg.optimizer.min_lr == 3e-7
+    if first_gpu_run:
+        assert validate_layout(cfg, 8) == 8 // (cfg.parallelism.tp * cfg.parallelism.pp * cfg.parallelism.cp)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -282,3 +287,49 @@ def test_valid_path_of_the_same_tokenization_loads_and_a_saved_config_rereads_wi
     assert cfg.data.valid_path == str(prepared["train"])
     gone = load_config(TINY, [f"data.path={prepared['train']}", f"data.valid_path={tmp_path / 'moved'}"])
     assert config_from_yaml_text(config_to_yaml(gone)).data.valid_path == str(tmp_path / "moved")
+
+
+def test_valid_path_auto_reads_the_held_out_part_prepare_data_wrote_and_nothing_without_it(tmp_path):
+    """The 8B configs say ``data.valid_path: auto``, so the README's ``--valid-fraction`` split is
+    validated on; data prepared without one trains without validation, and the run says so."""
+    from megatron_wedlm.data.prepare import prepare_dataset
+    from megatron_wedlm.testing.tiny_models import build_tiny_tokenizer
+
+    build_tiny_tokenizer().save_pretrained(str(tmp_path / "tok"))
+    (tmp_path / "docs.jsonl").write_text("".join(f'{{"text": "document {i} of twenty"}}\n' for i in range(20)))
+    prepare_dataset([tmp_path / "docs.jsonl"], tmp_path / "split", tmp_path / "tok", valid_fraction=0.3)
+    prepare_dataset([tmp_path / "docs.jsonl"], tmp_path / "whole", tmp_path / "tok")
+    split = load_config(TINY, [f"data.path={tmp_path / 'split'}", "data.valid_path=auto"])
+    assert split.data.valid_path == str(tmp_path / "split" / "valid")
+    assert load_config(TINY, [f"data.path={tmp_path / 'whole'}", "data.valid_path=auto"]).data.valid_path is None
+    assert config_from_yaml_text(config_to_yaml(split)).data.valid_path == split.data.valid_path  # saved resolved
+    for path in ("pretrain/qwen3_8b.yaml", "pretrain/qwen2.5_7b.yaml", "sft/qwen3_8b.yaml"):
+        assert yaml.safe_load((ROOT / "configs" / path).read_text())["data"]["valid_path"] == "auto", path
+
+
+def test_an_online_wandb_run_without_credentials_is_refused_before_it_starts(tmp_path):
+    """A batch job would fail inside wandb.init after its queue time; the entry point says what
+    to do at once. WANDB_MODE wins over the config, as wandb's users expect, and a netrc entry
+    (what `wandb login` writes) or WANDB_API_KEY lets it start."""
+    from megatron_wedlm.training.wandb_auth import has_wandb_credentials, wandb_refusal
+
+    cfg = load_config(TINY, ["logging.wandb.enabled=true"])
+    bare = {"HOME": str(tmp_path)}
+    assert "wandb login" in wandb_refusal(cfg, bare) and "WANDB_MODE=offline" in wandb_refusal(cfg, bare)
+    assert wandb_refusal(cfg, {**bare, "WANDB_MODE": "offline"}) is None
+    assert wandb_refusal(load_config(TINY, ["logging.wandb.enabled=true", "logging.wandb.mode=offline"]), bare) is None
+    assert wandb_refusal(cfg, {**bare, "WANDB_API_KEY": "k" * 40}) is None
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    (tmp_path / ".netrc").chmod(0o600)
+    assert has_wandb_credentials(bare) and wandb_refusal(cfg, bare) is None
+    assert not has_wandb_credentials({**bare, "WANDB_BASE_URL": "https://wandb.example.com"})  # another host's key
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env["HOME"] = str(tmp_path / "nobody")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "pretrain" / "pretrain_wedlm.py"), "--config", str(TINY),
+         "logging.wandb.enabled=true", f"trainer.output_dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env,
+    )
+    assert proc.returncode == 2 and "no W&B credentials" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "run").exists()

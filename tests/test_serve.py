@@ -21,10 +21,12 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
+import pydantic  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from megatron_wedlm.decoding import DecodeSettings, generate, load_tokenizer, load_wedlm_model  # noqa: E402
 from megatron_wedlm.decoding.inputs import encode_prompt, eos_token_ids  # noqa: E402
+from megatron_wedlm.serving.openai_api import BadRequest, CompletionRequest  # noqa: E402
 from megatron_wedlm.testing.serving import ServerProcess, write_tiny_chat_model  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -176,6 +178,23 @@ def test_bad_requests_answer_400_with_an_openai_error(server, body, param):
     assert error["type"] == "invalid_request_error" and error["message"]
     if param is not None:
         assert error["param"] == param
+
+
+@pytest.mark.parametrize("field, neutral, refused", [
+    ("presence_penalty", 0.0, 0.5), ("frequency_penalty", 0, -1.0), ("logit_bias", {}, {"42": 5.0}),
+    ("n", 1, 2), ("logprobs", False, 1), ("echo", False, True), ("best_of", 1, 2), ("suffix", "", "x"),
+])
+def test_fields_this_server_cannot_honour_pass_only_at_their_neutral_value(field, neutral, refused):
+    """What docs/serving.md says: lm-evaluation-harness sends penalties of 0 and must be served;
+    any other value is refused naming the reason, not silently ignored."""
+    CompletionRequest(prompt="hi", **{field: neutral}).check_supported()
+    with pytest.raises(BadRequest, match="not supported"):
+        CompletionRequest(prompt="hi", **{field: refused}).check_supported()
+
+
+def test_a_field_openai_does_not_have_is_refused_even_at_a_neutral_value():
+    with pytest.raises(pydantic.ValidationError, match="repetition_penalty"):
+        CompletionRequest(prompt="hi", repetition_penalty=1.0)
 
 
 def test_bad_json_and_the_sdk_see_400(server, client):

@@ -16,7 +16,7 @@ entry point (printed before it runs); see megatron_wedlm/quickstart/pipeline.py.
 checkout of the repository, installed with ``pip install -e .``: an installed wheel has the package
 but not the entry points and configs, and the quickstart says so before it starts.
 
-Presets: ``full`` (the README's command; about 16-22 minutes on 2 cores) and ``ci`` (a small
+Presets: ``full`` (the README's command; about 21 minutes on 2 cores) and ``ci`` (a small
 model and few steps, for tests). ``--compare-with OLD/report.json`` checks that this run
 reproduced every non-timing number of an earlier run with the same seed;
 ``tools/bench_quickstart.py --seeds 0,1,2`` runs it per seed and tabulates the spread.

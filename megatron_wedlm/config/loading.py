@@ -16,7 +16,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from .schema import ConfigError, TrainConfig, blend_from_data_path, validate_config
+from .schema import ConfigError, TrainConfig, blend_from_data_path, resolve_valid_path, validate_config
 
 __all__ = ["load_config", "config_to_yaml", "save_config", "config_from_yaml_text", "all_keys"]
 
@@ -117,6 +117,7 @@ def load_config(
     except OmegaConfBaseException as err:
         raise ConfigError(str(err).splitlines()[0]) from None
     assert isinstance(typed, TrainConfig)
+    resolve_valid_path(typed)
     validate_config(typed)
     return typed
 

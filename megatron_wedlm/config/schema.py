@@ -165,7 +165,8 @@ class DataConfig:
     # weights), turned into that list when the config is loaded; instead of path
     blend: Optional[List[BlendSourceConfig]] = None
     # a prepared directory (or prefix) of held-out documents (e.g. prepare_data.py --valid-fraction
-    # writes <output>/valid): same task, tokenizer and mask id as the training data; None = no validation
+    # writes <output>/valid): same task, tokenizer and mask id as the training data; None = no validation;
+    # "auto" = <data.path>/valid when that was prepared, else none (resolved as the config is loaded)
     valid_path: Optional[str] = None
     # the HF tokenizer directory the Megatron indexed datasets among the sources were tokenized with,
     # which a prefix does not record; required when a source is a prefix (unused otherwise). It must
@@ -502,6 +503,23 @@ def _check_indexed_sources(cfg: TrainConfig) -> None:
         refusal = prefix_refusal(path, key, cfg.trainer.task, cfg.data.tokenizer) if is_indexed_prefix(path) else None
         if refusal:
             raise ConfigError(refusal)
+
+
+AUTO_VALID_PATH = "auto"
+
+
+def resolve_valid_path(cfg: TrainConfig) -> None:
+    """``data.valid_path=auto`` becomes ``<data.path>/valid`` when ``prepare_data.py
+    --valid-fraction`` wrote it there, else None (the run then says it validates nothing), so one
+    config serves data prepared with or without a held-out part."""
+    if cfg.data.valid_path != AUTO_VALID_PATH:
+        return
+    # deferred: a config without validation data imports no data readers
+    from megatron_wedlm.data.prepare import MANIFEST_FILE
+    from megatron_wedlm.data.tokenize_part import VALID_DIR
+
+    candidate = Path(cfg.data.path) / VALID_DIR if cfg.data.path and cfg.data.blend is None else None
+    cfg.data.valid_path = str(candidate) if candidate and (candidate / MANIFEST_FILE).is_file() else None
 
 
 def training_data_dir(cfg: TrainConfig) -> str | None:

@@ -60,6 +60,7 @@ from megatron_wedlm.training.checkpointing import (
 )
 from megatron_wedlm.training.hf_export import checkpoints_root, load_checkpoint
 from megatron_wedlm.training.run_dir import run_in_progress
+from megatron_wedlm.training.wandb_auth import ONLINE_MODES, wandb_mode
 
 __all__ = ["EVALS_FILE", "FollowSettings", "follow_run", "read_evals", "row_metrics"]
 
@@ -141,11 +142,12 @@ class _WandbLog:
         import wandb  # optional dependency, needed only here
 
         w = cfg.logging.wandb
-        shared = w.mode == "online"
+        mode = wandb_mode(w.mode)
+        shared = mode in ONLINE_MODES
         settings = wandb.Settings(x_label="follow", x_primary=False, x_update_finish_state=False) if shared else None
         run = wandb.init(  # named as the training names it (MetricsLogger), so a sync keeps the run as it is
             project=w.project, entity=w.entity, name=w.name or self.run_dir.name, group=w.group, tags=list(w.tags),
-            id=run_id, resume="allow", dir=str(w.dir or self.run_dir), mode="shared" if shared else w.mode,
+            id=run_id, resume="allow", dir=str(w.dir or self.run_dir), mode="shared" if shared else mode,
             settings=settings,
         )
         run.define_metric(STEP_METRIC)

@@ -59,7 +59,7 @@ def _local_dir(path: str | Path, what: str) -> Path:
     if not directory.is_dir():
         raise FileNotFoundError(
             f"{what} directory {directory} does not exist; give a local directory (download a Hub model first, "
-            "e.g. `huggingface-cli download tencent/WeDLM-8B-Instruct --local-dir DIR`)"
+            "e.g. `hf download tencent/WeDLM-8B-Instruct --local-dir DIR`)"
         )
     return directory
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = ["SETTINGS_MARKER", "SKIP_MARKER", "Block", "assigned_names", "bash_blocks", "block_outputs",
-           "compose_script", "read_names"]
+           "commands", "compose_script", "read_names"]
 
 SETTINGS_MARKER = "# settings"
 SKIP_MARKER = "# not run by the test:"
@@ -63,6 +63,15 @@ def assigned_names(settings: str) -> list[str]:
         code = "" if line.lstrip().startswith("#") else line.split(" #", 1)[0]
         names += re.findall(r"(?:^|\s)(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=", code)
     return names
+
+
+def commands(block: str) -> list[str]:
+    """A block's command lines as bash reads them: continuation lines joined, comments (a ``#``
+    after a space, or opening a line) dropped, runs of spaces made one; so two pages that give
+    the same commands with other comments or line breaks agree."""
+    joined = re.sub(r"\\\n", " ", block)
+    lines = (re.sub(r"(^|\s)#.*$", "", line) for line in joined.splitlines())
+    return [" ".join(line.split()) for line in lines if line.strip()]
 
 
 def read_names(block: str) -> set[str]:

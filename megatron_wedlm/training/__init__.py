@@ -10,6 +10,7 @@
 * :mod:`.step_record`    -- what both backends do around a step: step totals, metrics record, non-finite
                             stop, save schedule, trainer state.
 * :mod:`.model_setup`    -- ``ModelArgs`` from config / ``model.init_from``, the build settings the config names.
+* :mod:`.memory_plan`    -- ``--dry-run``: parameters, layout, tokens per step and memory per GPU of a config.
 * :mod:`.optimization`   -- Megatron DDP, distributed optimizer, lr schedule.
 * :mod:`.checkpointing`  -- atomic torch_dist checkpoints, resume, keep-last-K.
 * :mod:`.metrics`        -- metrics.jsonl, wandb, progress bar.

@@ -5,7 +5,8 @@
 
 ``key=value`` arguments override the YAML (omegaconf dotlist: ``optimizer.lr=1e-5``,
 ``logging.wandb.tags=[a,b]``). The config is loaded and validated on every rank before any
-process group is created, so a typo fails at once with the key's name.
+process group is created, so a typo fails at once with the key's name. ``--dry-run
+[--world-size N]`` stops there and prints what the run would hold per GPU (:mod:`.memory_plan`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from megatron_wedlm.config.loading import config_to_yaml, load_config
 from megatron_wedlm.config.schema import ConfigError
 
 from .stop_signal import block_stop_signal
+from .wandb_auth import wandb_refusal
 
 if TYPE_CHECKING:
     from megatron_wedlm.config.schema import TrainConfig
@@ -44,11 +46,22 @@ def parse_args(argv: Sequence[str] | None, task: str) -> tuple[argparse.Namespac
         "same as checkpointing.resume=...",
     )
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument(
+        "--dry-run", action="store_true",
+        help="check the config and its layout, print the parameter count, the parallel layout, tokens per step "
+        "and memory per GPU, and exit; builds nothing, writes nothing, needs no GPU (docs/training.md)",
+    )
+    parser.add_argument(
+        "--world-size", type=int, metavar="N",
+        help="with --dry-run: the number of processes (GPUs) to plan for; default $WORLD_SIZE, else tp x pp x cp",
+    )
     parser.add_argument("--result-json", help="write a JSON summary of the run here (rank 0)")
     args, rest = parser.parse_known_args(argv)
     bad = [item for item in rest if item.startswith("-")]
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    if args.world_size is not None and (not args.dry_run or args.world_size < 1):
+        parser.error("--world-size N (N >= 1) goes with --dry-run; a run's world size is torchrun's")
     return args, rest
 
 
@@ -75,14 +88,24 @@ def run_entry_point(argv: Sequence[str] | None, task: str, backends: Backends) -
             )
         check, train = backends[cfg.trainer.backend]
         check(cfg)
+        if args.dry_run:
+            plan = _dry_run(cfg, args.world_size)
     except (ConfigError, FileNotFoundError) as err:
         if rank == 0:
             print(f"config error: {err}", file=sys.stderr)
         return 2
-    if args.print_config:
+    if args.print_config or args.dry_run:
         if rank == 0:
-            print(config_to_yaml(cfg), end="")
+            if args.print_config:
+                print(config_to_yaml(cfg), end="")
+            if args.dry_run:
+                print(plan)
         return 0
+    refusal = wandb_refusal(cfg)  # a batch job would otherwise fail inside wandb.init, after its queue time
+    if refusal:
+        if rank == 0:
+            print(f"config error: {refusal}", file=sys.stderr)
+        return 2
     # before torch starts a thread: every thread and helper process inherits the blocked signal
     if not block_stop_signal(cfg.trainer.exit_signal) and cfg.trainer.exit_signal is not None and rank == 0:
         print(f"trainer.exit_signal={cfg.trainer.exit_signal} is not armed (threads were running already): "
@@ -109,6 +132,17 @@ def run_entry_point(argv: Sequence[str] | None, task: str, backends: Backends) -
         with open(args.result_json, "w") as handle:
             json.dump(result_dict(result), handle, indent=1)
     return 0
+
+
+def _dry_run(cfg: TrainConfig, world_size: int | None) -> str:
+    """What ``--dry-run`` prints (:mod:`.memory_plan`): world size from ``--world-size``, else
+    ``$WORLD_SIZE``, else the smallest layout (dp 1)."""
+    from .memory_plan import describe_plan, plan_run  # imports torch and Megatron-Core
+
+    p = cfg.parallelism
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", p.tp * p.pp * p.cp))
+    return describe_plan(plan_run(cfg, world_size), cfg)
 
 
 def _no_further_checks(cfg: TrainConfig) -> None:

@@ -115,6 +115,9 @@ def _train(cfg: TrainConfig, engine: Engine, role: RankRole, claim: RunClaim, de
     if valid_rows is not None:
         validator = Validator(cfg, valid_rows, objective, role, device, recorder.end_step)
         logger.message(validator.describe())
+    else:
+        logger.message("no validation: data.valid_path is unset (tools/prepare_data.py --valid-fraction writes "
+                       "<data.path>/valid, which data.valid_path=auto reads)")
 
     stop = StopSignal(cfg.trainer.exit_signal)  # blocked by the entry point, asked after each step
     try:

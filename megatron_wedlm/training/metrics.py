@@ -29,6 +29,8 @@ from typing import Any, Callable
 from megatron_wedlm.config.schema import TrainConfig
 from megatron_wedlm.runtime.atomic_output import atomic_write_text
 
+from .wandb_auth import wandb_mode
+
 __all__ = ["MetricsLogger", "METRICS_ABANDONED_FILE", "METRICS_FILE", "read_metrics"]
 
 METRICS_FILE = "metrics.jsonl"
@@ -139,7 +141,7 @@ class MetricsLogger:
             name=w.name or self.output_dir.name,
             group=w.group,
             tags=list(w.tags),
-            mode=w.mode,
+            mode=wandb_mode(w.mode),
             dir=str(directory),
             config=config_dict,
             id=self.wandb_run_id,
