@@ -61,7 +61,7 @@ setup(
     description="WeDLM (causal-attention diffusion language models) training and decoding on Megatron-Core",
     long_description=(HERE / "README.md").read_text() if (HERE / "README.md").exists() else "",
     long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    python_requires=">=3.11,<3.13",  # the Pythons CI tests (.ci/run: 3.11 and 3.12)
     packages=find_packages(include=["megatron_wedlm", "megatron_wedlm.*"]),
     package_data={"megatron_wedlm.serving": ["page.html"]},
     install_requires=install_requires,

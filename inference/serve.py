@@ -16,14 +16,19 @@ WeDLM's ``method`` (streaming, blockwise, ar), ``window_size``, ``entropy_thresh
 ``distance_penalty``; the model's ``generation_config.json`` gives the defaults.
 
 Up to ``--max-rows`` requests are decoded together; ``--max-queue`` more wait, and beyond that a
-request is answered 429 with ``Retry-After``. SIGTERM (or Ctrl-C) finishes the requests in flight,
-then exits.
+request is answered 429 with ``Retry-After``. Prompts that start alike (a system prompt, few-shot
+examples, a chat's earlier turns) reuse the keys/values of their common prefix, up to
+``--prefix-cache-gib`` (``--no-prefix-cache``: off). SIGTERM (or Ctrl-C) finishes the requests in flight,
+then exits. ``--api-key`` (or ``$WEDLM_API_KEY``) makes ``/v1/*`` require ``Authorization: Bearer
+KEY``; a request naming another model than ``--served-model-name`` is answered 404. If the engine
+fails, every request in it gets an error naming the cause and ``/health`` answers 503: restart.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -47,10 +52,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt + generation a request may hold; sizes the KV cache "
                         "(default: the model's max_position_embeddings, at most 4096)")
     p.add_argument("--max-window", type=int, default=64, help="the widest window_size a request may ask for")
+    p.add_argument("--prefix-cache-gib", type=float, default=1.0,
+                   help="memory for prompt prefixes' keys/values kept across requests, on the model's device "
+                        "(automatic prefix caching, docs/serving.md); least recently used blocks are evicted")
+    p.add_argument("--no-prefix-cache", action="store_true", help="compute every prompt from its first token")
     p.add_argument("--max-tokens", type=int, default=256,
                    help="max_tokens of a request that gives none (capped by the context left)")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda if available)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--api-key", default=os.environ.get("WEDLM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $WEDLM_API_KEY; unset: open). "
+                        "A server on a cluster node is reachable by everyone on its network")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -67,12 +79,16 @@ def main(argv: list[str] | None = None) -> None:
     max_model_len = args.max_model_len or min(positions, 4096)
     if max_model_len > positions:
         raise SystemExit(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings={positions}")
+    prefix_cache_bytes = 0 if args.no_prefix_cache else max(0, int(args.prefix_cache_gib * 2**30))
+    print(f"prefix cache: {f'{args.prefix_cache_gib:g} GiB' if prefix_cache_bytes else 'off'}", file=sys.stderr)
     engine = ServingEngine(model, tokenizer, max_rows=args.max_rows, max_queue=args.max_queue,
-                           max_model_len=max_model_len, max_window=args.max_window)
+                           max_model_len=max_model_len, max_window=args.max_window,
+                           prefix_cache_bytes=prefix_cache_bytes)
     served = ServedModel(name=args.served_model_name or Path(args.model).resolve().name, tokenizer=tokenizer,
                          defaults=defaults, stop_token_ids=eos_token_ids(model, tokenizer),
                          default_max_tokens=args.max_tokens)
-    uvicorn.run(build_app(engine, served), host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(build_app(engine, served, api_key=args.api_key), host=args.host, port=args.port,
+                log_level=args.log_level)
 
 
 if __name__ == "__main__":

@@ -505,6 +505,24 @@ def test_stop_string_cuts_text_and_tokens(tokenizer, method):
     assert stop not in tokenizer.decode(result.token_ids[:-1])
 
 
+def test_the_incremental_stop_string_search_equals_the_whole_one(tokenizer):
+    """Decoders pass how many tokens held no stop string (``checked``) and the search decodes only
+    a tail; over every split of real replies, multi-byte text included, it finds what decoding the
+    whole reply finds."""
+    from megatron_wedlm.decoding.result import find_stop_string
+
+    texts = ["Count from 3 to 12: 3 4 5 6 7 8 9 10 11 12", "caf\u00e9 na\u00efve \u65e5\u672c\u8a9e \U0001f600 end",
+             "def add(a, b):\n    return a + b\n\nprint(add(1, 2))"]
+    for text in texts:
+        ids = tokenizer.encode(text)
+        for stops in ([text[-3:]], [text[len(text) // 2 : len(text) // 2 + 4], "zz"], ["\u65e5\u672c"], ["nowhere"]):
+            for end in range(1, len(ids) + 1):
+                whole = find_stop_string(tokenizer, ids[:end], stops)
+                for checked in range(end):
+                    if find_stop_string(tokenizer, ids[:checked], stops) is None:  # what a decoder knows
+                        assert find_stop_string(tokenizer, ids[:end], stops, checked) == whole, (text, stops, end)
+
+
 def test_clear_errors(tokenizer):
     model = tiny_model(tokenizer)
     prompt = tokenizer.encode("1 2 3")

@@ -166,7 +166,7 @@ def test_a_seed_makes_sampling_reproducible_whatever_the_batch(client):
     ({"prompt": "hi", "max_tokens": 4, "method": "magic"}, "method"),
     ({"prompt": "hi", "max_tokens": 4, "temperature": -1}, "temperature"),
     ({"prompt": "hi", "max_tokens": 4, "n": 2}, "n"),
-    ({"prompt": "hi", "max_tokens": 4, "logprobs": 1}, "logprobs"),
+    ({"prompt": "hi", "max_tokens": 4, "logprobs": 21}, "logprobs"),  # 0 to 20: test_serve_logprobs.py
     ({"prompt": "hi", "max_tokens": 2000}, "max_tokens"),
     ({"prompt": "x " * 1100, "max_tokens": 4}, "prompt"),
     ({"prompt": "hi", "max_tokens": 4, "window_size": 500}, None),
@@ -182,7 +182,7 @@ def test_bad_requests_answer_400_with_an_openai_error(server, body, param):
 
 @pytest.mark.parametrize("field, neutral, refused", [
     ("presence_penalty", 0.0, 0.5), ("frequency_penalty", 0, -1.0), ("logit_bias", {}, {"42": 5.0}),
-    ("n", 1, 2), ("logprobs", False, 1), ("echo", False, True), ("best_of", 1, 2), ("suffix", "", "x"),
+    ("n", 1, 2), ("best_of", 1, 2), ("suffix", "", "x"),  # logprobs and echo are served: test_serve_logprobs.py
 ])
 def test_fields_this_server_cannot_honour_pass_only_at_their_neutral_value(field, neutral, refused):
     """What docs/serving.md says: lm-evaluation-harness sends penalties of 0 and must be served;

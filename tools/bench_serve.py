@@ -38,6 +38,14 @@ measured against its targets:
    server's resident memory, sampled through the overload after a warm-up wave, stays flat
    (max / min <= 1.10).
 
+``--prefix-cache-test`` measures only the prefix cache (docs/serving.md): the time to the first
+chunk with text of requests that share a ``--prefix-tokens`` (1,000) prefix (a system prompt for a
+chat model), on a server that has the prefix cached (A, stored by a warm-up request) against one
+started with ``--no-prefix-cache`` (B), A and B alternating over ``--prefix-rounds`` rounds, each
+with a new question, per method (streaming and AR); reported: the raw times, the median A / B
+(target <= 0.25), whether A and B replied alike, the hit rate and the memory the cache holds.
+The servers run in ``--prefix-dtype`` (bf16).
+
 Models (``--model NAME=PATH``, repeatable; default: both below). A path whose ``config.json`` has
 no ``mask_token_id`` is a plain AR model: the bench makes a WeDLM-shaped copy the way the
 project does (``tools/convert_checkpoint.py hf-to-megatron``, which adds ``<|mask|>`` with the
@@ -90,7 +98,7 @@ sys.path.insert(0, str(ROOT))
 DEFAULT_MODELS = ("quickstart", "smollm2")
 QUICKSTART_EXPORT = ROOT / "outputs" / "quickstart" / "hf" / "wedlm"  # the README's quickstart output
 CONVERT_CHECKPOINT = ROOT / "tools" / "convert_checkpoint.py"
-TARGETS = {"batching_gain": 3.0, "speedup_rel_diff": 0.10, "rss_ratio": 1.10}
+TARGETS = {"batching_gain": 3.0, "speedup_rel_diff": 0.10, "rss_ratio": 1.10, "prefix_ttft_ratio": 0.25}
 TIMEOUT = 900.0  # seconds a request may take (a slow model behind a full queue)
 
 
@@ -674,6 +682,87 @@ def _judge_overload(served: list[Served], prompt_tokens: list[int], before: dict
 # ---------------------------------------------------------------------------------------------------
 # One model, and the report
 # ---------------------------------------------------------------------------------------------------
+def shared_prefix(model_dir: Path, texts: list[str], tokens: int) -> str:
+    """A reference text of about ``tokens`` tokens (``texts`` joined, repeated as needed, cut): the
+    shared prefix of the prefix-cache test, sent as a system prompt (chat) or before the question."""
+    from megatron_wedlm.decoding.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    text = "Reference notes for this conversation:\n\n" + "\n\n".join(texts)
+    while len(tokenizer.encode(text, add_special_tokens=False)) < tokens:
+        text += "\n\n" + "\n\n".join(texts)
+    return tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:tokens])
+
+
+def prefix_cache_phase(model_dir: Path, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
+    """Time to first token of requests that share a ``--prefix-tokens`` prefix, on a server that has
+    it cached (A: the default ``--prefix-cache-gib``, the prefix stored by a warm-up request) and on
+    one without the cache (B: ``--no-prefix-cache``), the two sent alternately (A B A B), each round
+    with a new question; the same replies are expected from both."""
+    from megatron_wedlm.testing.serving import ServerProcess
+
+    rounds = args.prefix_rounds
+    w = build_workload(model_dir, rounds + 1 + 24, args.prefix_max_tokens)
+    questions, prefix = w.prompts[: rounds + 1], shared_prefix(model_dir, w.prompts[rounds + 1 :], args.prefix_tokens)
+
+    def body(question: str, method: str) -> dict[str, Any]:
+        b = w.body(question, method)
+        if w.chat:
+            b["messages"] = [{"role": "system", "content": prefix}, {"role": "user", "content": question}]
+        else:
+            b["prompt"] = prefix + "\n\n" + question
+        return b
+
+    length = min(-(-(args.prefix_tokens + max(w.prompt_tokens) + args.prefix_max_tokens + 128) // 64) * 64,
+                 json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings") or 4096)
+    server_args = ["--max-rows", "4", "--max-model-len", str(length), "--device", args.device,
+                   "--dtype", args.prefix_dtype]
+    ttft = lambda r: (r.content_times[0] if r.content_times else r.ended) - r.sent  # noqa: E731
+    with ServerProcess(model_dir, *server_args, log=logs / "prefix-cached.log") as cached, \
+            ServerProcess(model_dir, *server_args, "--no-prefix-cache", log=logs / "prefix-plain.log") as plain:
+        for server in (cached, plain):  # stores the prefix in A; first-call costs in both
+            check_replies(closed_loop(server.url + w.path, [body(questions[0], m) for m in args.prefix_methods],
+                                      1)[0], "warm-up")
+        before = metrics(cached.url)
+        per_round = []
+        for question in questions[1:]:
+            for method in args.prefix_methods:
+                (a,), _ = closed_loop(cached.url + w.path, [body(question, method)], 1)
+                (b,), _ = closed_loop(plain.url + w.path, [body(question, method)], 1)
+                check_replies([a, b], "prefix-cache round")
+                per_round.append({"method": method, "cached_ms": 1e3 * ttft(a), "plain_ms": 1e3 * ttft(b),
+                                  "ratio": ttft(a) / ttft(b), "same_text": a.text == b.text,
+                                  "texts": None if a.text == b.text else [a.text, b.text],
+                                  "text_in_first_chunk": bool(a.content_times and b.content_times),
+                                  "first_forward": (a.forwards or [0])[0],  # forwards until the first text
+                                  "prompt_tokens": a.usage["prompt_tokens"]})
+        after = metrics(cached.url)
+        rss = {"cached_mib": cached.rss_bytes() / 2**20, "plain_mib": plain.rss_bytes() / 2**20}
+    delta = lambda series: _delta(before, after, f"wedlm_prefix_cache_{series}")  # noqa: E731
+    return {"rounds": per_round, "prefix_tokens": args.prefix_tokens, "dtype": args.prefix_dtype,
+            "median_ratio": {m: percentile([r["ratio"] for r in per_round if r["method"] == m], 50)
+                             for m in args.prefix_methods},
+            "hit_rate_timed": delta("hit_tokens_total") / delta("prompt_tokens_total"),
+            "hit_rate_all": after["wedlm_prefix_cache_hit_rate"], "blocks": after["wedlm_prefix_cache_blocks"],
+            "bytes": after["wedlm_prefix_cache_bytes"], "evictions": after["wedlm_prefix_cache_evictions_total"],
+            **rss}
+
+
+def print_prefix_report(name: str, p: dict[str, Any]) -> None:
+    print(f"\n{name}: time to first token with a {p['prefix_tokens']}-token shared prefix, cached (A) vs not (B), "
+          f"{p['dtype']}, alternating A B\n| round | method | prompt tokens | A ms | B ms | A / B | same text |\n"
+          "|---|---|---|---|---|---|---|")
+    for i, r in enumerate(p["rounds"]):
+        print(f"| {i + 1} | {r['method']} | {r['prompt_tokens']} | {r['cached_ms']:.1f} | {r['plain_ms']:.1f} | "
+              f"{r['ratio']:.3f} | {r['same_text']} |")
+    target = TARGETS["prefix_ttft_ratio"]
+    for method, ratio in p["median_ratio"].items():
+        print(f"median A / B, {method}: {ratio:.3f} (target <= {target}) {_ok(ratio <= target)}")
+    print(f"hit rate: {p['hit_rate_timed']:.3f} of the timed requests' prompt tokens ({p['hit_rate_all']:.3f} since "
+          f"the start); held: {p['blocks']:.0f} blocks, {p['bytes'] / 2**20:.1f} MiB, {p['evictions']:.0f} evictions; "
+          f"server RSS A {p['cached_mib']:.0f} MiB, B {p['plain_mib']:.0f} MiB")
+
+
 def bench_model(name: str, model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     """Every measurement of one model: served load, in-process decode (no server running), overload."""
     w = build_workload(model_dir, args.prompts, args.max_tokens)
@@ -790,6 +879,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="where the server and the in-process decode run")
     p.add_argument("--quick", action="store_true", help="a ~2-minute smoke run: fewer prompts and tokens")
     p.add_argument("--json", type=Path, help="write every figure to this file")
+    p.add_argument("--prefix-cache-test", action="store_true",
+                   help="only measure the prefix cache: TTFT with a shared prefix cached vs not (see the docstring)")
+    p.add_argument("--prefix-tokens", type=int, default=1000, help="the shared prefix's length")
+    p.add_argument("--prefix-rounds", type=int, default=5, help="timed A B pairs per method")
+    p.add_argument("--prefix-max-tokens", type=int, default=8, help="max_tokens of the prefix-cache requests")
+    p.add_argument("--prefix-methods", nargs="+", default=["streaming", "ar"], choices=["streaming", "blockwise", "ar"])
+    p.add_argument("--prefix-dtype", default="bf16", help="the servers' --dtype in the prefix-cache test")
     return p
 
 
@@ -806,6 +902,17 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"{os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads in the server and "
           f"in-process alike); load average {os.getloadavg()[0]:.2f}", flush=True)
+    if args.prefix_cache_test:
+        results = []
+        for name, path in models:
+            (args.work / "logs" / name).mkdir(parents=True, exist_ok=True)
+            results.append({"name": name, "model": str(path),
+                            "prefix_cache": prefix_cache_phase(path, args, args.work / "logs" / name)})
+            print_prefix_report(name, results[-1]["prefix_cache"])
+        if args.json:
+            args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results},
+                                            indent=2, default=str) + "\n")
+        return 0
     results = [bench_model(name, path, args) for name, path in models]
     print_report(results, args.concurrency)
     if args.json:

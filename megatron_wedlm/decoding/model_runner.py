@@ -17,7 +17,10 @@ padding. Eager models take right-padded rows and the explicit 4-D mask of
 logits (filled slots are fed for their keys/values), so the output layer runs on the mask
 slots of all rows concatenated. The prompt is prefilled in the same forward as the first window
 (they are contiguous, the mask is plain causal), so a generation costs one forward fewer than
-"prefill, then decode".
+"prefill, then decode". With a :class:`~.prefix_cache.PrefixCache`, a row that joins the batch
+gets the keys/values of its prompt's longest cached prefix copied into its cache row, and its
+first forward feeds only the rest of its prompt (at positions continuing from there); after
+that forward its prompt's new full blocks are stored.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import NamedTuple
 import torch
 
 from .packed_attention import NAME as PACKED, Packing, packed_attention
+from .prefix_cache import PrefixCache
 from .row_cache import RowKVCache
 from .state import RowState
 
@@ -71,10 +75,12 @@ class ModelRunner:
     per step (setting a config attribute costs as much as a small layer's attention).
     """
 
-    def __init__(self, model, mask_id: int, batch_rows: int, capacity: int, record_steps: bool = True):
+    def __init__(self, model, mask_id: int, batch_rows: int, capacity: int, record_steps: bool = True,
+                 prefix_cache: PrefixCache | None = None):
         """A cache of ``batch_rows`` rows of ``capacity`` slots each (:meth:`for_rows` sizes it for a
         known set of prompts). ``record_steps=False`` keeps no :attr:`steps` (a server's runner lives
-        for millions of forwards)."""
+        for millions of forwards). ``prefix_cache``: prompt prefixes kept across the rows that join
+        through :meth:`advance` (a server's requests)."""
         impl = getattr(model.config, "_attn_implementation", "") or ""
         if impl.startswith("flash_attention") and batch_rows > 1:
             raise ValueError("batched WeDLM decoding needs an explicit attention mask: load the model with sdpa or eager")
@@ -89,6 +95,7 @@ class ModelRunner:
         # the shape of every forward, for benchmarks that replay the same work without the decoding
         self.steps: list[StepShape] = []
         self.record_steps = record_steps
+        self.prefix_cache = prefix_cache
 
     @classmethod
     def for_rows(cls, model, rows: list[RowState], window_size: int, batch_rows: int | None = None) -> "ModelRunner":
@@ -117,11 +124,14 @@ class ModelRunner:
         Returns the logits of all rows' mask slots, concatenated ``[slots, vocab]`` with the mask
         token excluded, and per row the window indices of those slots (ascending).
         """
-        ids, positions, columns, mask_slots, cached = [], [], [], [], []
-        for row in rows:
-            fresh = row.forwards == 0  # its prompt is prefilled in its first forward
-            prompt = row.prompt if fresh else []
-            cached.append(0 if fresh else row.cache_length)
+        ids, positions, columns, mask_slots, cached, fresh_rows = [], [], [], [], [], []
+        for b, row in enumerate(rows):
+            fresh = row.forwards == 0  # its prompt is prefilled in its first forward, past what was reused
+            skip = row.reused if fresh else 0
+            prompt = row.prompt[skip:] if fresh else []
+            cached.append(skip if fresh else row.cache_length)
+            if fresh:
+                fresh_rows.append(b)
             window, start, order = row.window, row.start, row.reordered()
             masks = [k for k, i in enumerate(order) if window[i] == self.mask_id]
             if row.autoregressive:  # a next-token row feeds its filled run; its last token predicts the first mask
@@ -134,7 +144,7 @@ class ModelRunner:
                 mask_slots.append([order[k] for k in masks])
                 row.slots += len(order)
             ids.append(prompt + [window[i] for i in order])
-            positions.append(list(range(len(prompt))) + [start + i for i in order])
+            positions.append(list(range(skip, skip + len(prompt))) + [start + i for i in order])
             row.forwards += 1
         lengths = [len(t) for t in ids]
         width = max(lengths)
@@ -163,6 +173,9 @@ class ModelRunner:
             **({"wedlm_packing": packing} if packing else {}),
         ).last_hidden_state
         self.cache.packing = None
+        if self.prefix_cache is not None:  # their prompts' keys/values are exact now: keep new full blocks
+            for b in fresh_rows:
+                self.prefix_cache.store(rows[b].prompt, self.cache, b)
         columns = [offset + k for offset, row_columns in zip(offsets, columns) for k in row_columns]
         at_masks = hidden.reshape(-1, hidden.shape[-1]).index_select(
             0, torch.tensor(columns, dtype=torch.long, device=hidden.device)  # the last layer's (device_map)
@@ -209,4 +222,17 @@ class ModelRunner:
         if extra:
             self.cache.add_rows(len(extra))
             live += extra
+        if self.prefix_cache is not None and joining:
+            self._reuse_prefixes(live, joining)
         return live
+
+    def _reuse_prefixes(self, live: list[RowState], joining) -> None:
+        """Copy each joining row's longest cached prompt prefix into its cache row and commit it there
+        (:meth:`.PrefixCache.load`); :meth:`forward` then prefills only the rest."""
+        new = {id(row) for row in joining}
+        lengths = list(self.cache.host_lengths)
+        for i, row in enumerate(live):
+            if id(row) in new:
+                row.reused = lengths[i] = self.prefix_cache.load(row.prompt, self.cache, i)
+        if lengths != self.cache.host_lengths:
+            self.cache.commit(lengths)

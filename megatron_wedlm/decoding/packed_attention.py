@@ -126,3 +126,20 @@ def packed_attention(model):
         yield
     finally:
         config._attn_implementation = original
+
+
+@contextlib.contextmanager
+def plain_attention(model):
+    """Plain SDPA again inside a :func:`packed_attention` block (a no-op outside one): for an ordinary
+    forward of the same model between two packed steps, on the thread that runs them (the server's
+    scoring, :mod:`megatron_wedlm.serving.scoring`)."""
+    config = model.config
+    current = config._attn_implementation
+    if current != NAME:
+        yield
+        return
+    config._attn_implementation = "sdpa"
+    try:
+        yield
+    finally:
+        config._attn_implementation = current

@@ -197,9 +197,10 @@ def start_row(model, index: int, prompt: list[int], settings: DecodeSettings, ma
 
 def _commit(row: RowState, n: int, tokenizer, settings: DecodeSettings, in_cache: bool = True) -> None:
     """``row.commit(n)``, then end the row at a stop string (cut the tokens after the one completing it)."""
+    checked = len(row.emitted)  # held no stop string, or the row would have ended
     row.commit(n, in_cache)
     if n and settings.stop_strings:
-        hit = find_stop_string(tokenizer, row.emitted, settings.stop_strings)
+        hit = find_stop_string(tokenizer, row.emitted, settings.stop_strings, checked)
         if hit is not None:
             del row.emitted[hit[0] :]
             row.stop_reason, row.stop_string = STOP_STRING, hit[1]

@@ -71,17 +71,28 @@ class GenerationResult:
         }
 
 
-def find_stop_string(tokenizer, token_ids: Sequence[int], stop_strings: Sequence[str]) -> tuple[int, str] | None:
+def find_stop_string(tokenizer, token_ids: Sequence[int], stop_strings: Sequence[str],
+                     checked: int = 0) -> tuple[int, str] | None:
     """The stop string that occurs first in the decoded ``token_ids``, or None.
 
     Returns ``(num_tokens, stop_string)`` where ``num_tokens`` is the length of the shortest token
     prefix whose text contains that stop string: generation keeps the token that completed it
     (tokens and text need not align, a stop string may end inside a token) and drops the rest.
     Among stop strings starting at the same character, the shortest wins.
+
+    ``checked``: how many leading tokens are known to hold no stop string (a decoder's earlier
+    call), so only a tail is decoded: a new hit ends after them and spans at most ``4 x len``
+    tokens (a token is at least one byte, a character at most four), plus one for a character
+    split at the tail's start. Each step then costs the new tokens, not the whole reply.
     """
     if not stop_strings or not token_ids:
         return None
     ids = list(token_ids)
+    if checked > 0:
+        start = max(0, checked - (4 * max(len(s) for s in stop_strings) + 2))
+        tail = tokenizer.decode(ids[start:], skip_special_tokens=False)
+        if not any(s and s in tail for s in stop_strings):
+            return None
     text = tokenizer.decode(ids, skip_special_tokens=False)
     hits = [(text.find(s), len(s), s) for s in stop_strings if s and s in text]
     if not hits:

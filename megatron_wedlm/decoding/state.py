@@ -18,6 +18,8 @@ class RowState:
     * ``start``: logical position of ``window[0]``.
     * ``cache_length``: how many tokens of the row have exact keys/values in the cache (the
       prompt and the committed runs; a run emitted without a forward has none).
+    * ``reused``: the prompt's first tokens whose keys/values a prefix cache put in the row's cache
+      before its first forward (:mod:`.prefix_cache`); that forward feeds the prompt from there.
     * ``budget``: how many tokens this row may emit (``max_new_tokens`` capped by positions).
     * ``emitted``: the tokens committed and emitted so far.
     * ``block``: size of the block being filled (used by the block-wise policy only).
@@ -28,7 +30,7 @@ class RowState:
     """
 
     __slots__ = ("index", "prompt", "mask_id", "stop_ids", "budget", "capped_by_positions", "window", "start",
-                 "cache_length",
+                 "cache_length", "reused",
                  "emitted", "block", "forwards", "slots", "stop_reason", "stop_string", "autoregressive")
 
     def __init__(self, index: int, prompt: list[int], *, window_size: int, budget: int, max_new_tokens: int,
@@ -39,6 +41,7 @@ class RowState:
         self.capped_by_positions = budget < max_new_tokens
         self.window = [mask_id] * min(window_size, budget)  # capped by the budget (docs/method.md §3.5)
         self.start = self.cache_length = len(prompt)
+        self.reused = 0
         self.emitted: list[int] = []
         self.block = len(self.window)
         self.forwards = self.slots = 0

@@ -1,5 +1,6 @@
 """lm-evaluation-harness's own ``hf`` model on given multiple-choice items: the reference that
-:mod:`megatron_wedlm.eval.multiple_choice` must reproduce.
+:mod:`megatron_wedlm.eval.multiple_choice` must reproduce. :func:`lm_eval_mc_logprobs` runs any
+other lm-eval model on the same task (the server through ``local-completions``, say).
 
 The items are written as a local JSON-lines file plus a task YAML whose context, choices and
 gold are those fields unchanged, so the harness builds exactly the requests the in-process scorer
@@ -14,6 +15,7 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from megatron_wedlm.eval.multiple_choice import MCItem
 
@@ -67,19 +69,40 @@ def lm_eval_hf_logprobs(
     """
     if not items:
         return ([], []) if with_metrics else []
+    _offline()
+    from lm_eval.models.huggingface import HFLM  # the class itself: the registry's lazy names are
+    # missing once another module registered a model first
+
+    model = HFLM(pretrained=str(model_dir), dtype="float32", device="cpu", batch_size=batch_size)
+    return lm_eval_mc_logprobs(model, items, work_dir, with_metrics)
+
+
+def _offline() -> None:
     for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(var, "1")
+
+
+def lm_eval_mc_logprobs(
+    model: Any,
+    items: Sequence[MCItem],
+    work_dir: str,
+    with_metrics: bool = False,
+) -> list[tuple[float, ...]] | tuple[list[tuple[float, ...]], list[tuple[int, int]]]:
+    """:func:`lm_eval_hf_logprobs` for any lm-eval model instance ``model`` (e.g. lm-eval's
+    ``LocalCompletionsAPI`` against a server): the same task file, the same read-back."""
+    if not items:
+        return ([], []) if with_metrics else []
+    _offline()
     import lm_eval
-    from lm_eval.models.huggingface import HFLM  # the class itself: the registry's lazy names are
-    from lm_eval.tasks import TaskManager         # missing once another module registered a model first
+    from lm_eval.tasks import TaskManager
 
     work = Path(work_dir).resolve()
     task_dir = work / "lm_eval_tasks"
     name = _write_task(items, task_dir)
     results = lm_eval.simple_evaluate(
-        model=HFLM(pretrained=str(model_dir), dtype="float32", device="cpu", batch_size=batch_size),
+        model=model,
         tasks=[name],
-        task_manager=TaskManager(include_path=str(task_dir)),
+        task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),  # lm-eval's own: 14 s to index
         num_fewshot=0,
         log_samples=True,
     )

@@ -4,12 +4,18 @@ Every prompt of a request is one engine request. A streamed reply sends one serv
 forward that committed tokens for it (the ``wedlm`` field of each chunk says which forward and
 how many tokens it committed: the page at ``/`` draws them), then ``data: [DONE]``. A client that
 goes away, streamed or not, cancels its rows. The engine thread hands its events to the request's
-event loop (``call_soon_threadsafe``), so no HTTP handler ever blocks on the model.
+event loop (``call_soon_threadsafe``), so no HTTP handler ever blocks on the model, and none waits
+on it without looking, twice a second, whether the engine still runs.
+
+Once the engine has failed, ``/health`` and every new request answer 503 naming the cause. With
+an API key, ``/v1/*`` needs ``Authorization: Bearer KEY`` (401 otherwise), as vLLM's ``--api-key``;
+a request for another model than the one served is answered 404.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -21,14 +27,16 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 from prometheus_client import generate_latest
 
 from megatron_wedlm.decoding.inputs import encode_chat, encode_prompt
 from megatron_wedlm.decoding.result import GenerationResult
 
-from .engine import Progress, QueueFull, Request as EngineRequest, ServingEngine, ShuttingDown
+from .engine import EngineFailed, Progress, QueueFull, Request as EngineRequest, ServingEngine, ShuttingDown
 from .metrics import metrics_registry
 from .openai_api import BadRequest, ChatRequest, CompletionRequest, error_body, finish_reason
+from .scoring import CompletionScoring
 from .text_stream import TextStream
 
 
@@ -57,8 +65,13 @@ class _Choice:
     forwards: int = 0
 
 
-def build_app(engine: ServingEngine, served: ServedModel) -> FastAPI:
-    """The FastAPI application; it starts ``engine`` and, on shutdown, lets it finish what it holds."""
+#: how often a waiting handler looks whether its client left or the engine failed (seconds)
+LIVENESS_INTERVAL = 0.5
+
+
+def build_app(engine: ServingEngine, served: ServedModel, api_key: str | None = None) -> FastAPI:
+    """The FastAPI application; it starts ``engine`` and, on shutdown, lets it finish what it holds.
+    ``api_key``: the Bearer token ``/v1/*`` requires (None: open)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -85,18 +98,51 @@ def build_app(engine: ServingEngine, served: ServedModel) -> FastAPI:
             problems.append(f"{'.'.join(loc) or 'body'}: {error.get('msg')}")
         return JSONResponse(error_body("; ".join(problems), param=params[0] if params else None), status_code=400)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        # FastAPI's own refusals (a body it cannot parse, e.g. nested too deep; an unknown path or
+        # method) as OpenAI error objects too, which clients know how to read
+        detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if exc.status_code == 400:
+            detail += ": send a JSON object (nested at most a few hundred levels)"
+        return JSONResponse(error_body(detail, kind="invalid_request_error" if exc.status_code < 500 else "server_error"),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
     @app.exception_handler(BadRequest)
     async def bad(request: Request, exc: BadRequest) -> JSONResponse:
         return JSONResponse(error_body(str(exc), param=exc.param), status_code=400)
+
+    @app.exception_handler(EngineFailed)
+    async def failed(request: Request, exc: EngineFailed) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), kind="server_error", code="engine_failed"), status_code=503)
+
+    @app.exception_handler(UnknownModel)
+    async def unknown(request: Request, exc: UnknownModel) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), param="model", code="model_not_found"), status_code=404)
+
+    if api_key:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def authorize(request: Request, call_next):
+            if request.url.path.startswith("/v1/"):
+                given = request.headers.get("authorization", "").encode()
+                if not hmac.compare_digest(given, expected):
+                    return JSONResponse(error_body("a valid API key is required: Authorization: Bearer KEY",
+                                                   code="invalid_api_key"), status_code=401)
+            return await call_next(request)
 
     @app.get("/", response_class=HTMLResponse)
     async def index() -> str:
         return page
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
+    async def health() -> Response:
+        failure = engine.failure
+        if failure is not None:
+            return JSONResponse({"status": "failed", "error": str(failure)}, status_code=503)
         running, waiting = engine.load()
-        return {"status": "ok", "running": running, "waiting": waiting}
+        return JSONResponse({"status": "ok", "running": running, "waiting": waiting})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -109,17 +155,48 @@ def build_app(engine: ServingEngine, served: ServedModel) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        body.check_supported()
-        prompts = [_encode(served.tokenizer, p) for p in body.prompts()]
-        return await _serve(engine, served, body, prompts, request, chat=False)
+        _check_request(body, served)
+        texts = body.prompts()
+        prompts = [_encode(served.tokenizer, p) for p in texts]
+        # echo and logprobs (scoring.py): scored on the engine thread once a choice is decoded
+        scoring = CompletionScoring.of(body, engine, served.tokenizer, texts, prompts, poll=LIVENESS_INTERVAL)
+        return await _serve(engine, served, body, prompts, request, chat=False, scoring=scoring)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
-        body.check_supported()
+        _check_request(body, served)
         messages = [m.as_template_input() for m in body.messages]
         return await _serve(engine, served, body, [_chat_ids(served.tokenizer, messages)], request, chat=True)
 
     return app
+
+
+class UnknownModel(LookupError):
+    """The request names a model this server does not serve (404, as OpenAI and vLLM answer)."""
+
+
+def _check_request(body, served: ServedModel) -> None:
+    """What a request must pass before its prompts are tokenized: the model it names, text that is
+    valid Unicode (a lone surrogate, legal in JSON, breaks the tokenizer), fields this server honours."""
+    if body.model is not None and body.model != served.name:
+        raise UnknownModel(f"the model `{body.model}` does not exist; this server serves `{served.name}`")
+    _check_text(body.model_dump(), "")
+    body.check_supported()
+
+
+def _check_text(value: Any, where: str) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise BadRequest(f"{where or 'a field'} is not valid Unicode (a lone surrogate at character "
+                             f"{error.start})", where.split(".")[0] or None) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(item, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_text(item, f"{where}[{i}]")
 
 
 def _encode(tokenizer, prompt: str | list[int]) -> list[int]:
@@ -142,7 +219,7 @@ def _chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
 
 
 async def _serve(engine: ServingEngine, served: ServedModel, body, prompts: list[list[int]], request: Request,
-                 chat: bool) -> Response:
+                 chat: bool, scoring: CompletionScoring | None = None) -> Response:
     limit, room = body.token_limit, engine.max_model_len
     choices = []
     for ids in prompts:
@@ -152,6 +229,9 @@ async def _serve(engine: ServingEngine, served: ServedModel, body, prompts: list
         if limit is not None and len(ids) + limit > room:
             raise BadRequest(f"the prompt's {len(ids)} tokens + max_tokens={limit} exceed the server's context "
                              f"max_model_len={room}: lower max_tokens", "max_tokens")
+        if limit == 0:  # echo alone: nothing to decode (check_supported)
+            choices.append((_Choice(len(ids), TextStream(served.tokenizer, [])), None, ids))
+            continue
         settings = body.settings(served.defaults, served.stop_token_ids,
                                  limit or min(served.default_max_tokens, room - len(ids)))
         choices.append((_Choice(len(ids), TextStream(served.tokenizer, settings.stop_strings)), settings, ids))
@@ -164,6 +244,9 @@ async def _serve(engine: ServingEngine, served: ServedModel, body, prompts: list
     submitted: list[_Choice] = []
     try:
         for index, (choice, settings, ids) in enumerate(choices):
+            if settings is None:  # echo alone: its choice ends before any forward
+                events.put_nowait((index, Progress([], 0, GenerationResult([], 0, 0, 0.0, "echo", text=""))))
+                continue
             choice.request = engine.submit(EngineRequest(ids, settings, sink(index), seed=body.seed))
             submitted.append(choice)
     except QueueFull as full:
@@ -173,11 +256,14 @@ async def _serve(engine: ServingEngine, served: ServedModel, body, prompts: list
     except ShuttingDown as stopping:
         _cancel(engine, submitted)
         return JSONResponse(error_body(str(stopping), kind="server_error", code="shutting_down"), status_code=503)
+    except EngineFailed:
+        _cancel(engine, submitted)
+        raise
     except ValueError as unfit:  # beyond the server's limits (engine.check)
         _cancel(engine, submitted)
         raise BadRequest(str(unfit)) from None
 
-    reply = _Reply(served, [c for c, _, _ in choices], chat, body.include_usage())
+    reply = _Reply(served, [c for c, _, _ in choices], chat, body.include_usage(), scoring)
     if body.stream:
         return StreamingResponse(reply.stream(engine, events), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -193,8 +279,10 @@ def _cancel(engine: ServingEngine, choices: list[_Choice]) -> None:
 class _Reply:
     """The response to one request, built from its choices' engine events."""
 
-    def __init__(self, served: ServedModel, choices: list[_Choice], chat: bool, include_usage: bool):
+    def __init__(self, served: ServedModel, choices: list[_Choice], chat: bool, include_usage: bool,
+                 scoring: CompletionScoring | None = None):
         self.served, self.choices, self.chat, self.include_usage = served, choices, chat, include_usage
+        self.scoring, self._echoed = scoring, set()
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -223,13 +311,17 @@ class _Reply:
         try:
             while pending:
                 try:
-                    index, event = await asyncio.wait_for(events.get(), timeout=0.5)
+                    index, event = await asyncio.wait_for(events.get(), timeout=LIVENESS_INTERVAL)
                 except TimeoutError:
                     if await request.is_disconnected():
                         return Response(status_code=499)
-                    continue
+                    event = engine.failure  # an engine that died without a word still ends the wait
+                    if event is None:
+                        continue
                 if isinstance(event, BaseException):
-                    return JSONResponse(error_body(f"generation failed: {event}", kind="server_error"), status_code=500)
+                    status = 503 if isinstance(event, EngineFailed) else 500
+                    return JSONResponse(error_body(f"generation failed: {event}", kind="server_error"),
+                                        status_code=status)
                 self._apply(index, event)
                 pending -= event.result is not None
         finally:
@@ -242,6 +334,12 @@ class _Reply:
                                 "finish_reason": reason})
             else:
                 choices.append({"index": index, "text": text, "logprobs": None, "finish_reason": reason})
+        if self.scoring:
+            try:
+                choices = await self._scored(choices, [c.result for c in self.choices])
+            except Exception as error:  # noqa: BLE001 - EngineFailed: 503, a failed scoring forward: 500
+                status = 503 if isinstance(error, EngineFailed) else 500
+                return JSONResponse(error_body(f"scoring failed: {error}", kind="server_error"), status_code=status)
         return JSONResponse(self._envelope(choices, usage=self.usage()))
 
     async def stream(self, engine: ServingEngine, events: asyncio.Queue):
@@ -252,7 +350,12 @@ class _Reply:
                     yield self._sse([{"index": index, "delta": {"role": "assistant", "content": ""},
                                       "finish_reason": None}])
             while pending:
-                index, event = await events.get()
+                try:
+                    index, event = await asyncio.wait_for(events.get(), timeout=LIVENESS_INTERVAL)
+                except TimeoutError:
+                    event = engine.failure  # an engine that died without a word still ends the stream
+                    if event is None:
+                        continue
                 if isinstance(event, BaseException):
                     yield "data: " + json.dumps(error_body(f"generation failed: {event}", kind="server_error")) + "\n\n"
                     return
@@ -263,12 +366,32 @@ class _Reply:
                     item = {"index": index, "delta": {"content": text}, "finish_reason": reason}
                 else:
                     item = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+                    if self.scoring:
+                        try:
+                            item = (await self._scored([item], [event.result]))[0]
+                        except Exception as error:  # noqa: BLE001 - the stream ends with the error
+                            yield "data: " + json.dumps(error_body(f"scoring failed: {error}", kind="server_error")) \
+                                + "\n\n"
+                            return
                 yield self._sse([item], wedlm={"forward": event.forwards, "tokens": len(event.tokens)})
             if self.include_usage:
                 yield self._sse([], usage=self.usage())
             yield "data: [DONE]\n\n"
         finally:  # also when the client went away: its rows are freed at the next step
             _cancel(engine, self.choices)
+
+    async def _scored(self, items: list[dict[str, Any]], results: list[GenerationResult | None]) -> list[dict]:
+        """Completion ``items`` with echo (the prompt's text starts a choice's first item) and logprobs
+        (in its last, once its reply is done: ``results``); scoring.py."""
+        for item in items:
+            if item["index"] not in self._echoed:
+                self._echoed.add(item["index"])
+                item["text"] = self.scoring.prefix(item["index"]) + item["text"]
+        done = [(item, result) for item, result in zip(items, results) if result is not None]
+        logprobs = await self.scoring.logprobs([(item["index"], result.token_ids) for item, result in done])
+        for (item, _), value in zip(done, logprobs):
+            item["logprobs"] = value
+        return items
 
     def _sse(self, choices: list[dict[str, Any]], **extra) -> str:
         return "data: " + json.dumps(self._envelope(choices, chunk=True, **extra)) + "\n\n"

@@ -14,6 +14,11 @@ is refused (:class:`QueueFull`) rather than held. Every request hears of its pro
 ``on_event``, called on the engine thread once per forward that decided tokens for it (the run its
 next forward commits, sent without waiting for that forward), and once when it ends; a callback
 that raises fails its own request only.
+
+An error the batch cannot contain (outside one forward, or in the thread itself) stops the engine
+loudly: every waiting and live request gets :class:`EngineFailed` naming the cause, later ones are
+refused with it, and :attr:`ServingEngine.failure` says so (``/health`` answers 503), as vLLM does
+once its engine is dead. Counters change under the lock, before the event that they count is sent.
 """
 
 from __future__ import annotations
@@ -25,12 +30,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
 from megatron_wedlm.decoding.model_runner import ModelRunner, packs_rows
 from megatron_wedlm.decoding.parallel import RowPlan, check_settings, decode_step, row_result, start_row
+from megatron_wedlm.decoding.prefix_cache import PrefixCache
 from megatron_wedlm.decoding.result import GenerationResult, find_stop_string
 from megatron_wedlm.decoding.settings import AUTOREGRESSIVE, DecodeSettings
 from megatron_wedlm.decoding.state import RowState
@@ -51,6 +58,10 @@ class QueueFull(Exception):
 
 class ShuttingDown(Exception):
     """The engine finishes the requests it has and takes no new ones."""
+
+
+class EngineFailed(RuntimeError):
+    """The engine thread stopped on an error; no request can be served until a restart."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +91,8 @@ class Request:
 
 @dataclass
 class EngineStats:
-    """Counters for ``/metrics``; read without the lock (each is one Python integer)."""
+    """Counters for ``/metrics``, changed under the engine's lock; read without it (each is one
+    Python integer)."""
 
     requests: dict[str, int] = field(default_factory=lambda: {"finished": 0, CANCELLED: 0, FAILED: 0, "refused": 0})
     tokens: int = 0  # generated tokens, all requests
@@ -95,11 +107,13 @@ class ServingEngine:
 
     ``max_rows``: rows decoded together; ``max_queue``: requests waiting for a row beyond those;
     ``max_model_len``: the longest prompt plus generation a row holds; ``max_window``: the widest
-    window a request may ask for. Call :meth:`start` once, :meth:`shutdown` at the end.
+    window a request may ask for; ``prefix_cache_bytes``: memory for prompt prefixes kept across
+    requests (:mod:`megatron_wedlm.decoding.prefix_cache`; 0: none). Call :meth:`start` once,
+    :meth:`shutdown` at the end.
     """
 
     def __init__(self, model, tokenizer, *, max_rows: int = 16, max_queue: int = 64, max_model_len: int = 2048,
-                 max_window: int = 64):
+                 max_window: int = 64, prefix_cache_bytes: int = 0):
         if not packs_rows(model):
             raise ValueError("the server decodes rows of different lengths in one packed forward: load the model "
                              "with attn_implementation='sdpa'")
@@ -109,11 +123,13 @@ class ServingEngine:
         self.max_rows, self.max_queue, self.max_model_len, self.max_window = max_rows, max_queue, max_model_len, max_window
         self.mask_id = check_settings(model, DecodeSettings())
         # a row holds its prompt and generation (max_model_len) plus the widest input of one forward
+        # prompt prefixes' keys/values kept across requests, up to prefix_cache_bytes (0: none)
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self.runner = ModelRunner(model, self.mask_id, max_rows, capacity=max_model_len + 2 * max_window,
-                                  record_steps=False)
+                                  record_steps=False, prefix_cache=self.prefix_cache)
         self.stats = EngineStats()
         self._cond = threading.Condition()
-        self._waiting: deque[Request] = deque()
+        self._waiting: dict[int, Request] = {}  # id -> request, first come first; a dict: cancelling is O(1)
         self._requests: dict[int, Request] = {}  # id -> request, for rows in the batch
         self._plans: dict[int, RowPlan] = {}
         self._sent: dict[int, int] = {}  # id -> tokens reported to the request so far
@@ -121,7 +137,9 @@ class ServingEngine:
         self._ids = itertools.count()
         self._running = 0
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="wedlm-engine", daemon=True)
+        self._failure: EngineFailed | None = None
+        self._jobs: deque[tuple[Callable[[], object], Future]] = deque()  # run_between_steps
+        self._thread = threading.Thread(target=self._run, name="wedlm-engine", daemon=True)
 
     # ---- called from the server's threads ------------------------------------------------------
     def start(self) -> None:
@@ -135,18 +153,25 @@ class ServingEngine:
         if settings.method != AUTOREGRESSIVE and settings.window_size > self.max_window:
             raise ValueError(f"window_size {settings.window_size} exceeds the server's max_window={self.max_window}")
 
+    @property
+    def failure(self) -> EngineFailed | None:
+        """Why the engine can serve nothing more (its thread stopped on an error, or is gone), else None."""
+        if self._failure is None and self._thread.ident is not None and not self._thread.is_alive() \
+                and not self._stopping:
+            return EngineFailed("the engine thread is no longer running")
+        return self._failure
+
     def submit(self, request: Request) -> Request:
         """Queue ``request``; raises ValueError when it does not fit (:meth:`check`), and
-        :class:`QueueFull` or :class:`ShuttingDown` instead of holding it."""
+        :class:`QueueFull`, :class:`ShuttingDown` or :class:`EngineFailed` instead of holding it."""
         self.check(request.prompt, request.settings)
         with self._cond:
-            if self._stopping:
-                raise ShuttingDown("the server is shutting down")
+            self._refuse_when_closed()
             if len(self._waiting) >= self.max_queue + max(0, self.max_rows - self._running):
                 self.stats.requests["refused"] += 1
                 raise QueueFull(self._retry_after())
             request.id = next(self._ids)
-            self._waiting.append(request)
+            self._waiting[request.id] = request
             self._cond.notify()
         return request
 
@@ -154,9 +179,26 @@ class ServingEngine:
         """Stop decoding ``request`` (its client went away); its row is freed at the next step."""
         with self._cond:
             request.cancelled = True
-            if request in self._waiting:
-                self._waiting.remove(request)
+            if self._waiting.pop(request.id, None) is not None:
                 self.stats.requests[CANCELLED] += 1
+
+    def run_between_steps(self, job: Callable[[], object]) -> Future:
+        """Run ``job`` on the engine thread between two steps, where no other forward runs (scoring.py
+        says why); the future holds its result or its exception, which fails nothing else."""
+        future: Future = Future()
+        with self._cond:
+            self._refuse_when_closed()
+            self._jobs.append((job, future))
+            self._cond.notify()
+        return future
+
+    def _refuse_when_closed(self) -> None:
+        """Raise what a new request or job gets from an engine that failed or is shutting down (under the lock)."""
+        failure = self.failure
+        if failure is not None:
+            raise failure
+        if self._stopping:
+            raise ShuttingDown("the server is shutting down")
 
     def load(self) -> tuple[int, int]:
         """``(rows decoding, requests waiting)``."""
@@ -188,6 +230,32 @@ class ServingEngine:
         return max(1, min(60, math.ceil((len(self._waiting) - self.max_queue + 1) / per_second)))
 
     # ---- the engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        """The thread: :meth:`_loop`, and on any error it did not contain, :meth:`_fail_all`."""
+        try:
+            self._loop()
+        except BaseException as error:  # noqa: BLE001 - reported to every client, then the thread ends
+            log.exception("the serving engine stopped on an error; every request fails")
+            self._fail_all(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        failure = EngineFailed(f"the serving engine stopped: {type(error).__name__}: {error}")
+        failure.__cause__ = error
+        with self._cond:
+            self._failure = failure
+            doomed = list(self._waiting.values()) + list(self._requests.values())
+            jobs = [future for _, future in self._jobs]
+            self._waiting.clear()
+            self._requests.clear()
+            self._jobs.clear()
+            self._running = 0
+            self.stats.requests[FAILED] += len(doomed)
+        for request in doomed:
+            self._deliver(request, failure)
+        for future in jobs:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(failure)
+
     def _loop(self) -> None:
         live: list[RowState] = []
         with torch.inference_mode(), self.runner:
@@ -195,6 +263,7 @@ class ServingEngine:
                 joining = self._next_requests(live)
                 if joining is None:
                     break
+                self._run_jobs()
                 for row in live:
                     if self._requests[row.index].cancelled and not row.finished:
                         row.stop_reason = CANCELLED
@@ -210,12 +279,25 @@ class ServingEngine:
     def _next_requests(self, live: list[RowState]) -> list[Request] | None:
         """The waiting requests that fit into the batch now; blocks while there is no work, None to stop."""
         with self._cond:
-            while not live and not self._waiting:
+            while not live and not self._waiting and not self._jobs:
                 if self._stopping:
                     return None
                 self._cond.wait()
             free = self.max_rows - sum(not row.finished and not self._requests[row.index].cancelled for row in live)
-            return [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+            ids = list(itertools.islice(self._waiting, max(0, free)))
+            return [self._waiting.pop(i) for i in ids]
+
+    def _run_jobs(self) -> None:
+        """The jobs queued before this step (:meth:`run_between_steps`); later ones wait for the next."""
+        with self._cond:
+            jobs = list(self._jobs)
+            self._jobs.clear()
+        for job, future in jobs:
+            if future.set_running_or_notify_cancel():  # False: its request has gone
+                try:
+                    future.set_result(job())
+                except Exception as error:  # noqa: BLE001 - the job's own request fails, the engine goes on
+                    future.set_exception(error)
 
     def _start(self, request: Request) -> RowState | None:
         """The row of ``request``, or None when its settings do not fit (the request fails alone)."""
@@ -225,8 +307,8 @@ class ServingEngine:
             self._requests[request.id] = request
             return row
         except Exception as error:  # noqa: BLE001 - reported to this request's client, the batch goes on
+            self._count(FAILED)
             self._deliver(request, error)
-            self.stats.requests[FAILED] += 1
             return None
 
     def _plan(self, settings: DecodeSettings, seed: int | None) -> RowPlan:
@@ -242,18 +324,11 @@ class ServingEngine:
 
     def _step(self, live: list[RowState]) -> None:
         before = [len(row.emitted) for row in live]  # tokens committed before this step
-        try:
-            decode_step(self.runner, live, lambda row: self._plans[row.index], self.tokenizer)
-        except Exception as error:  # noqa: BLE001 - the forward failed: its rows fail, the server goes on
-            log.exception("a decoding step failed; its %d requests fail", len(live))
-            for row in live:
-                row.stop_reason = FAILED
-                self._deliver(self._requests[row.index], error)
-                self.stats.requests[FAILED] += 1
-            return
-        now, stats = time.perf_counter(), self.stats
-        stats.forwards += 1
-        stats.row_forwards += len(live)
+        # a failing forward stops the engine (:meth:`_run`): the device or the cache may be left in
+        # any state, so no later step could be trusted (vLLM's engine is dead after one too)
+        decode_step(self.runner, live, lambda row: self._plans[row.index], self.tokenizer)
+        now = time.perf_counter()
+        events: list[tuple[RowState, Request, Progress]] = []
         made = 0
         for row, count in zip(live, before):
             request, plan = self._requests[row.index], self._plans[row.index]
@@ -266,14 +341,27 @@ class ServingEngine:
             if len(settled) == sent and result is None:
                 continue
             self._sent[row.index] = len(settled)
-            if not self._deliver(request, Progress(settled[sent:], row.forwards, result)):
+            events.append((row, request, Progress(settled[sent:], row.forwards, result)))
+        with self._cond:  # counted before the events go out: a client that has its reply sees it counted
+            stats = self.stats
+            stats.forwards += 1
+            stats.row_forwards += len(live)
+            stats.tokens += made
+            stats.recent.append((now, made))
+            for row, _, _ in events:
+                if row.finished:
+                    stats.requests["finished"] += 1
+                    stats.finishes.append(now)
+        for row, request, event in events:
+            if not self._deliver(request, event):
                 row.stop_reason = row.stop_reason or FAILED
-                stats.requests[FAILED] += 1
-            elif row.finished:
-                stats.requests["finished"] += 1
-                stats.finishes.append(now)
-        stats.tokens += made
-        stats.recent.append((now, made))
+                self._count(FAILED)
+                if event.result is not None:
+                    self._count("finished", -1)
+
+    def _count(self, status: str, n: int = 1) -> None:
+        with self._cond:
+            self.stats.requests[status] += n
 
     def _settled(self, row: RowState, plan: RowPlan) -> list[int]:
         """The row's tokens that can no longer change: those committed, and the run its next forward
@@ -283,7 +371,7 @@ class ServingEngine:
         run = row.committable(plan.policy.commit_count(row))
         tokens = row.emitted + run
         if run and plan.settings.stop_strings:
-            hit = find_stop_string(self.tokenizer, tokens, plan.settings.stop_strings)
+            hit = find_stop_string(self.tokenizer, tokens, plan.settings.stop_strings, len(row.emitted))
             if hit is not None:
                 tokens = tokens[: hit[0]]
         return tokens
@@ -301,5 +389,5 @@ class ServingEngine:
         self._plans.pop(row.index, None)
         self._sent.pop(row.index, None)
         if row.stop_reason == CANCELLED:
-            self.stats.requests[CANCELLED] += 1
+            self._count(CANCELLED)
 

@@ -35,6 +35,22 @@ class _EngineCollector(Collector):
                                 value=self.engine.tokens_per_second())
         yield GaugeMetricFamily("wedlm_tokens_per_forward", "Tokens committed per row forward since the start",
                                 value=stats.tokens / stats.row_forwards if stats.row_forwards else 0.0)
+        cache = self.engine.prefix_cache
+        if cache is not None:  # --no-prefix-cache: no series
+            yield CounterMetricFamily("wedlm_prefix_cache_prompt_tokens", "Prompt tokens of the requests started",
+                                      value=cache.stats.prompt_tokens)
+            yield CounterMetricFamily("wedlm_prefix_cache_hit_tokens",
+                                      "Prompt tokens whose keys/values came from the prefix cache",
+                                      value=cache.stats.hit_tokens)
+            yield GaugeMetricFamily("wedlm_prefix_cache_hit_rate",
+                                    "Cached prompt tokens / prompt tokens since the start", value=cache.stats.hit_rate)
+            yield GaugeMetricFamily("wedlm_prefix_cache_blocks", f"Blocks of {cache.block_size} prompt tokens held",
+                                    value=len(cache))
+            yield GaugeMetricFamily("wedlm_prefix_cache_bytes", "Bytes of keys/values held", value=cache.bytes)
+            yield GaugeMetricFamily("wedlm_prefix_cache_capacity_bytes",
+                                    "The bound on the bytes held (--prefix-cache-gib)", value=cache.max_bytes)
+            yield CounterMetricFamily("wedlm_prefix_cache_evictions", "Blocks evicted to stay within the bound",
+                                      value=cache.stats.evictions)
 
 
 def metrics_registry(engine: ServingEngine) -> CollectorRegistry:

@@ -2,12 +2,14 @@
 
 Fields are those of OpenAI's ``/v1/completions`` and ``/v1/chat/completions``; a field the API
 does not have is refused (400), so a misspelt setting is reported instead of silently decoded
-with a default. Fields the API has but this server cannot honour (``logprobs``, ``n > 1``,
-penalties) are refused with the reason, unless given at their neutral value, which clients such as
-lm-evaluation-harness send. WeDLM's own knobs are extra fields: ``method`` (``streaming``,
-``blockwise``, ``ar``), ``window_size``, ``entropy_threshold`` (``null``: one slot per forward)
-and ``distance_penalty``; what a request leaves out comes from the model's
-``generation_config.json`` (:mod:`megatron_wedlm.decoding.options`), then the built-in defaults.
+with a default. Fields the API has but this server cannot honour (``n > 1``, penalties, chat's
+``logprobs``) are refused with the reason, unless given at their neutral value, which clients such
+as lm-evaluation-harness send. ``/v1/completions`` takes ``logprobs`` (0 to :data:`MAX_LOGPROBS`)
+and ``echo``, and ``max_tokens: 0`` with ``echo`` (the prompt alone): :mod:`.scoring`. WeDLM's
+own knobs are extra fields: ``method`` (``streaming``, ``blockwise``, ``ar``), ``window_size``,
+``entropy_threshold`` (``null``: one slot per forward) and ``distance_penalty``; what a request
+leaves out comes from the model's ``generation_config.json`` (:mod:`megatron_wedlm.decoding.options`),
+then the built-in defaults.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from megatron_wedlm.decoding.settings import METHODS, DecodeSettings
+
+#: the most top tokens per position a request may ask for (``logprobs``), vLLM's default ``max_logprobs``
+MAX_LOGPROBS = 20
 
 
 class BadRequest(ValueError):
@@ -55,12 +60,16 @@ class _Knobs(BaseModel):
         """Refuse what this server cannot do, naming the field."""
         if self.n != 1:
             raise BadRequest("n > 1 is not supported: send the request n times (with different seeds)", "n")
-        if self.logprobs not in (None, False, 0):
-            raise BadRequest("logprobs are not supported by this server", "logprobs")
+        self._check_logprobs()
         if self.presence_penalty or self.frequency_penalty:
             raise BadRequest("presence and frequency penalties are not supported", "presence_penalty")
         if self.logit_bias:
             raise BadRequest("logit_bias is not supported", "logit_bias")
+
+    def _check_logprobs(self) -> None:
+        if self.logprobs not in (None, False, 0):
+            raise BadRequest("logprobs are not supported on chat completions; /v1/completions returns them "
+                             f"(logprobs: 0 to {MAX_LOGPROBS}, with echo: true for the prompt's)", "logprobs")
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -89,15 +98,30 @@ class CompletionRequest(_Knobs):
     """``POST /v1/completions``: ``prompt`` is a string, a list of strings, token ids, or lists of them."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
 
+    def _check_logprobs(self) -> None:
+        value = self.logprobs
+        if value is None or value is False:
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
+            raise BadRequest(f"logprobs must be an integer from 0 to {MAX_LOGPROBS} (the most likely tokens "
+                             f"reported per position, besides the token itself), or null; got {value!r}",
+                             "logprobs")
+
+    @property
+    def logprobs_top_n(self) -> int | None:
+        """How many top tokens to report per position, None for no ``logprobs`` object."""
+        return None if self.logprobs is None or self.logprobs is False else int(self.logprobs)
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise BadRequest("echo is not supported", "echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise BadRequest("max_tokens 0 returns the prompt alone: it needs echo: true (with logprobs: N, the "
+                             "prompt's log-probabilities)", "max_tokens")
         if self.best_of not in (None, 1):
             raise BadRequest("best_of > 1 is not supported", "best_of")
         if self.suffix:

@@ -1,0 +1,204 @@
+"""Automatic prefix caching: prompt keys/values kept across requests, in blocks of tokens.
+
+WeDLM decodes under a strict causal mask, so the keys and values of a prompt's first n tokens
+depend on those n tokens only, whatever follows them (docs/method.md §3): a system prompt, few-shot
+examples or the earlier turns of a chat computed for one request are exact for the next request
+that starts with them. (A bidirectional diffusion LM has no such prefix: its prompt attends to the
+masks after it.) This module keeps them, as vLLM's automatic prefix caching and nano-vllm's
+``BlockManager`` do.
+
+* **Blocks.** A prompt is cut into blocks of :data:`BLOCK_SIZE` tokens; only full blocks are kept,
+  and only prompt tokens (never a window slot: the window follows the prompt). A block's identity
+  covers every token before it: it is keyed by ``(its parent block's serial, its own tokens)``, so
+  the key chain spells out the whole prefix and two prompts share a block only if they agree on
+  everything up to its end. The keys are compared exactly (a dict of tuples), so no hash
+  collision can hand one prompt another's keys and values.
+* **Storage.** A block holds its keys and values for every layer, ``[layers, kv_heads, block,
+  head_dim]`` each, on the device of the :class:`~.row_cache.RowKVCache` they were copied from
+  (post-RoPE, as HF caches them: a block is only ever reused at the positions it was computed at,
+  since chains start at position 0).
+* **Reuse.** :meth:`PrefixCache.load` finds the longest run of held blocks at the start of a
+  prompt, leaving at least one prompt token uncached (the first forward needs a query to predict
+  from, as in vLLM), and copies their keys and values into a row of the decoding cache, one copy
+  per layer; the caller then sets that row's committed length, and the row's first forward
+  prefills only the rest of its prompt (:class:`~.model_runner.ModelRunner`). After that forward
+  :meth:`PrefixCache.store` copies the prompt's full blocks that are not held yet out of the row.
+* **Bound.** The blocks held never exceed ``max_bytes``. To make room the least recently used
+  block is evicted, and only a leaf (a block no held block continues): a prefix is evicted after
+  everything that extends it. Both follow from one ordering: blocks are kept oldest first, and a
+  lookup or store moves the blocks it used to the end deepest first, so a block always sits after
+  all its descendants and the oldest block is a leaf.
+
+Block size: 16 tokens, vLLM's default. A hit loses at most 15 tokens of the shared prefix to the
+block boundary, and a block is a few hundred KB to a few MB (``2 x layers x kv_heads x head_dim x 16``
+values), small enough that eviction frees memory finely and large enough that a 4k-token prompt is
+256 dictionary lookups.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from .row_cache import RowKVCache
+
+BLOCK_SIZE = 16
+_ROOT = -1  # the parent serial of a prompt's first block
+
+
+class _Block:
+    """``size`` tokens of a prompt, after the prefix its parent chain spells out, with their keys/values."""
+
+    __slots__ = ("key", "serial", "parent", "keys", "values", "children", "nbytes")
+
+    def __init__(self, key: tuple, serial: int, parent: "_Block | None", keys: torch.Tensor, values: torch.Tensor):
+        self.key, self.serial, self.parent = key, serial, parent
+        self.keys, self.values = keys, values  # [layers, kv_heads, block, head_dim]
+        self.children = 0
+        self.nbytes = keys.numel() * keys.element_size() + values.numel() * values.element_size()
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counters for ``/metrics``; changed on the engine thread, read from others (plain integers)."""
+
+    prompt_tokens: int = 0  # tokens of the prompts looked up
+    hit_tokens: int = 0  # of them, copied from the cache instead of computed
+    stored_blocks: int = 0
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class PrefixCache:
+    """Prompt blocks' keys/values across requests, at most ``max_bytes`` of them; see the module docstring."""
+
+    def __init__(self, max_bytes: int, block_size: int = BLOCK_SIZE):
+        if max_bytes <= 0 or block_size < 1:
+            raise ValueError(f"a prefix cache needs max_bytes > 0 and block_size >= 1, got {max_bytes}, {block_size}")
+        self.max_bytes, self.block_size = int(max_bytes), block_size
+        self.bytes = 0
+        self.stats = PrefixCacheStats()
+        self._blocks: OrderedDict[tuple, _Block] = OrderedDict()  # oldest first; a block after its descendants
+        self._serials = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    # ---- the requests' side ----------------------------------------------------------------------
+    def match(self, prompt: list[int], max_blocks: int | None = None) -> list[_Block]:
+        """The held blocks that start ``prompt``, longest run first to last (at most ``max_blocks``);
+        they become the most recently used."""
+        size = self.block_size
+        limit = len(prompt) // size if max_blocks is None else min(max_blocks, len(prompt) // size)
+        chain, parent = [], _ROOT
+        for k in range(limit):
+            block = self._blocks.get((parent, tuple(prompt[k * size : (k + 1) * size])))
+            if block is None:
+                break
+            chain.append(block)
+            parent = block.serial
+        self._touch(chain)
+        return chain
+
+    def load(self, prompt: list[int], cache: RowKVCache, row: int) -> int:
+        """Copy the keys/values of the longest held run of ``prompt``'s blocks into slots ``0 ..`` of
+        ``row`` of ``cache``, leaving at least its last token to compute; returns how many tokens
+        were copied (the row's committed length is the caller's to set)."""
+        self.stats.prompt_tokens += len(prompt)
+        if not cache.layers or not cache.layers[0].is_initialized:  # nothing decoded yet: nothing held
+            return 0
+        chain = self.match(prompt, (len(prompt) - 1) // self.block_size)
+        if not chain:
+            return 0
+        n = len(chain) * self.block_size
+        keys = torch.cat([block.keys for block in chain], dim=2)  # [layers, kv_heads, n, head_dim]
+        values = torch.cat([block.values for block in chain], dim=2)
+        for index, layer in enumerate(cache.layers):  # one copy per layer and tensor
+            layer.keys[row, :, :n].copy_(keys[index])
+            layer.values[row, :, :n].copy_(values[index])
+        self.stats.hit_tokens += n
+        return n
+
+    def store(self, prompt: list[int], cache: RowKVCache, row: int) -> int:
+        """Keep the full blocks of ``prompt`` not held yet, copied from ``row`` of ``cache``, whose
+        slots ``0 .. len(prompt)`` must hold the prompt's exact keys/values (its first forward is
+        done). Evicts least recently used leaves to stay within ``max_bytes``; stops early when only
+        the prompt's own blocks are left to evict. Returns how many blocks were added."""
+        size = self.block_size
+        chain = self.match(prompt)
+        first, last = len(chain), len(prompt) // size
+        if first == last:
+            return 0
+        parent = chain[-1] if chain else None
+        added, nbytes = 0, self._block_bytes(cache)
+        # the new blocks of every layer in one tensor, [layers, kv_heads, tokens, head_dim], then one copy per block
+        span = slice(first * size, last * size)
+        keys = torch.stack([layer.keys[row, :, span] for layer in cache.layers])
+        values = torch.stack([layer.values[row, :, span] for layer in cache.layers])
+        for k in range(last - first):
+            if not self._make_room(nbytes, keep=parent):
+                break
+            start, end = (first + k) * size, (first + k + 1) * size
+            key = (_ROOT if parent is None else parent.serial, tuple(prompt[start:end]))
+            block = _Block(key, next(self._serials), parent, keys[:, :, k * size : (k + 1) * size].clone(),
+                           values[:, :, k * size : (k + 1) * size].clone())
+            self._blocks[key] = block
+            self.bytes += block.nbytes
+            if parent is not None:
+                parent.children += 1
+            chain.append(block)
+            parent = block
+            added += 1
+        self._touch(chain)  # the new blocks went in parent first: restore "a block after its descendants"
+        self.stats.stored_blocks += added
+        return added
+
+    # ---- bookkeeping ------------------------------------------------------------------------------
+    def _touch(self, chain: list[_Block]) -> None:
+        """Make ``chain`` (a prefix's blocks, first to last) the most recently used, deepest first."""
+        for block in reversed(chain):
+            self._blocks.move_to_end(block.key)
+
+    def _block_bytes(self, cache: RowKVCache) -> int:
+        per_token = sum(layer.keys[0, :, 0].numel() * layer.keys.element_size()
+                        + layer.values[0, :, 0].numel() * layer.values.element_size() for layer in cache.layers)
+        return per_token * self.block_size
+
+    def _make_room(self, nbytes: int, keep: _Block | None) -> bool:
+        """Evict least recently used leaves until ``nbytes`` more fit; False when they cannot (the
+        block is larger than the bound, or only ``keep`` and its ancestors are left)."""
+        if nbytes > self.max_bytes:
+            return False
+        while self.bytes + nbytes > self.max_bytes:
+            oldest = next(iter(self._blocks.values()))
+            if oldest is keep or oldest.children:  # the chain being extended: nothing else to evict
+                return False
+            self._evict(oldest)
+        return True
+
+    def _evict(self, block: _Block) -> None:
+        del self._blocks[block.key]
+        self.bytes -= block.nbytes
+        if block.parent is not None:
+            block.parent.children -= 1
+        self.stats.evictions += 1
+
+    def check(self) -> None:
+        """Assert the invariants (tests): the bound, the byte count, every block's parent held and
+        after it in the recency order, children counts."""
+        position = {block.serial: i for i, block in enumerate(self._blocks.values())}
+        children: dict[int, int] = {}
+        for block in self._blocks.values():
+            if block.parent is not None:
+                assert block.parent.serial in position, "a block is held without its parent"
+                assert position[block.parent.serial] > position[block.serial], "a parent is older than its child"
+                children[block.parent.serial] = children.get(block.parent.serial, 0) + 1
+            assert block.key[0] == (_ROOT if block.parent is None else block.parent.serial)
+        assert all(block.children == children.get(block.serial, 0) for block in self._blocks.values())
+        assert self.bytes == sum(block.nbytes for block in self._blocks.values()) <= self.max_bytes

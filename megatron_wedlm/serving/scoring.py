@@ -1,0 +1,200 @@
+"""Log-probabilities through ``/v1/completions``: ``logprobs`` and ``echo``, laid out as vLLM returns them.
+
+This is what lm-evaluation-harness's ``local-completions`` model needs for multiple-choice tasks
+(ARC, HellaSwag, MMLU): it sends ``prompt`` = context + continuation, ``echo: true``,
+``logprobs: 1``, ``max_tokens: 1``, and sums ``choices[i].logprobs.token_logprobs[ctxlen:-1]``
+(the last entry is the generated token's).
+
+**What the numbers are.** Every log-probability is the model's *causal* (next-token)
+log-probability, from one plain forward of the HF model over the prompt and the reply, without the
+decoder's row cache, log-softmax in fp32 over the whole vocabulary: the number lm-eval's ``hf``
+model computes for the same tokens. With ``echo`` the prompt's tokens come first, the first of
+them with a ``null`` log-probability. For the reply (``max_tokens > 0``) it is the same
+teacher-forced forward after the reply is done, so the numbers mean the same for every method: for
+``method: "ar"`` they are the distributions the decoder drew from, before temperature and top-p
+(vLLM's raw log-probabilities), up to floating-point differences between the cached and the plain
+forward, and the mask token, which the decoder never emits but this softmax includes; for WeDLM's
+parallel methods, which commit tokens from distributions conditioned on masked slots, they are
+the model's causal log-probabilities of the committed tokens, not the ones the commit was decided
+on. A streamed reply therefore carries its
+``logprobs`` in the last chunk of each choice only (all of that choice's tokens, ``text_offset``
+counted from the start of the choice's streamed text); with ``echo`` the prompt's text starts its
+first chunk.
+
+Each position reports the token and, in ``top_logprobs``, the token first and then the
+``logprobs`` most likely tokens (so N or N + 1 entries, as vLLM); tokens are single-token decodes
+(``tokenizer.decode([id])``), ``text_offset`` their running lengths, log-probabilities at least
+-9999.0 (OpenAI's stand-in for minus infinity).
+
+**Where the forward runs: on the engine thread, between two decoding steps**
+(:meth:`ServingEngine.run_between_steps`). That thread owns the model: it keeps the packed
+attention switched on for its whole loop (:func:`packed_attention`), so a forward on any other
+thread would run through it without a packing, or would have to switch it off under the engine's
+feet. A lock around the engine's step would do the same job, but Python's locks are not fair (a
+busy engine releases and retakes its lock with nothing in between, and a scoring request could
+wait indefinitely), and it would share the device between two threads. A queue the engine drains
+between steps has neither problem: scoring waits at most one step, decoding waits for the
+scorings queued before its next step, and no two forwards ever overlap. A scoring forward that
+fails (out of memory, say) fails its own request only: it touches neither the cache nor a row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from megatron_wedlm.decoding.packed_attention import plain_attention
+
+from .engine import ServingEngine
+from .openai_api import CompletionRequest
+
+#: OpenAI's finite stand-in for a log-probability of minus infinity (vLLM clamps to it too)
+LOGPROB_FLOOR = -9999.0
+#: padded tokens of one scoring forward at most (its logits are ``tokens x vocab``); a longer sequence goes alone
+BATCH_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class TokenScores:
+    """Log-probabilities of ``ids[first:]`` of one sequence: ``logprobs[k]`` is that of ``ids[first + k]``
+    given the tokens before it (None for the sequence's first token, which has none), ``top[k]``
+    the ``(token id, logprob)`` pairs of the most likely tokens at that position, most likely first."""
+
+    ids: list[int]
+    first: int
+    logprobs: list[float | None]
+    top: list[list[tuple[int, float]]]
+
+
+def score_tokens(model, sequences: Sequence[Sequence[int]], first: Sequence[int], top_n: int,
+                 batch_tokens: int = BATCH_TOKENS) -> list[TokenScores]:
+    """The causal log-probabilities of ``sequences[i][first[i]:]`` under ``model`` (an HF causal LM),
+    with the ``top_n`` most likely tokens at each position.
+
+    Plain forwards without a KV cache, several sequences right-padded into one forward (with their
+    attention mask) up to ``batch_tokens`` padded tokens; the log-softmax is taken in fp32. Inside
+    the engine's packed-attention block it runs with plain SDPA (:func:`plain_attention`).
+    """
+    results: list[TokenScores | None] = [None] * len(sequences)
+    device = model.device
+    with torch.inference_mode(), plain_attention(model):
+        for group in _batches([len(s) for s in sequences], batch_tokens):
+            width = max(len(sequences[i]) for i in group)
+            ids = torch.zeros(len(group), width, dtype=torch.long)
+            mask = torch.zeros(len(group), width, dtype=torch.long)
+            for r, i in enumerate(group):
+                ids[r, : len(sequences[i])] = torch.tensor(list(sequences[i]), dtype=torch.long)
+                mask[r, : len(sequences[i])] = 1
+            padded = bool((mask == 0).any())  # one sequence, or equal lengths: HF's plain causal mask
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device) if padded else None,
+                           use_cache=False).logits
+            for r, i in enumerate(group):
+                seq, start = list(sequences[i]), first[i]
+                head: list[float | None] = [None] if start == 0 else []
+                scored = max(start, 1)
+                if scored >= len(seq):
+                    results[i] = TokenScores(seq, start, head, [[] for _ in head])
+                    continue
+                logp = F.log_softmax(logits[r, scored - 1 : len(seq) - 1].float(), dim=-1)
+                target = torch.tensor(seq[scored:], dtype=torch.long, device=logp.device)
+                chosen = logp.gather(1, target[:, None])[:, 0].tolist()
+                if top_n:
+                    values, indices = logp.topk(min(top_n, logp.shape[-1]), dim=-1)
+                    top = [list(zip(ix, vs)) for ix, vs in zip(indices.tolist(), values.tolist())]
+                else:
+                    top = [[] for _ in chosen]
+                results[i] = TokenScores(seq, start, head + chosen, [[] for _ in head] + top)
+    return results  # type: ignore[return-value]
+
+
+def _batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
+    """Consecutive groups of sequence indices whose padded size (rows x longest) stays within ``batch_tokens``."""
+    groups: list[list[int]] = []
+    for i, n in enumerate(lengths):
+        if groups and (len(groups[-1]) + 1) * max(n, *(lengths[j] for j in groups[-1])) <= batch_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def logprobs_object(tokenizer, scores: TokenScores, top_n: int) -> dict:
+    """OpenAI's legacy completions ``logprobs`` (``tokens``, ``token_logprobs``, ``top_logprobs``,
+    ``text_offset``) of ``scores.ids[scores.first:]``, as vLLM lays it out."""
+    ids = scores.ids[scores.first:]
+    wanted = set(ids) | {t for row in scores.top for t, _ in row[:top_n]}
+    order = sorted(wanted)
+    text = dict(zip(order, tokenizer.batch_decode([[t] for t in order])))
+    tokens, token_logprobs, top_logprobs, offsets, offset = [], [], [], [], 0
+    for token, logprob, top in zip(ids, scores.logprobs, scores.top):
+        tokens.append(text[token])
+        offsets.append(offset)
+        offset += len(text[token])
+        if logprob is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
+        token_logprobs.append(max(logprob, LOGPROB_FLOOR))
+        entries = {text[token]: max(logprob, LOGPROB_FLOOR)}  # the token first, then the top ones
+        for other, value in top[:top_n]:
+            entries.setdefault(text[other], max(value, LOGPROB_FLOOR))
+        top_logprobs.append(entries)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}
+
+
+class CompletionScoring:
+    """What ``echo`` and ``logprobs`` add to the choices of one completions request.
+
+    Choice ``i`` answers prompt ``i`` (``texts[i]`` as sent, ``prompts[i]`` its token ids).
+    :meth:`prefix` is the text a choice starts with (the prompt's with ``echo``), :meth:`logprobs`
+    the ``logprobs`` objects of finished choices, scored on the engine thread. ``poll``: how often a
+    wait looks whether the engine failed (seconds).
+    """
+
+    def __init__(self, engine: ServingEngine, tokenizer, texts: Sequence[str | list[int]],
+                 prompts: Sequence[list[int]], echo: bool, top_n: int | None, poll: float = 0.5):
+        self.engine, self.tokenizer, self.prompts = engine, tokenizer, list(prompts)
+        self.echo, self.top_n, self.poll = echo, top_n, poll
+        self.texts = [t if isinstance(t, str) else tokenizer.decode(t) for t in texts] if echo else []
+
+    @classmethod
+    def of(cls, body: CompletionRequest, engine: ServingEngine, tokenizer, texts: Sequence[str | list[int]],
+           prompts: Sequence[list[int]], poll: float = 0.5) -> CompletionScoring | None:
+        """The request's scoring, None when it asks for neither ``echo`` nor ``logprobs``."""
+        if not body.echo and body.logprobs_top_n is None:
+            return None
+        return cls(engine, tokenizer, texts, prompts, body.echo, body.logprobs_top_n, poll)
+
+    def prefix(self, index: int) -> str:
+        return self.texts[index] if self.echo else ""
+
+    async def logprobs(self, replies: Sequence[tuple[int, Sequence[int]]]) -> list[dict | None]:
+        """The ``logprobs`` object of each ``(choice index, reply token ids)``, all scored in one
+        engine job; Nones without ``logprobs``. Raises the engine's failure if it stops meanwhile."""
+        if self.top_n is None or not replies:
+            return [None] * len(replies)
+        sequences = [self.prompts[i] + list(reply) for i, reply in replies]
+        first = [0 if self.echo else len(self.prompts[i]) for i, _ in replies]
+        model, top_n = self.engine.model, self.top_n
+        future = self.engine.run_between_steps(lambda: score_tokens(model, sequences, first, top_n))
+        scores = await self._wait(future)
+        return [logprobs_object(self.tokenizer, s, top_n) for s in scores]
+
+    async def _wait(self, future: Future):
+        waiting = asyncio.wrap_future(future)
+        try:
+            while True:
+                done, _ = await asyncio.wait({waiting}, timeout=self.poll)
+                if done:
+                    return waiting.result()
+                failure = self.engine.failure  # an engine that died never runs the job
+                if failure is not None:
+                    raise failure
+        finally:
+            future.cancel()  # the request ended first (its client left, the engine failed): skip the job
