@@ -1,38 +1,20 @@
-"""Automatic prefix caching: prompt keys/values kept across requests, in blocks of tokens.
+"""Automatic prefix caching: prompt keys/values kept across requests, in blocks of 16 tokens.
 
-WeDLM decodes under a strict causal mask, so the keys and values of a prompt's first n tokens
-depend on those n tokens only, whatever follows them (docs/method.md §3): a system prompt, few-shot
-examples or the earlier turns of a chat computed for one request are exact for the next request
-that starts with them. (A bidirectional diffusion LM has no such prefix: its prompt attends to the
-masks after it.) This module keeps them, as vLLM's automatic prefix caching and nano-vllm's
-``BlockManager`` do.
+Under WeDLM's strict causal mask the keys and values of a prompt's first n tokens depend on those n
+tokens only (docs/method.md §3), so a system prompt or the earlier turns of a chat computed for one
+request are exact for the next request that starts with them, as in vLLM's automatic prefix caching.
 
-* **Blocks.** A prompt is cut into blocks of :data:`BLOCK_SIZE` tokens; only full blocks are kept,
-  and only prompt tokens (never a window slot: the window follows the prompt). A block's identity
-  covers every token before it: it is keyed by ``(its parent block's serial, its own tokens)``, so
-  the key chain spells out the whole prefix and two prompts share a block only if they agree on
-  everything up to its end. The keys are compared exactly (a dict of tuples), so no hash
-  collision can hand one prompt another's keys and values.
-* **Storage.** A block holds its keys and values for every layer, ``[layers, kv_heads, block,
-  head_dim]`` each, on the device of the :class:`~.row_cache.RowKVCache` they were copied from
-  (post-RoPE, as HF caches them: a block is only ever reused at the positions it was computed at,
-  since chains start at position 0).
-* **Reuse.** :meth:`PrefixCache.load` finds the longest run of held blocks at the start of a
-  prompt, leaving at least one prompt token uncached (the first forward needs a query to predict
-  from, as in vLLM), and copies their keys and values into a row of the decoding cache, one copy
-  per layer; the caller then sets that row's committed length, and the row's first forward
-  prefills only the rest of its prompt (:class:`~.model_runner.ModelRunner`). After that forward
-  :meth:`PrefixCache.store` copies the prompt's full blocks that are not held yet out of the row.
-* **Bound.** The blocks held never exceed ``max_bytes``. To make room the least recently used
-  block is evicted, and only a leaf (a block no held block continues): a prefix is evicted after
-  everything that extends it. Both follow from one ordering: blocks are kept oldest first, and a
-  lookup or store moves the blocks it used to the end deepest first, so a block always sits after
-  all its descendants and the oldest block is a leaf.
+* A block is keyed by ``(its parent block's serial, its own tokens)``, compared exactly: the chain
+  spells out the whole prefix and no hash collision can hand one prompt another's keys/values.
+  Only full blocks of prompt tokens are kept, post-RoPE, for every layer.
+* :meth:`PrefixCache.load` copies the longest held run (leaving at least one prompt token to
+  compute) into a row of the decoding cache; :meth:`PrefixCache.store` copies a prompt's new full
+  blocks out after its first forward.
+* The blocks held stay under ``max_bytes``. Blocks are kept oldest first and every use moves its
+  chain to the end deepest first, so evicting the oldest is both least recently used and a leaf.
 
-Block size: 16 tokens, vLLM's default. A hit loses at most 15 tokens of the shared prefix to the
-block boundary, and a block is a few hundred KB to a few MB (``2 x layers x kv_heads x head_dim x 16``
-values), small enough that eviction frees memory finely and large enough that a 4k-token prompt is
-256 dictionary lookups.
+Block size 16 (vLLM's default): a hit loses at most 15 tokens at the boundary, and eviction frees
+memory finely. docs/serving.md says what the cache guarantees.
 """
 
 from __future__ import annotations

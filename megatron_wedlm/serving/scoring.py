@@ -1,41 +1,18 @@
-"""Log-probabilities through ``/v1/completions``: ``logprobs`` and ``echo``, laid out as vLLM returns them.
+"""Log-probabilities through ``/v1/completions`` (``logprobs``, ``echo``), laid out as vLLM returns them.
 
-This is what lm-evaluation-harness's ``local-completions`` model needs for multiple-choice tasks
-(ARC, HellaSwag, MMLU): it sends ``prompt`` = context + continuation, ``echo: true``,
-``logprobs: 1``, ``max_tokens: 1``, and sums ``choices[i].logprobs.token_logprobs[ctxlen:-1]``
-(the last entry is the generated token's).
+lm-evaluation-harness's ``local-completions`` scores multiple choice this way: ``prompt`` = context
++ continuation, ``echo: true``, ``logprobs: 1``, ``max_tokens: 1``, summing
+``token_logprobs[ctxlen:-1]``. Every number is the model's causal log-probability from one plain HF
+forward over prompt and reply (no row cache, fp32 log-softmax): what lm-eval's ``hf`` model
+computes. For a decoded reply it is the same teacher-forced forward once the reply is done, so for
+WeDLM's parallel methods it is the causal log-probability of the committed tokens, not the
+distribution the commit was decided on (docs/serving.md); a stream carries it in each choice's
+last chunk.
 
-**What the numbers are.** Every log-probability is the model's *causal* (next-token)
-log-probability, from one plain forward of the HF model over the prompt and the reply, without the
-decoder's row cache, log-softmax in fp32 over the whole vocabulary: the number lm-eval's ``hf``
-model computes for the same tokens. With ``echo`` the prompt's tokens come first, the first of
-them with a ``null`` log-probability. For the reply (``max_tokens > 0``) it is the same
-teacher-forced forward after the reply is done, so the numbers mean the same for every method: for
-``method: "ar"`` they are the distributions the decoder drew from, before temperature and top-p
-(vLLM's raw log-probabilities), up to floating-point differences between the cached and the plain
-forward, and the mask token, which the decoder never emits but this softmax includes; for WeDLM's
-parallel methods, which commit tokens from distributions conditioned on masked slots, they are
-the model's causal log-probabilities of the committed tokens, not the ones the commit was decided
-on. A streamed reply therefore carries its
-``logprobs`` in the last chunk of each choice only (all of that choice's tokens, ``text_offset``
-counted from the start of the choice's streamed text); with ``echo`` the prompt's text starts its
-first chunk.
-
-Each position reports the token and, in ``top_logprobs``, the token first and then the
-``logprobs`` most likely tokens (so N or N + 1 entries, as vLLM); tokens are single-token decodes
-(``tokenizer.decode([id])``), ``text_offset`` their running lengths, log-probabilities at least
--9999.0 (OpenAI's stand-in for minus infinity).
-
-**Where the forward runs: on the engine thread, between two decoding steps**
-(:meth:`ServingEngine.run_between_steps`). That thread owns the model: it keeps the packed
-attention switched on for its whole loop (:func:`packed_attention`), so a forward on any other
-thread would run through it without a packing, or would have to switch it off under the engine's
-feet. A lock around the engine's step would do the same job, but Python's locks are not fair (a
-busy engine releases and retakes its lock with nothing in between, and a scoring request could
-wait indefinitely), and it would share the device between two threads. A queue the engine drains
-between steps has neither problem: scoring waits at most one step, decoding waits for the
-scorings queued before its next step, and no two forwards ever overlap. A scoring forward that
-fails (out of memory, say) fails its own request only: it touches neither the cache nor a row.
+The forward runs on the engine thread between two decoding steps
+(:meth:`ServingEngine.run_between_steps`): that thread keeps the packed attention on for its whole
+loop, and a lock around its step would not be fair to a waiting scorer. A failing scoring forward
+fails its own request only.
 """
 
 from __future__ import annotations
