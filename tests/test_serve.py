@@ -329,14 +329,16 @@ def test_an_exception_in_one_request_fails_that_request_only(model_dir, local):
     # a prompt beyond the model's positions passes the engine's check and fails when its row starts
     engine.submit(Request(list(range(5)) * 220, DecodeSettings(max_new_tokens=8, window_size=4), handler(2)))
     engine.submit(Request(prompts[3], settings, handler(3)))
-    for _ in range(3):
+    # no stop ids given: the engine stops at the model's EOS, as generate() does
+    engine.submit(Request(prompts[0], DecodeSettings(max_new_tokens=30, window_size=4), handler(4)))
+    for _ in range(4):
         assert done.acquire(timeout=60)
     wait_for(lambda: engine.load() == (0, 0))
     engine.shutdown()
     assert isinstance(outcomes[2][0], ValueError) and "max_position_embeddings" in str(outcomes[2][0])
     assert len(outcomes[1]) == 2 and outcomes[1][-1].result is None  # dropped at its failing event
     assert engine.stats.requests["failed"] == 2
-    for key in (0, 3):
+    for key, prompt in ((0, PROMPTS[0]), (3, PROMPTS[3]), (4, PROMPTS[0])):
         result = outcomes[key][-1].result
-        assert result.token_ids == reference(local, PROMPTS[key], max_new_tokens=30, window_size=4).token_ids
+        assert result.token_ids == reference(local, prompt, max_new_tokens=30, window_size=4).token_ids
         assert sum((event.tokens for event in outcomes[key]), []) == result.token_ids

@@ -8,14 +8,13 @@ so it is never emitted (as in the parallel decoders).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 
 import torch
 from transformers import GenerationConfig
 
-from .checks import check_fits, check_full_attention, generation_budget, resolve_stop_token_ids
+from .checks import check_fits, check_full_attention, generation_budget, with_default_stops
 from .result import (
     MAX_NEW_TOKENS,
     MAX_POSITIONS,
@@ -51,8 +50,7 @@ def ar_decode(
     model's EOS ids (:func:`~.checks.eos_token_ids`), as ``generate`` itself would stop.
     """
     check_full_attention(model)
-    settings = dataclasses.replace(
-        settings, stop_token_ids=resolve_stop_token_ids(model, settings.stop_token_ids, tokenizer))
+    settings = with_default_stops(settings, model, tokenizer)
     for prompt in prompts:
         check_fits(model, len(prompt), 1)
     if batch_size is None:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .settings import DecodeSettings
 
 
 def as_token_list(prompt_ids) -> list[int]:
@@ -70,11 +75,13 @@ def eos_token_ids(model, tokenizer=None) -> list[int]:
     return sorted(ids)
 
 
-def resolve_stop_token_ids(model, stop_token_ids: Sequence[int] | None, tokenizer=None) -> tuple[int, ...]:
-    """``stop_token_ids`` as given (``()``: none), or for None the model's EOS ids (:func:`eos_token_ids`)."""
-    if stop_token_ids is None:
-        return tuple(eos_token_ids(model, tokenizer))
-    return tuple(stop_token_ids)
+def with_default_stops(settings: DecodeSettings, model, tokenizer=None) -> DecodeSettings:
+    """``settings`` whose ``stop_token_ids`` None (the default) is replaced by the model's EOS ids
+    (:func:`eos_token_ids`); given ids, ``()`` included, stay. Every decoder that starts rows calls
+    it (``decode``, ``ar_decode``, the server's engine), so a row never sees None."""
+    if settings.stop_token_ids is not None:
+        return settings
+    return dataclasses.replace(settings, stop_token_ids=tuple(eos_token_ids(model, tokenizer)))
 
 
 def max_positions(model) -> int | None:

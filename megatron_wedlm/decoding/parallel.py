@@ -60,7 +60,7 @@ from .checks import (
     check_full_attention,
     generation_budget,
     resolve_mask_token_id,
-    resolve_stop_token_ids,
+    with_default_stops,
 )
 from .model_runner import ModelRunner
 from .policy import commit_policy
@@ -115,8 +115,7 @@ def decode(
     start = time.perf_counter()
     if not settings.is_parallel:
         raise ValueError(f"{settings.method!r} is not a parallel decoding schedule; choose one of {PARALLEL_METHODS}")
-    settings = dataclasses.replace(
-        settings, stop_token_ids=resolve_stop_token_ids(model, settings.stop_token_ids, tokenizer))
+    settings = with_default_stops(settings, model, tokenizer)
     mask_id = check_settings(model, settings)
     rows = [start_row(model, index, prompt, settings, mask_id) for index, prompt in enumerate(prompts)]
     plan = RowPlan(settings, tokenizer, generator)

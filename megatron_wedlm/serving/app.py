@@ -270,6 +270,33 @@ async def _serve(engine: ServingEngine, served: ServedModel, body, prompts: list
     return await reply.whole(engine, events, request)
 
 
+async def _next_event(engine: ServingEngine, events: asyncio.Queue,
+                      request: Request | None = None) -> tuple[int, Progress | BaseException] | None:
+    """The next ``(choice index, event)`` of a request. Every :data:`LIVENESS_INTERVAL` it looks
+    whether the engine still runs (one that died without a word ends the wait with its failure)
+    and, given ``request``, whether the client left (None)."""
+    while True:
+        try:
+            return await asyncio.wait_for(events.get(), timeout=LIVENESS_INTERVAL)
+        except TimeoutError:
+            if request is not None and await request.is_disconnected():
+                return None
+            failure = engine.failure
+            if failure is not None:
+                return -1, failure
+
+
+def _failure_response(what: str, error: BaseException) -> JSONResponse:
+    """A whole reply that failed: 503 when the engine is gone, else 500."""
+    status = 503 if isinstance(error, EngineFailed) else 500
+    return JSONResponse(error_body(f"{what} failed: {error}", kind="server_error"), status_code=status)
+
+
+def _failure_event(what: str, error: BaseException) -> str:
+    """The server-sent event that ends a failed stream."""
+    return "data: " + json.dumps(error_body(f"{what} failed: {error}", kind="server_error")) + "\n\n"
+
+
 def _cancel(engine: ServingEngine, choices: list[_Choice]) -> None:
     for choice in choices:
         if choice.result is None and choice.request is not None:
@@ -310,18 +337,12 @@ class _Reply:
         pending = len(self.choices)
         try:
             while pending:
-                try:
-                    index, event = await asyncio.wait_for(events.get(), timeout=LIVENESS_INTERVAL)
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        return Response(status_code=499)
-                    event = engine.failure  # an engine that died without a word still ends the wait
-                    if event is None:
-                        continue
+                received = await _next_event(engine, events, request)
+                if received is None:
+                    return Response(status_code=499)
+                index, event = received
                 if isinstance(event, BaseException):
-                    status = 503 if isinstance(event, EngineFailed) else 500
-                    return JSONResponse(error_body(f"generation failed: {event}", kind="server_error"),
-                                        status_code=status)
+                    return _failure_response("generation", event)
                 self._apply(index, event)
                 pending -= event.result is not None
         finally:
@@ -338,8 +359,7 @@ class _Reply:
             try:
                 choices = await self._scored(choices, [c.result for c in self.choices])
             except Exception as error:  # noqa: BLE001 - EngineFailed: 503, a failed scoring forward: 500
-                status = 503 if isinstance(error, EngineFailed) else 500
-                return JSONResponse(error_body(f"scoring failed: {error}", kind="server_error"), status_code=status)
+                return _failure_response("scoring", error)
         return JSONResponse(self._envelope(choices, usage=self.usage()))
 
     async def stream(self, engine: ServingEngine, events: asyncio.Queue):
@@ -350,14 +370,9 @@ class _Reply:
                     yield self._sse([{"index": index, "delta": {"role": "assistant", "content": ""},
                                       "finish_reason": None}])
             while pending:
-                try:
-                    index, event = await asyncio.wait_for(events.get(), timeout=LIVENESS_INTERVAL)
-                except TimeoutError:
-                    event = engine.failure  # an engine that died without a word still ends the stream
-                    if event is None:
-                        continue
+                index, event = await _next_event(engine, events)  # type: ignore[misc]  (no request: never None)
                 if isinstance(event, BaseException):
-                    yield "data: " + json.dumps(error_body(f"generation failed: {event}", kind="server_error")) + "\n\n"
+                    yield _failure_event("generation", event)
                     return
                 text = self._apply(index, event)
                 reason = finish_reason(event.result.stop_reason) if event.result is not None else None
@@ -370,8 +385,7 @@ class _Reply:
                         try:
                             item = (await self._scored([item], [event.result]))[0]
                         except Exception as error:  # noqa: BLE001 - the stream ends with the error
-                            yield "data: " + json.dumps(error_body(f"scoring failed: {error}", kind="server_error")) \
-                                + "\n\n"
+                            yield _failure_event("scoring", error)
                             return
                 yield self._sse([item], wedlm={"forward": event.forwards, "tokens": len(event.tokens)})
             if self.include_usage:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_wedlm.decoding.checks import with_default_stops
 from megatron_wedlm.decoding.model_runner import ModelRunner, packs_rows
 from megatron_wedlm.decoding.parallel import RowPlan, check_settings, decode_step, row_result, start_row
 from megatron_wedlm.decoding.prefix_cache import PrefixCache
@@ -302,8 +303,9 @@ class ServingEngine:
     def _start(self, request: Request) -> RowState | None:
         """The row of ``request``, or None when its settings do not fit (the request fails alone)."""
         try:
-            row = start_row(self.model, request.id, request.prompt, request.settings, self.mask_id)
-            self._plans[request.id] = self._plan(request.settings, request.seed)
+            settings = with_default_stops(request.settings, self.model, self.tokenizer)
+            row = start_row(self.model, request.id, request.prompt, settings, self.mask_id)
+            self._plans[request.id] = self._plan(settings, request.seed)
             self._requests[request.id] = request
             return row
         except Exception as error:  # noqa: BLE001 - reported to this request's client, the batch goes on

@@ -90,6 +90,10 @@ def run_entry_point(argv: Sequence[str] | None, task: str, backends: Backends) -
         check(cfg)
         if args.dry_run:
             plan = _dry_run(cfg, args.world_size)
+        elif not args.print_config:
+            refusal = wandb_refusal(cfg)  # a batch job would otherwise fail inside wandb.init, after its queue time
+            if refusal:
+                raise ConfigError(refusal)
     except (ConfigError, FileNotFoundError) as err:
         if rank == 0:
             print(f"config error: {err}", file=sys.stderr)
@@ -101,11 +105,6 @@ def run_entry_point(argv: Sequence[str] | None, task: str, backends: Backends) -
             if args.dry_run:
                 print(plan)
         return 0
-    refusal = wandb_refusal(cfg)  # a batch job would otherwise fail inside wandb.init, after its queue time
-    if refusal:
-        if rank == 0:
-            print(f"config error: {refusal}", file=sys.stderr)
-        return 2
     # before torch starts a thread: every thread and helper process inherits the blocked signal
     if not block_stop_signal(cfg.trainer.exit_signal) and cfg.trainer.exit_signal is not None and rank == 0:
         print(f"trainer.exit_signal={cfg.trainer.exit_signal} is not armed (threads were running already): "
