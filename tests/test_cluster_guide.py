@@ -355,13 +355,19 @@ def _jobs(walkthrough) -> list[dict[str, str]]:
     return [walkthrough.cluster.job(i) for i in ids]
 
 
+def _log_tail(walkthrough, job: dict[str, str]) -> str:
+    """The end of a job's log (the guide's ``--output "$LOGS/%x-%j.out"``), for a failure message."""
+    log = walkthrough.path("LOGS") / f"{job['JobName']}-{job['JobId']}.out"
+    return f"{job}\n--- {log}\n" + (log.read_text()[-6000:] if log.is_file() else "(no log)")
+
+
 def test_the_chain_runs_one_job_at_a_time_and_the_second_continues_the_first(walkthrough):
     first, second, spare, evaluation = _jobs(walkthrough)[:4]
     assert [j["JobName"] for j in (first, second, spare, evaluation)] == ["wedlm"] * 3 + ["wedlm-eval"]
     stopped = (walkthrough.root / "harness" / "stopped_job").read_text().strip()
     assert first["JobId"] == stopped and first["JobState"] == "CANCELLED"
-    assert second["JobState"] == "COMPLETED" and second["ExitCode"] == "0:0"
-    assert evaluation["JobState"] == "COMPLETED" and evaluation["ExitCode"] == "0:0"
+    assert second["JobState"] == "COMPLETED" and second["ExitCode"] == "0:0", _log_tail(walkthrough, second)
+    assert evaluation["JobState"] == "COMPLETED" and evaluation["ExitCode"] == "0:0", _log_tail(walkthrough, evaluation)
     assert second["StartTime"] >= first["EndTime"]  # singleton: the second waited for the first to end
     # a job left over once the run is done loads its last checkpoint and ends, training nothing
     assert spare["JobState"] == "COMPLETED" and spare["ExitCode"] == "0:0" and spare["StartTime"] >= second["EndTime"]

@@ -333,3 +333,33 @@ def test_an_online_wandb_run_without_credentials_is_refused_before_it_starts(tmp
     )
     assert proc.returncode == 2 and "no W&B credentials" in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_reader_never_sees_a_half_written_config_while_the_next_job_rewrites_it(tmp_path):
+    """Each job of a chain writes the run's config.yaml as it starts, while ``--follow`` reads it
+    every poll: a truncate-and-write showed a reader half a file (9 of 44 reads failed), so the
+    evaluation job died between the chain's jobs. The write is a rename; every read parses."""
+    import threading
+    import time
+
+    from megatron_wedlm.config.loading import save_config
+
+    cfg = load_config(TINY, ["data.path=/data"])
+    path = save_config(cfg, tmp_path / "config.yaml")
+    stop = threading.Event()
+
+    def rewrite() -> None:
+        while not stop.is_set():
+            save_config(cfg, path)
+
+    writer = threading.Thread(target=rewrite)
+    writer.start()
+    reads, deadline = 0, time.monotonic() + 1.5
+    try:
+        while time.monotonic() < deadline:
+            assert config_from_yaml_text(path.read_text()) == cfg
+            reads += 1
+    finally:
+        stop.set()
+        writer.join()
+    assert reads >= 5

@@ -20,6 +20,7 @@ from megatron_wedlm.eval.registry import load_task
 from megatron_wedlm.training.run_dir import RunLock, run_in_progress
 from megatron_wedlm.testing.wandb_offline import read_history
 from megatron_wedlm.training.checkpointing import (
+    CheckpointManager,
     complete_checkpoints,
     lineage_checkpoints,
     read_trainer_state,
@@ -152,3 +153,25 @@ def test_follow_passes_over_the_checkpoints_of_an_abandoned_branch(run, tmp_path
     assert [step for step, _ in lineage_checkpoints(copy / "checkpoints")] == [2]
     settings = FollowSettings(tasks=[], methods=["ar"])  # evaluating 4 or 6 would fail: no tasks
     assert follow_run(copy, settings, poll_interval_s=0.01) == []
+
+
+def test_follow_skips_a_checkpoint_pruned_as_its_turn_comes_and_carries_on(run, tmp_path):
+    """keep_last prunes while the follower works (a slow evaluation, a fast training): the
+    checkpoint it is about to load goes, and it notes the skip and evaluates the next one. The
+    prune renames before deleting, so no reader finds a checkpoint half deleted."""
+    copy = tmp_path / "run"
+    _copy_with_evaluated(run, copy, [2])
+    root = copy / "checkpoints"
+
+    def say(line: str) -> None:
+        said.append(line)
+        if line.endswith("iter_0000004"):  # "--follow: evaluating <path>": training saved 6, keep_last=1
+            CheckpointManager(root, keep_last=1).prune()
+
+    said: list[str] = []
+    settings = FollowSettings(tasks=[load_task("counting", num_examples=1)], methods=["ar"], device="cpu",
+                              evaluate_options={"max_new_tokens": 4, "progress": False})
+    rows = follow_run(copy, settings, poll_interval_s=0.01, say=say)
+    assert [row["step"] for row in rows] == [6]
+    assert any("iter_0000004 was removed before it could be evaluated; skipped" in line for line in said)
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["iter_0000006"]  # nothing left aside

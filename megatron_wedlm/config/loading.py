@@ -16,6 +16,8 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from megatron_wedlm.runtime.atomic_output import atomic_write_text
+
 from .schema import ConfigError, TrainConfig, blend_from_data_path, resolve_valid_path, validate_config
 
 __all__ = ["load_config", "config_to_yaml", "save_config", "config_from_yaml_text", "all_keys"]
@@ -136,8 +138,8 @@ def config_to_yaml(cfg: TrainConfig) -> str:
 
 
 def save_config(cfg: TrainConfig, path: str | Path) -> Path:
-    """Write the resolved config (every key, defaults included) as YAML."""
+    """Write the resolved config (every key, defaults included) as YAML, replacing the file whole:
+    each job of a chain rewrites its run's config while ``--follow`` reads it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(config_to_yaml(cfg))
-    return path
+    return atomic_write_text(path, config_to_yaml(cfg))

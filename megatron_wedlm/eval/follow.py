@@ -246,15 +246,15 @@ def _evaluate_checkpoint(key: tuple[int, str | None], path: Path, settings: Foll
     say(f"--follow: evaluating {path}")
     # as evaluate.py: a mask token is needed by the parallel methods, unless one is given
     needs_mask = settings.evaluate_options.get("mask_token_id") is None and list(settings.methods) != ["ar"]
-    try:
+    try:  # everything read from the checkpoint's files; after this, it may be pruned
+        values, _ = resolve_decoding_settings(settings.decoding, path)
         model, tokenizer = load_checkpoint(path, device=settings.device, dtype=settings.dtype,
                                            require_mask_token=needs_mask)
     except Exception:
-        if not path.exists():  # pruned by keep_last while waiting its turn
+        if not path.exists():  # pruned by keep_last while waiting its turn or while loading
             say(f"note: checkpoint {path.name} was removed before it could be evaluated; skipped")
             return None
         raise
-    values, _ = resolve_decoding_settings(settings.decoding, path)
     taus = list(settings.taus or [values["entropy_threshold"]])
     report = evaluate(
         model, tokenizer, list(settings.tasks), list(settings.methods), taus=taus,

@@ -13,8 +13,10 @@ Layout of ``<checkpointing.dir>/iter_0000015/``:
 Atomicity: everything is written into ``iter_N.partial`` and the directory is renamed to
 ``iter_N`` only after every rank finished and the trainer state is on disk. A process killed
 mid-save leaves a ``.partial`` directory that resume ignores and the next save removes, so the
-newest *complete* checkpoint is always loadable. ``latest_checkpointed_iteration.txt`` is a
-convenience for humans and Megatron-LM tools; resume scans the directories instead.
+newest *complete* checkpoint is always loadable. Pruning renames ``iter_N`` to ``iter_N.pruned``
+before deleting it, so a reader (``--follow``) sees a checkpoint whole or gone.
+``latest_checkpointed_iteration.txt`` is a convenience for humans and Megatron-LM tools; resume
+scans the directories instead.
 
 Lineage: every run gets an id, and ``trainer_state.json`` records ``run_id``, ``parent`` (the
 checkpoint the run resumed from) and ``lineage``, the chain of runs that led to it, each with the
@@ -78,6 +80,7 @@ CONFIG_FILE = "config.yaml"
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 LINEAGE_FILE = "lineage.json"
 PARTIAL_SUFFIX = ".partial"
+PRUNED_SUFFIX = ".pruned"  # a pruned checkpoint is renamed to this, then deleted
 _NAME = re.compile(r"^iter_(\d{7,})$")
 OPTIMIZER_METADATA = {
     "distrib_optim_sharding_type": "fully_reshardable",
@@ -350,8 +353,9 @@ class CheckpointManager:
         partial = final.with_name(final.name + PARTIAL_SUFFIX)
         if self.is_writer:
             self.root.mkdir(parents=True, exist_ok=True)
-            for stale in self.root.glob(f"*{PARTIAL_SUFFIX}"):
-                shutil.rmtree(stale, ignore_errors=True)  # left by a save that was killed
+            for suffix in (PARTIAL_SUFFIX, PRUNED_SUFFIX):  # left by a save or a prune that was killed
+                for stale in self.root.glob(f"*{suffix}"):
+                    shutil.rmtree(stale, ignore_errors=True)
             partial.mkdir()
         _barrier()
         return final, partial
@@ -399,7 +403,13 @@ class CheckpointManager:
                     continue
             ours.append(path)
         for path in ours[: -self.keep_last]:
-            shutil.rmtree(path, ignore_errors=True)
+            # renamed first, so a reader (--follow, an export) sees it whole or gone, never half deleted
+            doomed = path.with_name(path.name + PRUNED_SUFFIX)
+            try:
+                path.rename(doomed)
+            except OSError:
+                continue
+            shutil.rmtree(doomed, ignore_errors=True)
 
     # -- loading -----------------------------------------------------------------------------
 
