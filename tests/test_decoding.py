@@ -475,6 +475,34 @@ def test_ar_greedy_equals_a_plain_argmax_loop(tokenizer):
     assert stopped.stop_reason == "stop_token"
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_ar_rows_of_the_batch_equal_hf_generate(tokenizer, arch):
+    """``decode(method="ar")``, the next-token rows the server's batch decodes too, against HF
+    ``generate`` one prompt at a time: the same tokens, forwards, slots and stop reasons, with rows
+    joining as others finish, with a stop string, and for a model without a mask token (AR alone
+    needs none)."""
+    from megatron_wedlm.decoding.autoregressive import ar_decode
+
+    model = tiny_model(tokenizer, arch, 1.0, seed=3)
+    prompts = [tokenizer.encode(t) for t in ["1 2 3", "7", "hello world", "x = 1", "aa bb", "The end of it"]]
+
+    def both(settings, tok=None):
+        expected = [ar_decode(model, [p], settings, tokenizer=tok)[0] for p in prompts]
+        got, _ = decode(model, prompts, settings, tokenizer=tok, batch_rows=2)
+        return ([(r.token_ids, r.num_forwards, r.num_slots, r.stop_reason, r.stop_string) for r in got],
+                [(r.token_ids, r.num_forwards, r.num_slots, r.stop_reason, r.stop_string) for r in expected])
+
+    got, expected = both(DecodeSettings(method="ar", max_new_tokens=14, stop_token_ids=()))
+    assert got == expected and all(len(e[0]) == 14 for e in expected)
+    stop_id, stop = expected[1][0][6], tokenizer.decode(expected[2][0][3:5])  # from the middle of replies
+    got, expected = both(DecodeSettings(method="ar", max_new_tokens=14, stop_token_ids=(stop_id,),
+                                        stop_strings=(stop,)), tokenizer)
+    assert got == expected and {"stop_token", "stop_string"} <= {e[3] for e in expected}
+    model.config.mask_token_id = None
+    got, expected = both(DecodeSettings(method="ar", max_new_tokens=14, stop_token_ids=()))
+    assert got == expected and all(len(e[0]) == 14 for e in expected)
+
+
 def test_metrics_are_consistent_across_methods(tokenizer):
     model = tiny_model(tokenizer, "qwen2", 200.0)
     prompts = [tokenizer.encode("1 2 3 4"), tokenizer.encode("a b c d e f")]

@@ -300,8 +300,8 @@ def test_sigterm_finishes_the_requests_in_flight_then_exits(model_dir, tmp_path,
 
 
 def test_an_exception_in_one_request_fails_that_request_only(model_dir, local):
-    """In process: a request whose event handler raises, and one whose settings the engine refuses,
-    fail alone; the requests beside them finish with their one-at-a-time decodes."""
+    """In process: a request whose event handler raises fails alone, ones that do not fit are refused
+    as they are submitted; the requests beside them finish with their one-at-a-time decodes."""
     from megatron_wedlm.serving.engine import Request, ServingEngine
 
     model, tokenizer = load_wedlm_model(model_dir, device="cpu"), local[1]  # the engine's own copy
@@ -326,18 +326,19 @@ def test_an_exception_in_one_request_fails_that_request_only(model_dir, local):
     engine.submit(Request(prompts[1], settings, handler(1, explode=True)))
     with pytest.raises(ValueError, match="max_window"):  # refused before it is queued
         engine.submit(Request(prompts[2], DecodeSettings(window_size=64), handler(2)))
-    # a prompt beyond the model's positions passes the engine's check and fails when its row starts
-    engine.submit(Request(list(range(5)) * 220, DecodeSettings(max_new_tokens=8, window_size=4), handler(2)))
+    # a prompt beyond the model's positions passes the server's max_model_len; its row is refused as it is built
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        engine.submit(Request(list(range(5)) * 220, DecodeSettings(max_new_tokens=8, window_size=4), handler(2)))
     engine.submit(Request(prompts[3], settings, handler(3)))
     # no stop ids given: the engine stops at the model's EOS, as generate() does
     engine.submit(Request(prompts[0], DecodeSettings(max_new_tokens=30, window_size=4), handler(4)))
-    for _ in range(4):
+    for _ in range(3):
         assert done.acquire(timeout=60)
     wait_for(lambda: engine.load() == (0, 0))
     engine.shutdown()
-    assert isinstance(outcomes[2][0], ValueError) and "max_position_embeddings" in str(outcomes[2][0])
+    assert 2 not in outcomes
     assert len(outcomes[1]) == 2 and outcomes[1][-1].result is None  # dropped at its failing event
-    assert engine.stats.requests["failed"] == 2
+    assert engine.stats.requests["failed"] == 1
     for key, prompt in ((0, PROMPTS[0]), (3, PROMPTS[3]), (4, PROMPTS[0])):
         result = outcomes[key][-1].result
         assert result.token_ids == reference(local, prompt, max_new_tokens=30, window_size=4).token_ids

@@ -21,11 +21,9 @@ measured against its targets:
    one untimed warm-up each, same prompts, settings and max tokens). Target: the server's
    speed-up within 10% of the in-process one, i.e. serving does not eat the decoder's gain.
    The in-process decode runs while no server runs: the two would share the machine's cores.
-   Greedy outputs are compared too (a row's output must not depend on the server). Note that the
-   two AR baselines are different code: the server's AR requests are next-token rows of its
-   batch, ``evaluate.py``'s are HF ``generate``; where a forward takes about a millisecond (the
-   ``ci`` quickstart model) the former is the faster, which lowers the served speed-up (HTTP's
-   per-chunk cost, alike for both methods, pulls it back toward 1).
+   Greedy outputs are compared too (a row's output must not depend on the server). Both AR
+   baselines are one code path, next-token rows of the decoding batch; HTTP's per-chunk cost,
+   alike for both methods, pulls the served speed-up toward 1.
 3. **Latency**: p50 / p99 time to the first chunk carrying text (TTFT) and between successive
    chunks carrying text, at concurrency 1 and ``--concurrency``.
 4. **Overload**: a second server with a small batch and queue (``--max-rows 4 --max-queue 4``)

@@ -15,7 +15,6 @@ from collections.abc import Callable
 
 import torch
 
-from .autoregressive import ar_decode
 from .checks import as_prompt_batch, as_token_list
 from .parallel import decode
 from .result import GenerationResult
@@ -37,11 +36,11 @@ def generate_batch(
 
     ``settings.method``: ``"streaming"`` (default), ``"blockwise"`` or ``"ar"``; the parallel-only
     settings are ignored by ``"ar"`` so one settings object can drive all methods.
-    ``batch_size`` (default: all prompts at once) caps the rows decoded together. Streaming and
-    block-wise keep the batch full: a finished row's place goes to the next prompt. AR decodes
-    batches of up to ``batch_size`` prompts through HF ``generate`` (left-padded), one batch after
-    the other, grouping prompts of equal token budget and near lengths. ``on_result(index, result)``
-    is called as each prompt finishes.
+    ``batch_size`` (default: all prompts at once) caps the rows decoded together; every method keeps
+    the batch full: a finished row's place goes to the next prompt (:func:`~.parallel.decode`). AR
+    rows are next-token rows of the same batch, as the server decodes them; greedy, they equal HF
+    ``generate`` token for token (``autoregressive.ar_decode``, the reference in the tests) and keep
+    its pace (``tools/bench_decode.py``). ``on_result(index, result)`` is called as each prompt finishes.
     """
     settings = DecodeSettings.build(settings, **overrides)
     if settings.stop_strings and tokenizer is None:
@@ -49,9 +48,6 @@ def generate_batch(
     prompts = as_prompt_batch(prompts)
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-    if settings.method == AUTOREGRESSIVE:
-        return ar_decode(model, prompts, settings, tokenizer=tokenizer, generator=generator, batch_size=batch_size,
-                         on_result=on_result)
     return decode(model, prompts, settings, tokenizer=tokenizer, generator=generator, batch_rows=batch_size,
                   on_result=on_result)[0]
 
@@ -72,5 +68,5 @@ def blockwise_generate(model, prompt_ids, settings: DecodeSettings | None = None
 
 
 def ar_generate(model, prompt_ids, settings: DecodeSettings | None = None, **kwargs) -> GenerationResult:
-    """Token-by-token decoding of the same model with HF ``generate`` (the AR baseline)."""
+    """Token-by-token decoding of the same model (the AR baseline): one next-token row per forward."""
     return generate(model, prompt_ids, settings, method=AUTOREGRESSIVE, **kwargs)

@@ -1,4 +1,8 @@
-"""Autoregressive decoding of the same model: the baseline a user would pick, HF ``generate`` with KV cache.
+"""HF ``generate`` with KV cache on the same model: the reference of the AR baseline.
+
+The product decodes AR as next-token rows of its decoding batch (``method="ar"``,
+:mod:`.batch`), so evaluation and the server measure one baseline; this module is what those
+rows are tested against (greedy: the same tokens) and benchmarked with (``tools/bench_decode.py``).
 
 Results use the same :class:`GenerationResult` and metric definitions as the parallel decoders:
 one token per forward (the prefill forward yields the first token), so ``num_forwards ==

@@ -118,13 +118,15 @@ class ModelRunner:
         self._scope.close()
 
     @torch.no_grad()
-    def forward(self, rows: list[RowState]) -> tuple[torch.Tensor, list[list[int]]]:
-        """One forward over every row's reordered window (docs/method.md §3.2 steps a, b).
+    def forward(self, rows: list[RowState]) -> tuple[torch.Tensor, list[list[int]], list[int]]:
+        """One forward over every row's reordered window (docs/method.md §3.2 steps a, b); reads the
+        rows, changes none of them.
 
         Returns the logits of all rows' mask slots, concatenated ``[slots, vocab]`` with the mask
-        token excluded, and per row the window indices of those slots (ascending).
+        token excluded, per row the window indices of those slots (ascending), and per row the
+        generated slots it fed (``num_slots``, result.py: an AR row counts the one it predicts).
         """
-        ids, positions, columns, mask_slots, cached, fresh_rows = [], [], [], [], [], []
+        ids, positions, columns, mask_slots, cached, fresh_rows, fed = [], [], [], [], [], [], []
         for b, row in enumerate(rows):
             fresh = row.forwards == 0  # its prompt is prefilled in its first forward, past what was reused
             skip = row.reused if fresh else 0
@@ -138,14 +140,13 @@ class ModelRunner:
                 order = order[: masks[0]]
                 columns.append([len(prompt) + len(order) - 1])
                 mask_slots.append([len(order)])
-                row.slots += 1  # AR's N_fwd: one generated slot per forward (result.py)
+                fed.append(1)  # AR's N_fwd: one generated slot per forward (result.py)
             else:
                 columns.append([len(prompt) + k for k in masks])
                 mask_slots.append([order[k] for k in masks])
-                row.slots += len(order)
+                fed.append(len(order))
             ids.append(prompt + [window[i] for i in order])
             positions.append(list(range(skip, skip + len(prompt))) + [start + i for i in order])
-            row.forwards += 1
         lengths = [len(t) for t in ids]
         width = max(lengths)
         if self.record_steps:
@@ -158,7 +159,7 @@ class ModelRunner:
             mask = None
         else:  # right-padded rows; padding sits after every real token, so causal attention hides it
             packing, offsets = None, [r * width for r in range(len(rows))]
-            ids = [t + [self.mask_id] * (width - len(t)) for t in ids]
+            ids = [t + [max(self.mask_id, 0)] * (width - len(t)) for t in ids]  # any id: never attended to
             positions = [p + [p[-1]] * (width - len(p)) for p in positions]
             mask = self._attention_mask(len(rows), width, fresh=not any(cached))
         if packing is not None and self.model.config._attn_implementation != PACKED:
@@ -181,8 +182,9 @@ class ModelRunner:
             0, torch.tensor(columns, dtype=torch.long, device=hidden.device)  # the last layer's (device_map)
         )
         logits = self.head(at_masks)
-        logits[:, self.mask_id] = torch.finfo(logits.dtype).min  # the mask token is never an output
-        return logits, mask_slots
+        if self.mask_id >= 0:  # AR rows of a model without one have none (batch.NO_MASK)
+            logits[:, self.mask_id] = torch.finfo(logits.dtype).min  # the mask token is never an output
+        return logits, mask_slots, fed
 
     def _attention_mask(self, rows: int, width: int, fresh: bool) -> torch.Tensor | None:
         if fresh:  # every row starts at cache length 0: plain causal, HF builds it

@@ -17,7 +17,9 @@ Why not pad neighbouring rows into one call: an SDPA call has a fixed cost whate
 but on ``tools/bench_decode.py``'s batch the padding costs more than the calls it saves, even
 when rows share a call only while their padded pairs cost less than a call
 (docs/results.md has the figures). What removes the per-row calls without padding is a
-variable-length kernel (flash-attention's ``varlen`` on a GPU).
+variable-length kernel (flash-attention's ``varlen`` on a GPU). Next-token (AR) rows are the
+exception: one query each, so neighbouring ones share one call with their keys padded to the
+longest cache (a key-padding mask), which is how HF ``generate`` batches them too.
 
 One row is the same path with one group, which is also what makes a single-row step cheap:
 
@@ -74,12 +76,16 @@ class Packing:
         offsets = list(accumulate(lengths[:-1], initial=0))
         groups, first = [], 0
         for r in range(1, len(lengths) + 1):
-            if r == len(lengths) or (lengths[r], cached[r]) != (lengths[first], cached[first]):
-                n, c = lengths[first], cached[first]
+            if r < len(lengths) and _same_call(lengths, cached, first, r):
+                continue
+            n, c = lengths[first], max(cached[first:r])
+            if c != min(cached[first:r]):  # next-token rows on caches of different lengths: keys padded
+                mask = _key_padding_mask(cached[first:r], c + 1, dtype, cache.lengths.device)
+            else:
                 mask = cache.causal_mask(c, n, dtype) if c else None
-                groups.append(RowGroup(first, r, n, c, offsets[first], mask))
-                first = r
-        uniform = len(groups) == 1
+            groups.append(RowGroup(first, r, n, c, offsets[first], mask))
+            first = r
+        uniform = len(set(zip(lengths, cached))) == 1  # every row writes the same slots
         row_of = slot_of = None
         if not uniform:
             device = cache.lengths.device
@@ -89,6 +95,22 @@ class Packing:
             slot_of = torch.arange(sum(lengths), device=device) + starts[row_of]
         end = max(n + c for n, c in zip(lengths, cached))
         return cls(len(lengths), lengths[0], cached[0], uniform, end, row_of, slot_of, tuple(groups))
+
+
+def _same_call(lengths: list[int], cached: list[int], first: int, r: int) -> bool:
+    """Whether row ``r`` joins the SDPA call of rows ``first .. r - 1``: the same width and cache
+    length, or one query each on a cache (an AR row: its keys padded to the longest cache cost
+    less than a call of its own)."""
+    if lengths[r] != lengths[first]:
+        return False
+    return cached[r] == cached[first] or (lengths[r] == 1 and cached[r] > 0 and cached[first] > 0)
+
+
+def _key_padding_mask(cached: list[int], keys: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive ``[rows, 1, 1, keys]``: row ``b``'s one query (at slot ``cached[b]``) sees slots ``<= cached[b]``."""
+    seen = torch.arange(keys, device=device)[None, :] <= torch.tensor(cached, device=device)[:, None]
+    mask = torch.zeros(len(cached), keys, dtype=dtype, device=device)
+    return mask.masked_fill_(~seen, torch.finfo(dtype).min)[:, None, None, :]
 
 
 def packed_sdpa(module, query, key, value, attention_mask, *, wedlm_packing: Packing, scaling=None, **kwargs):

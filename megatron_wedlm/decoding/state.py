@@ -24,6 +24,8 @@ class RowState:
     * ``emitted``: the tokens committed and emitted so far.
     * ``block``: size of the block being filled (used by the block-wise policy only).
     * ``forwards`` / ``slots``: the forwards this row took part in and the window slots it fed.
+    * ``plan`` / ``owner``: how the row is decoded (:class:`~.batch.RowPlan`) and what its caller
+      finds it by (a server's request); set by :func:`~.batch.start_row`.
     * ``autoregressive``: a next-token row (a window of one slot, predicted by the last filled token
       instead of by a mask; :class:`~.model_runner.ModelRunner`), so AR requests share a batch with
       parallel ones.
@@ -31,7 +33,7 @@ class RowState:
 
     __slots__ = ("index", "prompt", "mask_id", "stop_ids", "budget", "capped_by_positions", "window", "start",
                  "cache_length", "reused",
-                 "emitted", "block", "forwards", "slots", "stop_reason", "stop_string", "autoregressive")
+                 "emitted", "block", "forwards", "slots", "stop_reason", "stop_string", "autoregressive", "plan", "owner")
 
     def __init__(self, index: int, prompt: list[int], *, window_size: int, budget: int, max_new_tokens: int,
                  mask_id: int, stop_ids: frozenset[int], autoregressive: bool = False):
@@ -47,6 +49,7 @@ class RowState:
         self.forwards = self.slots = 0
         self.stop_reason: str | None = None
         self.stop_string: str | None = None
+        self.plan = self.owner = None
 
     @property
     def finished(self) -> bool:

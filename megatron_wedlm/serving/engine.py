@@ -1,12 +1,12 @@
 """The serving engine: one long-lived continuous batch that requests join and leave between forwards.
 
 :func:`megatron_wedlm.decoding.parallel.decode` decodes a list of prompts known up front; a server
-learns of its prompts one at a time. The engine runs the same step (:func:`decode_step`) in a
-thread of its own, over a batch that requests join at the next step (in the cache row of a row that
-finished, else in an unused one) and leave when they finish or are cancelled. Rows of one batch
-may use different methods and settings (each request carries its own :class:`RowPlan`); AR
-requests are next-token rows of the same batch (:attr:`RowState.autoregressive`), so a server
-measures streaming against AR on equal terms.
+learns of its prompts one at a time. The engine is a lock, a thread and events around the same
+:class:`~megatron_wedlm.decoding.batch.RowBatch`: a request's row is built as it is submitted
+(its own :class:`RowPlan`, the request as its owner), joins at the next step (in the cache row
+of a row that finished, else in an unused one) and leaves when it finishes or is cancelled. AR
+requests are next-token rows of the same batch, as ``decode(method="ar")`` decodes them, so a
+server and an evaluation measure one AR baseline.
 
 The KV cache is allocated once for ``max_rows`` rows of ``max_model_len`` positions (plus two
 windows), so memory does not grow with the number of requests served, and a full waiting queue
@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_wedlm.decoding.batch import CANCELLED, RowBatch, RowPlan, check_settings, row_result, start_row
 from megatron_wedlm.decoding.checks import with_default_stops
 from megatron_wedlm.decoding.model_runner import ModelRunner, packs_rows
-from megatron_wedlm.decoding.parallel import RowPlan, check_settings, decode_step, row_result, start_row
 from megatron_wedlm.decoding.prefix_cache import PrefixCache
 from megatron_wedlm.decoding.result import GenerationResult, find_stop_string
 from megatron_wedlm.decoding.settings import AUTOREGRESSIVE, DecodeSettings
@@ -45,7 +45,6 @@ from megatron_wedlm.decoding.state import RowState
 
 log = logging.getLogger(__name__)
 
-CANCELLED = "cancelled"
 FAILED = "failed"
 
 
@@ -88,6 +87,8 @@ class Request:
     id: int = -1
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
+    sent: int = 0  # tokens reported so far
+    counted: int = 0  # committed tokens counted in the engine's stats so far
 
 
 @dataclass
@@ -130,10 +131,7 @@ class ServingEngine:
                                   record_steps=False, prefix_cache=self.prefix_cache)
         self.stats = EngineStats()
         self._cond = threading.Condition()
-        self._waiting: dict[int, Request] = {}  # id -> request, first come first; a dict: cancelling is O(1)
-        self._requests: dict[int, Request] = {}  # id -> request, for rows in the batch
-        self._plans: dict[int, RowPlan] = {}
-        self._sent: dict[int, int] = {}  # id -> tokens reported to the request so far
+        self.batch = RowBatch(self.runner, max_rows, tokenizer, lock=self._cond)  # its rows' owners: Requests
         self._shared_plans: dict[DecodeSettings, RowPlan] = {}  # greedy plans, shared by equal settings
         self._ids = itertools.count()
         self._running = 0
@@ -163,16 +161,20 @@ class ServingEngine:
         return self._failure
 
     def submit(self, request: Request) -> Request:
-        """Queue ``request``; raises ValueError when it does not fit (:meth:`check`), and
-        :class:`QueueFull`, :class:`ShuttingDown` or :class:`EngineFailed` instead of holding it."""
+        """Queue ``request``; raises ValueError when it does not fit (:meth:`check`, or its settings
+        do not suit the model), and :class:`QueueFull`, :class:`ShuttingDown` or
+        :class:`EngineFailed` instead of holding it."""
         self.check(request.prompt, request.settings)
+        settings = with_default_stops(request.settings, self.model, self.tokenizer)
         with self._cond:
             self._refuse_when_closed()
-            if len(self._waiting) >= self.max_queue + max(0, self.max_rows - self._running):
+            if len(self.batch.waiting) >= self.max_queue + max(0, self.max_rows - self._running):
                 self.stats.requests["refused"] += 1
                 raise QueueFull(self._retry_after())
             request.id = next(self._ids)
-            self._waiting[request.id] = request
+            row = start_row(self.model, request.id, request.prompt, self._plan(settings, request.seed), self.mask_id,
+                            owner=request)
+            self.batch.add(row)
             self._cond.notify()
         return request
 
@@ -180,7 +182,7 @@ class ServingEngine:
         """Stop decoding ``request`` (its client went away); its row is freed at the next step."""
         with self._cond:
             request.cancelled = True
-            if self._waiting.pop(request.id, None) is not None:
+            if self.batch.cancel(request.id):
                 self.stats.requests[CANCELLED] += 1
 
     def run_between_steps(self, job: Callable[[], object]) -> Future:
@@ -203,7 +205,7 @@ class ServingEngine:
 
     def load(self) -> tuple[int, int]:
         """``(rows decoding, requests waiting)``."""
-        return self._running, len(self._waiting)
+        return self._running, len(self.batch.waiting)
 
     def tokens_per_second(self, seconds: float = 10.0) -> float:
         """Generated tokens per second over the last ``seconds``."""
@@ -228,7 +230,7 @@ class ServingEngine:
         if len(finishes) < 2 or now - finishes[0] <= 0:
             return 1
         per_second = len(finishes) / (now - finishes[0])
-        return max(1, min(60, math.ceil((len(self._waiting) - self.max_queue + 1) / per_second)))
+        return max(1, min(60, math.ceil((len(self.batch.waiting) - self.max_queue + 1) / per_second)))
 
     # ---- the engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -244,10 +246,11 @@ class ServingEngine:
         failure.__cause__ = error
         with self._cond:
             self._failure = failure
-            doomed = list(self._waiting.values()) + list(self._requests.values())
+            rows = list(self.batch.waiting.values()) + [row for row in self.batch.live if not row.finished]
+            doomed = [row.owner for row in rows]
             jobs = [future for _, future in self._jobs]
-            self._waiting.clear()
-            self._requests.clear()
+            self.batch.waiting.clear()
+            self.batch.live = []
             self._jobs.clear()
             self._running = 0
             self.stats.requests[FAILED] += len(doomed)
@@ -258,35 +261,20 @@ class ServingEngine:
                 future.set_exception(failure)
 
     def _loop(self) -> None:
-        live: list[RowState] = []
         with torch.inference_mode(), self.runner:
-            while True:
-                joining = self._next_requests(live)
-                if joining is None:
-                    break
+            while self._wait_for_work():
                 self._run_jobs()
-                for row in live:
-                    if self._requests[row.index].cancelled and not row.finished:
-                        row.stop_reason = CANCELLED
-                for row in live:
-                    if row.finished:
-                        self._release(row)
-                live = self.runner.advance(live, [row for row in (self._start(r) for r in joining) if row])
-                with self._cond:
-                    self._running = len(live)
-                if live:
-                    self._step(live)
+                if self.batch:
+                    self._step()
 
-    def _next_requests(self, live: list[RowState]) -> list[Request] | None:
-        """The waiting requests that fit into the batch now; blocks while there is no work, None to stop."""
+    def _wait_for_work(self) -> bool:
+        """Block while there is nothing to do; False once shutting down with nothing left."""
         with self._cond:
-            while not live and not self._waiting and not self._jobs:
+            while not self.batch and not self._jobs:
                 if self._stopping:
-                    return None
+                    return False
                 self._cond.wait()
-            free = self.max_rows - sum(not row.finished and not self._requests[row.index].cancelled for row in live)
-            ids = list(itertools.islice(self._waiting, max(0, free)))
-            return [self._waiting.pop(i) for i in ids]
+            return True
 
     def _run_jobs(self) -> None:
         """The jobs queued before this step (:meth:`run_between_steps`); later ones wait for the next."""
@@ -300,20 +288,8 @@ class ServingEngine:
                 except Exception as error:  # noqa: BLE001 - the job's own request fails, the engine goes on
                     future.set_exception(error)
 
-    def _start(self, request: Request) -> RowState | None:
-        """The row of ``request``, or None when its settings do not fit (the request fails alone)."""
-        try:
-            settings = with_default_stops(request.settings, self.model, self.tokenizer)
-            row = start_row(self.model, request.id, request.prompt, settings, self.mask_id)
-            self._plans[request.id] = self._plan(settings, request.seed)
-            self._requests[request.id] = request
-            return row
-        except Exception as error:  # noqa: BLE001 - reported to this request's client, the batch goes on
-            self._count(FAILED)
-            self._deliver(request, error)
-            return None
-
     def _plan(self, settings: DecodeSettings, seed: int | None) -> RowPlan:
+        """(Under the lock.) A sampled request's own plan; greedy ones share a plan per settings."""
         if not settings.greedy:  # its own generator, so its draws do not depend on its neighbours
             seed = int(torch.randint(2**62, (1,))) if seed is None else seed
             return RowPlan(settings, self.tokenizer, torch.Generator(device=self.model.device).manual_seed(seed))
@@ -324,32 +300,33 @@ class ServingEngine:
             plan = self._shared_plans[settings] = RowPlan(settings, self.tokenizer)
         return plan
 
-    def _step(self, live: list[RowState]) -> None:
-        before = [len(row.emitted) for row in live]  # tokens committed before this step
+    def _step(self) -> None:
         # a failing forward stops the engine (:meth:`_run`): the device or the cache may be left in
         # any state, so no later step could be trusted (vLLM's engine is dead after one too)
-        decode_step(self.runner, live, lambda row: self._plans[row.index], self.tokenizer)
+        ended = self.batch.step()
+        live = self.batch.live  # the rows of this step's forward, those that finished in it included
         now = time.perf_counter()
         events: list[tuple[RowState, Request, Progress]] = []
         made = 0
-        for row, count in zip(live, before):
-            request, plan = self._requests[row.index], self._plans[row.index]
-            made += len(row.emitted) - count
-            result = None
-            if row.finished:
-                result = row_result(row, now - request.submitted, plan.settings, self.tokenizer)
-            settled = result.token_ids if result else self._settled(row, plan)
-            sent = self._sent.get(row.index, 0)
-            if len(settled) == sent and result is None:
+        for row in live:
+            request = row.owner
+            made += len(row.emitted) - request.counted
+            request.counted = len(row.emitted)
+            result = row_result(row, now - request.submitted, self.tokenizer) if row.finished else None
+            settled = result.token_ids if result else self._settled(row)
+            if len(settled) == request.sent and result is None:
                 continue
-            self._sent[row.index] = len(settled)
-            events.append((row, request, Progress(settled[sent:], row.forwards, result)))
+            events.append((row, request, Progress(settled[request.sent:], row.forwards, result)))
+            request.sent = len(settled)
         with self._cond:  # counted before the events go out: a client that has its reply sees it counted
             stats = self.stats
-            stats.forwards += 1
-            stats.row_forwards += len(live)
-            stats.tokens += made
-            stats.recent.append((now, made))
+            self._running = self.batch.running()
+            stats.requests[CANCELLED] += sum(row.stop_reason == CANCELLED for row in ended)
+            if live:
+                stats.forwards += 1
+                stats.row_forwards += len(live)
+                stats.tokens += made
+                stats.recent.append((now, made))
             for row, _, _ in events:
                 if row.finished:
                     stats.requests["finished"] += 1
@@ -365,11 +342,12 @@ class ServingEngine:
         with self._cond:
             self.stats.requests[status] += n
 
-    def _settled(self, row: RowState, plan: RowPlan) -> list[int]:
+    def _settled(self, row: RowState) -> list[int]:
         """The row's tokens that can no longer change: those committed, and the run its next forward
         commits (already decided: the leftmost filled run, AR's sampled token, a full block), cut
         as committing will cut it (after a stop token; after the token completing a stop string).
         Sending them now saves the client a forward's wait."""
+        plan = row.plan
         run = row.committable(plan.policy.commit_count(row))
         tokens = row.emitted + run
         if run and plan.settings.stop_strings:
@@ -385,11 +363,3 @@ class ServingEngine:
         except Exception:  # noqa: BLE001 - a failing client fails its own request only
             log.exception("request %d: its event handler failed; the request is dropped", request.id)
             return False
-
-    def _release(self, row: RowState) -> None:
-        self._requests.pop(row.index)
-        self._plans.pop(row.index, None)
-        self._sent.pop(row.index, None)
-        if row.stop_reason == CANCELLED:
-            self._count(CANCELLED)
-
