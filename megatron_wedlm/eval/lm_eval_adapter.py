@@ -33,7 +33,6 @@ import logging
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 try:
     from lm_eval.api.model import LM
@@ -47,6 +46,7 @@ except ImportError as e:  # pragma: no cover - exercised only without lm_eval in
 
 from megatron_wedlm.decoding.api import generate, generate_batch
 from megatron_wedlm.decoding.inputs import find_mask_token_id
+from megatron_wedlm.decoding.log_likelihood import causal_log_likelihoods
 from megatron_wedlm.decoding.options import FALLBACKS, ONE_SLOT, REFILL_ORDERS, STOP_FILLS, describe, resolve_decoding_settings
 from megatron_wedlm.decoding.settings import METHODS, DecodeSettings
 from megatron_wedlm.eval.tasks import truncate_at_stop
@@ -182,25 +182,13 @@ class WeDLMLM(LM):
 
     @torch.no_grad()
     def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
-        """Sum log p(continuation | context) and greedy-match flag, batched with right padding."""
-        out: list[tuple[float, bool]] = []
-        for start in range(0, len(pairs), self.batch_size):
-            chunk = pairs[start : start + self.batch_size]
-            rows = [(ctx + cont)[-(self.max_length + 1):][:-1] for ctx, cont in chunk]
-            width = max(len(r) for r in rows)
-            pad = self.tokenizer.pad_token_id or 0
-            ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=self._device)
-            attn = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=self._device)
-            logits = self.model(input_ids=ids, attention_mask=attn).logits.float()
-            if self.mask_token_id is not None:
-                logits[..., self.mask_token_id] = float("-inf")
-            logprobs = F.log_softmax(logits, dim=-1)
-            for b, (row, (_, cont)) in enumerate(zip(rows, chunk)):
-                positions = torch.arange(len(row) - len(cont), len(row), device=self._device)
-                target = torch.tensor(cont, device=self._device)
-                lp = logprobs[b, positions]
-                out.append((lp.gather(-1, target[:, None]).sum().item(), bool((lp.argmax(-1) == target).all())))
-        return out
+        """Sum log p(continuation | context) and the greedy-match flag of each pair, left-truncated to
+        the model's length as lm-eval's ``hf`` model truncates."""
+        sequences = [(ctx + cont)[-(self.max_length + 1):] for ctx, cont in pairs]
+        scored = causal_log_likelihoods(self.model, sequences, [len(seq) - len(cont) for seq, (_, cont) in
+                                                                  zip(sequences, pairs)],
+                                        exclude_token_id=self.mask_token_id, batch_rows=self.batch_size)
+        return [(s.total, s.greedy) for s in scored]
 
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         pairs = []

@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.nn.functional as F
+from megatron_wedlm.decoding.log_likelihood import causal_log_likelihoods
 
 MC_SETS = ("arc_easy", "arc_challenge", "hellaswag", "mmlu")
 
@@ -203,70 +202,6 @@ class _Encoder:
         return context_enc, whole[len(context_enc):]
 
 
-def _accepts_logits_to_keep(model: Any) -> bool:
-    import inspect
-
-    try:
-        return "logits_to_keep" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _score_sequences(
-    model: Any,
-    sequences: list[tuple[list[int], int]],
-    batch_size: int,
-    exclude_token_id: int | None,
-    on_progress: Callable[[int, int], None] | None,
-) -> list[tuple[float, bool]]:
-    """(log-likelihood, is_greedy) of the last ``n_cont`` tokens of each ``(tokens, n_cont)``.
-
-    Sequences with the same input (all tokens but the last) share one forward: the choices of a
-    question whose continuations are one token each (MMLU's letters) cost one row, not four.
-    """
-    device = next(model.parameters()).device
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i, (tokens, _) in enumerate(sequences):
-        groups.setdefault(tuple(tokens[:-1]), []).append(i)
-    order = sorted(groups, key=lambda key: (-len(key), groups[key][0]))  # longest first
-    keep_arg = _accepts_logits_to_keep(model)
-    results: list[tuple[float, bool] | None] = [None] * len(sequences)
-    done = 0
-    for start in range(0, len(order), batch_size):
-        batch = order[start:start + batch_size]
-        width = max(len(key) for key in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for row, key in enumerate(batch):
-            ids[row, :len(key)] = torch.tensor(key)
-            mask[row, :len(key)] = 1
-        # Only positions that predict a continuation token need logits (a vocabulary-wide row each).
-        first = min(len(key) - sequences[i][1] for key in batch for i in groups[key])
-        kwargs = {"logits_to_keep": width - first} if keep_arg else {}
-        with torch.no_grad():
-            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs).logits
-        offset = width - logits.shape[1]  # sequence position of logits[:, 0]
-        for row, key in enumerate(batch):
-            for i in groups[key]:
-                tokens, n_cont = sequences[i]
-                end = len(key)  # position len(key) - 1 predicts the last token
-                rows = logits[row, end - n_cont - offset:end - offset]
-                if exclude_token_id is not None:
-                    rows = rows.clone()
-                    rows[:, exclude_token_id] = float("-inf")
-                # in fp32: what lm-eval computes for an fp32 model; for a bf16 one, bf16's rounding of
-                # a 49k-way log-softmax moves a continuation's log-likelihood by up to 2 nats
-                logprobs = F.log_softmax(rows.float(), dim=-1)
-                target = torch.tensor(tokens[-n_cont:], device=logprobs.device)
-                picked = logprobs.gather(1, target[:, None]).squeeze(1)
-                greedy = bool((logprobs.argmax(dim=-1) == target).all())
-                results[i] = (float(picked.sum()), greedy)
-            done += len(groups[key])
-        if on_progress is not None:
-            on_progress(done, len(sequences))
-    return results  # type: ignore[return-value]
-
-
 def _argmax(values: Sequence[float]) -> int:
     """The first index of the largest value (numpy.argmax's tie rule, as lm-eval)."""
     return max(range(len(values)), key=lambda i: (values[i], -i))
@@ -286,10 +221,12 @@ def _score_local(model: Any, tokenizer: Any, items: Sequence[MCItem], batch_size
                 raise ValueError(f"item {item.id}: a continuation of {len(cont_enc)} tokens exceeds {max_length}")
             # lm-eval's left truncation: the model sees at most max_length tokens.
             sequences.append(((context_enc + cont_enc)[-(max_length + 1):], len(cont_enc)))
-    scored = _score_sequences(model, sequences, batch_size, exclude_token_id, on_progress)
+    scored = causal_log_likelihoods(model, [tokens for tokens, _ in sequences],
+                                    [len(tokens) - n for tokens, n in sequences], exclude_token_id=exclude_token_id,
+                                    batch_rows=batch_size, on_progress=on_progress)
     out, k = [], 0
     for item in items:
-        pairs = scored[k:k + len(item.choices)]
+        pairs = [(one.total, one.greedy) for one in scored[k:k + len(item.choices)]]
         k += len(item.choices)
         lls = tuple(p[0] for p in pairs)
         # acc_norm divides by the choice's length in characters, without the delimiter (lm-eval).

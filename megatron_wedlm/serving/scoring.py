@@ -22,10 +22,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
-
-from megatron_wedlm.decoding.packed_attention import plain_attention
+from megatron_wedlm.decoding.log_likelihood import causal_log_likelihoods
 
 from .engine import ServingEngine
 from .openai_api import CompletionRequest
@@ -51,53 +48,20 @@ class TokenScores:
 def score_tokens(model, sequences: Sequence[Sequence[int]], first: Sequence[int], top_n: int,
                  batch_tokens: int = BATCH_TOKENS) -> list[TokenScores]:
     """The causal log-probabilities of ``sequences[i][first[i]:]`` under ``model`` (an HF causal LM),
-    with the ``top_n`` most likely tokens at each position.
-
-    Plain forwards without a KV cache, several sequences right-padded into one forward (with their
-    attention mask) up to ``batch_tokens`` padded tokens; the log-softmax is taken in fp32. Inside
-    the engine's packed-attention block it runs with plain SDPA (:func:`plain_attention`).
-    """
-    results: list[TokenScores | None] = [None] * len(sequences)
-    device = model.device
-    with torch.inference_mode(), plain_attention(model):
-        for group in _batches([len(s) for s in sequences], batch_tokens):
-            width = max(len(sequences[i]) for i in group)
-            ids = torch.zeros(len(group), width, dtype=torch.long)
-            mask = torch.zeros(len(group), width, dtype=torch.long)
-            for r, i in enumerate(group):
-                ids[r, : len(sequences[i])] = torch.tensor(list(sequences[i]), dtype=torch.long)
-                mask[r, : len(sequences[i])] = 1
-            padded = bool((mask == 0).any())  # one sequence, or equal lengths: HF's plain causal mask
-            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device) if padded else None,
-                           use_cache=False).logits
-            for r, i in enumerate(group):
-                seq, start = list(sequences[i]), first[i]
-                head: list[float | None] = [None] if start == 0 else []
-                scored = max(start, 1)
-                if scored >= len(seq):
-                    results[i] = TokenScores(seq, start, head, [[] for _ in head])
-                    continue
-                logp = F.log_softmax(logits[r, scored - 1 : len(seq) - 1].float(), dim=-1)
-                target = torch.tensor(seq[scored:], dtype=torch.long, device=logp.device)
-                chosen = logp.gather(1, target[:, None])[:, 0].tolist()
-                if top_n:
-                    values, indices = logp.topk(min(top_n, logp.shape[-1]), dim=-1)
-                    top = [list(zip(ix, vs)) for ix, vs in zip(indices.tolist(), values.tolist())]
-                else:
-                    top = [[] for _ in chosen]
-                results[i] = TokenScores(seq, start, head + chosen, [[] for _ in head] + top)
-    return results  # type: ignore[return-value]
-
-
-def _batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
-    """Consecutive groups of sequence indices whose padded size (rows x longest) stays within ``batch_tokens``."""
-    groups: list[list[int]] = []
-    for i, n in enumerate(lengths):
-        if groups and (len(groups[-1]) + 1) * max(n, *(lengths[j] for j in groups[-1])) <= batch_tokens:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups
+    with the ``top_n`` most likely tokens at each position
+    (:func:`~megatron_wedlm.decoding.log_likelihood.causal_log_likelihoods`, up to ``batch_tokens``
+    padded tokens a forward). A sequence's first token has none (None)."""
+    scored = [i for i, seq in enumerate(sequences) if max(first[i], 1) < len(seq)]
+    found = causal_log_likelihoods(model, [sequences[i] for i in scored], [max(first[i], 1) for i in scored],
+                                   top_n=top_n, batch_tokens=batch_tokens)
+    results = []
+    for i, seq in enumerate(sequences):
+        head: list[float | None] = [None] if first[i] == 0 else []
+        results.append(TokenScores(list(seq), first[i], head, [[] for _ in head]))
+    for i, one in zip(scored, found):
+        results[i].logprobs.extend(one.logprobs)
+        results[i].top.extend(one.top)
+    return results
 
 
 def logprobs_object(tokenizer, scores: TokenScores, top_n: int) -> dict:
