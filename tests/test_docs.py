@@ -129,7 +129,8 @@ def invocations(markdown: str) -> list[tuple[str, frozenset[str]]]:
 
 _INSTALL = re.compile(r"pip install -e \"?\.(?:\[([\w,]+)\])?\"?")
 # what a documented command needs beyond the core install: setup.py's extras_require says why
-_EXTRA_OF = {"inference/serve.py": "serve", "tools/bench_serve.py": "serve", "tools/prepare_data.py": "data",
+_EXTRA_OF = {"inference/serve.py": "serve", "tools/bench_serve.py": "serve", "tools/bench_vllm.py": "serve",
+             "tools/prepare_data.py": "data",
              "tools/convert_checkpoint.py gguf-to-hf": "gguf"}
 
 

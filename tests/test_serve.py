@@ -63,7 +63,7 @@ def client(server):
 def reference(local, prompt: str, chat: bool = False, **settings):
     """The one-at-a-time decode the server must reproduce (its defaults: built-in, EOS stops)."""
     model, tokenizer = local
-    settings = DecodeSettings(stop_token_ids=eos_token_ids(model, tokenizer), **settings)
+    settings = DecodeSettings(**{"stop_token_ids": eos_token_ids(model, tokenizer), **settings})
     return generate(model, encode_prompt(tokenizer, prompt, chat), settings, tokenizer=tokenizer)
 
 
@@ -120,6 +120,11 @@ def test_chat_streamed_and_not_equals_the_chat_template_decode(client, local):
     assert reply.usage.prompt_tokens == len(encode_prompt(local[1], "hello there", chat=True))
     stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected.text
+    # vLLM's ignore_eos, as benchmarks send it: max_tokens tokens, whatever the stop tokens
+    unstopped = reference(local, "hello there", chat=True, max_new_tokens=16, stop_token_ids=())
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16,
+                                           extra_body={"ignore_eos": True})
+    assert reply.choices[0].message.content == unstopped.text and reply.usage.completion_tokens == 16
 
 
 def test_sixteen_concurrent_streams_each_equal_their_one_at_a_time_decode(client, local, server):

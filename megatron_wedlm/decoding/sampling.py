@@ -123,6 +123,9 @@ class SlotSampler:
         s = self.settings
         if not logits.shape[0]:
             return [([], []) for _ in mask_slots]
+        if all(len(slots) == 1 for slots in mask_slots):  # one mask each (AR rows): the rule can only pick it
+            tokens = self._draw(logits, list(range(len(mask_slots))))
+            return [(slots, [token]) for slots, token in zip(mask_slots, tokens)]
         entropies = entropy(logits).tolist()
         stops = self._stop_probability(logits)
         chosen, picks, starts, k = [], [], [], 0  # per row: indices into its slots, its first row of ``logits``

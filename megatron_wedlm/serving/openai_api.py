@@ -55,6 +55,7 @@ class _Knobs(BaseModel):
     window_size: int | None = Field(None, ge=1)
     entropy_threshold: float | None = None
     distance_penalty: float | None = Field(None, ge=0)
+    ignore_eos: bool = False  # vLLM's: decode to max_tokens past the stop tokens (benchmarks)
 
     def check_supported(self) -> None:
         """Refuse what this server cannot do, naming the field."""
@@ -88,7 +89,7 @@ class _Knobs(BaseModel):
                 **values, max_new_tokens=max_new_tokens,
                 temperature=0.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
-                stop_token_ids=stop_token_ids, stop_strings=self.stop_strings(),
+                stop_token_ids=() if self.ignore_eos else stop_token_ids, stop_strings=self.stop_strings(),
             )
         except (TypeError, ValueError) as error:
             raise BadRequest(str(error)) from None
