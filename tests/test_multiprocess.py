@@ -70,7 +70,10 @@ def rank_one_killed_with_helpers_running(pid_dir: str) -> None:
 
 def report_pid_env_and_sleep(pid_dir: str) -> None:
     """Prints the launch-time variable, writes its pid, then waits to be killed."""
-    print(f"rank {os.environ['RANK']} says {os.environ.get('WEDLM_TEST_SET_AT_LAUNCH')}", flush=True)
+    # one write of the whole line: print's text and newline are two writes on an unbuffered stdout,
+    # and two ranks' could interleave in the file they share
+    sys.stdout.write(f"rank {os.environ['RANK']} says {os.environ.get('WEDLM_TEST_SET_AT_LAUNCH')}\n")
+    sys.stdout.flush()
     Path(pid_dir, f"rank{os.environ['RANK']}").write_text(str(os.getpid()))
     time.sleep(600)
 
