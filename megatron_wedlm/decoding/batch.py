@@ -105,6 +105,7 @@ class RowBatch:
         self.lock = lock if lock is not None else contextlib.nullcontext()
         self.waiting: dict[int, RowState] = {}  # index -> row, in arrival order; a dict: cancelling is O(1)
         self.live: list[RowState] = []  # in cache-row order
+        self._joining: list[RowState] = []  # admitted by the step under way, not live until it advances
         self._cancelled: set[int] = set()  # live rows to drop at the next step
 
     def add(self, row: RowState) -> None:
@@ -122,6 +123,13 @@ class RowBatch:
         """Live rows that have not ended."""
         return sum(not row.finished for row in self.live)
 
+    def clear(self) -> list[RowState]:
+        """Drop every row (the engine failed); returns those that had not ended: waiting, joining
+        (a failing step may have admitted them) and live."""
+        rows = list(self.waiting.values()) + self._joining + [row for row in self.live if not row.finished]
+        self.waiting, self._joining, self.live = {}, [], []
+        return rows
+
     def __bool__(self) -> bool:
         """Rows wait, or live ones are left to step or to release (the step after a row ends drops it)."""
         return bool(self.waiting or self.live)
@@ -135,8 +143,9 @@ class RowBatch:
             for row in ended:
                 row.stop_reason = CANCELLED
             free = self.max_rows - self.running()
-            joining = [self.waiting.pop(i) for i in list(self.waiting)[: max(0, free)]]
-        self.live = self.runner.advance(self.live, joining)  # ended rows leave; joining ones take their places
+            self._joining = [self.waiting.pop(i) for i in list(self.waiting)[: max(0, free)]]
+        self.live = self.runner.advance(self.live, self._joining)  # ended rows leave; joining ones take their places
+        self._joining = []
         if not self.live:
             return ended
         decode_step(self.runner, self.live, self.tokenizer)

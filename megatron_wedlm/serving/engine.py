@@ -246,11 +246,8 @@ class ServingEngine:
         failure.__cause__ = error
         with self._cond:
             self._failure = failure
-            rows = list(self.batch.waiting.values()) + [row for row in self.batch.live if not row.finished]
-            doomed = [row.owner for row in rows]
+            doomed = [row.owner for row in self.batch.clear()]
             jobs = [future for _, future in self._jobs]
-            self.batch.waiting.clear()
-            self.batch.live = []
             self._jobs.clear()
             self._running = 0
             self.stats.requests[FAILED] += len(doomed)
