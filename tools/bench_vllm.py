@@ -28,13 +28,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -51,65 +46,25 @@ from bench_serve import (  # noqa: E402 - the client and workload of the serving
     wedlm_copy,
 )
 
+from megatron_wedlm.runtime.multiprocess import find_free_port  # noqa: E402
+from megatron_wedlm.testing.serving import ManagedServer, ServerProcess  # noqa: E402
+
 SERVED_NAME = "bench"
 TARGETS = {"ar_tps": 0.9, "ar_ttft_c1": 1.2, "wedlm_tps_c1": 1.3, "wedlm_tps_cN": 1.0}
 
 
-class Server:
-    """A server command on a free loopback port, in its own process group; a context manager that
-    waits for ``/health`` and at the end stops the whole group."""
-
-    def __init__(self, command: list[str], port: int, log: Path, env: dict[str, str] | None = None,
-                 startup_timeout: float = 600.0):
-        self.command, self.port, self.log, self.env = command, port, log, env
-        self.url = f"http://127.0.0.1:{port}"
-        self.startup_timeout = startup_timeout
-
-    def __enter__(self) -> "Server":
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        self._out = open(self.log, "w")
-        self.process = subprocess.Popen(self.command, stdout=self._out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})},
-                                        start_new_session=True)
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.command[:4]} exited with {self.process.returncode}; see {self.log}:\n"
-                                   + self.log.read_text(errors="replace")[-3000:])
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as reply:
-                    if reply.status == 200:
-                        return self
-            except (urllib.error.URLError, ConnectionError, OSError):
-                time.sleep(1.0)
-        self.__exit__()
-        raise TimeoutError(f"{self.command[:4]} did not answer /health in {self.startup_timeout:g} s; see {self.log}")
-
-    def __exit__(self, *exc) -> None:
-        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.process.wait(wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        self._out.close()
-
-
-def vllm_server(venv: Path, model: Path, length: int, port: int, log: Path) -> Server:
+def vllm_server(venv: Path, model: Path, length: int, log: Path) -> ManagedServer:
+    """vLLM's OpenAI server; its process group is ended at the end (its engine core is a child)."""
+    port = find_free_port()
     command = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--served-model-name", SERVED_NAME, "--dtype", "bfloat16", "--max-model-len", str(length),
                "--host", "127.0.0.1", "--port", str(port)]
-    return Server(command, port, log, env={"VLLM_CPU_KVCACHE_SPACE": "4"})
+    return ManagedServer(command, port, log, env={"VLLM_CPU_KVCACHE_SPACE": "4"}, startup_timeout=600.0, group=True)
 
 
-def our_server(model: Path, length: int, rows: int, port: int, log: Path) -> Server:
-    command = [sys.executable, str(ROOT / "inference" / "serve.py"), "--model", str(model), "--port", str(port),
-               "--dtype", "bf16", "--max-rows", str(rows), "--max-queue", "64", "--max-model-len", str(length)]
-    return Server(command, port, log)
+def our_server(model: Path, length: int, rows: int, log: Path) -> ServerProcess:
+    return ServerProcess(model, "--dtype", "bf16", "--max-rows", str(rows), "--max-queue", "64",
+                         "--max-model-len", str(length), log=log)
 
 
 def body(w: Workload, prompt: str, method: str | None, ignore_eos: bool) -> dict[str, Any]:
@@ -137,8 +92,6 @@ def measure(url: str, w: Workload, method: str | None, concurrency: list[int], i
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_wedlm.runtime.multiprocess import find_free_port
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vllm-venv", type=Path, required=True, help="a venv with vllm (vllm-cpu on a CPU machine)")
     p.add_argument("--base", type=Path, required=True, help="the AR model (HF directory) vLLM and our AR serve")
@@ -158,24 +111,24 @@ def main(argv: list[str] | None = None) -> int:
     concurrency = [int(c) for c in args.concurrency.split(",")]
     ours_ar = args.base if has_mask_token(args.base) else wedlm_copy(args.base, args.work, args.base.name)
     w_base = build_workload(args.base, args.prompts, args.max_tokens)
-    sides = [("vllm ar", lambda port, log: vllm_server(args.vllm_venv, args.base, length, port, log), w_base, None),
-             ("ours ar", lambda port, log: our_server(ours_ar, length, max(concurrency), port, log), w_base, "ar")]
-    length = model_len(args.base, w_base, [])
+    length, rows = model_len(args.base, w_base, []), max(concurrency)
+    sides = [("vllm ar", lambda log: vllm_server(args.vllm_venv, args.base, length, log), w_base, None),
+             ("ours ar", lambda log: our_server(ours_ar, length, rows, log), w_base, "ar")]
     if args.wedlm is not None:
         w_wedlm = build_workload(args.wedlm, args.prompts, args.max_tokens)
-        sides.append(("ours wedlm streaming",
-                      lambda port, log: our_server(args.wedlm, length, max(concurrency), port, log), w_wedlm,
+        sides.append(("ours wedlm streaming", lambda log: our_server(args.wedlm, length, rows, log), w_wedlm,
                       "streaming"))
     eos = "" if args.stop_at_eos else " (ignore_eos)"
     print(f"{len(w_base.prompts)} chat prompts of {min(w_base.prompt_tokens)}-{max(w_base.prompt_tokens)} tokens, "
           f"max_tokens {args.max_tokens}{eos}, greedy, bf16; concurrency {concurrency}; {args.rounds} rounds", flush=True)
+    logs = args.work / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
     rounds = []
     for r in range(args.rounds):
         results = {}
         for name, start, w, method in sides:
-            port = find_free_port()
             started = time.perf_counter()
-            with start(port, args.work / "logs" / f"round{r}-{name.replace(' ', '-')}.log") as server:
+            with start(logs / f"round{r}-{name.replace(' ', '-')}.log") as server:
                 results[name] = measure(server.url + w.path, w, method, concurrency, not args.stop_at_eos)
             print(f"round {r + 1}: {name} done ({time.perf_counter() - started:.0f} s)", flush=True)
         rounds.append(results)

@@ -39,7 +39,7 @@ from megatron_wedlm.decoding.batch import CANCELLED, RowBatch, RowPlan, check_se
 from megatron_wedlm.decoding.checks import with_default_stops
 from megatron_wedlm.decoding.model_runner import ModelRunner, packs_rows
 from megatron_wedlm.decoding.prefix_cache import PrefixCache
-from megatron_wedlm.decoding.result import GenerationResult, find_stop_string
+from megatron_wedlm.decoding.result import GenerationResult
 from megatron_wedlm.decoding.settings import AUTOREGRESSIVE, DecodeSettings
 from megatron_wedlm.decoding.state import RowState
 
@@ -341,17 +341,11 @@ class ServingEngine:
 
     def _settled(self, row: RowState) -> list[int]:
         """The row's tokens that can no longer change: those committed, and the run its next forward
-        commits (already decided: the leftmost filled run, AR's sampled token, a full block), cut
-        as committing will cut it (after a stop token; after the token completing a stop string).
-        Sending them now saves the client a forward's wait."""
-        plan = row.plan
-        run = row.committable(plan.policy.commit_count(row))
-        tokens = row.emitted + run
-        if run and plan.settings.stop_strings:
-            hit = find_stop_string(self.tokenizer, tokens, plan.settings.stop_strings, len(row.emitted))
-            if hit is not None:
-                tokens = tokens[: hit[0]]
-        return tokens
+        commits (already decided: the leftmost filled run, AR's sampled token, a full block), up to
+        a stop token. Sending them now saves the client a forward's wait. A run that would end the
+        row at a stop string was committed in the step that decided it (``batch.decode_step``), so
+        a live row's run holds none."""
+        return row.emitted + row.committable(row.plan.policy.commit_count(row))
 
     def _deliver(self, request: Request, event: Progress | BaseException) -> bool:
         try:

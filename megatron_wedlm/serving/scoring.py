@@ -52,15 +52,15 @@ def score_tokens(model, sequences: Sequence[Sequence[int]], first: Sequence[int]
     (:func:`~megatron_wedlm.decoding.log_likelihood.causal_log_likelihoods`, up to ``batch_tokens``
     padded tokens a forward). A sequence's first token has none (None)."""
     scored = [i for i, seq in enumerate(sequences) if max(first[i], 1) < len(seq)]
-    found = causal_log_likelihoods(model, [sequences[i] for i in scored], [max(first[i], 1) for i in scored],
-                                   top_n=top_n, batch_tokens=batch_tokens)
+    found = dict(zip(scored, causal_log_likelihoods(model, [sequences[i] for i in scored],
+                                                    [max(first[i], 1) for i in scored], top_n=top_n,
+                                                    batch_tokens=batch_tokens)))
     results = []
     for i, seq in enumerate(sequences):
         head: list[float | None] = [None] if first[i] == 0 else []
-        results.append(TokenScores(list(seq), first[i], head, [[] for _ in head]))
-    for i, one in zip(scored, found):
-        results[i].logprobs.extend(one.logprobs)
-        results[i].top.extend(one.top)
+        one = found.get(i)
+        results.append(TokenScores(list(seq), first[i], head + (one.logprobs if one else []),
+                                   [[] for _ in head] + (one.top if one else [])))
     return results
 
 

@@ -39,34 +39,34 @@ def write_tiny_chat_model(directory: str | Path, seed: int = 3) -> Path:
     return directory
 
 
-class ServerProcess:
-    """``inference/serve.py --model MODEL ARGS`` on a free loopback port; a context manager.
+class ManagedServer:
+    """``command``, an HTTP server on loopback ``port``, in a process of its own; a context manager.
 
-    ``url`` is the base URL (``http://127.0.0.1:PORT``); the server's output goes to ``log``.
-    Leaving the block sends SIGTERM (the server drains) and waits for the process.
+    Entering waits until ``/health`` answers 200 (the process exiting first is an error naming
+    its log, ``log``); leaving sends SIGTERM (to the whole process group with ``group``, for a
+    server whose workers are child processes, as vLLM's engine core is) and waits, then kills.
     """
 
-    def __init__(self, model: str | Path, *args: str, log: str | Path, startup_timeout: float = 180.0,
-                 python: str = sys.executable):
-        self.port = find_free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+    def __init__(self, command: list[str], port: int, log: str | Path, *, env: dict[str, str] | None = None,
+                 startup_timeout: float = 180.0, group: bool = False):
+        self.command, self.port, self.env, self.group = command, port, env or {}, group
+        self.url = f"http://127.0.0.1:{port}"
         self.log_path = Path(log)
-        self.command = [python, str(SERVE), "--model", str(model), "--port", str(self.port), *args]
         self.startup_timeout = startup_timeout
         self.process: subprocess.Popen | None = None
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self):
         self._log = open(self.log_path, "w")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                        cwd=REPO_ROOT)
+                                        cwd=REPO_ROOT, start_new_session=self.group)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log_text()}")
             try:
-                self.get("/health")
-                return self
+                with urllib.request.urlopen(self.url + "/health", timeout=10.0):
+                    return self
             except (urllib.error.URLError, ConnectionError, OSError):
                 time.sleep(0.3)
         self.stop()
@@ -75,23 +75,28 @@ class ServerProcess:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def get(self, path: str, timeout: float = 10.0) -> dict:
-        with urllib.request.urlopen(self.url + path, timeout=timeout) as response:
-            return json.loads(response.read())
-
     def stop(self, timeout: float = 60.0) -> int | None:
         """SIGTERM, then wait (SIGKILL after ``timeout``); returns the exit status."""
         if self.process is None:
             return None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+        if self.process.poll() is None or self.group:  # a group's children may outlive its leader
+            self._signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                self._signal(signal.SIGKILL)
                 self.process.wait()
         self._log.close()
         return self.process.returncode
+
+    def _signal(self, sig: int) -> None:
+        try:
+            if self.group:
+                os.killpg(self.process.pid, sig)
+            else:
+                self.process.send_signal(sig)
+        except ProcessLookupError:  # gone already
+            pass
 
     def log_text(self) -> str:
         self._log.flush()
@@ -102,3 +107,18 @@ class ServerProcess:
         import psutil
 
         return psutil.Process(self.process.pid).memory_info().rss
+
+
+class ServerProcess(ManagedServer):
+    """``inference/serve.py --model MODEL ARGS`` on a free loopback port (:class:`ManagedServer`):
+    leaving the block sends SIGTERM, on which the server drains."""
+
+    def __init__(self, model: str | Path, *args: str, log: str | Path, startup_timeout: float = 180.0,
+                 python: str = sys.executable):
+        port = find_free_port()
+        super().__init__([python, str(SERVE), "--model", str(model), "--port", str(port), *args], port, log,
+                         startup_timeout=startup_timeout)
+
+    def get(self, path: str, timeout: float = 10.0) -> dict:
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as response:
+            return json.loads(response.read())
