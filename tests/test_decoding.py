@@ -383,6 +383,60 @@ def test_greedy_output_is_the_same_for_any_batch_size_and_row_order(tokenizer, m
         assert [(r.token_ids, r.num_forwards, r.num_slots) for r in batched] == [expected[i] for i in order]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+def test_lean_body_gives_the_hf_bodys_logits_bit_for_bit(tokenizer, monkeypatch, arch, dtype):
+    """The decoding step's lean body (lean_body.py) against the HF body it replaces: every step's
+    logits are equal, bit for bit, on packed rows of different widths and caches, with rows
+    joining, and on one-token steps (one AR row: the ``mv`` path)."""
+    import megatron_wedlm.decoding.model_runner as model_runner
+
+    model = tiny_model(tokenizer, arch, 20.0, seed=4).to(dtype)
+    if arch == "qwen2":  # q/k/v biases, which Qwen2 has, at values that matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    prompts = [tokenizer.encode(t) for t in ["1 2 3", "The quick brown fox", "7", "x = [1, 2", "hello world"]]
+    logits, bodies = [], []
+    project = model_runner.project
+
+    def recorded(head, hidden):
+        out = project(head, hidden)
+        logits.append(out.clone())
+        return out
+
+    monkeypatch.setattr(model_runner, "project", recorded)
+    runs = {}
+    for lean in (True, False):
+        if not lean:
+            monkeypatch.setattr(model_runner, "lean_body", lambda model: (None, "switched off"))
+        logits.clear()
+        results = generate_batch(model, prompts, method="streaming", window_size=4, entropy_threshold=0.3,
+                                 max_new_tokens=12, stop_token_ids=(), batch_size=3)
+        results += [generate(model, prompts[1], method="ar", max_new_tokens=6, stop_token_ids=())]
+        runs[lean] = ([r.token_ids for r in results], list(logits))
+    (tokens, lean_logits), (hf_tokens, hf_logits) = runs[True], runs[False]
+    assert tokens == hf_tokens and len(lean_logits) == len(hf_logits)
+    assert all(a.dtype == dtype and torch.equal(a, b) for a, b in zip(lean_logits, hf_logits))
+    assert any(t.shape[0] == 1 for t in lean_logits) and any(t.shape[0] > 3 for t in lean_logits)
+
+
+def test_lean_body_refuses_what_it_does_not_write_out(tokenizer):
+    """Only Llama-family SDPA models take the lean body; the runner says why another does not."""
+    from megatron_wedlm.decoding.lean_body import LeanBody, lean_body
+    from megatron_wedlm.decoding.model_runner import ModelRunner
+
+    model = tiny_model(tokenizer, "qwen3", 1.0)
+    assert isinstance(ModelRunner(model, 5, 1, 32).body, LeanBody)
+    model.config._attn_implementation = "eager"
+    runner = ModelRunner(model, 5, 1, 32)
+    assert runner.body is model.model and "sdpa" in runner.lean_refusal
+    model.config._attn_implementation = "sdpa"
+    model.config.layer_types = ["sliding_attention"] + model.config.layer_types[1:]
+    assert lean_body(model) == (None, "sliding-window layers")
+
+
 def test_ar_batches_do_not_share_a_budget_cut_by_a_long_prompt(tokenizer):
     """A prompt near the position limit may emit fewer tokens; batched with it, the short prompts
     still get their whole budget (AR batches group prompts of one budget)."""

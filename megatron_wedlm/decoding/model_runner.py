@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import inspect
 from contextlib import ExitStack
+from functools import partial
 from itertools import accumulate, chain
 from typing import NamedTuple
 
 import torch
 
+from .lean_body import lean_body, project
 from .packed_attention import NAME as PACKED, Packing, packed_attention
 from .prefix_cache import PrefixCache
 from .row_cache import RowKVCache
@@ -85,12 +87,17 @@ class ModelRunner:
         if impl.startswith("flash_attention") and batch_rows > 1:
             raise ValueError("batched WeDLM decoding needs an explicit attention mask: load the model with sdpa or eager")
         self.model, self.device = model, model.device
-        self.body, self.head = model.base_model, model.get_output_embeddings()
-        self.cache_keyword = cache_keyword(self.body)
         self.mask_id = mask_id
         self.packable = packs_rows(model)
+        # packed steps of a Llama-family model skip HF's per-module Python (lean_body.py); the
+        # reason it does not apply, where it does not, is kept for benchmarks and logs
+        lean, self.lean_refusal = lean_body(model) if self.packable else (None, "not a packed (sdpa) model")
+        self.body = lean or model.base_model
+        self.cache_keyword = cache_keyword(self.body)
+        head = model.get_output_embeddings()
+        self.head = partial(project, head)
         self.cache = RowKVCache(model.config.num_hidden_layers, batch_rows, capacity=capacity, device=self.device)
-        self.dtype = self.head.weight.dtype
+        self.dtype = head.weight.dtype
         self._scope = ExitStack()
         # the shape of every forward, for benchmarks that replay the same work without the decoding
         self.steps: list[StepShape] = []

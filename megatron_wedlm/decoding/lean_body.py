@@ -1,0 +1,156 @@
+"""The decoding step's body for the Llama family (Llama, Qwen2, Qwen3), without HF's per-module Python.
+
+:class:`LeanBody` runs an HF model's own weights and modules' operations, in HF's order, so a
+step's hidden states are HF's bit for bit (tested per family, packed rows included). What it
+leaves out is the Python around them: module calls with their hooks, keyword passing, decorators
+and mask construction, about 40% of a one-token SmolLM2-135M step on two cores
+(docs/results.md). A one-token step multiplies by ``torch.mv``: the same bits as a linear layer
+at one row, which on CPU in bf16 takes a slower matrix path.
+
+Only packed decoding (:mod:`.packed_attention`, SDPA models) uses it; other models and
+attention implementations keep the HF body (:func:`lean_body` says why).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .packed_attention import Packing, packed_sdpa
+from .row_cache import RowKVCache
+
+FAMILIES = ("LlamaModel", "Qwen2Model", "Qwen3Model")  # the HF body classes whose layers are written out here
+
+
+class _Linear(NamedTuple):
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+
+class _Norm(NamedTuple):
+    weight: torch.Tensor
+    eps: float
+
+
+@dataclass(frozen=True)
+class _Layer:
+    input_norm: _Norm
+    q: _Linear
+    k: _Linear
+    v: _Linear
+    q_norm: _Norm | None  # Qwen3 normalises each head's query and key
+    k_norm: _Norm | None
+    o: _Linear
+    post_norm: _Norm
+    gate: _Linear
+    up: _Linear
+    down: _Linear
+    act: object
+
+
+class BodyOutput(NamedTuple):
+    """What the runner reads of HF's ``BaseModelOutputWithPast``."""
+
+    last_hidden_state: torch.Tensor
+
+
+def _linear(module) -> _Linear:
+    return _Linear(module.weight, module.bias)
+
+
+def _norm(module) -> _Norm:
+    return _Norm(module.weight, module.variance_epsilon)
+
+
+def linear(x: torch.Tensor, layer: _Linear) -> torch.Tensor:
+    """``F.linear`` of ``x`` ``[T, in]``; one row through ``mv``/``addmv`` (same bits, faster on CPU)."""
+    if x.shape[0] == 1:
+        row = torch.mv(layer.weight, x[0]) if layer.bias is None else torch.addmv(layer.bias, layer.weight, x[0])
+        return row[None]
+    return F.linear(x, layer.weight, layer.bias)
+
+
+def rms_norm(x: torch.Tensor, norm: _Norm) -> torch.Tensor:
+    """HF's ``LlamaRMSNorm`` (and Qwen2's, Qwen3's), operation for operation."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.eps)
+    return norm.weight * h.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
+
+
+def lean_body(model) -> tuple["LeanBody | None", str]:
+    """``(LeanBody, "")`` for a supported model, else ``(None, why not)``."""
+    body = model.base_model
+    config = model.config
+    name = type(body).__name__
+    if name not in FAMILIES:
+        return None, f"{name} is not one of {', '.join(FAMILIES)}"
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+        return None, "sliding-window layers"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return None, "pretraining_tp > 1"
+    return LeanBody(body), ""
+
+
+class LeanBody:
+    """Called as the HF body is in :meth:`.ModelRunner.forward` (``input_ids`` and ``position_ids``
+    ``[1, T]``, the cache, the packing); returns ``last_hidden_state`` ``[1, T, hidden]``."""
+
+    def __init__(self, body):
+        self.body = body
+        self.embed, self.rotary, self.final_norm = body.embed_tokens, body.rotary_emb, _norm(body.norm)
+        first = body.layers[0].self_attn
+        self.heads, self.kv_heads = body.config.num_attention_heads, body.config.num_key_value_heads
+        self.head_dim, self.scaling = first.head_dim, first.scaling
+        self.layers = [self._layer(layer) for layer in body.layers[: body.config.num_hidden_layers]]
+
+    @staticmethod
+    def _layer(layer) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        return _Layer(
+            _norm(layer.input_layernorm), _linear(attn.q_proj), _linear(attn.k_proj), _linear(attn.v_proj),
+            None if q_norm is None else _norm(q_norm), None if k_norm is None else _norm(k_norm),
+            _linear(attn.o_proj), _norm(layer.post_attention_layernorm),
+            _linear(mlp.gate_proj), _linear(mlp.up_proj), _linear(mlp.down_proj), mlp.act_fn,
+        )
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: RowKVCache,
+                wedlm_packing: Packing, attention_mask=None, use_cache: bool = True) -> BodyOutput:
+        """One packed step; ``attention_mask`` must be None (the packing carries the rows)."""
+        if attention_mask is not None or input_ids.shape[0] != 1:
+            raise ValueError("LeanBody runs packed steps only: input [1, T], no attention mask")
+        x = self.embed(input_ids)
+        cos, sin = self.rotary(x, position_ids=position_ids)
+        cos, sin = cos[:, None], sin[:, None]  # [1, 1, T, dim], over the heads
+        x = x[0]
+        tokens = x.shape[0]
+        for index, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_norm)
+            q = linear(h, layer.q).view(tokens, self.heads, self.head_dim)
+            k = linear(h, layer.k).view(tokens, self.kv_heads, self.head_dim)
+            v = linear(h, layer.v).view(tokens, self.kv_heads, self.head_dim)
+            if layer.q_norm is not None:
+                q, k = rms_norm(q, layer.q_norm), rms_norm(k, layer.k_norm)
+            q = _rotate(q.transpose(0, 1)[None], cos, sin)
+            k = _rotate(k.transpose(0, 1)[None], cos, sin)
+            keys, values = cache.layers[index].update(k, v.transpose(0, 1)[None])
+            out, _ = packed_sdpa(None, q, keys, values, None, wedlm_packing=wedlm_packing, scaling=self.scaling)
+            x = x + linear(out.reshape(tokens, -1), layer.o)
+            h = rms_norm(x, layer.post_norm)
+            x = x + linear(layer.act(linear(h, layer.gate)) * linear(h, layer.up), layer.down)
+        return BodyOutput(rms_norm(x, self.final_norm)[None])
+
+    __call__ = forward
+
+
+def project(head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    """The output layer over ``hidden`` ``[n, hidden]``; one row through ``mv`` (see :func:`linear`)."""
+    return linear(hidden, _Linear(head.weight, head.bias))
