@@ -1,13 +1,5 @@
-"""HF ``generate`` with KV cache on the same model: the reference of the AR baseline.
-
-The product decodes AR as next-token rows of its decoding batch (``method="ar"``,
-:mod:`.batch`), so evaluation and the server measure one baseline; this module is what those
-rows are tested against (greedy: the same tokens) and benchmarked with (``tools/bench_decode.py``).
-
-Results use the same :class:`GenerationResult` and metric definitions as the parallel decoders:
-one token per forward (the prefill forward yields the first token), so ``num_forwards ==
-num_slots == N_gen`` and ``p_cache == 1``. The mask token, when the model has one, is suppressed
-so it is never emitted (as in the parallel decoders).
+"""HF ``generate`` with KV cache on the same model: the reference the AR rows of the batch
+(``method="ar"``) are tested (greedy: same tokens) and benchmarked against, with their metrics.
 """
 
 from __future__ import annotations
@@ -42,16 +34,13 @@ def ar_decode(
     batch_size: int | None = None,
     on_result: Callable[[int, GenerationResult], None] | None = None,
 ) -> list[GenerationResult]:
-    """Prompts in left-padded ``generate`` calls of up to ``batch_size`` rows (default: all in one call);
-    per-row metrics count that row's tokens; results in the order of ``prompts``.
+    """Prompts in left-padded ``generate`` calls of up to ``batch_size`` rows (default: one call).
 
-    The rows of one call share one token budget: ``max_new_tokens``, capped by the position range
-    left after the longest prompt. So that a row's output does not depend on its neighbours, a call
-    with ``batch_size`` groups prompts by their own budget (then by length, which also keeps
-    padding low). ``on_result(index, result)`` is called for each prompt as its call ends.
-    ``settings.mask_token_id`` (default ``config.mask_token_id``, may be absent) is only
-    suppressed here; the parallel-only settings are ignored. ``settings.stop_token_ids`` None: the
-    model's EOS ids (:func:`~.checks.eos_token_ids`), as ``generate`` itself would stop.
+    Returns results in the order of ``prompts``; ``on_result(index, result)`` is called as each
+    call ends. A call's rows share one budget (``max_new_tokens`` capped by the positions left), so
+    with ``batch_size`` prompts are grouped by budget, then length, and a row's output does not
+    depend on its neighbours. Parallel-only settings are ignored; ``stop_token_ids`` None: the
+    model's EOS ids (:func:`~.checks.eos_token_ids`).
     """
     check_full_attention(model)
     settings = with_default_stops(settings, model, tokenizer)
@@ -71,7 +60,6 @@ def ar_decode(
 
 
 def _batches(model, prompts: list[list[int]], settings: DecodeSettings, batch_size: int) -> list[list[int]]:
-    """Indices of ``prompts`` in batches of up to ``batch_size`` of one token budget, by length."""
     budgets = [generation_budget(model, len(p), settings.max_new_tokens) for p in prompts]
     order = sorted(range(len(prompts)), key=lambda i: (budgets[i], len(prompts[i]), i))
     batches: list[list[int]] = []
@@ -86,7 +74,6 @@ def _batches(model, prompts: list[list[int]], settings: DecodeSettings, batch_si
 def _ar_call(
     model, prompts: list[list[int]], settings: DecodeSettings, tokenizer, generator: torch.Generator | None
 ) -> list[GenerationResult]:
-    """One left-padded ``generate`` call over ``prompts``."""
     budget = min(generation_budget(model, len(p), settings.max_new_tokens) for p in prompts)
     mask_token_id = settings.mask_token_id
     if mask_token_id is None:
@@ -103,7 +90,7 @@ def _ar_call(
 
 
 def _left_padded(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids, attention_mask)`` with every row's last prompt token aligned (left padding)."""
+    """``(input_ids, attention_mask)``, left-padded."""
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
     attention_mask = torch.zeros_like(input_ids)
@@ -116,11 +103,7 @@ def _left_padded(prompts: list[list[int]], pad_id: int, device: torch.device) ->
 def _generation_config(
     settings: DecodeSettings, budget: int, stops: list[int], pad_id: int, mask_token_id: int | None
 ) -> GenerationConfig:
-    """Every field that changes the output, set from ``settings``.
-
-    generate() fills every unset (None) field from the model's own generation_config (e.g. Qwen's
-    top_k=20, repetition_penalty, EOS), so the settings here rule only if all of them are set.
-    """
+    """Every output-changing field, set: ``generate`` fills unset ones from the model's own."""
     sampling = settings.temperature > 0
     return GenerationConfig(
         max_new_tokens=budget,
@@ -141,8 +124,7 @@ def _timed_generate(
     model, input_ids: torch.Tensor, attention_mask: torch.Tensor, config: GenerationConfig, tokenizer,
     generator: torch.Generator | None,
 ) -> tuple[torch.Tensor, float]:
-    """``model.generate`` and its wall time; HF samples from the global RNG, which is seeded from
-    ``generator`` inside a fork so the caller's global RNG state is left as it was."""
+    """``model.generate`` and its wall time; HF's global RNG seeded from ``generator`` in a fork."""
     device = model.device
     start = time.perf_counter()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -159,7 +141,6 @@ def _timed_generate(
 def _row_result(
     tokens: list[int], stops: list[int], budget: int, settings: DecodeSettings, seconds: float, tokenizer
 ) -> GenerationResult:
-    """One row's generated tokens, cut at its first stop token or stop string, with why it ended."""
     stop_strings = settings.stop_strings
     tokens, reason = _cut_at_stop_token(tokens, stops)
     found = find_stop_string(tokenizer, tokens, stop_strings) if stop_strings else None
@@ -180,7 +161,7 @@ def _row_result(
 
 
 def _cut_at_stop_token(tokens: list[int], stops: list[int]) -> tuple[list[int], str | None]:
-    """Tokens up to and including the first stop token (HF pads a finished row after it)."""
+    """Tokens through the first stop token (HF pads a finished row after it)."""
     for i, token in enumerate(tokens):
         if token in stops:
             return tokens[: i + 1], STOP_TOKEN

@@ -1,11 +1,7 @@
 """The continuous batch: rows wait, take free places, go through one forward per step, and leave.
 
-:class:`RowBatch` is the one loop of decoding (nano-vllm's scheduler and step). :func:`~.parallel.decode`
-adds every prompt and steps until the batch is empty; the server's engine adds requests as they
-come, from other threads, and steps in a thread of its own. Each row carries its own
-:class:`RowPlan` (settings, commit policy, sampler), so one batch mixes streaming, block-wise
-and AR rows with different settings. One step is docs/method.md §3.2, steps a-e
-(:func:`decode_step`); the rules it follows are in :mod:`.parallel`.
+:class:`RowBatch` is the one decoding loop (nano-vllm's scheduler and step) of :func:`.decode` and
+the server's engine; each row's :class:`RowPlan` lets one batch mix methods and settings.
 """
 
 from __future__ import annotations
@@ -33,8 +29,7 @@ NO_MASK = -1
 
 
 class RowPlan:
-    """How one row is decoded: its settings, commit policy and sampler. Rows that share a plan
-    share its sampler's tensor ops."""
+    """How one row is decoded: settings, commit policy and sampler (shared by rows of one plan)."""
 
     __slots__ = ("settings", "policy", "sampler")
 
@@ -50,8 +45,7 @@ class RowPlan:
 
 
 def check_settings(model, settings: DecodeSettings) -> int:
-    """The model's mask token, after checking that ``settings`` suit the model (it is no stop token).
-    AR alone needs none: :data:`NO_MASK` when the model has none."""
+    """The model's mask token (:data:`NO_MASK` for AR without one), after checking ``settings``."""
     check_full_attention(model)
     if settings.method == AUTOREGRESSIVE and settings.mask_token_id is None \
             and getattr(model.config, "mask_token_id", None) is None:
@@ -62,8 +56,7 @@ def check_settings(model, settings: DecodeSettings) -> int:
 
 
 def start_row(model, index: int, prompt: list[int], plan: RowPlan, mask_id: int, owner: Any = None) -> RowState:
-    """The state of ``prompt`` before its first forward; its window is capped by the token budget.
-    ``owner``: what the caller finds the row's request by (a server's :class:`Request`)."""
+    """``prompt``'s state before its first forward; ``owner``: what the caller finds it by."""
     settings = plan.settings
     check_fits(model, len(prompt), min(settings.window_size, settings.max_new_tokens))
     row = RowState(
@@ -77,7 +70,6 @@ def start_row(model, index: int, prompt: list[int], plan: RowPlan, mask_id: int,
 
 
 def row_result(row: RowState, seconds: float, tokenizer) -> GenerationResult:
-    """``row`` as a result; ``seconds``: the wall clock the caller reports for it."""
     return GenerationResult(
         token_ids=row.emitted,
         num_forwards=row.forwards,
@@ -91,11 +83,10 @@ def row_result(row: RowState, seconds: float, tokenizer) -> GenerationResult:
 
 
 class RowBatch:
-    """Rows waiting (first come, first served) and up to ``max_rows`` live rows in ``runner``'s cache.
+    """Rows waiting (FIFO) and up to ``max_rows`` live rows in ``runner``'s cache.
 
-    :meth:`step` admits waiting rows into free places (under ``lock`` when other threads add or
-    cancel), releases the rows that ended, and runs one forward over the live ones. A row's
-    result does not depend on which rows it shared forwards with.
+    A row's result does not depend on which rows it shares forwards with; ``lock`` guards
+    :meth:`add` and :meth:`cancel` from other threads.
     """
 
     def __init__(self, runner: ModelRunner, max_rows: int, tokenizer=None, lock=None):
@@ -109,34 +100,31 @@ class RowBatch:
         self._cancelled: set[int] = set()  # live rows to drop at the next step
 
     def add(self, row: RowState) -> None:
-        """Queue ``row`` (its ``index`` unique in the batch); it joins at a step with a free place."""
+        """Queue ``row`` (its ``index`` unique in the batch)."""
         self.waiting[row.index] = row
 
     def cancel(self, index: int) -> bool:
-        """Drop row ``index``: True when it was still waiting (gone now); a live one leaves at the next step."""
+        """Drop row ``index``: True if it was still waiting; a live one leaves at the next step."""
         if self.waiting.pop(index, None) is not None:
             return True
         self._cancelled.add(index)
         return False
 
     def running(self) -> int:
-        """Live rows that have not ended."""
         return sum(not row.finished for row in self.live)
 
     def clear(self) -> list[RowState]:
-        """Drop every row (the engine failed); returns those that had not ended: waiting, joining
-        (a failing step may have admitted them) and live."""
+        """Drop every row (the engine failed); returns the rows not ended."""
         rows = list(self.waiting.values()) + self._joining + [row for row in self.live if not row.finished]
         self.waiting, self._joining, self.live = {}, [], []
         return rows
 
     def __bool__(self) -> bool:
-        """Rows wait, or live ones are left to step or to release (the step after a row ends drops it)."""
+        """Rows wait, or live ones are left to step or to release."""
         return bool(self.waiting or self.live)
 
     def step(self) -> list[RowState]:
-        """Admit, release, one forward; returns the rows that ended in this step (a stop, the budget, or
-        :meth:`cancel`, whose ``stop_reason`` is :data:`CANCELLED`), in cache-row order."""
+        """Admit, release, one forward; the rows that ended (cancelled: :data:`CANCELLED`)."""
         with self.lock:
             cancelled, self._cancelled = self._cancelled, set()
             ended = [row for row in self.live if not row.finished and row.index in cancelled]
@@ -153,7 +141,7 @@ class RowBatch:
 
 
 def decode_step(runner: ModelRunner, live: Iterable[RowState], tokenizer) -> None:
-    """One forward of Algorithm 1 over the ``live`` rows (none finished), each by its own plan."""
+    """One forward of docs/method.md §3.2 (a-e) over the ``live`` rows, each by its own plan."""
     live = list(live)
     plans = [row.plan for row in live]
     commits = [plan.policy.commit_count(row) for plan, row in zip(plans, live)]  # c. decided by what this forward feeds
@@ -176,7 +164,6 @@ def decode_step(runner: ModelRunner, live: Iterable[RowState], tokenizer) -> Non
 
 
 def _choose(logits: torch.Tensor, mask_slots: list[list[int]], plans: list[RowPlan]) -> list[tuple[list[int], list[int]]]:
-    """Each row's fills by its plan's sampler; the rows of one sampler go through it together."""
     samplers = {id(plan.sampler): plan.sampler for plan in plans}
     if len(samplers) == 1:
         return plans[0].sampler.choose(logits, mask_slots)
@@ -192,7 +179,6 @@ def _choose(logits: torch.Tensor, mask_slots: list[list[int]], plans: list[RowPl
 
 
 def _completes_stop_string(row: RowState, n: int, tokenizer, settings: DecodeSettings) -> bool:
-    """Whether committing the first ``n`` slots ends ``row`` at a stop string."""
     if not n or not settings.stop_strings:
         return False
     tokens = row.emitted + row.committable(n)
@@ -200,7 +186,7 @@ def _completes_stop_string(row: RowState, n: int, tokenizer, settings: DecodeSet
 
 
 def _commit(row: RowState, n: int, tokenizer, settings: DecodeSettings, in_cache: bool = True) -> None:
-    """``row.commit(n)``, then end the row at a stop string (cut the tokens after the one completing it)."""
+    """``row.commit(n)``, then end the row at a stop string that committing completes."""
     checked = len(row.emitted)  # held no stop string, or the row would have ended
     row.commit(n, in_cache)
     if n and settings.stop_strings:

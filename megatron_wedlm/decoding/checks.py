@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 
 def as_token_list(prompt_ids) -> list[int]:
-    """Accept ``list[int]``, a 1-D tensor or a ``[1, n]`` tensor; return a non-empty ``list[int]``."""
+    """``list[int]``, a 1-D or ``[1, n]`` tensor as a non-empty ``list[int]``."""
     if isinstance(prompt_ids, torch.Tensor):
         if prompt_ids.dim() == 2 and prompt_ids.shape[0] == 1:
             prompt_ids = prompt_ids[0]
@@ -30,7 +30,7 @@ def as_token_list(prompt_ids) -> list[int]:
 
 
 def as_prompt_batch(prompts: Sequence) -> list[list[int]]:
-    """A batch of prompts (list of token lists / 1-D tensors, or a 2-D tensor) as ``list[list[int]]``."""
+    """Token lists, 1-D tensors or a 2-D tensor as ``list[list[int]]``."""
     if isinstance(prompts, torch.Tensor):
         if prompts.dim() != 2:
             raise ValueError(f"a prompt batch tensor must be 2-D, got shape {tuple(prompts.shape)}")
@@ -42,7 +42,7 @@ def as_prompt_batch(prompts: Sequence) -> list[list[int]]:
 
 
 def resolve_mask_token_id(model, mask_token_id: int | None = None) -> int:
-    """The mask token: the explicit argument, else ``model.config.mask_token_id``; error if neither."""
+    """The explicit mask token, else ``model.config.mask_token_id``; ValueError if neither."""
     if mask_token_id is None:
         mask_token_id = getattr(model.config, "mask_token_id", None)
     if mask_token_id is None:
@@ -57,12 +57,8 @@ def resolve_mask_token_id(model, mask_token_id: int | None = None) -> int:
 
 
 def eos_token_ids(model, tokenizer=None) -> list[int]:
-    """The ids a reply stops at unless the caller names others (``DecodeSettings.stop_token_ids=None``).
-
-    The model's EOS as HF ``generate`` reads it: ``model.generation_config.eos_token_id``, else
-    ``model.config.eos_token_id`` (an int or a list). With a tokenizer, its EOS too: a chat
-    tokenizer's EOS is its end of turn (e.g. ``<|im_end|>``), which a base model's generation
-    config may not list. The command lines, the evaluation and the server stop at the same ids.
+    """The stop ids when the caller names none: the model's EOS as HF ``generate`` reads it, plus
+    the tokenizer's (a chat tokenizer's end of turn). Every entry point stops at these.
     """
     generation = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     model_eos = generation if generation is not None else getattr(getattr(model, "config", None), "eos_token_id", None)
@@ -76,21 +72,18 @@ def eos_token_ids(model, tokenizer=None) -> list[int]:
 
 
 def with_default_stops(settings: DecodeSettings, model, tokenizer=None) -> DecodeSettings:
-    """``settings`` whose ``stop_token_ids`` None (the default) is replaced by the model's EOS ids
-    (:func:`eos_token_ids`); given ids, ``()`` included, stay. Every decoder that starts rows calls
-    it (``decode``, ``ar_decode``, the server's engine), so a row never sees None."""
+    """``settings`` with ``stop_token_ids=None`` replaced by :func:`eos_token_ids`."""
     if settings.stop_token_ids is not None:
         return settings
     return dataclasses.replace(settings, stop_token_ids=tuple(eos_token_ids(model, tokenizer)))
 
 
 def max_positions(model) -> int | None:
-    """``max_position_embeddings`` of the model, or None if the config has none."""
     return getattr(model.config, "max_position_embeddings", None)
 
 
 def check_fits(model, prompt_length: int, window: int) -> None:
-    """Fail clearly when the prompt plus the first ``window`` generated positions exceed the model's range."""
+    """Fail when the prompt plus ``window`` positions exceed the model's range."""
     limit = max_positions(model)
     if limit is not None and prompt_length + window > limit:
         raise ValueError(
@@ -100,13 +93,13 @@ def check_fits(model, prompt_length: int, window: int) -> None:
 
 
 def generation_budget(model, prompt_length: int, max_new_tokens: int) -> int:
-    """How many tokens may be generated after this prompt: ``max_new_tokens``, capped by the position range."""
+    """``max_new_tokens`` after this prompt, capped by the position range."""
     limit = max_positions(model)
     return max_new_tokens if limit is None else min(max_new_tokens, limit - prompt_length)
 
 
 def check_full_attention(model) -> None:
-    """The decoders assume every layer attends to the full prefix; sliding-window layers would be masked wrong."""
+    """Refuse sliding-window layers (the decoders assume full-prefix attention)."""
     layer_types = getattr(model.config, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types):
         raise ValueError(

@@ -1,9 +1,5 @@
-"""The decoding command line: flags shared by the decoding entry points.
-
-``inference/generate.py``, ``inference/evaluate.py`` and ``tools/probe_masked_slots.py`` declare
-their decoding flags here (as ``training/cli.py`` is the training command line); what a flag
-leaves unset (None) is resolved by :func:`megatron_wedlm.decoding.options.resolve_decoding_settings`,
-which the ``lm_eval`` adapter uses too. Nothing else in the package imports argparse wiring.
+"""The decoding flags shared by the decoding entry points; unset ones (None) are resolved by
+:func:`megatron_wedlm.decoding.options.resolve_decoding_settings`.
 """
 
 from __future__ import annotations
@@ -15,11 +11,7 @@ from megatron_wedlm.decoding.options import FALLBACKS, ONE_SLOT, REFILL_ORDERS, 
 
 
 def add_decoding_arguments(parser: argparse.ArgumentParser, entropy_threshold: bool = True) -> None:
-    """``--window-size``, ``--entropy-threshold``, ``--distance-penalty``, ``--refill``, ``--stop-fill``,
-    ``--stop-penalty``, ``--fallback`` and ``--stop-at-eos``.
-
-    All but the last default to None = "not given", so the model's stored value can apply.
-    """
+    """The decoding flags; all but ``--stop-at-eos`` default to None, "not given"."""
     parser.add_argument("--window-size", type=int, default=None,
                         help="window W (default: the model's generation_config.json, else 16)")
     if entropy_threshold:
@@ -51,7 +43,7 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, entropy_threshold: b
 
 
 def float_list(text: str) -> list[float]:
-    """argparse type of ``--taus``: ``"0.2,0.3"`` -> ``[0.2, 0.3]``; a bad item is an error naming the flag."""
+    """argparse type of ``--taus``: ``"0.2,0.3"`` -> ``[0.2, 0.3]``."""
     try:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -59,7 +51,7 @@ def float_list(text: str) -> list[float]:
 
 
 def cli_values(args: argparse.Namespace) -> dict[str, Any]:
-    """The decoding settings given on the command line (None: not given), keyed as in ``DECODING_KEYS``."""
+    """The decoding settings given on the command line, keyed as in ``DECODING_KEYS``."""
     tau = getattr(args, "entropy_threshold", None)
     return {
         "window_size": args.window_size,

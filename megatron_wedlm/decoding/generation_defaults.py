@@ -1,15 +1,5 @@
-"""WeDLM decoding defaults that travel with an exported model, in its ``generation_config.json``.
-
-HF keeps what a model needs to be decoded next to its weights (``generation_config.json``);
-we do the same for the knobs of streaming parallel decoding, so a user who evaluates an
-exported model by hand gets the operating point its trainer calibrated, not the CLI's generic
-defaults. They live in one nested object so they never collide with HF's own keys::
-
-    {"eos_token_id": 2, ..., "wedlm": {"window_size": 16, "entropy_threshold": 0.3,
-                                       "distance_penalty": 0.05}}
-
-Only the keys in :data:`DECODING_KEYS` are read or written; anything else under ``"wedlm"``
-is refused, so a typo in a hand-edited file is reported instead of silently ignored.
+"""WeDLM decoding defaults stored with an exported model, under ``"wedlm"`` in its
+``generation_config.json`` (clear of HF's keys); keys outside :data:`DECODING_KEYS` are refused.
 """
 
 from __future__ import annotations
@@ -59,11 +49,7 @@ def _validate(values: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def read_decoding_defaults(model_dir: str | Path) -> dict[str, Any]:
-    """The WeDLM decoding settings stored with a model; ``{}`` when it stores none.
-
-    A missing ``generation_config.json`` is not an error (plain HF checkpoints have none); a
-    present but unreadable one is, because silently falling back would change the operating point.
-    """
+    """The stored settings, ``{}`` without a file; an unreadable file is an error."""
     path = Path(model_dir) / GENERATION_CONFIG
     if not path.is_file():
         return {}
@@ -78,11 +64,7 @@ def read_decoding_defaults(model_dir: str | Path) -> dict[str, Any]:
 
 
 def write_decoding_defaults(model_dir: str | Path, settings: dict[str, Any]) -> Path:
-    """Merge ``settings`` into the model's ``generation_config.json`` (created if absent).
-
-    HF keys already in the file are kept; the file is replaced atomically so a crash never
-    leaves a half-written config next to good weights.
-    """
+    """Merge ``settings`` into ``generation_config.json`` (atomic; HF's keys kept)."""
     path = Path(model_dir) / GENERATION_CONFIG
     data: dict[str, Any] = {}
     if path.is_file():

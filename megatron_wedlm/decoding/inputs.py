@@ -1,8 +1,4 @@
-"""What the command lines and the evaluation share around a decode: loading by dtype name, prompt
-encoding, and the EOS stop tokens (:func:`~.checks.eos_token_ids`, also the engine's default).
-Written once so ``inference/``, ``eval/`` and the ``lm_eval`` adapter cannot drift apart (e.g. one
-of them tokenizing a chat prompt differently).
-"""
+"""Loading by dtype name and prompt encoding, shared by the command lines and evaluation."""
 
 from __future__ import annotations
 
@@ -25,10 +21,8 @@ def load_checkpoint(
     path: str | Path, device: str | None = None, dtype: str = "auto", require_mask_token: bool = True,
     **placement: Any,
 ) -> tuple[Any, Any]:
-    """(model, tokenizer) of a local checkpoint; ``dtype`` is a name of :data:`DTYPES`.
-
-    ``require_mask_token=False`` admits plain AR checkpoints, for the AR baseline alone.
-    ``placement``: ``device_map`` / ``max_memory`` of :func:`load_wedlm_model`.
+    """(model, tokenizer) of a local checkpoint; ``dtype``: a name of :data:`DTYPES`; ``placement``:
+    ``device_map``/``max_memory``; ``require_mask_token=False`` admits plain AR checkpoints.
     """
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
@@ -38,7 +32,7 @@ def load_checkpoint(
 
 
 def chat_text(tokenizer: Any, messages: list[dict[str, str]]) -> str:
-    """``messages`` (``role``/``content`` dicts) in the tokenizer's chat template, up to where the reply begins."""
+    """``messages`` in the chat template, up to where the reply begins."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "chat prompts need a chat template, and this tokenizer has none: drop the chat option or add a "
@@ -48,24 +42,23 @@ def chat_text(tokenizer: Any, messages: list[dict[str, str]]) -> str:
 
 
 def chat_prompt_text(tokenizer: Any, prompt: str) -> str:
-    """``prompt`` as one user turn in the tokenizer's chat template, up to where the reply begins."""
+    """``prompt`` as one user turn in the chat template, up to where the reply begins."""
     return chat_text(tokenizer, [{"role": "user", "content": prompt}])
 
 
 def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a conversation in the chat template (the template holds the special tokens)."""
     return list(tokenizer(chat_text(tokenizer, messages), add_special_tokens=False)["input_ids"])
 
 
 def encode_prompt(tokenizer: Any, prompt: str, chat: bool = False) -> list[int]:
-    """Token ids of ``prompt``; ``chat`` wraps it as one user turn with the tokenizer's chat template."""
+    """Token ids of ``prompt``; ``chat`` wraps it as one user turn."""
     if not chat:
         return list(tokenizer(prompt)["input_ids"])
     return encode_chat(tokenizer, [{"role": "user", "content": prompt}])
 
 
 def find_mask_token_id(model: Any, tokenizer: Any, mask_token_id: int | None = None) -> int | None:
-    """The mask token: the explicit id, else ``model.config.mask_token_id``, else the tokenizer's; None if none."""
+    """The explicit id, else the model config's mask token, else the tokenizer's, else None."""
     if mask_token_id is not None:
         return int(mask_token_id)
     from_config = getattr(getattr(model, "config", None), "mask_token_id", None)

@@ -1,14 +1,7 @@
-"""The decoding step's body for the Llama family (Llama, Qwen2, Qwen3), without HF's per-module Python.
+"""The decoding step's body for Llama, Qwen2 and Qwen3 without HF's per-module Python.
 
-:class:`LeanBody` runs an HF model's own weights and modules' operations, in HF's order, so a
-step's hidden states are HF's bit for bit (tested per family, packed rows included). What it
-leaves out is the Python around them: module calls with their hooks, keyword passing, decorators
-and mask construction, about 40% of a one-token SmolLM2-135M step on two cores
-(docs/results.md). A one-token step multiplies by ``torch.mv``: the same bits as a linear layer
-at one row, which on CPU in bf16 takes a slower matrix path.
-
-Only packed decoding (:mod:`.packed_attention`, SDPA models) uses it; other models and
-attention implementations keep the HF body (:func:`lean_body` says why).
+:class:`LeanBody` runs HF's weights and operations in HF's order (hidden states equal bit for bit,
+tested per family); one-token steps use ``torch.mv``. Packed (SDPA) decoding only.
 """
 
 from __future__ import annotations
@@ -52,8 +45,6 @@ class _Layer:
 
 
 class BodyOutput(NamedTuple):
-    """What the runner reads of HF's ``BaseModelOutputWithPast``."""
-
     last_hidden_state: torch.Tensor
 
 
@@ -66,7 +57,7 @@ def _norm(module) -> _Norm:
 
 
 def linear(x: torch.Tensor, layer: _Linear) -> torch.Tensor:
-    """``F.linear`` of ``x`` ``[T, in]``; one row through ``mv``/``addmv`` (same bits, faster on CPU)."""
+    """``F.linear`` of ``x`` ``[T, in]``; one row through ``mv``/``addmv`` (same bits)."""
     if x.shape[0] == 1:
         row = torch.mv(layer.weight, x[0]) if layer.bias is None else torch.addmv(layer.bias, layer.weight, x[0])
         return row[None]
@@ -74,7 +65,7 @@ def linear(x: torch.Tensor, layer: _Linear) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, norm: _Norm) -> torch.Tensor:
-    """HF's ``LlamaRMSNorm`` (and Qwen2's, Qwen3's), operation for operation."""
+    """HF's ``LlamaRMSNorm``, operation for operation."""
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.eps)
     return norm.weight * h.to(x.dtype)
@@ -100,8 +91,7 @@ def lean_body(model) -> tuple["LeanBody | None", str]:
 
 
 class LeanBody:
-    """Called as the HF body is in :meth:`.ModelRunner.forward` (``input_ids`` and ``position_ids``
-    ``[1, T]``, the cache, the packing); returns ``last_hidden_state`` ``[1, T, hidden]``."""
+    """The HF body's call in :meth:`.ModelRunner.forward`; returns ``last_hidden_state``."""
 
     def __init__(self, body):
         self.body = body
@@ -124,7 +114,7 @@ class LeanBody:
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: RowKVCache,
                 wedlm_packing: Packing, attention_mask=None, use_cache: bool = True) -> BodyOutput:
-        """One packed step; ``attention_mask`` must be None (the packing carries the rows)."""
+        """One packed step; ``attention_mask`` must be None."""
         if attention_mask is not None or input_ids.shape[0] != 1:
             raise ValueError("LeanBody runs packed steps only: input [1, T], no attention mask")
         x = self.embed(input_ids)
@@ -152,5 +142,5 @@ class LeanBody:
 
 
 def project(head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
-    """The output layer over ``hidden`` ``[n, hidden]``; one row through ``mv`` (see :func:`linear`)."""
+    """The output layer over ``hidden`` ``[n, hidden]``."""
     return linear(hidden, _Linear(head.weight, head.bias))

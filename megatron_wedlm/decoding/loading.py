@@ -1,26 +1,7 @@
 """Load a WeDLM checkpoint as a plain HF causal LM, never with remote code.
 
-Two kinds of directories are accepted:
-
-* this project's exports: an ordinary ``qwen2`` / ``qwen3`` / ``llama`` HF directory whose
-  ``config.json`` also holds ``mask_token_id``; loaded with ``AutoModelForCausalLM``.
-* the official WeDLM checkpoints (``model_type: "wedlm"``). Their architecture is the AR model
-  they were initialised from, with the same weight names, so the config is mapped onto the
-  matching transformers class:
-
-  ============  ===============  =====================================================
-  ``qk_norm``   ``attention_bias``  transformers class
-  ============  ===============  =====================================================
-  true          false (default)  ``Qwen3ForCausalLM`` (WeDLM-8B, from Qwen3-8B)
-  false         true (default)   ``Qwen2ForCausalLM`` (WeDLM-7B, from Qwen2.5-7B)
-  false         false            ``LlamaForCausalLM`` (no biases, no q/k norm)
-  true          true             ``Qwen3ForCausalLM`` with ``attention_bias=True`` (q/k/v
-                                 biases and q/k norm, as the reference ``WeDLMAttention``
-                                 builds it); that class also has an output-projection bias
-                                 the checkpoint lacks, which is set to zero -- the same function
-  ============  ===============  =====================================================
-
-  (``attention_bias`` defaults to true when absent, as in the WeDLM config class.)
+Takes this project's exports and the official ``model_type: "wedlm"`` checkpoints, mapped onto
+their AR class by ``qk_norm``/``attention_bias``: Qwen3, Qwen2 or Llama (both: Qwen3 with biases).
 """
 
 from __future__ import annotations
@@ -43,7 +24,7 @@ from megatron_wedlm.runtime.hf_local import (
 __all__ = ["load_tokenizer", "load_wedlm_model", "wedlm_config_to_hf"]  # load_tokenizer, wedlm_config_to_hf: runtime.hf_local
 
 def _zero_missing_output_projection_biases(model, missing_keys) -> None:
-    """A wedlm checkpoint with q/k norm and q/k/v biases has no o_proj bias; Qwen3's class does: make it zero."""
+    """Zero Qwen3's o_proj bias, which a wedlm checkpoint with q/k/v biases lacks."""
     missing = {name for name in missing_keys if name.endswith("self_attn.o_proj.bias")}
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -62,15 +43,10 @@ def load_wedlm_model(
     device_map: str | dict | None = None,
     max_memory: dict | None = None,
 ):
-    """Load ``path`` in eval mode. Defaults: CUDA if available (bf16) else CPU (fp32), SDPA attention.
+    """Load ``path`` in eval mode: by default on CUDA (bf16) if any, else CPU (fp32), with SDPA.
 
-    ``require_mask_token=False`` allows plain AR checkpoints (for the AR baseline, and for
-    training, which adds the mask token itself). ``place=False`` leaves the model where
-    ``from_pretrained`` put it (``device`` then only picks the default dtype): a training
-    engine such as DeepSpeed places it, and under ZeRO-3 initialisation its parameters are
-    already partitioned, so moving them here would be wrong. ``device_map`` (e.g. ``"auto"``,
-    with ``max_memory`` per device) spreads a model too big for one GPU over several
-    (``from_pretrained``'s placement; ``device`` then only picks the default dtype).
+    ``place=False`` (a training engine places it, under ZeRO-3 already partitioned) or
+    ``device_map`` leave placement to others; ``device`` then only picks the dtype.
     """
     path = Path(path)
     raw = read_config(path)

@@ -1,14 +1,7 @@
-"""Causal log-likelihoods of given tokens: one teacher-forced forward, as lm-eval's ``hf`` model scores them.
+"""Causal log-likelihoods of given tokens, one teacher-forced forward, as lm-eval's ``hf`` scores.
 
-The one scoring primitive of the product: lm-eval's ``loglikelihood`` through the adapter
-(:mod:`megatron_wedlm.eval.lm_eval_adapter`), the in-process multiple-choice evaluation
-(:mod:`megatron_wedlm.eval.multiple_choice`) and the server's ``logprobs``/``echo``
-(:mod:`megatron_wedlm.serving.scoring`). Plain forwards without a KV cache, right-padded rows with
-their attention mask (none when no row is padded: HF's own causal mask), logits only where a
-scored token is predicted, the log-softmax in fp32 (for a bf16 model, bf16's rounding of a 49k-way
-log-softmax moves a continuation's log-likelihood by up to 2 nats). Sequences whose inputs (all
-tokens but the last) are equal share one row: a question's one-token choices (MMLU's letters)
-cost one row, not four. Inside the decoder's packed-attention block it runs with plain SDPA.
+The one scoring primitive (lm-eval adapter, multiple choice, the server's ``logprobs``):
+right-padded rows without a KV cache, log-softmax in fp32, equal inputs in one row.
 """
 
 from __future__ import annotations
@@ -25,9 +18,7 @@ from .packed_attention import plain_attention
 
 @dataclass(frozen=True)
 class Scored:
-    """``logprobs[k]``: the log-probability of ``tokens[first + k]`` given the tokens before it;
-    ``greedy``: each of them was the most likely token; ``top[k]``: the ``(token id, logprob)``
-    pairs of the ``top_n`` most likely tokens there, most likely first."""
+    """Per scored token: its ``logprobs``, whether it was ``greedy``, and the ``top`` pairs."""
 
     logprobs: list[float]
     greedy: bool
@@ -49,11 +40,10 @@ def causal_log_likelihoods(
     batch_tokens: int | None = None,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> list[Scored]:
-    """:class:`Scored` of ``sequences[i][first[i]:]`` (``1 <= first[i] < len``) under ``model``, an HF causal LM.
+    """:class:`Scored` of each ``sequences[i][first[i]:]`` (``1 <= first[i] < len``).
 
-    A forward holds at most ``batch_rows`` rows and ``batch_tokens`` padded tokens (a longer row
-    goes alone); longest rows first. ``exclude_token_id`` (a WeDLM mask token) gets no probability,
-    as the decoders never emit it. ``on_progress(done, total)`` after each forward.
+    Forwards hold at most ``batch_rows`` rows and ``batch_tokens`` padded tokens;
+    ``exclude_token_id`` (a mask token) gets no probability.
     """
     for seq, start in zip(sequences, first):
         if not 1 <= start < len(seq):
@@ -113,8 +103,7 @@ def _scored(logits: torch.Tensor, target: Sequence[int], top_n: int, exclude_tok
 
 
 def _batches(widths: list[int], rows: int | None, tokens: int | None) -> list[list[int]]:
-    """Consecutive indices of rows (``widths`` longest first) in forwards of at most ``rows`` rows and
-    ``tokens`` padded tokens (rows x the first row's width)."""
+    """Row indices (longest first) in forwards of at most ``rows`` rows and ``tokens`` tokens."""
     batches: list[list[int]] = []
     for i, width in enumerate(widths):
         if batches and (rows is None or len(batches[-1]) < rows) \

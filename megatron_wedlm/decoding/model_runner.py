@@ -1,26 +1,8 @@
 """Tensors and the forward of parallel decoding (nano-vllm's ``ModelRunner``).
 
-Per step the live rows' windows go through one causal forward on top of their committed KV
-cache: each row's window in reordered form (filled slots first, then masks, each in ascending
-logical position) with ``position_ids`` = logical positions. Attention takes its causal
-structure from the *physical* order (query ``i`` of a row sees its cache and the window slots
-up to ``i``) while RoPE uses the logical positions, which is exactly WeDLM's topological
-reordering. Because the filled slots come first, the keys/values of the leftmost filled run
-depend on the committed prefix and on themselves only, so they are exact; the cache keeps them
-(:meth:`ModelRunner.advance`) and the rest of the window is recomputed next step.
-
-On SDPA models every step, one row or many, goes through as one packed sequence of the rows'
-real tokens, with attention per row over that row's own cache length
-(:mod:`.packed_attention`), so rows with narrow windows or short caches pay for no one's
-padding. Eager models take right-padded rows and the explicit 4-D mask of
-:class:`RowKVCache`; flash-attention models decode one row at a time. Only mask slots need
-logits (filled slots are fed for their keys/values), so the output layer runs on the mask
-slots of all rows concatenated. The prompt is prefilled in the same forward as the first window
-(they are contiguous, the mask is plain causal), so a generation costs one forward fewer than
-"prefill, then decode". With a :class:`~.prefix_cache.PrefixCache`, a row that joins the batch
-gets the keys/values of its prompt's longest cached prefix copied into its cache row, and its
-first forward feeds only the rest of its prompt (at positions continuing from there); after
-that forward its prompt's new full blocks are stored.
+Feeds every live row's reordered window on its KV cache with logical positions (docs/method.md
+§3.1): SDPA models as one packed sequence (:mod:`.packed_attention`), eager ones as padded rows,
+flash-attention one row at a time. Logits are computed for mask slots only.
 """
 
 from __future__ import annotations
@@ -41,13 +23,8 @@ from .state import RowState
 
 
 def cache_keyword(module) -> str:
-    """The keyword under which an HF model's ``forward`` takes (and its output returns) the KV cache.
-
-    transformers renamed ``past_key_values`` to ``cache``, keeps the old name only for a while, and
-    its models take any other keyword into ``**kwargs``: a cache passed under a name the model no
-    longer knows is silently dropped, and the forward runs on a fresh cache of its own, attending
-    to nothing committed. So the name is read from the signature of the model class's ``forward``
-    (an instance's may be wrapped, by hooks or timers, in a ``*args, **kwargs`` function).
+    """The keyword of the KV cache in the model class's ``forward`` (transformers renamed it,
+    and an unknown keyword drops the cache silently).
     """
     params = inspect.signature(type(module).forward).parameters
     for name in ("cache", "past_key_values"):
@@ -57,12 +34,12 @@ def cache_keyword(module) -> str:
 
 
 def packs_rows(model) -> bool:
-    """Whether a step's rows go through ``model`` as one packed sequence (SDPA models, :mod:`.packed_attention`)."""
+    """Whether steps go through ``model`` as one packed sequence (SDPA models)."""
     return (getattr(model.config, "_attn_implementation", "") or "") == "sdpa"
 
 
 class StepShape(NamedTuple):
-    """One forward's work: new tokens and cache length per row, and the mask slots given logits."""
+    """One forward's work, for benchmarks that replay it."""
 
     lengths: tuple[int, ...]
     cached: tuple[int, ...]
@@ -70,19 +47,15 @@ class StepShape(NamedTuple):
 
 
 class ModelRunner:
-    """Owns the model, its per-row KV cache, and the conversion of row windows to tensors.
-
-    Used as a context manager around the decode loop: on an SDPA model the packed attention
-    (:func:`.packed_attention.packed_attention`) is switched on once for the whole decode, not
-    per step (setting a config attribute costs as much as a small layer's attention).
-    """
+    """The model, its per-row KV cache, and row windows as tensors; a context manager."""
 
     def __init__(self, model, mask_id: int, batch_rows: int, capacity: int, record_steps: bool = True,
                  prefix_cache: PrefixCache | None = None):
-        """A cache of ``batch_rows`` rows of ``capacity`` slots each (:meth:`for_rows` sizes it for a
-        known set of prompts). ``record_steps=False`` keeps no :attr:`steps` (a server's runner lives
-        for millions of forwards). ``prefix_cache``: prompt prefixes kept across the rows that join
-        through :meth:`advance` (a server's requests)."""
+        """A cache of ``batch_rows`` rows of ``capacity`` slots.
+
+        ``record_steps=False`` keeps no :attr:`steps`; ``prefix_cache`` serves joining rows.
+        ValueError for a flash-attention model with several rows (it needs an explicit mask).
+        """
         impl = getattr(model.config, "_attn_implementation", "") or ""
         if impl.startswith("flash_attention") and batch_rows > 1:
             raise ValueError("batched WeDLM decoding needs an explicit attention mask: load the model with sdpa or eager")
@@ -106,9 +79,7 @@ class ModelRunner:
 
     @classmethod
     def for_rows(cls, model, rows: list[RowState], window_size: int, batch_rows: int | None = None) -> "ModelRunner":
-        """A runner for ``rows``, every sequence the decode will see (they size the cache); ``batch_rows``:
-        how many are in the batch at once (default all): the first ones start, the others join through
-        :meth:`advance` as rows finish."""
+        """A runner sized for ``rows``; ``batch_rows`` of them (default all) live at once."""
         batch_rows = len(rows) if batch_rows is None else min(batch_rows, len(rows))
         # A padded forward writes every row up to the longest committed row plus the widest input;
         # a row joining mid-decode brings its whole prompt as input.
@@ -126,12 +97,10 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward(self, rows: list[RowState]) -> tuple[torch.Tensor, list[list[int]], list[int]]:
-        """One forward over every row's reordered window (docs/method.md §3.2 steps a, b); reads the
-        rows, changes none of them.
+        """One forward over every row's reordered window; changes no row.
 
-        Returns the logits of all rows' mask slots, concatenated ``[slots, vocab]`` with the mask
-        token excluded, per row the window indices of those slots (ascending), and per row the
-        generated slots it fed (``num_slots``, result.py: an AR row counts the one it predicts).
+        Returns the mask slots' logits ``[slots, vocab]`` (mask token excluded), per row their
+        window indices (ascending), and per row the generated slots it fed.
         """
         ids, positions, columns, mask_slots, cached, fresh_rows, fed = [], [], [], [], [], [], []
         for b, row in enumerate(rows):
@@ -206,15 +175,8 @@ class ModelRunner:
         return (getattr(self.model.config, "_attn_implementation", "") or "").startswith("flash_attention")
 
     def advance(self, rows: list[RowState], joining: list[RowState] | tuple = ()) -> list[RowState]:
-        """Keep each row's committed prefix in the cache, drop finished rows and take in ``joining``
-        ones (not decoded yet; their next forward, their first, prefills their prompts). Returns the
-        live rows in cache-row order.
-
-        A joining row takes a finished row's cache row as it is: at length 0 nothing of the old
-        keys is visible and its own overwrite them, so no buffer is copied. Finished rows left over
-        are dropped; joining rows beyond the finished ones take unused cache rows (a server's batch
-        grows as requests arrive). When every row finished and none joins, the cache keeps them
-        all (tests compare it with a plain forward).
+        """Keep the committed prefixes, drop finished rows, take in ``joining`` ones; returns the
+        live rows in cache-row order. With all finished and none joining, the cache keeps them all.
         """
         finished = [i for i, row in enumerate(rows) if row.finished]
         taken = dict(zip(finished, joining))
@@ -236,8 +198,7 @@ class ModelRunner:
         return live
 
     def _reuse_prefixes(self, live: list[RowState], joining) -> None:
-        """Copy each joining row's longest cached prompt prefix into its cache row and commit it there
-        (:meth:`.PrefixCache.load`); :meth:`forward` then prefills only the rest."""
+        """Copy each joining row's cached prompt prefix into its cache row and commit it."""
         new = {id(row) for row in joining}
         lengths = list(self.cache.host_lengths)
         for i, row in enumerate(live):

@@ -1,32 +1,9 @@
-"""Padding-free decoding forwards: the rows of a step are one packed sequence, attention runs per row.
+"""Padding-free decoding forwards: a step's rows are one packed sequence, attention runs per row.
 
-Rows of a batched decode carry windows of different widths (W..2W slots under the engine's
-schedule) on top of caches of different lengths. Padding every row to the widest window and
-the longest cache costs the padding too: in the projections, MLPs and norms (on a batch of
-different prompts a large share of the slots; docs/results.md), and in attention, where a
-short row would be scored against the longest row's keys.
-
-So a step feeds the model one *packed* sequence ``[1, T]`` (all rows' real tokens, row after
-row, each with its logical position id). The linear layers, norms and RoPE are per token and
-see no padding. Only attention needs the row structure: :func:`packed_sdpa`, registered in
-HF's attention registry under :data:`NAME`, runs SDPA for each row on that row's own queries
-and its own cache length (rows alike in width and cache length share one call), and the
-cache writes each packed token's keys/values to its row and slot (:class:`Packing`).
-
-Why not pad neighbouring rows into one call: an SDPA call has a fixed cost whatever its size,
-but on ``tools/bench_decode.py``'s batch the padding costs more than the calls it saves, even
-when rows share a call only while their padded pairs cost less than a call
-(docs/results.md has the figures). What removes the per-row calls without padding is a
-variable-length kernel (flash-attention's ``varlen`` on a GPU). Next-token (AR) rows are the
-exception: one query each, so neighbouring ones share one call with their keys padded to the
-longest cache (a key-padding mask), which is how HF ``generate`` batches them too.
-
-One row is the same path with one group, which is also what makes a single-row step cheap:
-
-* the mask is no tensor built per step but a view of a band kept by the cache
-  (:meth:`RowKVCache.causal_mask`); the prefill (nothing cached) uses SDPA's own causal mode;
-* grouped-query attention is left to SDPA (``enable_gqa``) instead of HF's ``repeat_kv``,
-  which copies the whole cache once per layer and step.
+The model sees ``[1, T]`` (all rows' real tokens), so only attention needs rows:
+:func:`packed_sdpa`, registered under :data:`NAME`, runs SDPA per group of rows alike in width
+and cache length (one-query AR rows share a call with padded keys), and the cache writes each
+token to its row and slot (:class:`Packing`).
 """
 
 from __future__ import annotations
@@ -45,8 +22,7 @@ NAME = "wedlm_packed_sdpa"
 
 @dataclass(frozen=True)
 class RowGroup:
-    """Consecutive rows ``first .. last - 1`` with ``length`` new tokens each on ``cached`` cached
-    ones, packed from token ``offset`` on; ``mask`` is None when nothing is cached (plain causal)."""
+    """Rows ``first .. last - 1``: ``length`` new tokens each on ``cached``, from ``offset``."""
 
     first: int
     last: int
@@ -58,8 +34,7 @@ class RowGroup:
 
 @dataclass(frozen=True)
 class Packing:
-    """Where the packed tokens of one forward go: row ``row_of[t]``, cache slot ``slot_of[t]``
-    (None when every row writes the same slots, a plain slice), and the attention groups."""
+    """Where one forward's packed tokens go: ``row_of[t]``, ``slot_of[t]``, and the groups."""
 
     rows: int
     length: int  # new tokens per row when ``uniform``
@@ -72,7 +47,6 @@ class Packing:
 
     @classmethod
     def build(cls, lengths: list[int], cached: list[int], cache: RowKVCache, dtype: torch.dtype) -> "Packing":
-        """Rows of ``lengths`` new tokens each, written after ``cached`` tokens of ``cache``."""
         offsets = list(accumulate(lengths[:-1], initial=0))
         groups, first = [], 0
         for r in range(1, len(lengths) + 1):
@@ -98,24 +72,21 @@ class Packing:
 
 
 def _same_call(lengths: list[int], cached: list[int], first: int, r: int) -> bool:
-    """Whether row ``r`` joins the SDPA call of rows ``first .. r - 1``: the same width and cache
-    length, or one query each on a cache (an AR row: its keys padded to the longest cache cost
-    less than a call of its own)."""
+    """Whether row ``r`` shares rows ``first .. r - 1``'s SDPA call."""
     if lengths[r] != lengths[first]:
         return False
     return cached[r] == cached[first] or (lengths[r] == 1 and cached[r] > 0 and cached[first] > 0)
 
 
 def _key_padding_mask(cached: list[int], keys: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Additive ``[rows, 1, 1, keys]``: row ``b``'s one query (at slot ``cached[b]``) sees slots ``<= cached[b]``."""
+    """Additive ``[rows, 1, 1, keys]``: row ``b``'s query sees slots ``<= cached[b]``."""
     seen = torch.arange(keys, device=device)[None, :] <= torch.tensor(cached, device=device)[:, None]
     mask = torch.zeros(len(cached), keys, dtype=dtype, device=device)
     return mask.masked_fill_(~seen, torch.finfo(dtype).min)[:, None, None, :]
 
 
 def packed_sdpa(module, query, key, value, attention_mask, *, wedlm_packing: Packing, scaling=None, **kwargs):
-    """HF attention function: ``query`` ``[1, heads, T, dim]`` packed; ``key``/``value`` the cache's
-    buffers ``[rows, kv_heads, slots, dim]``. Returns ``[1, T, heads, dim]``."""
+    """HF attention function: packed ``query`` ``[1, heads, T, dim]``, the cache's buffers."""
     heads, dim = query.shape[1], query.shape[-1]
     gqa = key.shape[1] != heads
     outs = []
@@ -138,7 +109,7 @@ AttentionInterface.register(NAME, packed_sdpa)
 
 @contextlib.contextmanager
 def packed_attention(model):
-    """Run ``model``'s attention through :func:`packed_sdpa` inside the block (it must be an SDPA model)."""
+    """Run ``model``'s (SDPA) attention through :func:`packed_sdpa` inside the block."""
     config = model.config
     original = config._attn_implementation
     if original != "sdpa":
@@ -152,9 +123,7 @@ def packed_attention(model):
 
 @contextlib.contextmanager
 def plain_attention(model):
-    """Plain SDPA again inside a :func:`packed_attention` block (a no-op outside one): for an ordinary
-    forward of the same model between two packed steps, on the thread that runs them (the server's
-    scoring, :mod:`megatron_wedlm.serving.scoring`)."""
+    """Plain SDPA again inside a :func:`packed_attention` block, for an ordinary forward."""
     config = model.config
     current = config._attn_implementation
     if current != NAME:

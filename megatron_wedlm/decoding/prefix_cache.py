@@ -1,20 +1,7 @@
 """Automatic prefix caching: prompt keys/values kept across requests, in blocks of 16 tokens.
 
-Under WeDLM's strict causal mask the keys and values of a prompt's first n tokens depend on those n
-tokens only (docs/method.md §3), so a system prompt or the earlier turns of a chat computed for one
-request are exact for the next request that starts with them, as in vLLM's automatic prefix caching.
-
-* A block is keyed by ``(its parent block's serial, its own tokens)``, compared exactly: the chain
-  spells out the whole prefix and no hash collision can hand one prompt another's keys/values.
-  Only full blocks of prompt tokens are kept, post-RoPE, for every layer.
-* :meth:`PrefixCache.load` copies the longest held run (leaving at least one prompt token to
-  compute) into a row of the decoding cache; :meth:`PrefixCache.store` copies a prompt's new full
-  blocks out after its first forward.
-* The blocks held stay under ``max_bytes``. Blocks are kept oldest first and every use moves its
-  chain to the end deepest first, so evicting the oldest is both least recently used and a leaf.
-
-Block size 16 (vLLM's default): a hit loses at most 15 tokens at the boundary, and eviction frees
-memory finely. docs/serving.md says what the cache guarantees.
+Blocks are keyed exactly by ``(parent serial, tokens)``, held within ``max_bytes``, evicted
+least recently used, leaf first; how and why: docs/serving.md, "Prefix caching".
 """
 
 from __future__ import annotations
@@ -32,8 +19,6 @@ _ROOT = -1  # the parent serial of a prompt's first block
 
 
 class _Block:
-    """``size`` tokens of a prompt, after the prefix its parent chain spells out, with their keys/values."""
-
     __slots__ = ("key", "serial", "parent", "keys", "values", "children", "nbytes")
 
     def __init__(self, key: tuple, serial: int, parent: "_Block | None", keys: torch.Tensor, values: torch.Tensor):
@@ -45,7 +30,7 @@ class _Block:
 
 @dataclass
 class PrefixCacheStats:
-    """Counters for ``/metrics``; changed on the engine thread, read from others (plain integers)."""
+    """Counters for ``/metrics``, written by the engine thread only."""
 
     prompt_tokens: int = 0  # tokens of the prompts looked up
     hit_tokens: int = 0  # of them, copied from the cache instead of computed
@@ -58,8 +43,6 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    """Prompt blocks' keys/values across requests, at most ``max_bytes`` of them; see the module docstring."""
-
     def __init__(self, max_bytes: int, block_size: int = BLOCK_SIZE):
         if max_bytes <= 0 or block_size < 1:
             raise ValueError(f"a prefix cache needs max_bytes > 0 and block_size >= 1, got {max_bytes}, {block_size}")
@@ -74,8 +57,7 @@ class PrefixCache:
 
     # ---- the requests' side ----------------------------------------------------------------------
     def match(self, prompt: list[int], max_blocks: int | None = None) -> list[_Block]:
-        """The held blocks that start ``prompt``, longest run first to last (at most ``max_blocks``);
-        they become the most recently used."""
+        """The held blocks starting ``prompt`` (at most ``max_blocks``), now most recently used."""
         size = self.block_size
         limit = len(prompt) // size if max_blocks is None else min(max_blocks, len(prompt) // size)
         chain, parent = [], _ROOT
@@ -89,9 +71,10 @@ class PrefixCache:
         return chain
 
     def load(self, prompt: list[int], cache: RowKVCache, row: int) -> int:
-        """Copy the keys/values of the longest held run of ``prompt``'s blocks into slots ``0 ..`` of
-        ``row`` of ``cache``, leaving at least its last token to compute; returns how many tokens
-        were copied (the row's committed length is the caller's to set)."""
+        """Copy ``prompt``'s longest held run into ``row`` of ``cache``, leaving its last token.
+
+        Returns the tokens copied; the caller sets the row's committed length.
+        """
         self.stats.prompt_tokens += len(prompt)
         if not cache.layers or not cache.layers[0].is_initialized:  # nothing decoded yet: nothing held
             return 0
@@ -108,10 +91,10 @@ class PrefixCache:
         return n
 
     def store(self, prompt: list[int], cache: RowKVCache, row: int) -> int:
-        """Keep the full blocks of ``prompt`` not held yet, copied from ``row`` of ``cache``, whose
-        slots ``0 .. len(prompt)`` must hold the prompt's exact keys/values (its first forward is
-        done). Evicts least recently used leaves to stay within ``max_bytes``; stops early when only
-        the prompt's own blocks are left to evict. Returns how many blocks were added."""
+        """Keep ``prompt``'s new full blocks from ``row`` of ``cache`` (its exact keys/values).
+
+        Evicts least recently used leaves, never the prompt's own; returns the blocks added.
+        """
         size = self.block_size
         chain = self.match(prompt)
         first, last = len(chain), len(prompt) // size
@@ -143,7 +126,6 @@ class PrefixCache:
 
     # ---- bookkeeping ------------------------------------------------------------------------------
     def _touch(self, chain: list[_Block]) -> None:
-        """Make ``chain`` (a prefix's blocks, first to last) the most recently used, deepest first."""
         for block in reversed(chain):
             self._blocks.move_to_end(block.key)
 
@@ -153,8 +135,7 @@ class PrefixCache:
         return per_token * self.block_size
 
     def _make_room(self, nbytes: int, keep: _Block | None) -> bool:
-        """Evict least recently used leaves until ``nbytes`` more fit; False when they cannot (the
-        block is larger than the bound, or only ``keep`` and its ancestors are left)."""
+        """Evict until ``nbytes`` more fit; False when only ``keep``'s chain is left."""
         if nbytes > self.max_bytes:
             return False
         while self.bytes + nbytes > self.max_bytes:
@@ -172,8 +153,7 @@ class PrefixCache:
         self.stats.evictions += 1
 
     def check(self) -> None:
-        """Assert the invariants (tests): the bound, the byte count, every block's parent held and
-        after it in the recency order, children counts."""
+        """Assert the invariants (for tests)."""
         position = {block.serial: i for i, block in enumerate(self._blocks.values())}
         children: dict[int, int] = {}
         for block in self._blocks.values():

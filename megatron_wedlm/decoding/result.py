@@ -1,20 +1,4 @@
-"""What every decoding method returns, and the stop-string rule they share.
-
-Metric definitions (docs/method.md §3.7), identical for all methods so they can be
-compared side by side:
-
-* ``token_ids``: the generated tokens only (prompt excluded), a ``list[int]``. A stop token is
-  included; with a stop string, the tokens up to and including the one that completes it.
-* ``num_forwards``: model calls made for this sequence. The prompt is prefilled in the *same*
-  call as the first window (streaming/block-wise) or as the first AR step, so this is also the
-  number of decode forwards: AR needs exactly one per generated token.
-* ``num_slots`` (N_fwd): generated-token slots fed through those forwards (window slots for the
-  parallel decoders, one per forward for AR); prompt tokens are not counted.
-* ``p_cache = N_gen / N_fwd`` and ``tokens_per_forward = N_gen / num_forwards`` with
-  ``N_gen = len(token_ids)``.
-* ``seconds``: wall clock of the whole call, prefill included. For a batch, every row reports
-  the wall clock of the whole batch (rows are decoded together, not one after another).
-"""
+"""What every decoding method returns (metrics: docs/method.md §3.7), and the stop-string rule."""
 
 from __future__ import annotations
 
@@ -29,7 +13,7 @@ MAX_POSITIONS = "max_positions"
 
 @dataclass
 class GenerationResult:
-    """Output and cost of one generated sequence; see the module docstring for each metric."""
+    """Output and cost of one generated sequence."""
 
     token_ids: list[int]
     num_forwards: int
@@ -57,7 +41,6 @@ class GenerationResult:
         return self.num_generated / self.seconds if self.seconds > 0 else 0.0
 
     def metrics(self) -> dict:
-        """The comparable numbers as a plain dict (for JSON reports)."""
         return {
             "method": self.method,
             "num_generated": self.num_generated,
@@ -73,17 +56,10 @@ class GenerationResult:
 
 def find_stop_string(tokenizer, token_ids: Sequence[int], stop_strings: Sequence[str],
                      checked: int = 0) -> tuple[int, str] | None:
-    """The stop string that occurs first in the decoded ``token_ids``, or None.
+    """``(num_tokens, stop_string)`` of the stop string first in ``token_ids``' text, or None.
 
-    Returns ``(num_tokens, stop_string)`` where ``num_tokens`` is the length of the shortest token
-    prefix whose text contains that stop string: generation keeps the token that completed it
-    (tokens and text need not align, a stop string may end inside a token) and drops the rest.
-    Among stop strings starting at the same character, the shortest wins.
-
-    ``checked``: how many leading tokens are known to hold no stop string (a decoder's earlier
-    call), so only a tail is decoded: a new hit ends after them and spans at most ``4 x len``
-    tokens (a token is at least one byte, a character at most four), plus one for a character
-    split at the tail's start. Each step then costs the new tokens, not the whole reply.
+    ``num_tokens``: the shortest prefix containing it (shortest string on ties); ``checked``:
+    leading tokens known to hold none, so only a tail is decoded.
     """
     if not stop_strings or not token_ids:
         return None
@@ -109,7 +85,7 @@ def find_stop_string(tokenizer, token_ids: Sequence[int], stop_strings: Sequence
 
 
 def decode_text(tokenizer, token_ids: Sequence[int], stop_string: str | None = None) -> str:
-    """User-facing text of generated tokens: special tokens (e.g. EOS) dropped, cut before ``stop_string``."""
+    """User-facing text: special tokens dropped, cut before ``stop_string``."""
     text = tokenizer.decode(list(token_ids), skip_special_tokens=True)
     if stop_string:
         cut = text.find(stop_string)

@@ -1,23 +1,8 @@
-"""A KV cache in which every batch row has its own committed length.
+"""A KV cache in which every batch row has its own committed length (HF's ``DynamicCache`` has one).
 
-Streaming parallel decoding appends a whole window to the cache in each forward but keeps only
-the leftmost filled run of it; how much that is differs per sequence. HF's ``DynamicCache``
-grows by concatenation and crops all rows alike, so it cannot hold rows of different lengths.
-
-This cache pre-allocates ``[rows, kv_heads, capacity, head_dim]`` buffers per layer and keeps a
-per-row ``lengths`` vector (the committed prefix of each row). A forward writes the new keys and
-values of row ``b`` at physical slots ``lengths[b] ..`` (from a ``[rows, width]`` input, or from
-one packed sequence of all rows' tokens, see ``packed_attention.py``); :meth:`commit` then advances
-``lengths`` by what was accepted. Nothing is ever cropped or copied: the uncommitted part of a
-window is simply overwritten by the next forward, which is exactly "crop to prefix + n" of
-Algorithm 1. For a single row this is the same as ``DynamicCache.crop``; with a fixed capacity
-the buffers never move, which is also what a GPU wants (no reallocation per step).
-
-Attention must only see a row's own committed prefix plus the causal part of its new input:
-key ``j`` is visible to new query ``i`` of row ``b`` iff ``j <= lengths[b] + i``
-(see :meth:`attention_mask`, the padded batch's mask, and :meth:`causal_mask`, one row's, which
-the packed forward uses). Anything further right in the buffer (an older, longer window, or
-padding of a shorter row) is thereby hidden; the packed forward does not even read it.
+Buffers are allocated once; a forward writes row ``b`` from slot ``lengths[b]`` on, and
+:meth:`RowKVCache.commit` advances ``lengths``. Invariant: new query ``i`` of row ``b`` sees key
+``j`` iff ``j <= lengths[b] + i``.
 """
 
 from __future__ import annotations
@@ -27,8 +12,6 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 
 class _RowLayer(CacheLayerMixin):
-    """One layer's buffers; the shared row lengths live on the owning :class:`RowKVCache`."""
-
     is_sliding = False
 
     def __init__(self, owner: "RowKVCache"):
@@ -88,19 +71,16 @@ class _RowLayer(CacheLayerMixin):
         return self.owner.capacity
 
     def move_row(self, source: int, target: int, length: int) -> None:
-        """Copy the first ``length`` slots of buffer row ``source`` into row ``target``."""
         if self.is_initialized:
             self.keys[target, :, :length] = self.keys[source, :, :length]
             self.values[target, :, :length] = self.values[source, :, :length]
 
 
 class RowKVCache(Cache):
-    """HF ``Cache`` with per-row committed lengths; see the module docstring.
+    """HF ``Cache`` with per-row committed lengths.
 
-    ``capacity`` must cover the longest row's committed prefix plus the widest input fed in one
-    forward (the prompt plus a window in the first step). The buffers hold ``num_rows`` rows, all
-    allocated at the first forward; the rows in use are the first ``len(host_lengths)`` of them, so
-    rows leaving and joining a long-lived batch (a server's) never reallocate the buffers.
+    ``capacity`` covers the longest committed prefix plus the widest input of one forward; rows
+    leave and join without reallocating.
     """
 
     def __init__(self, num_layers: int, num_rows: int, capacity: int, device: torch.device | str):
@@ -115,19 +95,14 @@ class RowKVCache(Cache):
         super().__init__(layers=[_RowLayer(self) for _ in range(num_layers)])
 
     def commit(self, lengths: list[int]) -> None:
-        """Set each row's committed length (host values, so no device sync is needed to slice buffers).
-
-        Everything a row wrote past its new length becomes invisible and is overwritten later.
-        """
+        """Set each row's committed length; later slots go unseen."""
         self.lengths = torch.tensor(lengths, dtype=torch.long, device=self.lengths.device)
         self.host_lengths = list(lengths)
         self.max_length = max(lengths, default=0)
         self.uniform = min(lengths, default=0) == self.max_length
 
     def keep_rows(self, rows: list[int]) -> None:
-        """Keep the rows listed in ``rows`` (ascending), moved to the front in that order; the others
-        leave the batch (finished sequences). Only a kept row's committed slots are copied, and only
-        when it moves."""
+        """Keep ``rows`` (ascending), moved to the front; the others leave."""
         for target, source in enumerate(rows):
             if source != target:
                 for layer in self.layers:
@@ -135,19 +110,13 @@ class RowKVCache(Cache):
         self.commit([self.host_lengths[i] for i in rows])
 
     def add_rows(self, count: int) -> None:
-        """Take ``count`` more buffer rows into use, each at length 0 (new sequences join the batch)."""
+        """Take ``count`` more rows into use, at length 0."""
         if len(self.host_lengths) + count > self.buffer_rows:
             raise ValueError(f"{len(self.host_lengths)} + {count} rows exceed the cache's {self.buffer_rows} rows")
         self.commit(self.host_lengths + [0] * count)
 
     def attention_mask(self, query_length: int, dtype: torch.dtype) -> torch.Tensor:
-        """Additive 4-D mask ``[rows, 1, query_length, max_length + query_length]`` for the next
-        forward of right-padded rows (eager attention).
-
-        Row ``b``'s part is :meth:`causal_mask` of its own length (query ``i`` at slot
-        ``lengths[b] + i`` sees every key at or before it); the keys past it are hidden. A float
-        mask (0 / dtype-min) works with both eager and SDPA attention.
-        """
+        """Additive ``[rows, 1, queries, keys]`` mask of right-padded rows (eager and SDPA)."""
         mask = torch.full((len(self.host_lengths), query_length, self.max_length + query_length),
                           torch.finfo(dtype).min, dtype=dtype, device=self.lengths.device)
         for b, cached in enumerate(self.host_lengths):
@@ -155,13 +124,7 @@ class RowKVCache(Cache):
         return mask[:, None]
 
     def causal_mask(self, cached: int, length: int, dtype: torch.dtype) -> torch.Tensor:
-        """Additive mask ``[length, cached + length]`` of one row's new queries (at slots ``cached ..``)
-        over its keys: query ``i`` sees key ``j`` iff ``j <= cached + i``.
-
-        A view of a band built once per cache (and dtype), so a step builds no mask: band column
-        ``capacity + i`` is query ``i``'s last visible key, and the row's keys start ``cached``
-        columns before ``capacity``.
-        """
+        """Additive ``[length, cached + length]`` mask of one row, a view of a cached band."""
         band = self._bands.get(dtype)
         if band is None or band.shape[0] < length:
             width = max(length, 64)
@@ -173,6 +136,5 @@ class RowKVCache(Cache):
         return band[:length, self.capacity - cached : self.capacity + length]
 
     def committed_kv(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer ``(keys, values)`` of ``row``'s committed prefix, ``[kv_heads, length, head_dim]``."""
         n = int(self.lengths[row])
         return [(layer.keys[row, :, :n], layer.values[row, :, :n]) for layer in self.layers]

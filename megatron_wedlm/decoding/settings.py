@@ -1,9 +1,4 @@
-"""The one settings object of every decoding method (as ``SamplingParams`` in nano-vllm).
-
-Callers either build a :class:`DecodeSettings` or pass keywords; :meth:`DecodeSettings.build`
-maps keywords onto it in one place, so no function repeats the list of knobs. Runtime objects
-(``tokenizer``, ``generator``) are not settings and travel separately.
-"""
+"""The one settings object of every decoding method (nano-vllm's ``SamplingParams``)."""
 
 from __future__ import annotations
 
@@ -22,7 +17,6 @@ PARALLEL_ONLY = ("window_size", "entropy_threshold", "distance_penalty", "fused_
 
 
 def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
-    """Reject sampler settings that have no meaning, naming the argument."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if top_k < 0:
@@ -33,30 +27,10 @@ def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
 
 @dataclass(frozen=True)
 class DecodeSettings:
-    """Everything that steers a decode, validated once.
+    """Everything that steers a decode, validated once (docs/method.md §3.3-§3.5).
 
-    * ``method``: ``"streaming"`` (WeDLM Algorithm 1), ``"blockwise"`` (the baseline) or ``"ar"``.
-    * ``window_size`` W, ``entropy_threshold`` tau (None: one slot per forward),
-      ``distance_penalty`` lambda: the fill rule of docs/method.md §3.4.
-    * ``fused_refill``: True (default) is the reference engine's schedule, False the paper's step
-      order (see :mod:`megatron_wedlm.decoding.parallel`).
-    * ``contiguous_stop``: a stop token is put only into a slot whose earlier slots are all filled
-      (after this step's fills); False (default) is the reference engine's rule, a stop token
-      anywhere in the window (docs/method.md §3.5, :func:`~.sampling.hold_early_stops`).
-    * ``stop_penalty``: a slot's score also counts the chance that the reply has already ended at a
-      mask before it, ``-log P(no stop in the masks left of it that stay masks this step)``; False
-      (default) is the reference engine's rule (docs/method.md §3.5, :func:`~.sampling.select_slots`).
-    * ``leftmost_fallback``: when no slot passes the threshold, fill the leftmost mask, so every
-      forward commits at least one token; False (default) is the reference engine's rule, the
-      slot of least penalised entropy, which need not be the leftmost (:func:`~.sampling.select_slots`).
-    * ``max_new_tokens``; ``temperature`` (0 = greedy), ``top_k`` (0 = off), ``top_p`` (1 = off).
-    * ``stop_token_ids``: a generation ends at the first one, which is kept in the output. None
-      (default): the model's EOS ids, as HF ``generate`` stops (``generation_config.eos_token_id``,
-      else ``config.eos_token_id``), and the tokenizer's EOS when one is passed, which for a chat
-      tokenizer is its end of turn (e.g. ``<|im_end|>``); see :func:`~.checks.eos_token_ids`.
-      ``()``: no stop token, every reply runs to ``max_new_tokens``.
-      ``stop_strings`` (need a tokenizer): it ends once the decoded output contains one.
-    * ``mask_token_id``: default ``model.config.mask_token_id``.
+    ``entropy_threshold`` None: one slot per forward. ``stop_token_ids`` None: the model's EOS
+    (:func:`~.checks.eos_token_ids`), ``()``: none; ``stop_strings`` need a tokenizer.
     """
 
     method: str = STREAMING
@@ -97,7 +71,7 @@ class DecodeSettings:
 
     @classmethod
     def build(cls, settings: "DecodeSettings | None" = None, **overrides) -> "DecodeSettings":
-        """``settings`` (default: all defaults) with ``overrides`` applied; unknown keywords are named."""
+        """``settings`` with ``overrides``; unknown keywords are named."""
         unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise TypeError(f"unknown decoding setting(s) {unknown}; known: {[f.name for f in dataclasses.fields(cls)]}")
