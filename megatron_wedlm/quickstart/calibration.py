@@ -1,40 +1,10 @@
-"""The quickstart's operating point: the entropy threshold tau, chosen on calibration prompts.
+"""The quickstart's operating point: the entropy threshold tau, chosen on calibration prompts
+disjoint from the test prompts, so the reported test figures are not the best of a sweep.
 
-Streaming decoding trades accuracy for tokens per forward through tau. Reporting the best tau of
-a sweep measured on the same prompts would flatter the method, so the quickstart chooses tau on
-the *calibration* split of the built-in tasks (disjoint from the test split by construction, see
-``megatron_wedlm.eval.builtin_tasks``) and then reports the test split at that tau.
-
-Rule: the largest tau of the sweep whose calibration accuracy stays within ``tolerance`` (by
-default 1 point; a preset's ``eval.calibration_tolerance``) of the base AR model's calibration
-accuracy on *every* calibration task. If no tau does, the tau whose worst shortfall against base
-AR is smallest, the largest among equals. Falling back to the smallest tau would assume that
-accuracy only falls as tau grows; measured sweeps show prompts lost at every tau alike (a model
-that ends a range one number late does so whatever the threshold), and there the smallest tau
-gives up tokens per forward for nothing. The tolerance is counted in prompts in practice: on 70
-prompts, 1 point loses none, 2 points one.
-
-A larger tau may also be worth less than it risks. Seventy prompts cannot tell a tau that loses
-none of them from one that loses 3% of all prompts (no error in 70 has a chance of about 12% at that
-rate), so a tau that keeps up on them may still miss the target on the test prompts, by losing
-confident fills in far slots that no calibration prompt happened to show. With ``min_gain`` (a
-preset's ``eval.calibration_min_gain``) the rule walks the taus that keep up from the smallest and
-takes a larger one only if it decodes at least ``1 + min_gain`` times the tokens per forward of the
-one taken before it, measured on the same calibration prompts: accuracy risk that calibration
-cannot see is only taken for speed that it can.
-One tau, the *operating tau*, is chosen for every task together: it travels with the exported
-model as its decoding default. With ``per_task`` (a preset's ``eval.tau_per_task``) each task also
-gets its own tau by the same rule on its own calibration prompts, and is reported at it: tasks
-differ in how sure a model is of slots far from the prefix (a copy's letters against the end of a
-count), the decoder takes tau per request, and an evaluation harness passes generation settings per
-task, so one task's fragile end need not set another's parallelism. The operating tau stays the
-export's default: a task nobody calibrated is safest at the tau chosen for all of them.
-
-A task the base AR model never learned (calibration accuracy below ``learned_accuracy``; a
-preset's ``eval.base_learned_accuracy``) says nothing about WeDLM: streaming cannot be measured
-against an AR model that gets it wrong. Such a task is named in :attr:`Calibration.unlearned`,
-left out of the rule (so it cannot decide tau), and reported as a failure of
-the base model rather than of WeDLM (``quickstart/summary.py``).
+One operating tau for all tasks travels with the export as its default; with ``per_task`` each
+task is also reported at its own tau. A task the base AR model did not learn
+(:attr:`Calibration.unlearned`) is left out of the rule and reported as the base model's failure.
+The rule and its reasons: docs/quickstart.md, "Settings and why".
 """
 
 from __future__ import annotations
@@ -73,13 +43,10 @@ class Calibration:
 def choose_operating_tau(sweep: Mapping[float, Mapping[str, float]], base: Mapping[str, float],
                          tolerance: float = CALIBRATION_TOLERANCE, speed: Mapping[float, float] | None = None,
                          min_gain: float = 0.0) -> float:
-    """The largest tau whose accuracy is >= base - tolerance on every task of ``base``; else the tau
-    with the smallest worst shortfall against ``base``, the largest among equals (module docstring).
-
-    ``sweep`` maps tau -> task -> streaming accuracy, ``base`` task -> base AR accuracy. With
-    ``min_gain`` > 0, ``speed`` maps tau -> tokens per forward, and of the taus that keep up a larger
-    one is taken only if its speed is at least ``1 + min_gain`` times that of the one taken before it.
-    """
+    """The largest tau of ``sweep`` (tau -> task -> accuracy) within ``tolerance`` of ``base`` (task ->
+    base AR accuracy) on every task; else the smallest worst shortfall, the largest among equals (not
+    the smallest tau: a late range end is lost at every tau). With ``min_gain`` > 0 a larger keeping
+    tau is taken only for ``1 + min_gain`` times the ``speed`` (tokens per forward) of the one before."""
     if not sweep:
         raise ValueError("calibration needs at least one tau in the sweep")
     if not base:
@@ -117,11 +84,9 @@ def keeps_up(accuracy: Mapping[str, float], base: Mapping[str, float], tolerance
 def calibration_from_reports(base_report: EvalReport, wedlm_report: EvalReport, tasks: Sequence[str],
                              tolerance: float = CALIBRATION_TOLERANCE, learned_accuracy: float = 0.0,
                              per_task: bool = False, min_gain: float = 0.0) -> Calibration:
-    """Apply :func:`choose_operating_tau` to the calibration reports (base: AR rows, WeDLM: streaming
-    rows), over the tasks whose base AR accuracy reaches ``learned_accuracy`` (all of them: the
-    smallest tau, when the base learned none); with ``per_task`` also to each such task alone. The
-    speed ``min_gain`` weighs is a task's streaming tokens per forward, for the one tau of all tasks
-    their mean."""
+    """:func:`choose_operating_tau` over the tasks whose base AR accuracy reaches ``learned_accuracy``
+    (the smallest tau when none does), and with ``per_task`` over each alone; speed is streaming
+    tokens per forward, for the operating tau the tasks' mean."""
     base = {task: base_report.result(task, "ar").accuracy for task in tasks}
     taus = sorted({r.tau for r in wedlm_report.results if r.method == "streaming" and r.tau is not None})
     streaming = {tau: {task: wedlm_report.result(task, "streaming", tau) for task in tasks} for tau in taus}
@@ -161,8 +126,7 @@ def points(fraction: float) -> str:
 
 
 def describe(c: Calibration, reference: str = "base") -> list[str]:
-    """Console lines: what was measured on the calibration prompts and which tau it chose
-    (``reference``: a key of :data:`REFERENCE_NAMES`)."""
+    """Console lines: the calibration's figures and chosen tau (``reference``: a key of :data:`REFERENCE_NAMES`)."""
     def row(accuracy: Mapping[str, float], speed: Mapping[str, float] | None = None) -> str:
         return ", ".join(f"{task} {100 * a:.1f}%" + (f" ({speed[task]:.2f} tokens/forward)" if speed else "")
                          for task, a in accuracy.items())

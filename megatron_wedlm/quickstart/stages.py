@@ -1,23 +1,10 @@
-"""Running the quickstart's stages: progress on the console, a log per stage, timings.
+"""Running the quickstart's stages: each entry-point subprocess is printed, its output streamed to
+the console (stage-prefixed; progress bars collapsed, warnings counted, a heartbeat when silent) and
+in full to ``logs/<stage>.log``.
 
-Every stage that does real work runs one of the project's entry points as a subprocess (the
-same command a user would type; it is printed before it runs). The runner
-
-* streams the child's output to the console, prefixed with the stage name, and to
-  ``logs/<stage>.log`` in full. Carriage-return progress bars are collapsed to at most one
-  console line every few seconds; a heartbeat line appears when a child has been silent for
-  a while, so the console never looks stuck. Python warnings (``file:line: XWarning: ...`` and
-  the source line under it) go to the log only; the console says how many there were;
-* records per stage: status, wall seconds and the CPU seconds of the child processes. On a
-  shared machine wall time overstates what a dedicated one needs; CPU seconds do not, so the
-  report gives both;
-* tracks the longest gap between two console lines of the whole run (the "progress visible
-  all along" target is measured, not claimed);
-* runs independent commands of a stage at once where asked (:meth:`StageRunner.in_parallel`):
-  the quickstart's evaluations are single-threaded, so two of them fill the 2 cores.
-
-A failing stage raises :class:`StageError` with the command, the exit status and the tail of
-its log, and later stages do not run.
+Each stage records its status, wall seconds and children's CPU seconds (a shared machine inflates
+wall time only), and the run its longest console silence. A failing stage raises
+:class:`StageError` (command, exit status, log tail) and later stages do not run.
 """
 
 from __future__ import annotations
@@ -181,11 +168,8 @@ class StageRunner:
     # -- subprocesses -----------------------------------------------------------------------
     def run(self, command: Sequence[str], log_name: str | None = None, env: Mapping[str, str] | None = None,
             cwd: str | Path | None = None, tag: str | None = None) -> None:
-        """Run ``command``, streaming its output (see the module docstring); raise on failure.
-
-        ``tag`` prefixes its console lines (default: the stage's name); commands run
-        :meth:`in_parallel` need one each to be told apart.
-        """
+        """Run ``command``, streaming its output; raise :class:`StageError` on failure. ``tag``
+        prefixes its console lines (default: the stage's name; parallel commands need their own)."""
         record = self._current
         tag = tag or (record.name if record else "run")
         printable = shlex.join(str(c) for c in command)

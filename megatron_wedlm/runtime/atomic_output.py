@@ -1,22 +1,7 @@
-"""An output directory that appears complete or not at all: the one way tools write their results.
-
-Why: a converter, ``prepare_data`` or an export that deleted its old output before reading its
-input lost users' models (``--input X --output X --overwrite`` deleted X; a typo in ``--input``
-left a manifest without shards). :func:`atomic_output_dir` therefore
-
-1. refuses an output that overlaps an input (the same directory, or one inside the other),
-   and a non-empty output unless ``overwrite`` is given -- before anything is written;
-2. hands out a temporary sibling ``<output>.tmp-<host>-<pid>`` to write into (a sibling, so the
-   final rename stays on one file system and is atomic);
-3. on success renames the old output aside, the new one into place, then deletes the old one;
-   on failure deletes the temporary directory, so the previous output is exactly as it was.
-
-Between the two renames of step 3 (microseconds) a crash leaves the old output under
-``<output>.old-<host>-<pid>`` (left for the user: it may be the only copy); temporary
-directories of killed writers on this host are removed by the next writer of the same output.
-
-A full disk is named (:class:`DiskFullError`): torch's zip writer reports a short write as
-``enforce fail at inline_container.cc ... unexpected pos``, which says nothing about space.
+"""An output directory that appears complete or not at all, the one way tools write results: a
+failed or mistyped run never destroys the previous output or an input (:func:`atomic_output_dir`).
+A crash between its two renames leaves the old output as ``<output>.old-<host>-<pid>``, and a full
+disk is named (:class:`DiskFullError`), which torch's zip writer does not say.
 """
 
 from __future__ import annotations
@@ -158,14 +143,12 @@ def check_output_dir(output: str | Path, inputs: Iterable[str | Path | None] = (
 
 
 def writer_tag() -> str:
-    """``<host>-<pid>``: what a temporary directory's name ends with, so that a later writer can
-    tell whether the one that left it still runs (:func:`remove_dead_writers`)."""
+    """``<host>-<pid>``, ending a temporary directory's name so a later writer can tell if it still runs."""
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
 def remove_dead_writers(parent: Path, stem: str) -> None:
-    """The temporary directories ``<stem>.tmp-<host>-<pid>`` under ``parent`` (``stem`` may be a
-    glob pattern) of writers on this host that are no longer running."""
+    """Remove ``parent/<stem>.tmp-<host>-<pid>`` (``stem`` a glob) of dead writers on this host."""
     for stale in parent.glob(f"{stem}.tmp-{socket.gethostname()}-*"):
         pid = stale.name.rsplit("-", 1)[-1]
         if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
@@ -211,12 +194,9 @@ def atomic_output_dir(
     inputs: Iterable[str | Path | None] = (),
     overwrite: bool = False,
 ) -> Iterator[Path]:
-    """Yield a fresh temporary directory; on success it becomes ``output`` (see the module docstring).
-
-    ``inputs`` are the files and directories the writer reads. An existing non-empty ``output``
-    is refused unless ``overwrite``; with it, the old contents are replaced only after the body
-    finished without an error.
-    """
+    """Yield a fresh temporary sibling of ``output`` that replaces it when the body succeeds and is
+    deleted when it fails; ``output`` overlapping ``inputs`` (what the writer reads), or non-empty
+    without ``overwrite``, is refused first (:func:`check_output_dir`)."""
     final = Path(output)
     check_output_dir(final, inputs, overwrite)
     final.parent.mkdir(parents=True, exist_ok=True)

@@ -1,18 +1,9 @@
-"""Read HF checkpoint directories from local disk, and never run code that came with them.
+"""Load HF checkpoint directories from local disk without ever running code that came with them.
 
-The published WeDLM checkpoints (``tencent/WeDLM-*``) carry ``auto_map`` in their config and
-the Python files it points at, because their README loads them with ``trust_remote_code=True``.
-transformers' ``Auto*`` classes, given no ``trust_remote_code``, *ask* on such a directory ("Do
-you wish to run the custom code? [y/N]", waiting 15 s on a terminal) and run the files on "y";
-``AutoTokenizer`` asks even for a tokenizer, because it reads the model config first. This
-project promises to load those checkpoints without their code: the architecture is the AR model
-they came from (:func:`wedlm_config_to_hf`) and the tokenizer is an ordinary one.
-So every ``from_pretrained`` of this project goes through :func:`load_pretrained`, which passes
-``trust_remote_code=False`` and ``local_files_only=True``; that rule lives here only.
-
-The module also holds the one rule for which mask token a checkpoint names
-(:func:`checkpoint_mask_token_id`), which the decoder, the DeepSpeed backend and the HF ->
-Megatron conversion all need before they touch the weights.
+Every ``from_pretrained`` of the project goes through :func:`load_pretrained`
+(``trust_remote_code=False``, ``local_files_only=True``); the published WeDLM checkpoints load as
+the AR family they came from (:func:`wedlm_config_to_hf`). Also the one rule for the mask token a
+checkpoint names (:func:`checkpoint_mask_token_id`).
 """
 
 from __future__ import annotations
@@ -37,11 +28,7 @@ _NOT_CONFIG_FIELDS = ("model_type", "architectures", "auto_map", "transformers_v
 
 def wedlm_config_to_hf(raw: dict[str, Any]):
     """Map an official ``model_type: "wedlm"`` config dict to ``(model_class, config)`` of the AR
-    family it came from (the table in :mod:`megatron_wedlm.decoding.loading`).
-
-    Here, below both users (loading for decoding, ``model.hf_config`` for conversion and
-    training), so neither imports the other.
-    """
+    family it came from (Qwen3 with ``qk_norm``, else Qwen2 with bias, else Llama)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     fields = {k: v for k, v in raw.items() if k not in _NOT_CONFIG_FIELDS}
@@ -65,11 +52,8 @@ def _local_dir(path: str | Path, what: str) -> Path:
 
 
 def load_pretrained(cls: Any, path: str | Path, **kwargs: Any) -> Any:
-    """``cls.from_pretrained(path, **kwargs)`` from a local directory, with remote code refused.
-
-    transformers then never asks about and never imports the directory's ``auto_map`` files;
-    a directory that *only* works with them fails with transformers' error, named here.
-    """
+    """``cls.from_pretrained(path, **kwargs)`` from a local directory, with remote code refused;
+    a directory that only works with its ``auto_map`` files raises ``ValueError``."""
     directory = _local_dir(path, cls.__name__)
     try:
         return cls.from_pretrained(str(directory), trust_remote_code=False, local_files_only=True, **kwargs)
@@ -91,13 +75,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
 
 
 def load_tokenizer(path: str | Path):
-    """The HF tokenizer saved in ``path``, without remote code.
-
-    ``AutoTokenizer`` reads the model config first to choose a class; for a ``model_type``
-    transformers does not know (``wedlm``) that step is what would consult ``auto_map``, so it
-    is skipped here with an empty config and the class comes from ``tokenizer_config.json``
-    (the published checkpoints name Qwen2's there).
-    """
+    """The HF tokenizer saved in ``path``, without remote code: for a ``model_type`` transformers
+    does not know (``wedlm``) the class comes from ``tokenizer_config.json``, not ``auto_map``."""
     from transformers import AutoTokenizer, PreTrainedConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -138,12 +117,8 @@ def has_token_id(tokenizer, token_id: int) -> bool:
 
 
 def reference_mask_token_id(config: dict[str, Any], tokenizer) -> int | None:
-    """:data:`REFERENCE_MASK_TOKEN_ID` for a ``wedlm`` config that names no mask token, when the tokenizer agrees.
-
-    The reference engine falls back to that id; this project does so only when the id is an
-    added token of the checkpoint's own tokenizer (as WeDLM's appended mask token is), so a
-    wrong guess cannot silently turn an ordinary word into the mask. Logs the id and why.
-    """
+    """:data:`REFERENCE_MASK_TOKEN_ID` for a ``wedlm`` config naming no mask token, only when that id
+    is an added token of the checkpoint's tokenizer (so no ordinary word becomes the mask); logged."""
     if config.get("model_type") != WEDLM_MODEL_TYPE or config.get("mask_token_id") is not None:
         return None
     if tokenizer is None or getattr(tokenizer, "mask_token", None) is not None:

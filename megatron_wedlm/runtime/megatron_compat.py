@@ -1,33 +1,7 @@
-"""Where this code base meets Megatron-Core releases that differ, or that lack something it needs.
-
-The one place for version differences (the CPU runtime's redirections of CUDA calls live in
-:mod:`megatron_wedlm.runtime.cpu`, which names their lines per release). Each entry names the
-releases it covers and the upstream function it stands in for, so it can be deleted when the
-oldest supported release no longer needs it. Supported: :data:`SUPPORTED_RELEASES`.
-
-| entry | releases | upstream |
-|---|---|---|
-| :func:`megatron_core_version` | all | ``megatron.core.__version__`` appends the commit of any git tree the package sits in |
-| :func:`write_results_queue_attribute` | 0.16.1: ``_get_write_results_queue``; 0.19.2: ``get_write_results_queue`` | ``dist_checkpointing/strategies/filesystem_async.py`` |
-| :func:`save_torch_dist` | 0.19.2 | ``dist_checkpointing.save`` keeps the common (non-sharded) state inside the torch_dist files and writes no ``common.pt``, which 0.16.1's ``load_common_state_dict`` needs |
-| :data:`CHECKPOINT_WRITE_FAILURE_MARKERS` | 0.19.2 | ``FileSystemWriterAsync.write_preloaded_data_multiproc`` reports a failed writer by its exception's class alone |
-| :func:`prepare_optimizer_for_load`, :func:`patch_native_adam_step_restore`, :func:`separate_adam_step_counters` | 0.16.1, 0.19.2 | ``DistributedOptimizer._set_main_param_and_optimizer_states`` with native-torch Adam |
-
-Native-torch Adam and distributed-optimizer checkpoints (the last row). Applies on any device, per
-optimizer instance (nothing global is patched). Without Apex or Transformer Engine, Megatron falls
-back to ``torch.optim.AdamW``, whose per-parameter state holds a ``step`` tensor.
-``DistributedOptimizer.load_state_dict`` copies every key of that state from the loaded tensors,
-but the checkpoint formats store only param/exp_avg/exp_avg_sq, so loading fails with
-``KeyError: 'step'`` (the step itself is restored separately from the param groups). Also
-``sharded_state_dict(is_loading=True)`` calls ``state_dict()``, which asserts that every parameter
-has a ``step``, i.e. that the optimizer has stepped at least once. :func:`prepare_optimizer_for_load`
-fills empty state the way Megatron's own ``init_state_fn`` does (plus ``step = 0``), and
-:func:`patch_native_adam_step_restore` keeps the existing ``step`` when the loaded tensors lack it.
-Finally, the loader puts *one* ``step`` tensor into the state of every parameter, and
-``torch.optim.AdamW`` increments each parameter's ``step`` in place, so after a resume the shared
-counter grows by the number of parameters per update and Adam's bias correction goes wrong (the
-resumed run silently diverges from the uninterrupted one); :func:`separate_adam_step_counters`
-gives every parameter its own copy. All three are no-ops with Apex/TE.
+"""Every difference between the Megatron-Core releases this code base supports
+(:data:`SUPPORTED_RELEASES`), one named entry each, naming the releases and the upstream function
+it stands in for, so it can go when the oldest release no longer needs it; callers never test
+versions. The native-torch Adam entries (used without Apex/TE) are no-ops with Apex/TE.
 """
 
 from __future__ import annotations
@@ -57,12 +31,8 @@ CHECKPOINT_WRITE_FAILURE_MARKERS: tuple[str, ...] = ("An error is caught while s
 
 
 def megatron_core_version() -> str:
-    """The installed release, as its distribution names it.
-
-    ``megatron.core.__version__`` appends the commit of whatever git checkout its files sit in (a
-    virtual environment inside this repository reads ``0.19.2+<our commit>``), so the package
-    metadata is the one that names the release.
-    """
+    """The installed release from the package metadata (all releases: ``megatron.core.__version__``
+    appends the commit of any git checkout the package sits in)."""
     from importlib import metadata
 
     try:
@@ -80,12 +50,8 @@ _COMMON_BACKEND = {"common_backend": "torch", "common_backend_version": 1}
 
 
 def save_torch_dist(sharded_state_dict: dict[str, Any], directory: str) -> None:
-    """``dist_checkpointing.save``, in a form every supported release loads.
-
-    Under a release that wrote no ``common.pt`` (0.19.2), rank 0 writes the common state it saved
-    to ``common.pt`` and names it in ``metadata.json``, as 0.16.1 does; 0.19.2's loader reads that
-    file first when it is there, so both releases load the same state.
-    """
+    """``dist_checkpointing.save`` in a form every supported release loads: where 0.19.2 writes no
+    ``common.pt`` (which 0.16.1's ``load_common_state_dict`` needs), rank 0 adds it as 0.16.1 does."""
     import json
 
     import torch
@@ -133,7 +99,8 @@ def inner_optimizers(optimizer: Any) -> list[Any]:
 
 
 def prepare_optimizer_for_load(optimizer: Any) -> None:
-    """Give a never-stepped native-torch Adam the state ``sharded_state_dict(is_loading=True)`` needs."""
+    """Give a never-stepped native-torch Adam the state ``sharded_state_dict(is_loading=True)``
+    asserts (a ``step`` per parameter), as Megatron's ``init_state_fn`` fills it, plus ``step = 0``."""
     if not _uses_native_torch_adam():
         return
     import torch
@@ -149,7 +116,8 @@ def prepare_optimizer_for_load(optimizer: Any) -> None:
 
 
 def patch_native_adam_step_restore(optimizer: Any) -> None:
-    """Make ``DistributedOptimizer`` keep ``step`` when loaded tensors carry only param/moments."""
+    """Make ``DistributedOptimizer._set_main_param_and_optimizer_states`` keep ``step`` when loaded
+    tensors carry only param/moments (else ``KeyError: 'step'``; the step comes from param groups)."""
     if not _uses_native_torch_adam():
         return
     for sub in inner_optimizers(optimizer):
@@ -169,7 +137,8 @@ def patch_native_adam_step_restore(optimizer: Any) -> None:
 
 
 def separate_adam_step_counters(optimizer: Any) -> None:
-    """After loading: one ``step`` tensor per parameter state (see the module docstring)."""
+    """After loading: one ``step`` tensor per parameter. The loader shares one tensor, which AdamW
+    increments in place once per parameter, so bias correction would silently go wrong."""
     if not _uses_native_torch_adam():
         return
     import torch

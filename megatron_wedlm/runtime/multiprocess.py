@@ -1,28 +1,9 @@
-"""Launch real worker processes joined by a gloo rendezvous, and collect what each rank returns.
+"""Run one function on N real ranks joined by a gloo rendezvous, as torchrun would, without a shell.
 
-Tests, ``tools/verify_parallel.py`` and the checkpoint converter (which writes a TP x PP layout
-from one command) use this to run the same function on N ranks, the way torchrun would, without
-a shell. Each rank gets torchrun's environment variables, its result
-comes back through a file (tensors included), a rank that fails makes the whole launch fail
-with that rank's traceback, and a launch that hangs (a collective waiting forever) is killed
-at the deadline, so CI never hangs.
-
-Ranks start from a fork server that has imported torch and Megatron-Core once per launcher
-process, so a launch's ranks skip the few seconds each would spend importing them; everything a
-rank's function needs beyond that it imports itself, in the rank, as under spawn.
-
-A launch leaves no process behind. Each rank leads its own process group, which the helpers it
-starts join (Megatron's checkpoint writers and the ``multiprocessing`` Manager behind their
-result queue, DataLoader workers); when the launch ends, for any reason, every rank's group gets
-SIGTERM and, after a grace period, SIGKILL, whether or not the rank itself is still alive (a
-rank killed with ``kill -9`` leaves its helpers running, and a helper waiting on a futex may
-ignore SIGTERM). A rank also dies with the launcher (``PR_SET_PDEATHSIG``), so killing the
-launcher does not leave ranks waiting in a collective forever.
-
-Under torchrun, which signals only the groups of ranks still alive, a rank killed with ``-9``
-would leave the Manager of Megatron's checkpoint writers behind (it waits for clients forever);
-``make_checkpoint_manager_die_with_rank`` (called by ``init_distributed`` in Megatron ranks) starts
-that Manager so that the kernel kills it when its rank dies.
+Each rank gets torchrun's environment and returns its result through a file; a rank that fails
+fails the launch with its traceback, a hung launch is killed at ``timeout_s``, and no process
+outlives the launch (each rank leads a process group, stopped at the end; ranks die with the
+launcher). Ranks fork from a server that has imported ``RANK_PRELOAD`` once.
 """
 
 from __future__ import annotations
@@ -60,13 +41,8 @@ class DistributedLaunchError(RuntimeError):
 
 
 def find_free_port() -> int:
-    """A free TCP port on 127.0.0.1, below the kernel's ephemeral range when there is room.
-
-    A launch binds its port again for each process group it starts (a worker may train several
-    times). Between two, an outgoing connection of any other process could take the port if it
-    came from the ephemeral range, where connections take their local ports; below it, only
-    another caller of this function could, and it picks at random among thousands.
-    """
+    """A free TCP port on 127.0.0.1, picked at random below the ephemeral range when there is room,
+    so no outgoing connection takes it between the binds of a launch's process groups."""
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
@@ -83,9 +59,8 @@ def find_free_port() -> int:
 
 
 class _LauncherStdio:
-    """The launcher's stdout and stderr as they are at launch, for the rank to write to (what a
-    spawned rank inherits; the fork server's own were the launcher's when the server started).
-    The descriptors travel when the rank's arguments are pickled for the fork server."""
+    """The launcher's stdout and stderr at launch time, passed to the rank when its arguments are
+    pickled for the fork server (whose own stdio is the launcher's at server start)."""
 
     def __reduce__(self) -> tuple:
         from multiprocessing.reduction import DupFd
@@ -147,10 +122,7 @@ def _rank_main(
 
 def die_with_parent(parent_pid: int) -> None:
     """Have the kernel SIGKILL this process when its parent exits (Linux; elsewhere a no-op).
-
-    The signal follows the parent *thread* that started us, so the parent must start helpers
-    from a thread that lives as long as they should (the main thread, here).
-    """
+    The signal follows the parent *thread*: start helpers from the main thread."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before the line above took effect
@@ -158,12 +130,8 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def _leave_no_orphans(launcher_pid: int) -> None:
-    """Lead a process group of our own (for our helpers to join) and die with the launcher.
-
-    Our parent is the launcher's fork server, which exits once no process holds its "alive" pipe:
-    the launcher and, as CPython hands it to every child (``forkserver._serve_one``), each rank. We
-    close our copy, so the server, and with it each rank, dies with the launcher.
-    """
+    """Lead a process group of our own (our helpers join it) and die with the launcher: closing our
+    copy of the fork server's "alive" pipe lets the server, and so each rank, exit with the launcher."""
     from multiprocessing import forkserver
 
     os.setpgid(0, 0)
@@ -186,9 +154,8 @@ def _rank_context() -> Any:
 
 
 def _checkpoint_results_queue(*_args: Any, **_kwargs: Any) -> Any:
-    """Megatron's write-results queue factory (``filesystem_async``, 0.16.1 lines 51-56,
-    0.19.2 lines 53-66), except that the Manager's server process is started with
-    ``die_with_parent``: same spawn context, same queue, cached in the same module global."""
+    """Megatron's write-results queue factory (``filesystem_async``, 0.16.1 lines 51-56, 0.19.2
+    lines 53-66) with its Manager started under ``die_with_parent``; otherwise the same."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
@@ -199,10 +166,8 @@ def _checkpoint_results_queue(*_args: Any, **_kwargs: Any) -> Any:
 
 
 def make_checkpoint_manager_die_with_rank() -> Callable[[], None] | None:
-    """Replace Megatron's writer-queue factory by ``_checkpoint_results_queue``; return an undo.
-
-    Left alone (None returned) on a Megatron-Core release it was not checked on.
-    """
+    """Make the Manager of Megatron's checkpoint writers die with its rank (torchrun does not stop
+    it after a ``kill -9``); return an undo, or None on an unchecked Megatron-Core release."""
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async
 
@@ -222,11 +187,8 @@ def make_checkpoint_manager_die_with_rank() -> Callable[[], None] | None:
 def stop_process_groups(
     pgids: list[int], reap: Callable[[], object] = lambda: None, grace_s: float = STOP_GRACE_S
 ) -> None:
-    """SIGTERM each process group, then SIGKILL any that still has members after ``grace_s``.
-
-    ``reap`` is called while waiting, so the caller can collect its own exited children (a
-    zombie still counts as a member of its group until it is reaped).
-    """
+    """SIGTERM each process group, then SIGKILL any with members left after ``grace_s``; ``reap``
+    runs while waiting, since an unreaped zombie still counts as a member."""
     def signal_groups(groups: list[int], sig: int) -> list[int]:
         alive = []
         for pgid in groups:
@@ -257,10 +219,8 @@ def run_distributed(
     env: dict[str, str] | None = None,
     **kwargs: Any,
 ) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh processes; return results by rank.
-
-    ``fn`` must be importable by name (a module-level function), as with any spawned process.
-    """
+    """Run ``fn(*args, **kwargs)`` (a module-level function) on ``world_size`` fresh ranks; return
+    results by rank, or raise ``DistributedLaunchError``."""
     if world_size < 1:
         raise ValueError("world_size must be >= 1")
     ctx = _rank_context()

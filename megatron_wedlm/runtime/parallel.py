@@ -1,7 +1,5 @@
-"""Set up and tear down torch.distributed and Megatron's ``parallel_state`` for one layout.
-
-Entry points, tests and tools all go through :func:`initialize_parallel_state`, so a layout that
-works in a test is set up exactly the same way in training.
+"""Set up and tear down torch.distributed and Megatron's ``parallel_state`` for one layout; entry
+points, tests and tools all use :func:`initialize_parallel_state`, so tests set up what trains.
 """
 
 from __future__ import annotations
@@ -53,15 +51,9 @@ class ParallelLayout:
 
 
 def batched_p2p_supported() -> bool:
-    """Whether Megatron's batched pipeline p2p (``config.batch_p2p_comm``) is safe here.
-
-    Why not on CPU: gloo matches the messages between two ranks in posting order, and the
-    batched path posts ``send_prev`` before ``send_next`` on every rank. With two pipeline ranks
-    (prev = next) in the interleaved schedule's steady state, activations and gradients of the
-    same shape then cross: losses from the third micro-batch on are wrong, silently. The
-    unbatched path sends one direction over another communicator (Megatron does that for
-    2-rank groups), which gloo keeps apart.
-    """
+    """Whether Megatron's batched pipeline p2p (``config.batch_p2p_comm``) is safe: not under gloo,
+    which matches messages in posting order, so with two interleaved pipeline ranks activations and
+    gradients of one shape cross and losses go silently wrong from the third micro-batch."""
     return torch.cuda.is_available()
 
 
@@ -79,11 +71,8 @@ def resolve_device(device: str = "auto") -> torch.device:
 
 
 def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
-    """Join the process group described by torchrun's environment (RANK, WORLD_SIZE, MASTER_*).
-
-    A single process without those variables gets a world of one, so the same code path serves
-    ``python script.py`` and ``torchrun``.
-    """
+    """Join the process group of torchrun's environment (RANK, WORLD_SIZE, MASTER_*); without those
+    variables, a world of one, so ``python script.py`` and ``torchrun`` share one path."""
     if dist.is_initialized():
         return
     os.environ.setdefault("RANK", "0")
@@ -105,11 +94,9 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
 def initialize_parallel_state(
     config: ParallelConfig, device: str = "auto", seed: int = 1234
 ) -> ParallelLayout:
-    """Create the process group (if needed), Megatron's model-parallel groups, and seed the RNGs.
-
-    On a CPU device the CPU runtime is switched on here, explicitly, because Megatron cannot run
-    on CPU without it; on CUDA it is never touched.
-    """
+    """Create the process group (if needed) and Megatron's model-parallel groups, and seed the RNGs;
+    on CPU (only) the CPU runtime is activated, which Megatron needs there. Raises ``ValueError``
+    for a layout the world size cannot hold."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 

@@ -1,11 +1,5 @@
-"""Whether a device computes bf16 matrix multiplies natively, which decides whether bf16 pays.
-
-On a GPU bf16 is the usual training precision. On a CPU it pays only where the cores have bf16
-matrix instructions (x86: AVX512-BF16 or AMX), which run a bf16 matmul faster than an fp32 one,
-and only for a model whose step is mostly matmuls (a real checkpoint): a tiny model's step is
-mostly elementwise ops, which bf16 makes slower by the casts. Without those instructions bf16
-matmuls are emulated and slower than fp32. ``tools/bench_train_step.py --bf16`` measures both
-effects on the machine at hand; docs/results.md has figures.
+"""Whether a device computes bf16 matrix multiplies natively (CUDA; CPUs with AVX512-BF16 or AMX),
+which decides whether bf16 pays: elsewhere bf16 matmuls are emulated and slower than fp32.
 """
 
 from __future__ import annotations
@@ -30,5 +24,5 @@ def native_bf16_reason(device: torch.device) -> str | None:
 
 
 def native_bf16(device: torch.device) -> bool:
-    """True when ``device`` multiplies bf16 matrices natively (see the module docstring)."""
+    """True when ``device`` multiplies bf16 matrices natively."""
     return native_bf16_reason(device) is not None

@@ -1,13 +1,7 @@
-"""Which SLURM job this process belongs to, and whether another job still runs.
+"""Which SLURM job this process runs in, and whether another job still runs.
 
-Why: a run's lock (``training/run_dir.py``) names the host and pid of its rank 0. On a cluster the
-job that continues a run (the next job of a chain, a resubmission, a requeue) usually starts on
-another head node than the job that was stopped by its time limit or a preemption, and a pid
-on another host cannot be checked; without more, the lock a killed job left would block every
-later job. So a lock also records its SLURM job, and SLURM, which knows every job's state, says
-whether that job still runs. A requeued job keeps its id and counts its restarts
-(``SLURM_RESTART_COUNT``): a lock from an earlier start of one's own job is one a killed
-incarnation left.
+A run's lock records its SLURM job, since the job continuing a run usually starts on another
+host, where the lock's pid cannot be checked; a requeued job keeps its id and counts restarts.
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
-"""Does a parallel layout compute what one process computes? Worker functions that answer it.
+"""Does a parallel layout compute what one process computes? Worker functions for Megatron's GPT.
 
-The recipe, run through :func:`megatron_wedlm.runtime.multiprocess.run_distributed`:
-
-1. ``save_reference`` (1 rank): build the model at TP=PP=1 from a seed, save its weights as a
-   Megatron ``torch_dist`` checkpoint, run forward/backward on a fixed batch, return loss and
-   gradients.
-2. ``run_layout`` (TP x PP ranks): load those weights (Megatron's own resharding), run the same
-   batch through the real pipeline schedule, and save the *gradients* as a ``torch_dist``
-   checkpoint of the same model; return the loss.
-3. ``gather_checkpoint`` (1 rank): load that gradient checkpoint into a TP=PP=1 model, which
-   reassembles the shards exactly as Megatron does, and return the full tensors.
-
-Using dist_checkpointing for both directions avoids a hand-written gather with per-parameter
-layout rules (GLU halves, QKV groups) that could share a bug with the code under test.
-
-The model-agnostic pieces (:class:`TinyShape`, :func:`init_layout`, :func:`save_sharded`,
-:func:`load_sharded`, :func:`grads_into_params`, :func:`gather_full`) are the base of
-:mod:`.wedlm_equivalence`, which runs the same recipe for the WeDLM model on the full training
-path (DDP, finalize_model_grads). Both step through training's own schedule call
-(:func:`megatron_wedlm.training.megatron_engine.run_schedule`). Both models are described by a
-``ModelArgs`` and configured by the one ``wedlm_transformer_config``; :func:`build_gpt`
-(Megatron's own GPT on that config) is also the independent reference the conversion and model
-tests compare against.
+Under :func:`~megatron_wedlm.runtime.multiprocess.run_distributed`: ``save_reference`` (1 rank)
+saves seeded TP=PP=1 weights and returns loss and gradients; ``run_layout`` (TP x PP ranks) loads
+them, steps the same batch through training's schedule and saves the gradients as a checkpoint;
+``gather_checkpoint`` (1 rank) reassembles it at TP=PP=1. The model-agnostic pieces are the base of
+:mod:`.wedlm_equivalence`; :func:`build_gpt` is also the conversion and model tests' reference.
 """
 
 from __future__ import annotations
@@ -82,11 +65,9 @@ class TinyGPTSpec(TinyShape):
 
 
 def build_gpt(args: ModelArgs, settings: BuildSettings | None = None):
-    """Megatron-Core's own ``GPTModel`` (local layer spec, Megatron's RoPE table, causal mask) of the
-    model ``args`` describes, for this rank's pipeline stage, on the WeDLM model's config.
-
-    The reference the WeDLM pieces are compared with: the same weights (the parameter names are
-    the same) must give the same logits on causal rows."""
+    """Megatron-Core's own ``GPTModel`` (local spec, causal mask) of ``args`` for this rank's stage, on
+    the WeDLM model's config: the reference that, with the same weights (and names), the WeDLM model
+    must match on causal rows."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -145,11 +126,8 @@ def forward_backward(model, spec: TinyGPTSpec, forward_step: Callable = _forward
 
 
 def grads_into_params(model, use_main_grad: bool = False) -> None:
-    """Overwrite every parameter with its gradient, so a checkpoint of the model holds the grads.
-
-    ``use_main_grad``: read Megatron DDP's ``param.main_grad`` (where DDP accumulates and
-    ``finalize_model_grads`` reduces) instead of ``param.grad``.
-    """
+    """Overwrite every parameter with its gradient (``param.main_grad``, DDP's reduced one, with
+    ``use_main_grad``), so a checkpoint of the model holds the grads."""
     for param in model.parameters():
         grad = getattr(param, "main_grad", None) if use_main_grad else param.grad
         param.data.copy_(grad if grad is not None else torch.zeros_like(param))
@@ -164,8 +142,7 @@ def save_sharded(model, directory: str) -> None:
 
 
 def load_sharded(model, directory: str) -> None:
-    """Load a ``torch_dist`` checkpoint into ``model`` (a module or ``ModelChunks``), resharding to
-    this layout."""
+    """Load a ``torch_dist`` checkpoint into ``model`` (a module or ``ModelChunks``) in this layout."""
     from megatron.core import dist_checkpointing
 
     model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), directory))
@@ -188,9 +165,8 @@ def init_layout(tp: int, pp: int, seed: int, sequence_parallel: bool = False, cp
 
 
 def gather_full(build: Callable[[], Any], seed: int, directory: str) -> dict[str, torch.Tensor]:
-    """Load a ``torch_dist`` checkpoint into a TP=PP=1 model (a module) from ``build()``
-    (re-creating that layout first), which reassembles the shards as Megatron does; the full
-    tensors by name."""
+    """The full tensors by name of a ``torch_dist`` checkpoint, loaded into a TP=PP=1 model from
+    ``build()`` (that layout re-created first), which reassembles the shards as Megatron does."""
     init_layout(1, 1, seed)
     model = build()
     load_sharded(model, directory)

@@ -1,13 +1,8 @@
 """Run a markdown guide's shell blocks as written, so a guide whose commands break fails a test.
 
-A guide written for this (docs/cluster.md) opens with one ```bash block of settings, marked by
-its first line (:data:`SETTINGS_MARKER`), and every later block reads only those variables; a
-block that must not run in a test (it needs the network) opens with :data:`SKIP_MARKER`, where a
-reader sees it. :func:`compose_script` puts a test's own settings in place of the first block and
-joins every other block, verbatim and in order, into one bash script (``set -euo pipefail``), with
-a marker line before each block so that each block's output can be told apart
-(:func:`block_outputs`), and optional test code before the blocks that need it (what time or a
-person does between two commands: waiting for jobs, stopping one).
+The guide (docs/cluster.md) opens with one settings block (:data:`SETTINGS_MARKER`) that every
+later block reads; a block opening with :data:`SKIP_MARKER` is not run. :func:`compose_script`
+puts a test's settings in its place and joins the rest verbatim, in order.
 """
 
 from __future__ import annotations
@@ -66,9 +61,8 @@ def assigned_names(settings: str) -> list[str]:
 
 
 def commands(block: str) -> list[str]:
-    """A block's command lines as bash reads them: continuation lines joined, comments (a ``#``
-    after a space, or opening a line) dropped, runs of spaces made one; so two pages that give
-    the same commands with other comments or line breaks agree."""
+    """A block's command lines as bash reads them (continuations joined, comments dropped, spaces
+    collapsed), so pages giving the same commands with other comments or line breaks agree."""
     joined = re.sub(r"\\\n", " ", block)
     lines = (re.sub(r"(^|\s)#.*$", "", line) for line in joined.splitlines())
     return [" ".join(line.split()) for line in lines if line.strip()]
@@ -81,12 +75,9 @@ def read_names(block: str) -> set[str]:
 
 
 def compose_script(blocks: list[Block], settings: str, before: Mapping[str, str] | None = None) -> str:
-    """One bash script: ``settings`` in place of the first block, then every block not skipped.
-
-    ``before`` maps a fragment of one block's text to code run just before that block (the
-    fragment must name exactly one block to run). Background processes a block starts are
-    stopped (SIGTERM, then waited for) when the script ends, however it ends.
-    """
+    """One ``set -euo pipefail`` script: ``settings`` in place of the first block, then every block
+    not skipped, each after a marker line; ``before`` maps a fragment naming exactly one block to code
+    run just before it. Background processes are stopped when the script ends, however it ends."""
     if not blocks or not blocks[0].text.startswith(SETTINGS_MARKER):
         raise ValueError(f"the first block must be the settings, opening with {SETTINGS_MARKER!r}")
     runnable = [block for block in blocks[1:] if not block.skipped]
@@ -109,6 +100,5 @@ def compose_script(blocks: list[Block], settings: str, before: Mapping[str, str]
 
 
 def block_outputs(stdout: str) -> dict[int, str]:
-    """What each block of a :func:`compose_script` script printed, by block number (the blocks
-    that ran; a script that stopped early lacks the rest)."""
+    """What each block of a :func:`compose_script` script that ran printed, by block number."""
     return {int(number): text for number, text in _OUTPUT.findall(stdout)}

@@ -1,9 +1,6 @@
-"""A served model for tests and benchmarks: ``inference/serve.py`` in a process of its own, on loopback.
-
-The server is the real one (uvicorn, the CLI's loading), started as users start it; callers talk
-to it over HTTP only. :func:`write_tiny_chat_model` writes a tiny random WeDLM-shaped checkpoint
-with a chat template, which is enough for every property that does not need a trained model
-(greedy outputs equal to the one-at-a-time decode, faults, limits).
+"""The real server (``inference/serve.py``) in a process of its own on loopback, for tests and
+benchmarks, talked to over HTTP only; :func:`write_tiny_chat_model` is enough for every property
+that needs no trained model.
 """
 
 from __future__ import annotations
@@ -40,12 +37,9 @@ def write_tiny_chat_model(directory: str | Path, seed: int = 3) -> Path:
 
 
 class ManagedServer:
-    """``command``, an HTTP server on loopback ``port``, in a process of its own; a context manager.
-
-    Entering waits until ``/health`` answers 200 (the process exiting first is an error naming
-    its log, ``log``); leaving sends SIGTERM (to the whole process group with ``group``, for a
-    server whose workers are child processes, as vLLM's engine core is) and waits, then kills.
-    """
+    """``command``, an HTTP server on loopback ``port`` in its own process; a context manager. Entering
+    waits for ``/health`` 200 (an exit first raises, naming ``log``); leaving sends SIGTERM (to the
+    process group with ``group``, for servers with worker children), waits, then kills."""
 
     def __init__(self, command: list[str], port: int, log: str | Path, *, env: dict[str, str] | None = None,
                  startup_timeout: float = 180.0, group: bool = False):

@@ -1,18 +1,7 @@
-"""A real one-node SLURM cluster on this machine, in a temporary directory, for tests.
-
-Multi-node launches are tested with a real launcher, never a stand-in: this starts Debian's
-``munged``, ``slurmctld`` and ``slurmd`` (the ``munge`` and ``slurm-wlm`` packages) as root, each
-in the foreground as a child of the test, with every file they write (key, socket, state, spool,
-logs, pid files) under one directory and ports chosen free, so nothing in ``/etc`` or ``/var`` is
-read or left behind and two clusters never share anything. Commands reach it through
-``SLURM_CONF`` (:meth:`SlurmCluster.env`).
-
-The node declares the CPUs and generic GPUs a job script asks for (``--gpus-per-node``,
-``--cpus-per-task``), not what the machine has: ``SlurmdParameters=config_overrides`` makes
-``slurmd`` take the configured node as it is, and ``gres.conf`` points the GPUs at empty files
-(``slurmd`` drops a GPU without a device file), so SLURM schedules and accounts them with no
-device behind them. Jobs run the real scheduler,
-``srun`` steps, environment export, ``scancel`` and job states.
+"""A real one-node SLURM cluster on this machine, for tests: Debian's ``munged``, ``slurmctld`` and
+``slurmd`` as children of the test, every file they write under one directory and ports chosen
+free, so nothing is shared or left behind; commands reach it through ``SLURM_CONF``. The node
+offers the CPUs and GPUs a job asks for, not the machine's (GPUs are empty device files).
 """
 
 from __future__ import annotations
@@ -55,11 +44,8 @@ def why_unavailable() -> str | None:
 
 
 class SlurmCluster:
-    """``munged`` + ``slurmctld`` + ``slurmd`` for one node, this host; a context manager.
-
-    ``cpus`` and ``gpus`` are what the node offers jobs. Leaving the block cancels every job,
-    stops the daemons (SIGTERM, then SIGKILL) and leaves their logs in ``root``.
-    """
+    """``munged`` + ``slurmctld`` + ``slurmd`` for one node offering ``cpus`` and ``gpus``; a context
+    manager whose exit cancels every job, stops the daemons and leaves their logs in ``root``."""
 
     def __init__(self, root: str | Path, cpus: int = 64, gpus: int = 8, startup_timeout: float = 60.0):
         self.root = Path(root)
@@ -213,8 +199,7 @@ class SlurmCluster:
         return out[0].upper().rstrip("*~#$@+") if out else ""
 
     def job(self, job_id: str | int) -> dict[str, str]:
-        """``scontrol show job`` as a dict (JobState, ExitCode, Restarts, ...); finished jobs stay
-        visible for ``MinJobAge``."""
+        """``scontrol show job`` as a dict (JobState, ExitCode, ...), finished jobs for ``MinJobAge``."""
         out = self.run("scontrol", "show", "job", "-o", str(job_id)).stdout
         fields = {}
         for item in out.split():

@@ -1,9 +1,7 @@
-"""Read back what a wandb offline run logged, for tests: the history rows and the summary of ``run-<id>.wandb``.
+"""Read back a wandb offline run's history rows and summary from ``run-<id>.wandb``, for tests.
 
-wandb 0.31 writes the offline log from its Go core and ships no Python reader. The file is a
-LevelDB-style log (wandb's ``store`` format): a 7-byte header (``:W&B``, magic ``0xBEE1``,
-version), then 32 KiB blocks of records, each with a 7-byte header (CRC-32C, length, type:
-full / first / middle / last fragment); a record is a serialised ``wandb_internal_pb2.Record``.
+wandb (0.31) ships no Python reader; the file is wandb's LevelDB-style ``store`` log (7-byte file header,
+32 KiB blocks of CRC-checked record fragments), each record a ``wandb_internal_pb2.Record``.
 """
 
 from __future__ import annotations
@@ -71,8 +69,7 @@ def read_summary(run_dir: str | Path) -> dict[str, Any]:
 
 
 def read_history(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The logged rows (``run.log`` calls) of every ``offline-run-*`` under ``run_dir``, oldest run
-    first; keys as logged, values decoded from their JSON."""
+    """The ``run.log`` rows of every ``offline-run-*`` under ``run_dir``, oldest first, values decoded."""
     rows = []
     for log in _run_logs(run_dir):
         for record in read_records(log):

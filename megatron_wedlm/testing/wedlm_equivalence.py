@@ -1,28 +1,11 @@
 """Does a parallel layout train the WeDLM model exactly as one process does? Workers that answer.
 
-Same recipe as :mod:`.gpt_equivalence`, built on its pieces (shape, layouts, checkpoint
-round-trips), on the real training path: a spec is turned into the model description
-(``ModelArgs``) and build settings, and the model is built by training's own
-:func:`megatron_wedlm.model.wedlm_model.build_model_chunks`, wrapped by training's
-:func:`megatron_wedlm.training.optimization.wrap_ddp` (Megatron's ``DistributedDataParallel``)
-and stepped by the Megatron engine's own step
-(:func:`megatron_wedlm.training.megatron_engine.forward_backward_step`: the pipeline schedule,
-training's forward step, globally normalised losses, ``finalize_model_grads``, which
-all-reduces sequence-parallel norm and QK-norm gradients across TP and tied embeddings across
-pipeline stages). Gradients are read from DDP's
-``main_grad`` after finalisation -- what an optimizer would consume.
-
-1. :func:`reference_worker` (1 rank): per spec, build the model at TP=PP=1 from its seed, save
-   the weights (``torch_dist``), run one step and a forward-only evaluation of another global
-   batch (the engine's validation, :func:`~megatron_wedlm.training.megatron_engine.forward_only_step`),
-   return the loss summaries and gradients.
-2. :func:`layouts_worker` (N ranks): for each layout, re-create Megatron's groups, load the
-   weights (Megatron reshards them), run the same global batch and evaluation (checking that the
-   evaluation leaves the step's gradients as they were), save the gradients as a
-   checkpoint, then re-create a TP=PP=1 layout and load that checkpoint back, which
-   reassembles the shards exactly as Megatron does. Several layouts share one launch.
-3. :func:`optimizer_worker`: a few Adam steps (distributed optimizer or not) on a global batch
-   split over the data-parallel ranks; returns the loss of every step.
+The recipe of :mod:`.gpt_equivalence` on training's own path: ``build_model_chunks``, ``wrap_ddp``
+and the Megatron engine's ``forward_backward_step``/``forward_only_step``, gradients read from
+DDP's ``main_grad`` after ``finalize_model_grads`` (what an optimizer consumes).
+:func:`reference_worker` saves weights and a step's losses and gradients at TP=PP=1;
+:func:`layouts_worker` runs several layouts in one launch, checks that evaluation leaves the
+gradients as they were, and reassembles them; :func:`optimizer_worker` runs a few Adam steps.
 """
 
 from __future__ import annotations
@@ -34,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from megatron_wedlm.data import build_dual_stream_batch, stack_dual_stream_batches
+from megatron_wedlm.data import RowFormat, build_dual_stream_batch, stack_dual_stream_batches
 from megatron_wedlm.model import global_loss_normalizer, reduce_loss_reports
 from megatron_wedlm.model.hf_config import ModelArgs
 from megatron_wedlm.training.megatron_engine import forward_backward_step, forward_only_step
@@ -49,12 +32,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class TinyWeDLMSpec(TinyShape):
-    """A small Qwen-shaped WeDLM model and the dual-stream data it is tested on.
-
-    Defaults switch on every feature at once: GQA, QK-norm (Qwen3), QKV bias (Qwen2),
-    RMSNorm, SwiGLU, a non-default rope base, packed documents, an SFT prompt (ignored labels)
-    and padding slots.
-    """
+    """A small Qwen-shaped WeDLM model and the dual-stream data it is tested on; the defaults switch
+    on every feature at once (GQA, QK-norm, QKV bias, rope base, packing, SFT prompt, padding)."""
 
     mask_token_id: int = 127
     qk_layernorm: bool = True
@@ -108,7 +87,8 @@ def make_global_batch(spec: TinyWeDLMSpec, step: int = 0) -> list:
             lengths = spec.doc_lengths[row % len(spec.doc_lengths)]
             prompts = spec.prompt_lengths[row % len(spec.prompt_lengths)]
             docs = [torch.randint(0, spec.mask_token_id, (n,), generator=g) for n in lengths]
-            rows.append(build_dual_stream_batch(docs, spec.block_size, spec.mask_token_id, g, prompt_lengths=prompts))
+            rows.append(build_dual_stream_batch(docs, RowFormat(spec.block_size, spec.mask_token_id), g,
+                                                prompt_lengths=prompts))
             row += 1
         batches.append(stack_dual_stream_batches(rows, pad_to=spec.row_length))
     return batches
@@ -133,8 +113,7 @@ def _engine_step(step_function, ddp_model: list, spec: TinyWeDLMSpec, batches: l
 
 
 def train_step(ddp_model: list, spec: TinyWeDLMSpec, batches: list):
-    """One forward/backward of training's step (``ddp_model``: the chunks as training's
-    ``wrap_ddp`` wraps them) -- the Megatron engine's own step function."""
+    """One forward/backward by the Megatron engine's own step (``ddp_model``: as ``wrap_ddp`` wraps)."""
     return _engine_step(forward_backward_step, ddp_model, spec, batches)
 
 
@@ -178,11 +157,8 @@ def reference_worker(specs: dict[str, dict], root: str) -> dict[str, dict]:
 
 
 def layouts_worker(specs: dict[str, dict], root: str, layouts: list[dict]) -> dict[str, dict]:
-    """Run each layout ``{name, spec, tp, pp, vpp, cp, sp, recompute}`` on this launch's ranks.
-
-    Returns, per layout, this rank's loss summary (None off the last stage) and, on global
-    rank 0, the full gradients reassembled at TP=PP=1.
-    """
+    """Run each layout ``{name, spec, tp, pp, vpp, cp, sp, recompute}`` on this launch's ranks; per
+    layout, this rank's loss summary (None off the last stage) and, on rank 0, the full gradients."""
     out = {}
     for layout in layouts:
         spec = TinyWeDLMSpec(**specs[layout["spec"]])
