@@ -1,19 +1,8 @@
-"""WeDLM on Megatron-Core: layer spec, logical-position RoPE, mask backends, losses.
+"""WeDLM on Megatron-Core: layer spec, logical-position RoPE, attention backends, losses.
 
-* :mod:`.hf_config`   -- ``ModelArgs``: the one model description (HF config <-> Megatron).
-* :mod:`.wedlm_model` -- ``build_model_chunks`` (ModelArgs + ``BuildSettings`` -> this rank's
-  ``WeDLMGPTModel`` chunks, a ``GPTModel`` subclass), ``wedlm_transformer_config``.
-* :mod:`.layer_spec`  -- ``get_wedlm_layer_spec`` / ``get_wedlm_block_spec`` (Megatron ModuleSpecs).
-* :mod:`.attention`   -- core-attention backends: ``dense`` (SDPA + bool mask), ``flex``
-  (FlexAttention + BlockMask), ``te`` (Transformer Engine arbitrary mask).
-* :mod:`.attention_backends` -- the one table of backends (name -> core-attention ``ModuleSpec``
-  params, HF attention, row padding, CUDA, CP) and the ``auto`` rule.
-* :mod:`.rope`        -- ``LogicalRotaryEmbedding``: RoPE from per-slot logical positions.
-* :mod:`.norms`       -- ``WeDLMNorm``: RMSNorm/LayerNorm that supports sequence parallelism.
-* :mod:`.losses`      -- ``wedlm_loss``, global normalisation, step loss reports.
-
-Imports are lazy (PEP 562): ``megatron_wedlm.model.hf_config`` and other light submodules can
-be used without importing Megatron-Core.
+The one model path is ``ModelArgs`` (:mod:`.hf_config`) + ``BuildSettings`` ->
+:func:`.wedlm_model.build_model_chunks` (docs/architecture.md). Imports are lazy (PEP 562), so
+light submodules such as :mod:`.hf_config` load without Megatron-Core.
 """
 
 from __future__ import annotations

@@ -1,35 +1,12 @@
 """Core-attention modules that apply the WeDLM mask inside Megatron's ``SelfAttention``.
 
-What travels through Megatron: the ``attention_mask`` argument of ``GPTModel.forward`` is
-handed unchanged to every layer's core attention, through activation recomputation
-(``tensor_parallel.checkpoint`` saves it with ``save_for_backward``, so it must be a tensor)
-and on every pipeline stage (each stage's forward step passes it). We pass the *packed
-metadata* of :class:`megatron_wedlm.data.AttentionMetadata`, an int32 tensor ``[B, 3, S]``
-(rows: doc id, is-memory flag, block id) -- O(S) instead of an O(S^2) mask -- and each backend
-expands it into its own form once per micro-batch:
-
-* ``dense``: boolean ``[B, 1, S, S]`` for ``torch.nn.functional.scaled_dot_product_attention``
-  (CPU training, reference, tests), with the queries split into tiles that each see only the
-  key tiles they may attend -- about L^2 of the (2L)^2 pairs of a dual-stream row.
-* ``flex``: a FlexAttention ``BlockMask`` built from tile summaries (never ``S x S``), run
-  through a compiled ``flex_attention`` (GPU training).
-* ``te``: Transformer Engine's ``DotProductAttention`` with an arbitrary mask
-  (``[B, 1, S, S]``, True = masked out, Megatron's convention).
-
-A dense Megatron-convention mask (bool ``[B|1, 1, S, S]``, True = masked *out*) is also accepted
-by the dense and TE backends, which is how a standard causal mask is fed for comparisons.
-Whatever arrives (packed metadata, a dense mask or None = plain causal) is normalised once, by
-:func:`layer_mask`, into a :class:`LayerMask`; every backend reads that. Which backends exist,
-their options (``ModuleSpec`` params) and where they run: :mod:`.attention_backends`.
-
-Context parallelism (:mod:`.context_parallel`): each rank holds ``S / CP`` slots of the row and
-the packed metadata gains a fourth row, the slot order of the CP ranks (``[B, 4, S]``). The
-dense and flex backends then all-gather keys and values over the CP group (differentiably), put
-them back in physical order and apply the rule to this rank's query slots against the whole
-row. TE is refused under CP (its CP kernels take causal/padding masks only).
-
-Expanded masks are cached per metadata tensor (see :class:`_ExpandedMaskCache`), so the L
-layers of a micro-batch -- and their recomputation in backward -- build the mask once.
+``GPTModel.forward``'s ``attention_mask`` reaches every layer unchanged (recomputation saves
+it, so it is a tensor): here the packed metadata ``[B, 3, S]`` of
+:class:`megatron_wedlm.data.AttentionMetadata` (``[B, 4, S]`` with the context-parallel slot
+order), O(S) instead of an S x S mask, a Megatron bool mask (True = masked out), or None (plain
+causal). :func:`layer_mask` normalises it into a :class:`LayerMask`; each backend (``dense``:
+SDPA over tiles, ``flex``: a ``BlockMask``, ``te``: an arbitrary mask, refused under CP) expands
+it once per micro-batch (cached). Under CP the dense and flex backends all-gather keys/values.
 """
 
 from __future__ import annotations
@@ -73,11 +50,8 @@ def _is_megatron_dense_mask(mask: Tensor) -> bool:
 
 @dataclass(frozen=True)
 class LayerMask:
-    """A core attention's ``attention_mask`` in the one form the backends read.
-
-    Exactly one field is set: ``packed`` (int32 ``[B, 3, S]``, ``[B, 4, S]`` under context
-    parallelism: the rule's inputs, expanded by each backend) or ``masked_out`` (bool
-    ``[B|1, 1, S, S]``, True = masked out: Megatron's convention, for a standard causal mask).
+    """A core attention's ``attention_mask`` as the backends read it: exactly one of ``packed``
+    (int32 ``[B, 3|4, S]``) and ``masked_out`` (bool ``[B|1, 1, S, S]``, True = masked out).
     """
 
     packed: Tensor | None = None
@@ -85,18 +59,18 @@ class LayerMask:
 
     @property
     def tensor(self) -> Tensor:
-        """The tensor the mask was given as (it keys the expanded-mask cache)."""
         return self.packed if self.packed is not None else self.masked_out  # type: ignore[return-value]
 
     @property
     def slot_order(self) -> Tensor | None:
-        """The context-parallel slot order of packed metadata, None without CP or for a dense mask."""
+        """The context-parallel slot order of packed metadata, else None."""
         return None if self.packed is None else packed_slot_order(self.packed)
 
 
 def layer_mask(attention_mask: Tensor | None, query: Tensor) -> LayerMask:
-    """What a layer received (packed metadata, a Megatron bool mask, or None: plain causal
-    attention over the row of ``query`` ``[S, B, ...]``) as a :class:`LayerMask`."""
+    """What a layer received (packed metadata, a bool mask, or None: causal over ``query``'s
+    row) as a :class:`LayerMask`.
+    """
     if attention_mask is None:
         return LayerMask(packed=causal_packed_metadata(query.shape[1], query.shape[0], query.device))
     if _is_packed_metadata(attention_mask):
@@ -115,13 +89,10 @@ def layer_mask(attention_mask: Tensor | None, query: Tensor) -> LayerMask:
 
 
 class _ExpandedMaskCache:
-    """Expanded masks keyed by the *storage* of the packed metadata they were built from.
+    """Expanded masks keyed by the storage of the metadata they came from.
 
-    Why this is safe without comparing contents: an entry keeps a reference to its metadata
-    tensor, so that storage cannot be freed and reused while the entry lives; a key names the
-    storage address, view geometry and version counter (bumped by any in-place write, and
-    shared with the ``detach()``-ed copies activation recomputation makes). Equal key therefore
-    means the very same values. No device sync is needed to look an entry up.
+    Safe without comparing contents: an entry holds its metadata tensor (the storage cannot be
+    reused) and the key includes the version counter (bumped by any in-place write).
     """
 
     def __init__(self, max_entries: int = 4) -> None:
@@ -166,8 +137,6 @@ def _check_shapes(query: Tensor, key: Tensor, allowed_shape: tuple[int, ...]) ->
 
 
 class _WeDLMCoreAttentionBase(torch.nn.Module):
-    """Shared constructor: the keyword arguments Megatron's ``SelfAttention`` passes."""
-
     def __init__(
         self,
         config,
@@ -194,8 +163,7 @@ class _WeDLMCoreAttentionBase(torch.nn.Module):
 
     def _inputs(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                 attention_bias: Tensor | None, packed_seq_params) -> tuple[LayerMask, Tensor, Tensor, Tensor | None]:
-        """``(mask, keys, values, query_slots)`` for a forward: the mask normalised once, then
-        the keys and values of the whole row under context parallelism (see ``_context_parallel``)."""
+        """``(mask, keys, values, query_slots)`` of a forward (under CP: the whole row's keys)."""
         if attention_bias is not None:
             raise ValueError("WeDLM attention does not take an attention_bias")
         if packed_seq_params is not None:
@@ -207,14 +175,8 @@ class _WeDLMCoreAttentionBase(torch.nn.Module):
         return (mask, *self._context_parallel(mask, key, value))
 
     def _context_parallel(self, mask: LayerMask, key: Tensor, value: Tensor):
-        """``(keys, values, query_slots)``: the whole row's keys/values under CP, in physical order.
-
-        The gathered keys arrive in rank order; putting them back in physical order (one copy,
-        differentiable) lets the mask, the dense backend's key-tile plan and a BlockMask treat
-        keys exactly as without CP: contiguous runs of keys stay views instead of per-tile
-        copies. Only the queries keep a slot map (``query_slots``: this rank's slots).
-        Without CP (no slot order in the metadata) everything is returned unchanged, with
-        ``query_slots`` None (query i is slot i).
+        """``(keys, values, query_slots)``: the whole row's keys/values under CP, in physical order;
+        unchanged without CP, ``query_slots`` then None (query i is slot i).
         """
         order = mask.slot_order
         cp_size = 1 if self.cp_group is None else self.cp_group.size()
@@ -250,7 +212,7 @@ class _WeDLMCoreAttentionBase(torch.nn.Module):
 
 @dataclass
 class _QueryTile:
-    """One query tile of the dense backend's plan: its rows, the key slots it needs, its mask."""
+    """One query tile of the dense plan: its rows, the key slots it needs, its mask."""
 
     start: int
     end: int
@@ -269,14 +231,8 @@ def _key_runs(columns: list[int]) -> list[tuple[int, int]]:
 
 
 def _dense_plan(allowed: Tensor, tile: int) -> list[_QueryTile] | None:
-    """Skip key tiles a query tile never attends (None: not worth it, use one SDPA call).
-
-    Why: SDPA with an arbitrary bool mask computes every (q, k) pair, (2L)^2 per dual-stream
-    row, while the WeDLM rule allows about L^2 of them (memory: causal; prediction: earlier
-    blocks' memory and its own block). Splitting the queries into tiles and giving each tile
-    only the key tiles with an allowed pair (exact, from the mask itself; union over the batch)
-    recovers most of that on CPU, where no block-sparse kernel exists. Dropped keys are fully
-    masked for the tile's queries, so the softmax is unchanged.
+    """Query tiles with only the key tiles they may attend (None: one SDPA call is as good);
+    dropped keys are fully masked for the tile, so the softmax is unchanged.
     """
     b, _, s, s_k = allowed.shape
     if tile < 1 or s % tile or s_k % tile or s < 4 * tile:
@@ -299,12 +255,7 @@ def _dense_plan(allowed: Tensor, tile: int) -> list[_QueryTile] | None:
 
 
 def _allowed_by_query_chunks(metadata: AttentionMetadata, query_slots: Tensor | None, rows: int = 512) -> Tensor:
-    """The kernel-safe dense mask ``[B, S_q, S]``, built ``rows`` queries at a time.
-
-    Why: the rule's elementwise terms each materialise a ``S_q x S_k`` temporary, so building
-    the mask in one go peaks at several times the mask (the largest attention allocation on
-    CPU for long rows); by chunks the peak is the mask plus one chunk's temporaries.
-    """
+    """The kernel-safe dense mask ``[B, S_q, S]``, ``rows`` queries at a time (bounds the peak)."""
     meta = metadata.batched()
     device = meta.doc_ids.device
     q_slots = torch.arange(meta.seq_len, device=device) if query_slots is None else query_slots
@@ -316,17 +267,15 @@ def _allowed_by_query_chunks(metadata: AttentionMetadata, query_slots: Tensor | 
 
 
 def _allowed_mask(mask: LayerMask, query_slots: Tensor | None = None) -> Tensor:
-    """Bool ``[B|1, 1, S_q, S]``, True = may attend (``query_slots``: as in ``_dense_mask_and_plan``)."""
+    """Bool ``[B|1, 1, S_q, S]``, True = may attend."""
     if mask.masked_out is not None:
         return ~mask.masked_out
     return _allowed_by_query_chunks(unpack_attention_metadata(mask.packed), query_slots).unsqueeze(1)
 
 
 def _dense_mask_and_plan(mask: LayerMask, query: Tensor, tile: int, query_slots: Tensor | None = None):
-    """``(allowed [B|1, 1, S_q, S], plan or None)``, built once per micro-batch (cached).
-
-    ``query_slots``: the physical slots of the queries under context parallelism (the mask is
-    the rule on those global indices; keys are the whole row in order); None = query i is slot i.
+    """``(allowed [B|1, 1, S_q, S], plan or None)``, cached per micro-batch; ``query_slots``: the
+    queries' physical slots under CP (None: query i is slot i).
     """
 
     def build():
@@ -338,12 +287,7 @@ def _dense_mask_and_plan(mask: LayerMask, query: Tensor, tile: int, query_slots:
 
 
 class WeDLMSDPAttention(_WeDLMCoreAttentionBase):
-    """Dense backend: SDPA with the boolean WeDLM mask, skipping empty key tiles (see ``_dense_plan``).
-
-    Works on CPU and GPU; O(S^2) mask memory. ``tile_size`` (a ``ModuleSpec`` param, default in
-    :mod:`.attention_backends`): the query tile; 0 disables the tiling (one SDPA call over the
-    full mask).
-    """
+    """Dense backend: SDPA with the bool WeDLM mask by query tiles of ``tile_size`` (0: one)."""
 
     def __init__(self, config, layer_number: int, *args: Any, tile_size: int, **kwargs: Any) -> None:
         super().__init__(config, layer_number, *args, **kwargs)
@@ -401,7 +345,7 @@ _COMPILED_FLEX: Callable | None = None
 
 
 def _flex_kernel(compile_kernel: bool) -> Callable:
-    """FlexAttention, compiled once per process when asked (eager is a slow reference)."""
+    """FlexAttention, compiled once per process when asked."""
     global _COMPILED_FLEX
     if not compile_kernel:
         return flex_attention
@@ -411,11 +355,8 @@ def _flex_kernel(compile_kernel: bool) -> Callable:
 
 
 class WeDLMFlexAttention(_WeDLMCoreAttentionBase):
-    """FlexAttention backend: block-sparse kernel over the WeDLM ``BlockMask``.
-
-    ``ModuleSpec`` params (defaults in :mod:`.attention_backends`): ``tile_size``, the
-    BlockMask tile (the row length must be a multiple of it: pad batches with
-    ``pad_to_multiple_of``); ``compile_kernel``, None = compile on CUDA, eager elsewhere.
+    """FlexAttention backend over the WeDLM ``BlockMask``; params ``tile_size`` (the row length
+    must be a multiple of it) and ``compile_kernel`` (None: compile on CUDA).
     """
 
     def __init__(self, config, layer_number: int, *args: Any, tile_size: int, compile_kernel: bool | None,
@@ -468,13 +409,7 @@ class WeDLMFlexAttention(_WeDLMCoreAttentionBase):
 
 
 def _context_parallel_block_mask(attention_mask: Tensor, query_slots: Tensor, tile: int):
-    """BlockMask of this rank's queries x the whole row's keys under CP, from the rule's ``mask_mod``.
-
-    The tile-summary builder assumes queries in physical order; a rank's queries are chunks
-    from several places of the row, so this evaluates the ``mask_mod`` per tile with
-    FlexAttention's own ``create_block_mask`` (O(S_q x S / tile) work per micro-batch, once:
-    it is cached).
-    """
+    """BlockMask of this rank's queries x the whole row's keys, from the rule's ``mask_mod``."""
     meta = unpack_attention_metadata(attention_mask)
     mask_mod = flex_mask_mod(meta, padding_attends_self=True, query_slots=query_slots)
     return create_block_mask(
@@ -484,10 +419,7 @@ def _context_parallel_block_mask(attention_mask: Tensor, query_slots: Tensor, ti
 
 
 def te_attention_class() -> type:
-    """Transformer Engine core attention with the WeDLM mask as TE's ``arbitrary`` mask.
-
-    Imported on demand: only a TE installation (CUDA) can build it.
-    """
+    """Transformer Engine core attention, the WeDLM mask as TE's ``arbitrary`` mask (CUDA only)."""
     try:
         import transformer_engine  # noqa: F401
         from megatron.core.extensions.transformer_engine import TEDotProductAttention

@@ -1,23 +1,10 @@
-"""The attention backends, in one table: every name a config, a layer spec or the DeepSpeed path
-accepts, and what each name means there.
+"""The attention backends, in one table: every name a config, a layer spec or the DeepSpeed
+path accepts, and what it means there.
 
-A row (:class:`AttentionBackend`) says, for one backend:
-
-* its core attention for Megatron's ``SelfAttention``: a module (:mod:`.attention`) and the
-  ``ModuleSpec`` params it is built with (the backend's options, with their defaults; callers
-  override them by name, e.g. ``tile_size``) -- Megatron-Core's own way to configure a submodule;
-* its transformers ``attn_implementation`` on the DeepSpeed path (HF models), or None where the
-  backend has none there;
-* what rows are padded to on that path (a FlexAttention ``BlockMask`` needs whole tiles);
-* whether it needs CUDA and whether it runs under context parallelism.
-
-``auto`` is not a backend but a rule (:func:`resolve_attention_backend`): flex on GPU, dense on
-CPU. Configs accept it (:data:`ATTENTION_BACKEND_NAMES`); a layer spec takes a resolved name.
-
-Why one table: every consumer (config schema, layer spec, DeepSpeed path) reads the names and
-options from here, so adding a backend or an option means adding it here only, and no list of
-names can fall out of step with another. The module is light to import (no torch, no Megatron at
-import time), so the config schema validates names against it.
+A row (:class:`AttentionBackend`) gives a backend's core-attention ``ModuleSpec`` (module and
+params, overridable by name), its HF ``attn_implementation``, row padding, and whether it needs
+CUDA or runs under CP. ``auto`` is a rule (:func:`resolve_attention_backend`). Imports neither
+torch nor Megatron, so the config schema can check names against it.
 """
 
 from __future__ import annotations
@@ -75,7 +62,7 @@ class AttentionBackend:
     context_parallel: bool = True
 
     def core_attention_spec(self, **options: Any) -> ModuleSpec:
-        """The core attention as ``ModuleSpec(module, params)``; ``options`` override the defaults."""
+        """The core attention as ``ModuleSpec(module, params)``; ``options`` override defaults."""
         from megatron.core.transformer.spec_utils import ModuleSpec
 
         unknown = sorted(set(options) - set(self.params))
@@ -104,7 +91,7 @@ ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
 
 
 def backend_names(where: Callable[[AttentionBackend], bool] | None = None) -> tuple[str, ...]:
-    """``auto`` and the backends (those ``where`` accepts), for checks and their messages."""
+    """``auto`` and the backends ``where`` accepts."""
     return (AUTO, *(name for name, backend in ATTENTION_BACKENDS.items() if where is None or where(backend)))
 
 
@@ -113,7 +100,7 @@ ATTENTION_BACKEND_NAMES: tuple[str, ...] = backend_names()
 
 
 def get_attention_backend(name: str) -> AttentionBackend:
-    """The table's row for a resolved name (not ``auto``); ValueError listing the names otherwise."""
+    """The row of a resolved name (not ``auto``); ValueError listing the names otherwise."""
     backend = ATTENTION_BACKENDS.get(name)
     if backend is None:
         if name == AUTO:
@@ -123,7 +110,7 @@ def get_attention_backend(name: str) -> AttentionBackend:
 
 
 def resolve_attention_backend(name: str, device: torch.device) -> str:
-    """The backend that runs on ``device``: ``auto`` is flex on CUDA and dense elsewhere."""
+    """The backend on ``device``: ``auto`` is flex on CUDA and dense elsewhere."""
     if name == AUTO:
         return "flex" if device.type == "cuda" else "dense"
     backend = get_attention_backend(name)

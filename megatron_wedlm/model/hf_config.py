@@ -1,31 +1,11 @@
 """HF model configs <-> the Megatron-Core model that holds the same weights.
 
-:class:`ModelArgs` is the one description of a Qwen2 / Qwen3 / Llama style model this project
-uses on the Megatron side. It is read from a HF ``config.json`` (:func:`model_args_from_hf_config`),
-stored next to a converted checkpoint as ``wedlm_model.json`` (:func:`save_model_args` /
-:func:`load_model_args`) so the training entry points can rebuild the matching model, and turned
-back into a HF config on export (:func:`hf_config_from_model_args`). Every Megatron model of it is
-built by :func:`megatron_wedlm.model.wedlm_model.build_model_chunks`.
-
-Why a separate record rather than the HF config itself: Megatron needs facts the HF config does not
-state (the padded vocabulary the checkpoint was written with, the mask token id), and a model
-trained from scratch in this framework has no HF config at all. The original HF config is kept
-verbatim in :attr:`ModelArgs.hf_config`, so fields this module does not model (token ids,
-``max_window_layers``, ...) survive a round trip.
-
-The three families differ only in a few switches Megatron already has:
-
-==========  ====================  ==============  ============================
-family      q/k/v bias            q/k RMSNorm     transformers class
-==========  ====================  ==============  ============================
-qwen2       yes (no o_proj bias)  no              ``Qwen2ForCausalLM``
-qwen3       no (*)                yes (per head)  ``Qwen3ForCausalLM``
-llama       no                    no              ``LlamaForCausalLM``
-==========  ====================  ==============  ============================
-
-(*) Qwen3 with ``attention_bias=true`` has q/k/v biases *and* an o_proj bias; it converts when the
-o_proj bias is zero or absent (official WeDLM configs with ``qk_norm`` and ``attention_bias`` map to
-it: the reference attention has q/k/v biases, q/k norm and no o_proj bias).
+:class:`ModelArgs` is the one description of a Qwen2 / Qwen3 / Llama model on the Megatron side:
+read from a HF ``config.json``, saved beside a converted checkpoint as ``wedlm_model.json``,
+and turned back into a HF config on export. It states what the HF config lacks (padded
+vocabulary, mask token) and keeps the original config verbatim (:attr:`ModelArgs.hf_config`)
+so unmodelled fields survive a round trip. Families differ only in q/k/v bias (Qwen2; Qwen3
+with ``attention_bias``, its o_proj bias zero) and per-head q/k RMSNorm (Qwen3).
 """
 
 from __future__ import annotations
@@ -131,10 +111,8 @@ def _unsupported_message(architecture: str, classes: list[str] | None = None) ->
 
 
 def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tensor_model_parallel_size: int = 1) -> int:
-    """Round up so every tensor-parallel shard of the vocabulary is a multiple of the divisor.
-
-    A size padded for TP=1 with the default divisor (128) also splits evenly for any power-of-two
-    TP up to 128, which is what lets one converted checkpoint load under other TP sizes.
+    """Round up so every TP shard of the vocabulary is a multiple of ``divisor`` (padded for TP=1
+    with 128, it splits evenly for any power-of-two TP up to 128).
     """
     multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
     return int(math.ceil(vocab_size / multiple) * multiple)
@@ -152,7 +130,7 @@ def _as_config_dict(config: Any) -> dict[str, Any]:
 
 
 def _normalised_hf_config(raw: dict[str, Any]):
-    """A transformers config object for ``raw``, with legacy fields (``rope_theta``) normalised."""
+    """A transformers config for ``raw``, legacy fields (``rope_theta``) normalised."""
     from transformers import AutoConfig
 
     model_type = raw.get("model_type")
@@ -201,11 +179,7 @@ def _check_supported_features(config: Any) -> None:
 
 
 def _check_heads(raw: dict[str, Any], config: Any) -> None:
-    """Head counts that split the model evenly, checked here rather than failing deep in RoPE.
-
-    Without ``head_dim`` in config.json the head size is ``hidden_size / num_attention_heads``
-    (a Qwen3-style config may state any head_dim and needs no divisibility).
-    """
+    """Refuse head counts that do not split the model evenly (here, not deep in RoPE)."""
     heads, hidden = int(config.num_attention_heads), int(config.hidden_size)
     groups = int(getattr(config, "num_key_value_heads", None) or heads)
     if raw.get("head_dim") is None and hidden % heads:
@@ -221,9 +195,7 @@ def _check_heads(raw: dict[str, Any], config: Any) -> None:
 
 
 def _has_qkv_bias(config: Any) -> bool:
-    """Qwen2 always; Qwen3 with ``attention_bias=true`` (official WeDLM configs with q/k norm and biases map to
-    it). Qwen3's class then also has an o_proj bias, which Megatron lacks: conversion requires it to be zero
-    or absent and exports zeros (:func:`megatron_wedlm.conversion.mapping.zero_hf_tensors`)."""
+    """Qwen2 always; Qwen3 with ``attention_bias`` (its o_proj bias must then be zero or absent)."""
     return config.model_type == "qwen2" or (config.model_type == "qwen3" and bool(config.attention_bias))
 
 
@@ -235,10 +207,8 @@ def model_args_from_hf_config(
     vocab_size: int | None = None,
     mask_token_id: int | None = None,
 ) -> ModelArgs:
-    """:class:`ModelArgs` for a HF config (a transformers config object or a ``config.json`` dict).
-
-    ``vocab_size`` overrides the config's (used when the vocabulary grew for a new mask token);
-    ``mask_token_id`` defaults to the config's own ``mask_token_id`` if it has one.
+    """:class:`ModelArgs` of a HF config; ``vocab_size`` overrides the config's (grown for a mask
+    token), ``mask_token_id`` defaults to the config's.
     """
     raw = _as_config_dict(config)
     hf = _normalised_hf_config(raw)
@@ -281,10 +251,8 @@ def model_args_from_hf_config(
 
 
 def hf_config_from_model_args(args: ModelArgs):
-    """The transformers config of the exported checkpoint, with ``mask_token_id`` recorded.
-
-    Starts from the original HF config (when there was one) so unmodelled fields are kept, and
-    overwrites everything :class:`ModelArgs` states.
+    """The exported checkpoint's transformers config: the original one (unmodelled fields kept)
+    with everything :class:`ModelArgs` states, and ``mask_token_id``.
     """
     from transformers import AutoConfig
 
@@ -337,8 +305,7 @@ def save_model_args(args: ModelArgs, directory: str | Path) -> Path:
 
 
 def find_model_args_file(directory: str | Path) -> Path | None:
-    """``wedlm_model.json`` in ``directory`` or one of its two parents (training checkpoints
-    live in ``<run>/checkpoints/iter_N``), or None."""
+    """``wedlm_model.json`` in ``directory`` or one of its two parents, or None."""
     directory = Path(directory).resolve()
     for candidate in (directory, *list(directory.parents)[:2]):
         if (candidate / MODEL_ARGS_FILE).is_file():
@@ -347,7 +314,7 @@ def find_model_args_file(directory: str | Path) -> Path | None:
 
 
 def load_model_args(path: str | Path) -> ModelArgs:
-    """Read ``wedlm_model.json`` (``path`` is the file or a directory searched as above)."""
+    """Read ``wedlm_model.json`` (``path``: the file or a directory searched as above)."""
     path = Path(path)
     file = path if path.is_file() else find_model_args_file(path)
     if file is None:

@@ -1,15 +1,8 @@
 """Megatron-Core ``ModuleSpec``s for a WeDLM decoder layer and block.
 
-The layer is Megatron's local GPT layer (``get_gpt_layer_local_spec``) with two swaps:
-
-* core attention -> a WeDLM backend that applies the dual-stream mask: the ``ModuleSpec`` of
-  the backend's row in :mod:`.attention_backends` (module and params, e.g. ``tile_size``);
-* norms -> :class:`.norms.WeDLMNorm`, which supports sequence parallelism on any device.
-
-Everything else -- ``ColumnParallelLinear`` QKV (GQA, optional QKV bias), QK-norm, RoPE
-application, SwiGLU MLP, bias-dropout-add -- is Megatron's own, and the module tree (hence
-every parameter name) is identical to the local spec's, so Megatron / HF conversions written
-for standard GPT checkpoints map 1:1.
+Megatron's local GPT layer with two swaps: core attention by the backend table's
+``ModuleSpec`` (:mod:`.attention_backends`) and norms by :class:`.norms.WeDLMNorm`. The module
+tree, hence every parameter name, equals the local spec's, so GPT conversions map 1:1.
 """
 
 from __future__ import annotations
@@ -35,13 +28,8 @@ __all__ = ["get_wedlm_block_spec", "get_wedlm_layer_spec"]
 def get_wedlm_layer_spec(
     attention_backend: str = "dense", qk_layernorm: bool = False, **backend_options: Any
 ) -> ModuleSpec:
-    """A ``TransformerLayer`` spec whose attention applies the WeDLM mask.
-
-    ``attention_backend``: a name of :data:`.attention_backends.ATTENTION_BACKENDS` (resolved,
-    not ``auto``); ``backend_options`` override that backend's ``ModuleSpec`` params by name
-    (e.g. ``tile_size``). ``qk_layernorm`` adds per-head norms on queries and keys (Qwen3); the
-    norm kind (RMSNorm / LayerNorm) follows ``config.normalization``. QKV bias (Qwen2) and GQA
-    come from the ``TransformerConfig`` (``add_qkv_bias``, ``num_query_groups``).
+    """A ``TransformerLayer`` spec whose attention applies the WeDLM mask; ``attention_backend``: a
+    resolved name, ``backend_options``: its params by name, ``qk_layernorm``: Qwen3's q/k norms.
     """
     core_attention = get_attention_backend(attention_backend).core_attention_spec(**backend_options)
     qk_norm = WeDLMNorm if qk_layernorm else IdentityOp
@@ -80,11 +68,8 @@ def get_wedlm_layer_spec(
 def get_wedlm_block_spec(
     config, attention_backend: str = "dense", vp_stage: int | None = None, **backend_options: Any
 ) -> TransformerBlockSubmodules:
-    """The decoder block for this pipeline stage: WeDLM layers plus a WeDLM final norm.
-
-    Why a block spec and not just a layer spec: given a layer spec, Megatron picks the final
-    norm from a module-level default (``WrappedTorchNorm`` without TE/Apex), which refuses
-    sequence parallelism.
+    """This pipeline stage's decoder block: WeDLM layers and a WeDLM final norm (Megatron's default
+    ``WrappedTorchNorm`` refuses sequence parallelism).
     """
     layer = get_wedlm_layer_spec(attention_backend, bool(config.qk_layernorm), **backend_options)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)

@@ -1,28 +1,9 @@
 """WeDLM training losses under tensor parallelism, globally normalised over the step.
 
-Per slot, one vocab-parallel cross entropy (``tensor_parallel.vocab_parallel_cross_entropy``,
-inside ``GPTModel.compute_language_model_loss``) serves both losses, because their slots are
-disjoint: masked prediction-stream slots predict their *own* token (MLM, no shift), memory
-slots predict the next token (AR). :func:`wedlm_labels` builds that single label row.
-
-Loss (docs/method.md §2.4)::
-
-    mlm   = sum_i w_i * ce_i / sum_i w_i        over masked slots i, w_i = 1/gamma (or 1: "uniform")
-    ar    = sum_j ce_j / N_ar                   over memory slots j with a next-token label
-    total = (mlm + ar_weight * ar) / (1 + ar_weight)
-
-Global normalisation: the sums run over the *global* batch -- every micro-batch of the step
-on every data-parallel rank. A micro-batch cannot know the global denominators, so they are
-computed up front from the step's data (cheap: they depend only on masks and labels, not on
-the model) with :func:`global_loss_normalizer` -- local sums over the rank's micro-batches,
-all-reduced over the data-parallel group. Each micro-batch then contributes
-``(sum_mb w*ce / W + ar_weight * sum_mb ce / N) / (1 + ar_weight)``; the contributions add
-up to exactly ``total``.
-
-The report carries raw sums; :func:`reduce_loss_reports` turns the reports of a step (over
-DP x CP) into the global total / MLM / AR losses and token counts. How a micro-batch's
-contribution reaches a schedule is the engines' business
-(:mod:`megatron_wedlm.training.megatron_engine`, :mod:`megatron_wedlm.deepspeed_backend.engine`).
+The formulas and why one label row serves both losses: docs/method.md §2.4. The denominators
+of the whole step (all micro-batches on all DP ranks) are computed up front
+(:func:`global_loss_normalizer`), so the micro-batches' contributions add up exactly to the
+step loss; :func:`reduce_loss_reports` turns a step's reports (over DP x CP) into global losses.
 """
 
 from __future__ import annotations
@@ -80,7 +61,7 @@ class LossNormalizer:
     @classmethod
     def of(cls, is_masked: Tensor, mlm_weights: Tensor, ar_labels: Tensor,
            mlm_weighting: MlmWeighting = "inverse_ratio") -> "LossNormalizer":
-        """Denominators of a single batch (the normaliser when there is nothing else)."""
+        """Denominators of a single batch."""
         w = mlm_slot_weights(is_masked, mlm_weights, mlm_weighting)
         return cls(float(w.double().sum()), float((ar_labels >= 0).sum()))
 
@@ -88,9 +69,7 @@ class LossNormalizer:
 def _sum_over(
     values: Tensor, group: dist.ProcessGroup | None | Literal["data_parallel"], with_context_parallel: bool
 ) -> Tensor:
-    """``values`` (float64, on the CPU) summed over ``group``: ``"data_parallel"`` is Megatron's
-    DP group (with the CP ranks when ``with_context_parallel``); None, or a group of one, keeps
-    them as they are."""
+    """``values`` (float64, CPU) summed over ``group``; None: as they are."""
     if group == "data_parallel":
         from megatron.core import parallel_state as ps
 
@@ -108,11 +87,8 @@ def global_loss_normalizer(
     mlm_weighting: MlmWeighting = "inverse_ratio",
     group: dist.ProcessGroup | None | Literal["data_parallel"] = "data_parallel",
 ) -> LossNormalizer:
-    """Denominators over this rank's micro-batches of a step, all-reduced over ``group``.
-
-    ``group="data_parallel"`` (default) uses Megatron's data-parallel group; ``None`` skips the
-    reduction (single process, or when the caller already holds the global batch). Every rank
-    of the group must call this with its own micro-batches.
+    """Denominators over this rank's micro-batches of a step, all-reduced over ``group`` (None:
+    not reduced); every rank of the group must call it.
     """
     totals = torch.zeros(2, dtype=torch.float64)
     for batch in batches:
@@ -125,12 +101,8 @@ def global_loss_normalizer(
 
 @dataclass
 class WeDLMLoss:
-    """Loss of one (micro-)batch. ``total`` carries the gradient; the rest are detached reports.
-
-    ``total`` is this batch's contribution to the normalised step loss (equal to the batch's
-    own total when the normaliser is the batch's own); ``ar_term`` is its AR part alone
-    (``ar_sum / N_ar``, also with the gradient). ``mlm`` / ``ar`` are this batch's weighted
-    means; the raw sums let reports be combined exactly.
+    """Loss of one (micro-)batch: ``total`` (its share of the step loss) and ``ar_term`` carry the
+    gradient; ``mlm``/``ar`` and the raw sums are detached reports.
     """
 
     total: Tensor
@@ -157,10 +129,8 @@ def wedlm_loss(
     mlm_weighting: MlmWeighting = "inverse_ratio",
     normalizer: LossNormalizer | None = None,
 ) -> WeDLMLoss:
-    """Combine per-slot cross entropy ``[B, S]`` (from the model given :func:`wedlm_labels`).
-
-    ``normalizer`` None normalises over this batch alone. A part with no tokens (no masked
-    slot, or no AR label) contributes zero. ``ar_weight=0`` drops the AR term (still reported).
+    """Combine per-slot cross entropy ``[B, S]`` (labels from :func:`wedlm_labels`); ``normalizer``
+    None: this batch alone. An empty part contributes zero; ``ar_weight=0`` drops the AR term.
     """
     if ar_weight < 0:
         raise ValueError(f"ar_weight must be >= 0, got {ar_weight}")
@@ -202,12 +172,7 @@ def ar_mode_loss(
     *,
     normalizer: LossNormalizer | None = None,
 ) -> tuple[Tensor, WeDLMLoss]:
-    """The objective of AR mode (``wedlm.enabled=false``) and the loss report.
-
-    AR rows hold only the memory stream, so the objective is the next-token term alone,
-    ``sum_j ce_j / N_ar`` with the global ``N_ar`` of ``normalizer``. The report is the WeDLM
-    one (its MLM part empty), so both modes log the same fields. Both backends call this.
-    """
+    """AR mode's objective (the next-token term, global ``N_ar``) and a WeDLM-shaped report."""
     loss = wedlm_loss(per_slot_ce, is_masked, mlm_weights, ar_labels, ar_weight=1.0, normalizer=normalizer)
     return loss.ar_term, loss
 
@@ -229,12 +194,9 @@ def reduce_loss_reports(
     ar_weight: float = 1.0,
     group: dist.ProcessGroup | None | Literal["data_parallel"] = "data_parallel",
 ) -> WeDLMLossSummary:
-    """Sum the micro-batch reports of a step (and over ``group``) into global losses.
-
-    Call on the last pipeline stage (the only one with reports). With the normaliser from
-    :func:`global_loss_normalizer` the returned ``total`` is exactly the loss that was
-    differentiated. ``"data_parallel"`` means DP x CP: under context parallelism each rank's
-    reports cover only its own slots.
+    """Sum a step's micro-batch reports (and over ``group``: DP x CP) into global losses, on the
+    last pipeline stage; with :func:`global_loss_normalizer`'s denominators ``total`` is the
+    loss used.
     """
     sums = torch.zeros(len(REPORT_KEYS), dtype=torch.float64)
     for report in reports:

@@ -1,19 +1,9 @@
 """RMSNorm / LayerNorm usable with tensor + sequence parallelism on any device.
 
-Why this exists: Megatron's local layer spec builds norms through ``WrappedTorchNorm``, which
-asserts ``not config.sequence_parallel``; the SP-capable norms (Transformer Engine, Apex) need
-CUDA. A norm is a per-token operation, so sequence parallelism needs nothing special in the
-forward pass. What it does need is the gradient of the (replicated) weight: under SP each
-tensor-parallel rank sees only its slice of the sequence, so its weight gradient is a partial
-sum. Megatron's ``finalize_model_grads`` all-reduces across the TP group the gradients of every
-parameter carrying ``sequence_parallel = True`` (distributed/finalize_model_grads.py,
-``_allreduce_non_tensor_model_parallel_grads``); we set that attribute exactly as TE's norms
-do. QK-norm weights (Qwen3) are reduced there too, by name (``q_layernorm`` / ``k_layernorm``),
-because each TP rank normalises different heads with the same weight.
-
-Parameter names (``weight``, ``bias``) match ``torch.nn.RMSNorm`` / ``torch.nn.LayerNorm``, so
-checkpoints of the stock local spec load unchanged, and the arithmetic is the same
-``torch.nn.functional`` call, so results are bit-identical to the stock norm.
+Megatron's local spec builds ``WrappedTorchNorm``, which refuses sequence parallelism, and the
+SP-capable norms need CUDA. Under SP a norm's weight gradient is partial per TP rank, so the
+weights carry ``sequence_parallel = True``, as TE's do, for ``finalize_model_grads`` to
+all-reduce. Parameter names and arithmetic are ``torch.nn``'s: results equal the stock norm's.
 """
 
 from __future__ import annotations
@@ -26,10 +16,8 @@ __all__ = ["WeDLMNorm"]
 
 
 class WeDLMNorm(torch.nn.Module):
-    """``RMSNorm`` or ``LayerNorm`` (from ``config.normalization``) with SP-aware weights.
-
-    The constructor takes the same arguments as Megatron's norm modules, so it drops into a
-    ``TransformerLayerSubmodules`` / ``TransformerBlockSubmodules`` spec.
+    """``RMSNorm`` or ``LayerNorm`` (``config.normalization``) with SP-aware weights; takes
+    Megatron's norm-module arguments.
     """
 
     def __init__(

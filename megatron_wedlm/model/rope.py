@@ -1,21 +1,9 @@
 """Rotary position embedding driven by each slot's *logical* position id.
 
-Why not Megatron's default: ``GPTModel`` builds RoPE for positions ``0 .. S-1`` of the physical
-row (``RotaryEmbedding.forward(max_seq_len)`` -> ``[S, 1, 1, D]``), ignoring ``position_ids``.
-A dual-stream row ``[xo ; xt]`` has length 2L, and the prediction stream is topologically
-reordered: slot ``j`` carries logical position ``position_ids[b, j]``, which is neither ``j`` nor
-the same across rows. WeDLM's whole trick depends on RoPE seeing the logical positions.
-
-Megatron's attention applies ``rotary_pos_emb`` with ``t * cos(f) + rotate_half(t) * sin(f)``
-where ``f`` broadcasts against ``t = [S, B, heads, D]`` (rope_utils._apply_rotary_pos_emb_bshd).
-So instead of the ``[S, 1, 1, D]`` table we hand it per-slot frequencies ``[S, B, 1, D]``; the
-unfused path broadcasts them over heads and everything else (QK-norm before RoPE, GQA, TP
-head splits) is untouched. The fused TE kernel only accepts one position table for the whole
-batch, so the model requires ``apply_rope_fusion=False``.
-
-The inverse frequencies come from Megatron's own ``RotaryEmbedding`` (base, rotary_percent,
-Llama-3 rope scaling, interpolation factor), so a WeDLM model and the AR model it was converted
-from agree on every frequency.
+Megatron's ``GPTModel`` builds RoPE for physical positions ``0 .. S-1``; WeDLM's reordered rows
+need ``position_ids``. So attention gets per-slot frequencies ``[S, B, 1, D]`` instead of the
+``[S, 1, 1, D]`` table (the fused kernel takes one table per batch: ``apply_rope_fusion=False``).
+Inverse frequencies are Megatron's ``RotaryEmbedding``'s, so they match the AR source model.
 """
 
 from __future__ import annotations
@@ -27,10 +15,7 @@ __all__ = ["LogicalRotaryEmbedding"]
 
 
 class LogicalRotaryEmbedding(torch.nn.Module):
-    """``position_ids [B, S]`` -> rotary frequencies ``[S, B, 1, D]`` for Megatron attention.
-
-    Holds no parameters (nothing enters the checkpoint).
-    """
+    """``position_ids [B, S]`` -> rotary frequencies ``[S, B, 1, D]``; no parameters."""
 
     def __init__(
         self,

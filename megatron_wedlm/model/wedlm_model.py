@@ -1,31 +1,10 @@
 """The WeDLM GPT model: Megatron's ``GPTModel`` with logical-position RoPE and the WeDLM mask.
 
-Why a thin subclass: everything that makes Megatron scale (vocab-parallel embedding and output
-layer, TP/SP/PP plumbing, ``sharded_state_dict``, DDP, distributed optimizer, recompute) stays
-Megatron's. The subclass changes three things:
-
-1. RoPE: the model is built with ``position_embedding_type='none'`` (no learned positions, no
-   0..S-1 table) and ``_preprocess`` supplies per-slot frequencies from ``position_ids``
-   (:class:`.rope.LogicalRotaryEmbedding`). ``_preprocess`` runs on every pipeline stage,
-   so every stage needs ``position_ids``.
-2. ``attention_mask`` carries the packed WeDLM metadata ``[B, 3, S]`` to the layers' core
-   attention (see :mod:`.attention`); ``forward`` also accepts an ``AttentionMetadata``.
-   Without either, the model is a plain causal LM over the row.
-3. Given labels, only the labelled slots go through the output layer (``_postprocess``). A
-   WeDLM row is twice its document's length, and its unmasked prediction slots, and in SFT its
-   prompt, carry no loss, so stock ``GPTModel`` would spend the vocabulary projection and
-   its ``[S, B, V / TP]`` logits on slots whose loss is then thrown away. The per-slot
-   loss is the same as stock ``GPTModel``'s (``tests/test_wedlm_model.py``).
-
-Parameter names equal those of ``GPTModel`` + ``get_gpt_layer_local_spec`` (see
-:mod:`.layer_spec`), so checkpoints convert 1:1.
-
-One path builds it: a :class:`.hf_config.ModelArgs` (what the model is) and a
-:class:`BuildSettings` (how this run builds it) -> :func:`wedlm_transformer_config` -> the
-layer spec of :mod:`.layer_spec` -> :func:`build_wedlm_model` per virtual-pipeline chunk,
-gathered by :func:`build_model_chunks`. Training, ``tools/verify_parallel.py`` (through
-:mod:`megatron_wedlm.testing.wedlm_equivalence`), conversion and the benchmarks call
-:func:`build_model_chunks`, so what is verified is what trains.
+A thin subclass, so everything that makes Megatron scale stays Megatron's. It changes three
+things: RoPE from ``position_ids`` on every pipeline stage (:mod:`.rope`); ``attention_mask``
+carries the packed WeDLM metadata to the core attention (:mod:`.attention`); given labels,
+only labelled slots go through the output layer (same per-slot loss). Parameter names equal
+``GPTModel``'s. One path builds it (:func:`build_model_chunks`), so what is verified trains.
 """
 
 from __future__ import annotations
@@ -62,12 +41,8 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 
 @dataclass
 class BuildSettings:
-    """How a run builds the model a :class:`ModelArgs` describes: everything that is not architecture.
-
-    Why apart from ``ModelArgs``: one architecture is built by training, ``verify_parallel``,
-    conversion and the benchmarks, which differ in precision, layout features, device and
-    attention kernel but must not differ in anything else. Training fills it from its config
-    (``training.model_setup.build_settings``); the layout sizes come from Megatron's parallel state.
+    """How a run builds the model a :class:`ModelArgs` describes: everything but architecture
+    (precision, device, layout features, attention kernel).
     """
 
     params_dtype: torch.dtype = torch.float32
@@ -91,20 +66,10 @@ class WeDLMGPTModel(GPTModel):
     """``GPTModel`` whose RoPE follows ``position_ids`` and whose attention applies the WeDLM mask.
 
     ``forward(input_ids, position_ids, attention_mask=None, labels=None, *, attention_metadata=None)``:
-
-    * ``input_ids``, ``position_ids``: ``[B, S]`` physical dual-stream rows (``S = 2L`` per
-      document); ``position_ids`` are logical and are needed on *every* pipeline stage.
-    * ``attention_mask``: packed metadata ``[B, 3, S]`` (:func:`megatron_wedlm.data.pack_attention_metadata`),
-      or a Megatron bool mask ``[B, 1, S, S]`` (True = masked out; dense/TE backends), or None
-      for plain causal attention. An ``AttentionMetadata`` (positionally or as
-      ``attention_metadata=``) is the convenient alternative and is packed here.
-    * ``labels``: ``[B, S]`` token ids, ``-100`` = no loss. Given labels, the last stage returns
-      the per-slot cross entropy ``[B, S]`` (vocab-parallel, zero where ignored); without them
-      it returns logits ``[B, S, V / TP]`` (``[B, S, V]`` with ``runtime_gather_output=True``).
-      Other stages return hidden states for the next one.
-
-    ``all_slot_logits`` (False) switches the loss back to stock ``GPTModel``'s path, logits at
-    every slot, for benchmarks and tests that compare the two.
+    ``[B, S]`` rows with logical ``position_ids`` (needed on every stage); ``attention_mask`` as
+    :mod:`.attention` takes it, or an ``AttentionMetadata``. With ``labels`` (-100: none) the last
+    stage returns per-slot cross entropy ``[B, S]``, without them logits ``[B, S, V / TP]``; other
+    stages return hidden states. ``all_slot_logits`` takes stock ``GPTModel``'s loss path.
     """
 
     all_slot_logits: bool = False
@@ -205,13 +170,8 @@ class WeDLMGPTModel(GPTModel):
     def _labelled_slot_loss(self, hidden_states: Tensor, labels: Tensor, ignore: Tensor) -> Tensor:
         """Per-slot cross entropy ``[B, S]`` from the labelled slots' logits alone; 0 elsewhere.
 
-        Under sequence parallelism the hidden states are gathered first (every TP rank then
-        picks the same slots) and the output layer runs without its own gather, as Megatron's
-        last-token inference path does; the gather's backward only splits, because the output
-        layer all-reduces its input gradient over TP. Every rank calls the output layer even
-        with nothing picked, so the tensor-parallel collectives stay matched. Finding the slots
-        (``nonzero``) waits for the device once per micro-batch, which the logits it saves
-        outweigh; it rules out capturing the step in a CUDA graph, which this model does not do.
+        Under SP the hidden states are gathered first, so every TP rank picks the same slots; every
+        rank calls the output layer, even with none picked, to keep the collectives matched.
         """
         layer = self.output_layer
         sequence_parallel = layer.sequence_parallel
@@ -251,11 +211,8 @@ def _check_config(config) -> None:
 def wedlm_transformer_config(args: ModelArgs, settings: BuildSettings):
     """The one ``TransformerConfig`` of the model ``args`` describes, built as ``settings`` say.
 
-    Fixed by the families (Qwen2 / Qwen3 / Llama): RMSNorm, SwiGLU MLP without linear biases, no
-    dropout. Fixed by WeDLM: unfused RoPE (the fused kernel takes one position table per batch,
-    logical positions differ per slot). The other fusions need CUDA kernels: only bias-dropout
-    fusion is switched on, and only on a GPU. TP/PP/VPP/CP sizes come from Megatron's parallel
-    state, so the config always matches the layout the model is built in.
+    RMSNorm, SwiGLU, no linear biases or dropout; unfused RoPE (per-slot positions); bias-dropout
+    fusion on GPU only. Layout sizes come from Megatron's parallel state.
     """
     dtype = settings.params_dtype
     return TransformerConfig(
@@ -314,11 +271,8 @@ def build_wedlm_model(
     *,
     vp_stage: int | None = None,
 ) -> WeDLMGPTModel:
-    """One WeDLM model chunk of this rank (``vp_stage``: which virtual-pipeline chunk).
-
-    ``attention_backend`` and ``backend_options`` (that backend's spec params by name) go
-    straight to the layer spec. The chunk's pipeline position comes from Megatron's parallel
-    state, which must be initialised. Most callers want :func:`build_model_chunks`.
+    """One WeDLM model chunk of this rank (``vp_stage``: its virtual-pipeline chunk); needs
+    Megatron's parallel state. Most callers want :func:`build_model_chunks`.
     """
     tp = ps.get_tensor_model_parallel_world_size()
     if args.padded_vocab_size % tp:
@@ -333,11 +287,8 @@ def build_wedlm_model(
 
 
 class ModelChunks(list):
-    """This rank's model chunks: one, or one per virtual pipeline stage (interleaved schedule).
-
-    Checkpoints treat it as one model: its sharded state holds every chunk's tensors under their
-    global keys (one chunk: exactly that chunk's state, so checkpoints of any layout load into
-    any other).
+    """This rank's model chunks (one per virtual pipeline stage); checkpoints treat them as one
+    model, so checkpoints of any layout load into any other.
     """
 
     def sharded_state_dict(self) -> dict[str, Any]:
@@ -354,10 +305,8 @@ class ModelChunks(list):
 
 
 def build_model_chunks(args: ModelArgs, settings: BuildSettings) -> ModelChunks:
-    """This rank's WeDLM model for the current Megatron layout, on ``settings.device``.
-
-    The one build: training, the parallel-equivalence workers (``tools/verify_parallel.py``),
-    conversion and the benchmarks all come through here, so a check of one is a check of all.
+    """This rank's WeDLM model for the current Megatron layout, on ``settings.device``: the one
+    build of training, ``tools/verify_parallel.py``, conversion and the benchmarks.
     """
     config = wedlm_transformer_config(args, settings)
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
