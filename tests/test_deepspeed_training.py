@@ -390,7 +390,7 @@ def contract_worker(common: list[str], data: dict[str, str], out: str, names: li
                                      "checkpointing.save_at_end=false"])
             watched = _watched(engine_class)
             watched.steps = []
-            run_training(cfg, watched(cfg))
+            run_training(cfg, watched)
             seen[name] = watched.steps
     finally:
         Objective.contribution, Objective.logged_loss = honest_contribution, honest_logged

@@ -33,7 +33,7 @@ from megatron_wedlm.data.prepare import prepare_dataset
 from megatron_wedlm.eval.builtin_tasks import training_corpus
 from megatron_wedlm.runtime.multiprocess import run_distributed
 from megatron_wedlm.testing.tiny_models import build_tiny_tokenizer
-from megatron_wedlm.training.checkpointing import complete_checkpoints
+from megatron_wedlm.training.checkpoint_index import complete_checkpoints
 from megatron_wedlm.training.metrics import METRICS_ABANDONED_FILE, read_metrics
 from megatron_wedlm.training.run_dir import LOCK_FILE, RunLock
 

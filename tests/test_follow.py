@@ -17,10 +17,11 @@ import pytest
 
 from megatron_wedlm.eval.follow import EVALS_FILE, FollowSettings, follow_run, read_evals
 from megatron_wedlm.eval.registry import load_task
+from megatron_wedlm.eval.runner import EvalPlan
 from megatron_wedlm.training.run_dir import RunLock, run_in_progress
 from megatron_wedlm.testing.wandb_offline import read_history
-from megatron_wedlm.training.checkpointing import (
-    CheckpointManager,
+from megatron_wedlm.training.checkpoint_index import (
+    CheckpointDirectory,
     complete_checkpoints,
     lineage_checkpoints,
     read_trainer_state,
@@ -166,11 +167,11 @@ def test_follow_skips_a_checkpoint_pruned_as_its_turn_comes_and_carries_on(run, 
     def say(line: str) -> None:
         said.append(line)
         if line.endswith("iter_0000004"):  # "--follow: evaluating <path>": training saved 6, keep_last=1
-            CheckpointManager(root, keep_last=1).prune()
+            CheckpointDirectory(root, keep_last=1).prune()
 
     said: list[str] = []
-    settings = FollowSettings(tasks=[load_task("counting", num_examples=1)], methods=["ar"], device="cpu",
-                              evaluate_options={"max_new_tokens": 4, "progress": False})
+    settings = FollowSettings(EvalPlan([load_task("counting", num_examples=1)], ["ar"], max_new_tokens=4),
+                              device="cpu")
     rows = follow_run(copy, settings, poll_interval_s=0.01, say=say)
     assert [row["step"] for row in rows] == [6]
     assert any("iter_0000004 was removed before it could be evaluated; skipped" in line for line in said)

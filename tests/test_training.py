@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from megatron_wedlm.config import config_from_yaml_text, load_config
-from megatron_wedlm.data.prepare import prepare_dataset
+from megatron_wedlm.data.prepare import PrepareOptions, prepare_dataset
 from megatron_wedlm.eval.builtin_tasks import training_corpus, training_pairs
 from megatron_wedlm.testing.tiny_models import build_tiny_tokenizer
-from megatron_wedlm.training.checkpointing import complete_checkpoints
+from megatron_wedlm.training.checkpoint_index import complete_checkpoints
 from megatron_wedlm.training.metrics import REQUIRED_KEYS, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]

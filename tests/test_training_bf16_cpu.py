@@ -41,8 +41,15 @@ def bf16_worker(data_dir: str, root: str) -> dict:
     fp32 = _train(str(TINY), [*_base(data_dir, out / "fp32"), f"trainer.train_steps={STEPS}"])
     cfg = load_config(str(TINY), [*_base(data_dir, out / "bf16"), f"trainer.train_steps={STEPS}",
                                   "trainer.precision=bf16", "checkpointing.save_interval=6", "checkpointing.keep_last=0"])
-    engine = MegatronEngine(cfg)
-    bf16 = result_dict(run_training(cfg, engine))
+    built = []
+
+    class Kept(MegatronEngine):  # the engine run_training builds, kept for its model and optimizer
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    bf16 = result_dict(run_training(cfg, Kept))
+    engine = built[0]
     pairs = _main_and_model_params(engine)
     resumed = _train(str(TINY), [*_base(data_dir, out / "resumed"), f"trainer.train_steps={STEPS}",
                                  "trainer.precision=bf16", "checkpointing.save_interval=0",

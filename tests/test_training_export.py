@@ -15,7 +15,7 @@ import torch
 from megatron_wedlm.conversion import ConversionError, convert_hf_to_megatron, convert_megatron_to_hf
 from megatron_wedlm.runtime.hf_local import tokenizer_files_in
 from megatron_wedlm.runtime.multiprocess import run_distributed
-from megatron_wedlm.training.checkpointing import complete_checkpoints
+from megatron_wedlm.training.checkpoint_index import complete_checkpoints
 from megatron_wedlm.training.hf_export import TrainingCheckpointError, load_checkpoint, training_checkpoint
 from test_conversion import make_hf_dir, safetensors_of
 from test_training import LAUNCH_TIMEOUT, ROOT, TINY, _base, _train, data  # noqa: F401

@@ -12,7 +12,7 @@ import pytest
 
 from megatron_wedlm.config import config_from_yaml_text
 from megatron_wedlm.runtime.multiprocess import DistributedLaunchError, run_distributed
-from megatron_wedlm.training.checkpointing import complete_checkpoints
+from megatron_wedlm.training.checkpoint_index import complete_checkpoints
 from megatron_wedlm.training.metrics import read_metrics
 from test_training import (  # noqa: F401  (data: the fixture)
     LAUNCH_TIMEOUT, TINY, _base, _train, _validation, assert_loss_decreases, data, losses, valid_losses,

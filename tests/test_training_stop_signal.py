@@ -18,7 +18,7 @@ import pytest
 
 from megatron_wedlm.config import ConfigError, load_config
 from megatron_wedlm.testing.wandb_offline import read_history
-from megatron_wedlm.training.checkpointing import complete_checkpoints
+from megatron_wedlm.training.checkpoint_index import complete_checkpoints
 from megatron_wedlm.training.stop_signal import StopSignal
 from test_training import LAUNCH_TIMEOUT, ROOT, TINY, _base, data, losses, torchrun, torchrun_command  # noqa: F401  (data: the fixture)
 

@@ -1,7 +1,7 @@
 """DeepSpeed training checkpoints (exact resume) and HF exports of the trained model.
 
 A checkpoint is a directory ``<checkpointing.dir>/iter_0000015/`` with the same conventions as
-the Megatron path (:mod:`megatron_wedlm.training.checkpointing`), so ``resume=auto``,
+the Megatron path (:mod:`megatron_wedlm.training.checkpoint_index`), so ``resume=auto``,
 ``keep_last`` and the atomic ``.partial`` -> ``iter_N`` rename behave identically:
 
 * ``deepspeed/``: ``engine.save_checkpoint`` output -- module weights and every rank's ZeRO
@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_wedlm.runtime.atomic_output import atomic_output_dir, disk_full_is_named
-from megatron_wedlm.training.checkpointing import (
-    CheckpointManager,
+from megatron_wedlm.training.checkpoint_index import (
+    CheckpointDirectory,
     CheckpointReadError,
     host_rng_state,
     read_trainer_state,
@@ -90,7 +90,7 @@ def export_hf_model(engine, hf_model: nn.Module, directory: str | Path, tokenize
     return directory
 
 
-class DeepSpeedCheckpointManager(CheckpointManager):
+class DeepSpeedCheckpointManager(CheckpointDirectory):
     """Saves and loads DeepSpeed checkpoints under ``root`` (publishing and pruning as the Megatron path)."""
 
     def save(  # type: ignore[override]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_wedlm.config.schema import ConfigError, TrainConfig
-from megatron_wedlm.data.prepare import tokenizer_dir_of
+from megatron_wedlm.data.manifest import tokenizer_dir_of
 from megatron_wedlm.model.attention_backends import resolve_attention_backend
 from megatron_wedlm.model.hf_config import model_args_from_hf_config
 from megatron_wedlm.runtime.parallel import init_distributed
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
     from megatron_wedlm.training.objective import Objective
     from megatron_wedlm.training.step_record import TrainResult
 
-__all__ = ["DeepSpeedEngine", "FINAL_EXPORT_DIR", "run_deepspeed_sft"]
+__all__ = ["DeepSpeedEngine", "DeepSpeedPlan", "FINAL_EXPORT_DIR", "run_deepspeed_sft"]
 
 FINAL_EXPORT_DIR = "hf"  # <trainer.output_dir>/hf: the HF export at the end of training
 
@@ -94,7 +95,7 @@ def _build_model(cfg: TrainConfig, manifest: dict[str, Any], ds_config: dict[str
         implementation = hf_attention_backend(backend).hf_attn_implementation
         hf_model = load_hf_causal_lm(cfg.model.init_from, dtype, implementation)  # type: ignore[arg-type]
         rows = hf_model.get_input_embeddings().num_embeddings
-        plan = plan_mask_token(cfg.model.init_from, int(cfg.wedlm.mask_token_id), rows)  # type: ignore[arg-type]
+        plan = plan_mask_token(cfg.model.init_from, int(manifest["mask_token_id"]), rows)  # type: ignore[arg-type]
         apply_mask_token(hf_model, plan, cfg.model.make_vocab_size_divisible_by)
     finally:
         init.close()
@@ -150,33 +151,46 @@ def _grads_have_inf_or_nan(ds_engine) -> bool:
     return bool(zero.has_overflow(partition_gradients=getattr(zero, "partition_gradients", True)))
 
 
+@dataclass(frozen=True)
+class DeepSpeedPlan:
+    """What :meth:`DeepSpeedEngine.start` derived: the rank's role, the DeepSpeed config, the attention backend."""
+
+    role: RankRole
+    device: torch.device
+    bf16: bool
+    manifest: dict[str, Any]
+    ds_config: dict[str, Any]
+    backend: str
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16 else torch.float32
+
+
 class DeepSpeedEngine:
     """A HF causal LM trained by a DeepSpeed ZeRO engine; DeepSpeed checkpoints and HF exports."""
 
-    def __init__(self, cfg: TrainConfig) -> None:
-        self.cfg = cfg
-        self.device = torch.device("cpu")
-        self.bf16 = False
-        self.dtype = torch.float32
-        self.manifest: dict[str, Any] = {}
-        self.world = 1
-        self.ds_config: dict[str, Any] = {}
-        self.backend = ""  # the attention backend, resolved by start()
-        self.hf_model = None  # the transformers model, by build()
-        self.engine = None  # the DeepSpeed engine around it, by build()
-        self.base_optimizer: torch.optim.Optimizer | None = None  # the AdamW DeepSpeed steps
+    def __init__(self, cfg: TrainConfig, plan: DeepSpeedPlan, resuming: bool) -> None:
+        """Load the HF model (its weights also when ``resuming``: the checkpoint replaces them),
+        build the optimizer and the DeepSpeed engine around them."""
+        import deepspeed
 
-    # ---- before the output directory is claimed ----
-    def start(self, device: torch.device, bf16: bool, manifest: dict[str, Any]) -> RankRole:
+        ds = cfg.deepspeed
+        self.cfg, self.plan = cfg, plan
+        self.device, self.dtype, self.backend, self.world = plan.device, plan.dtype, plan.backend, plan.role.dp_size
+        zero3_init = ds.zero_stage == 3 and ds.zero3_init
+        self.hf_model, module = _build_model(cfg, plan.manifest, plan.ds_config, self.dtype, self.backend, zero3_init)
+        self.base_optimizer = _build_optimizer(cfg, module, self.device, offload=ds.offload_optimizer != "none")
+        self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=self.base_optimizer, config=plan.ds_config)
+        self.optimizer = self.engine.optimizer
+
+    @classmethod
+    def start(cls, cfg: TrainConfig, device: torch.device, bf16: bool, manifest: dict[str, Any]) -> DeepSpeedPlan:
         """Check the run, derive the DeepSpeed config, create the process group."""
-        cfg = self.cfg
         validate_deepspeed_run(cfg)
-        self.device, self.bf16, self.manifest = device, bf16, manifest
-        self.dtype = torch.bfloat16 if bf16 else torch.float32
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.ds_config = build_ds_config(cfg, self.world, bf16)
-        self.backend = resolve_attention_backend(cfg.model.attention_backend, device)
-        cfg.parallelism.dp = self.world
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        ds_config = build_ds_config(cfg, world, bf16)
+        backend = resolve_attention_backend(cfg.model.attention_backend, device)
 
         _prepare_deepspeed(device)
         init_distributed(device, timeout_s=cfg.trainer.distributed_timeout_s)
@@ -186,8 +200,9 @@ class DeepSpeedEngine:
         torch.manual_seed(cfg.trainer.seed)
         rank = dist.get_rank()
         # every rank is a data-parallel replica holding the step's summed losses: rank 0 reports them
-        return RankRole(dp_rank=rank, dp_size=self.world, is_logger=rank == 0, reports_losses=rank == 0,
-                        counts_tokens=True, loss_group=dist.group.WORLD if self.world > 1 else None)
+        role = RankRole(dp_rank=rank, dp_size=world, is_logger=rank == 0, reports_losses=rank == 0,
+                        counts_tokens=True, loss_group=dist.group.WORLD if world > 1 else None)
+        return DeepSpeedPlan(role, device, bf16, manifest, ds_config, backend)
 
     def describe(self) -> str:
         ds = self.cfg.deepspeed
@@ -195,17 +210,7 @@ class DeepSpeedEngine:
         return (f"DeepSpeed ZeRO-{ds.zero_stage}{', offload ' + '+'.join(offload) if offload else ''} of "
                 f"{self.cfg.model.init_from}, attention {self.backend}")
 
-    # ---- model, optimizer, state ----
-    def build(self, resuming: bool) -> Any:
-        import deepspeed
-
-        cfg, ds = self.cfg, self.cfg.deepspeed
-        zero3_init = ds.zero_stage == 3 and ds.zero3_init
-        self.hf_model, module = _build_model(cfg, self.manifest, self.ds_config, self.dtype, self.backend, zero3_init)
-        self.base_optimizer = _build_optimizer(cfg, module, self.device, offload=ds.offload_optimizer != "none")
-        self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=self.base_optimizer, config=self.ds_config)
-        return self.engine.optimizer
-
+    # ---- state ----
     def model_shape(self) -> ModelShape:
         """The HF model computes logits over its embedding rows (no Megatron vocabulary padding)."""
         args = model_args_from_hf_config(self.hf_model.config)
@@ -215,7 +220,7 @@ class DeepSpeedEngine:
         return DeepSpeedCheckpointManager(self.cfg.checkpointing.dir, self.cfg.checkpointing.keep_last)
 
     def _tokenizer_dir(self) -> Path:
-        return tokenizer_dir_of(run_data_dir(self.cfg), self.manifest)
+        return tokenizer_dir_of(run_data_dir(self.cfg), self.plan.manifest)
 
     def _export(self, directory: Path) -> Path:
         return export_hf_model(self.engine, self.hf_model, directory, self._tokenizer_dir())
@@ -287,4 +292,4 @@ class DeepSpeedEngine:
 
 def run_deepspeed_sft(cfg: TrainConfig) -> TrainResult:
     """:func:`megatron_wedlm.training.loop.run_training` with the DeepSpeed engine."""
-    return run_training(cfg, DeepSpeedEngine(cfg))
+    return run_training(cfg, DeepSpeedEngine)

@@ -48,11 +48,11 @@ from typing import Any
 from megatron_wedlm.config import config_from_yaml_text
 from megatron_wedlm.config.schema import TrainConfig
 from megatron_wedlm.decoding.options import resolve_decoding_settings, window_settings
+from megatron_wedlm.decoding.settings import DecodeSettings
 from megatron_wedlm.eval.report import write_report
 from megatron_wedlm.eval.results import EvalReport
-from megatron_wedlm.eval.runner import evaluate
-from megatron_wedlm.eval.tasks import Task
-from megatron_wedlm.training.checkpointing import (
+from megatron_wedlm.eval.runner import EvalPlan, evaluate
+from megatron_wedlm.training.checkpoint_index import (
     CONFIG_FILE,
     CheckpointReadError,
     lineage_checkpoints,
@@ -72,15 +72,12 @@ STEP_METRIC = "eval/step"
 class FollowSettings:
     """What each checkpoint is evaluated with: as ``inference/evaluate.py`` evaluates one model.
 
-    ``decoding`` holds the decoding settings given on the command line (None: the model's,
-    else built-in; resolved per checkpoint as for one model); ``evaluate_options`` the other
-    keyword arguments of :func:`~megatron_wedlm.eval.runner.evaluate` (stop_at_eos,
-    max_new_tokens, temperature, seed, chat, ...).
+    ``plan`` is the evaluation less what each checkpoint adds: its window settings, resolved from
+    ``decoding`` (the command line's; None: the checkpoint's, else built-in), and its tau when
+    ``plan.taus`` is empty.
     """
 
-    tasks: Sequence[Task]
-    methods: Sequence[str]
-    taus: Sequence[float] | None = None
+    plan: EvalPlan
     device: str | None = None
     dtype: str = "auto"
     decoding: dict[str, Any] = field(default_factory=dict)

@@ -43,9 +43,8 @@ REPLY_BATCH = 16
 #: within it train (:func:`~megatron_wedlm.quickstart.chat_data.replies_that_end`). The held-out
 #: references keep the evaluation's budget, :data:`REPLY_TOKENS`, as they are compared up to it.
 TRAIN_REPLY_TOKENS = 128
-#: Test prompts per task timed one at a time (speed mode); the rest are decoded in batches. A
-#: 135M-parameter model decodes one prompt in about a second per method, so timing all of them
-#: would double the evaluation for a ratio that 32 interleaved prompts already pin down.
+#: Test prompts per task timed one at a time (speed mode); the rest are decoded in batches, since
+#: timing all of them would double the evaluation for a ratio these interleaved prompts pin down.
 SPEED_EXAMPLES = 32
 
 

@@ -12,6 +12,7 @@
 * :mod:`.model_setup`    -- ``ModelArgs`` from config / ``model.init_from``, the build settings the config names.
 * :mod:`.memory_plan`    -- ``--dry-run``: parameters, layout, tokens per step and memory per GPU of a config.
 * :mod:`.optimization`   -- Megatron DDP, distributed optimizer, lr schedule.
-* :mod:`.checkpointing`  -- atomic torch_dist checkpoints, resume, keep-last-K.
+* :mod:`.checkpoint_index` -- checkpoint names, lineage, resume policy, atomic publish, keep-last-K.
+* :mod:`.checkpointing`  -- Megatron torch_dist checkpoints (tensors, optimizer, RNG).
 * :mod:`.metrics`        -- metrics.jsonl, wandb, progress bar.
 """

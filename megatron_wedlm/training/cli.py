@@ -111,7 +111,7 @@ def run_entry_point(argv: Sequence[str] | None, task: str, backends: Backends) -
               "the signal kills the run without a save", file=sys.stderr)
     from megatron_wedlm.runtime.parallel import destroy_parallel_state  # imports torch
 
-    from .checkpointing import CheckpointReadError  # imports torch
+    from .checkpoint_index import CheckpointReadError  # imports torch
     from .step_record import NonFiniteLossError, result_dict  # imports torch
 
     try:

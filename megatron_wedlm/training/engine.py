@@ -1,11 +1,9 @@
 """The contract between the one training loop and a model engine.
 
-:func:`~.loop.run_training` owns the run; an engine (:class:`~.megatron_engine.MegatronEngine`,
-:class:`megatron_wedlm.deepspeed_backend.engine.DeepSpeedEngine`) owns the model side. The split
-that matters: an engine computes gradients, the loop decides whether they are applied. No
-engine updates weights inside :meth:`Engine.forward_backward`; the update happens in
-:meth:`Engine.optimizer_step` and only when the loop asks for it, after it has summed the step's
-losses and gradient health over every rank.
+:func:`~.loop.run_training` owns the run; an engine owns the model side. An engine computes
+gradients, the loop decides whether they are applied: no engine updates weights inside
+:meth:`Engine.forward_backward`, only in :meth:`Engine.optimizer_step` when the loop asks, after
+it summed the step's losses and gradient health over every rank.
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
+    from megatron_wedlm.config.schema import TrainConfig
     from megatron_wedlm.data.dual_stream import DualStreamBatch
     from megatron_wedlm.model.losses import LossNormalizer
 
@@ -25,7 +24,7 @@ if TYPE_CHECKING:
     from .objective import Objective
     from .throughput import ModelShape
 
-__all__ = ["Engine", "RankRole", "StepUpdate"]
+__all__ = ["Engine", "EnginePlan", "EngineType", "RankRole", "StepUpdate"]
 
 
 @dataclass(frozen=True)
@@ -54,22 +53,14 @@ class StepUpdate:
 
 
 class Engine(Protocol):
-    """What a model engine provides to :func:`~.loop.run_training`, called in this order:
-    ``start`` once, ``describe``, ``build``, ``model_shape``, ``load`` when resuming; per step
-    ``forward_backward``, ``grads_finite``, ``optimizer_step``, ``evaluate`` when a validation
-    is due, and ``save`` when due; ``finish`` after the last step."""
+    """A built engine: its constructor built the model and optimizer. Per step the loop calls
+    ``forward_backward``, ``grads_finite``, ``optimizer_step``, ``evaluate`` when a validation is
+    due and ``save`` when due; ``finish`` after the last step."""
 
-    def start(self, device: torch.device, bf16: bool, manifest: dict[str, Any]) -> RankRole:
-        """Check the run against this engine, create the process groups."""
-        ...
+    optimizer: Any  # the optimizer whose param groups the lr schedule drives
 
     def describe(self) -> str:
         """One line for the run's first message (layout, backend)."""
-        ...
-
-    def build(self, resuming: bool) -> Any:
-        """Build the model and optimizer (initial weights unless ``resuming``); returns the
-        optimizer whose param groups the lr schedule drives."""
         ...
 
     def model_shape(self) -> ModelShape:
@@ -101,11 +92,30 @@ class Engine(Protocol):
 
     def evaluate(self, batches: Sequence[DualStreamBatch], normalizer: LossNormalizer,
                  objective: Objective) -> list[dict[str, Tensor]] | None:
-        """Collective: forward only over this rank's validation micro-batches; the per-micro-batch
-        loss reports where this rank computes losses, else None. No gradient, weight or optimizer
-        state changes."""
+        """Collective: forward only over this rank's validation micro-batches, no gradient, weight
+        or optimizer change; the loss reports where this rank computes losses, else None."""
         ...
 
     def finish(self, logger: MetricsLogger) -> None:
         """After the last step of the run (e.g. an export)."""
+        ...
+
+
+class EnginePlan(Protocol):
+    """What an engine's ``start`` derived before the output directory is claimed (the layout,
+    the model description): a frozen value the engine is then constructed from."""
+
+    role: RankRole
+
+
+class EngineType(Protocol):
+    """How the loop makes an engine (an engine class): ``start`` checks the run and creates the
+    process groups before the output directory is claimed; the constructor, called once the
+    claim decided whether the run resumes, builds the model and optimizer (initial weights
+    unless ``resuming``)."""
+
+    def start(self, cfg: TrainConfig, device: torch.device, bf16: bool, manifest: dict[str, Any]) -> EnginePlan:
+        ...
+
+    def __call__(self, cfg: TrainConfig, plan: Any, resuming: bool) -> Engine:
         ...

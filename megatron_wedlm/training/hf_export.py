@@ -7,7 +7,7 @@ The decoding entry points (``inference/generate.py``, ``inference/evaluate.py``)
   ``hf-to-megatron`` writes);
 * a checkpoints root (``<run>/checkpoints``) or a run directory (``trainer.output_dir``, whose
   ``config.yaml`` names its ``checkpointing.dir``): its newest complete, readable checkpoint of
-  the current lineage, as ``--resume auto`` would pick it (:func:`.checkpointing.find_latest_checkpoint`).
+  the current lineage, as ``--resume auto`` would pick it (:func:`.checkpoint_index.find_latest_checkpoint`).
 
 A DeepSpeed checkpoint's own HF export (``hf/``) is loaded as it is. A Megatron checkpoint of
 any TP/PP/CP layout is exported by :func:`megatron_wedlm.conversion.convert_megatron_to_hf`
@@ -35,7 +35,7 @@ from megatron_wedlm.conversion import convert_megatron_to_hf
 from megatron_wedlm.decoding import inputs as decoding_inputs
 from megatron_wedlm.runtime.multiprocess import run_distributed
 
-from .checkpointing import CONFIG_FILE, find_latest_checkpoint, is_complete_checkpoint
+from .checkpoint_index import CONFIG_FILE, find_latest_checkpoint, is_complete_checkpoint
 
 #: the HF export a DeepSpeed checkpoint holds (``deepspeed.export_hf``), loaded as it is
 DEEPSPEED_EXPORT = "hf"

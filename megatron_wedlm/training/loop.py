@@ -1,49 +1,43 @@
-"""The one training loop: ``run_training(cfg, engine)`` for both engines and both objectives.
+"""The one training loop: ``run_training(cfg, engine_type)`` for both engines and both objectives.
 
-The loop owns everything a run does that is not the model engine: the device and precision,
-the data description, the output directory (lock, resume decision, lineage), the lr schedule,
-the resumable data, the log, the non-finite policy and the save schedule. An engine
-(:class:`~.megatron_engine.MegatronEngine`, or
-:class:`megatron_wedlm.deepspeed_backend.engine.DeepSpeedEngine`; the contract is
-:class:`~.engine.Engine`) builds the model and optimizer, runs forward and backward over the
-step's micro-batches, applies or drops the update as the loop decides, and saves or loads its
-tensors. The objective (:class:`~.objective.Objective`, WeDLM or AR) says what is
-differentiated and logged.
-
-One step: fetch ``num_microbatches`` micro-batches, compute the global loss denominators, let
-the engine compute gradients, sum the step's losses, token counts and gradient health over the
-ranks (one all-reduce), have the engine apply the update only when everything is finite,
-advance the lr schedule on applied updates, validate when due (:mod:`.validation`), log (losses,
-throughput: :mod:`.throughput`), save. A non-finite step is skipped (weights and optimizer state
-untouched), logged, and after ``trainer.max_consecutive_nonfinite`` in a row the run stops with
-:class:`NonFiniteLossError`.
+The loop owns what a run does besides the model: device and precision, data, the output
+directory (lock, resume decision, lineage), lr schedule, log, non-finite policy, save schedule.
+An engine (contract: :mod:`.engine`) builds the model and optimizer, computes a step's gradients,
+applies or drops the update as the loop decides, and saves or loads its tensors; the objective
+(:class:`~.objective.Objective`, WeDLM or AR) says what is differentiated and logged. A step
+whose losses or gradients are non-finite on any rank is skipped (weights and optimizer state
+untouched) and logged; ``trainer.max_consecutive_nonfinite`` in a row stop the run.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_wedlm.config.schema import ConfigError, TrainConfig
+from megatron_wedlm.data.row_format import RowFormat
+from megatron_wedlm.data.webdataset_loader import DataIterator
 from megatron_wedlm.model.losses import global_loss_normalizer, reduce_loss_reports
 from megatron_wedlm.runtime.parallel import resolve_device
 from megatron_wedlm.runtime.precision import native_bf16_reason
 
-from .engine import Engine, RankRole, StepUpdate
+from .engine import Engine, EnginePlan, EngineType, RankRole, StepUpdate
 from .megatron_engine import MegatronEngine
 from .objective import Objective
 from .optimization import build_scheduler, current_lr
-from .run_data import build_train_data, build_valid_data, read_run_manifest
+from .run_data import build_train_data, build_valid_data, read_run_manifest, run_row_format
 from .run_dir import RunClaim, claim_output_dir
 from .step_record import NonFiniteLossError, StepRecorder, StepTotals, TrainResult, result_dict
 from .stop_signal import StopSignal
-from .throughput import batch_flops, default_peak_tflops, max_over_ranks, peak_memory_gib
+from .throughput import ModelShape, batch_flops, default_peak_tflops, max_over_ranks, peak_memory_gib
 from .validation import Validator
 
-__all__ = ["Engine", "NonFiniteLossError", "RankRole", "StepUpdate", "TrainResult", "bf16_enabled", "result_dict",
-           "run_training"]
+__all__ = ["Engine", "EngineType", "NonFiniteLossError", "RankRole", "StepUpdate", "TrainResult", "bf16_enabled",
+           "config_with_layout", "result_dict", "run_training"]
 
 
 def bf16_enabled(cfg: TrainConfig, device: torch.device) -> bool:
@@ -68,99 +62,132 @@ def precision_name(bf16: bool, device: torch.device) -> str:
     return f"bf16 (native: {reason})" if reason else "bf16 (not native on this CPU: expect it slower than fp32)"
 
 
-def run_training(cfg: TrainConfig, engine: Engine | None = None) -> TrainResult:
-    """Train as described by ``cfg`` in this process (one rank of a torchrun launch) with
-    ``engine`` (default: Megatron-Core)."""
-    if engine is None:
-        engine = MegatronEngine(cfg)
+def run_training(cfg: TrainConfig, engine_type: EngineType = MegatronEngine) -> TrainResult:
+    """Train as described by ``cfg`` in this process (one rank of a torchrun launch) with an
+    engine of ``engine_type`` (default: Megatron-Core)."""
     device = resolve_device(cfg.trainer.device)
     bf16 = bf16_enabled(cfg, device)
     manifest = read_run_manifest(cfg)
-    if cfg.wedlm.mask_token_id is None:
-        cfg.wedlm.mask_token_id = int(manifest["mask_token_id"])
-    role = engine.start(device, bf16, manifest)  # checks, process groups
+    row_format = run_row_format(cfg, manifest)  # refuses a configured mask id that is not the data's
+    plan = engine_type.start(cfg, device, bf16, manifest)  # checks, process groups
     claim = claim_output_dir(cfg)  # the lock, the resume decision, the lineage
     try:
-        return _train(cfg, engine, role, claim, device, bf16)
+        run, recorder = _start_run(cfg, engine_type, plan, claim, device, bf16, row_format)
+        return _run_steps(run, recorder)
     finally:
         claim.release()
 
 
-def _train(cfg: TrainConfig, engine: Engine, role: RankRole, claim: RunClaim, device: torch.device,
-           bf16: bool) -> TrainResult:
-    """The run proper, once ``claim`` owns the output directory."""
+def config_with_layout(cfg: TrainConfig, role: RankRole) -> TrainConfig:
+    """``cfg`` as the run's ``config.yaml`` records it: with the data-parallel size the layout
+    derived. A copy: ``cfg`` keeps what was given."""
+    return replace(cfg, parallelism=replace(cfg.parallelism, dp=role.dp_size))
+
+
+@dataclass
+class _Run:
+    """What the steps of one run share, built once the output directory is claimed."""
+
+    cfg: TrainConfig
+    engine: Engine
+    role: RankRole
+    objective: Objective
+    device: torch.device
+    scheduler: Any  # the lr schedule (Megatron's OptimizerParamScheduler)
+    data: DataIterator
+    validator: Validator | None
+    num_microbatches: int
+
+
+def _start_run(cfg: TrainConfig, engine_type: EngineType, plan: EnginePlan, claim: RunClaim, device: torch.device,
+               bf16: bool, row_format: RowFormat) -> tuple[_Run, StepRecorder]:
+    """Build the engine, schedule, data, log and validation of the run ``claim`` owns; resume their state."""
+    role = plan.role
     objective = Objective.from_config(cfg)
-    optimizer = engine.build(resuming=claim.resume_path is not None)
-    scheduler = build_scheduler(cfg, optimizer)
+    engine = engine_type(cfg, plan, resuming=claim.resume_path is not None)
+    scheduler = build_scheduler(cfg, engine.optimizer)
     state: dict = {}
     if claim.resume_path is not None:
         state = engine.load(claim.resume_path)
         scheduler.load_state_dict(state["scheduler"])
-
-    shape = engine.model_shape()
-    micro_batch = cfg.data.micro_batch_size
-    num_microbatches = cfg.data.global_batch_size // (micro_batch * role.dp_size)
-    data = build_train_data(cfg, state, role.dp_rank, role.dp_size)
-    recorder = StepRecorder(cfg, state, role.is_logger, claim,
+    num_microbatches = cfg.data.global_batch_size // (cfg.data.micro_batch_size * role.dp_size)
+    data = build_train_data(cfg, row_format, state, role.dp_rank, role.dp_size)
+    recorder = StepRecorder(config_with_layout(cfg, role), state, role.is_logger, claim,
                             peak_tflops=cfg.logging.peak_tflops or default_peak_tflops(device, bf16))
-    logger, result = recorder.logger, recorder.result
     world = dist.get_world_size() if dist.is_initialized() else 1
-    logger.message(
+    recorder.logger.message(
         f"{cfg.trainer.task}: {objective.name} training ({engine.describe()}), world {world}, "
-        f"{num_microbatches} micro-batches of {micro_batch} x {cfg.data.seq_length}, "
+        f"{num_microbatches} micro-batches of {cfg.data.micro_batch_size} x {cfg.data.seq_length}, "
         f"steps {recorder.start_step + 1}..{recorder.end_step}, device {device.type}, {precision_name(bf16, device)}"
     )
-    valid_rows = build_valid_data(cfg, role.dp_rank, role.dp_size)
+    valid_rows = build_valid_data(cfg, row_format, role.dp_rank, role.dp_size)
     validator = None
     if valid_rows is not None:
         validator = Validator(cfg, valid_rows, objective, role, device, recorder.end_step)
-        logger.message(validator.describe())
+        recorder.logger.message(validator.describe())
     else:
-        logger.message("no validation: data.valid_path is unset (tools/prepare_data.py --valid-fraction writes "
-                       "<data.path>/valid, which data.valid_path=auto reads)")
+        recorder.logger.message("no validation: data.valid_path is unset (tools/prepare_data.py --valid-fraction "
+                                "writes <data.path>/valid, which data.valid_path=auto reads)")
+    return _Run(cfg, engine, role, objective, device, scheduler, data, validator, num_microbatches), recorder
 
+
+def _run_steps(run: _Run, recorder: StepRecorder) -> TrainResult:
+    """The steps: data, step, log, checkpoint, stop (on a signal, on the last step)."""
+    cfg, engine, device = run.cfg, run.engine, run.device
+    shape = engine.model_shape()
     stop = StopSignal(cfg.trainer.exit_signal)  # blocked by the entry point, asked after each step
     try:
         for step in recorder.steps():
             started = time.perf_counter()
-            micro = [data.next_microbatch() for _ in range(num_microbatches)]
+            micro = [run.data.next_microbatch() for _ in range(run.num_microbatches)]
             fed = time.perf_counter()  # the step waited this long for its rows
-            batches = [b for b, _ in micro]
-            normalizer = global_loss_normalizer(batches, objective.mlm_weighting, group=role.loss_group)
-            lr = current_lr(optimizer)  # the lr this update uses
-            reports = engine.forward_backward(batches, normalizer, objective)
-            local = StepTotals()
-            if reports is not None:
-                summary = reduce_loss_reports(reports, objective.ar_weight, group=role.loss_group)
-                if role.reports_losses:
-                    local.loss, local.mlm, local.ar = objective.logged_loss(summary), summary.mlm, summary.ar
-                    local.masked_tokens, local.ar_tokens = summary.mlm_tokens, summary.ar_tokens
-            if role.counts_tokens:
-                local.tokens = float(sum(n for _, n in micro))
-                local.flops = batch_flops(shape, batches)
-            local.source_tokens = {name: float(n) if role.counts_tokens else 0.0  # every rank sends every name
-                                   for name, n in data.take_source_tokens().items()}
-            local.ranks_with_bad_grads = 0.0 if engine.grads_finite() else 1.0
-            local.stop_requests = stop.requested
-            totals = local.summed_over_ranks(device)  # every rank learns here whether one was signalled
+            lr = current_lr(engine.optimizer)  # the lr this update uses
+            totals, update = _train_step(run, micro, shape, stop)
             stopping = totals.stop_requests > 0 and step < recorder.end_step  # the last step ends as usual
-            update = engine.optimizer_step(apply=totals.finite)
-            if update.applied:
-                scheduler.step(increment=1)
             # the slowest rank's data wait holds every rank up
             peak_memory, data_wait = max_over_ranks([peak_memory_gib(device), fed - started], device)
             trained = time.perf_counter()
-            valid = validator.run(engine) if validator is not None and validator.due(step) and not stopping else None
+            due_valid = run.validator is not None and run.validator.due(step) and not stopping
+            valid = run.validator.run(engine) if due_valid else None  # type: ignore[union-attr]
             due = recorder.record(step, started=started, totals=totals, lr=lr, grad_norm=update.grad_norm,
                                   ended=trained, valid=valid, peak_memory_gib=peak_memory, data_wait_s=data_wait)
             if due or stopping:
-                trainer_state = recorder.trainer_state(scheduler, data)
+                trainer_state = recorder.trainer_state(run.scheduler, run.data)
                 recorder.saved(engine.save(step, trainer_state, {"config.yaml": recorder.config_yaml}))
             if stopping:
                 recorder.stopped(step, cfg.trainer.exit_signal)
                 break
-        if result.final_step == cfg.trainer.train_steps:
-            engine.finish(logger)
+        if recorder.result.final_step == cfg.trainer.train_steps:
+            engine.finish(recorder.logger)
     finally:
         recorder.close()
-    return result
+        run.data.close()
+    return recorder.result
+
+
+def _train_step(run: _Run, micro: list, shape: ModelShape, stop: StopSignal) -> tuple[StepTotals, StepUpdate]:
+    """One step over its micro-batches: gradients, the step's totals summed over the ranks (every
+    rank learns whether one was signalled), the update when everything is finite, the lr schedule
+    advanced on an applied update."""
+    engine, role, objective = run.engine, run.role, run.objective
+    batches = [b for b, _ in micro]
+    normalizer = global_loss_normalizer(batches, objective.mlm_weighting, group=role.loss_group)
+    reports = engine.forward_backward(batches, normalizer, objective)
+    local = StepTotals()
+    if reports is not None:
+        summary = reduce_loss_reports(reports, objective.ar_weight, group=role.loss_group)
+        if role.reports_losses:
+            local.loss, local.mlm, local.ar = objective.logged_loss(summary), summary.mlm, summary.ar
+            local.masked_tokens, local.ar_tokens = summary.mlm_tokens, summary.ar_tokens
+    if role.counts_tokens:
+        local.tokens = float(sum(n for _, n in micro))
+        local.flops = batch_flops(shape, batches)
+    local.source_tokens = {name: float(n) if role.counts_tokens else 0.0  # every rank sends every name
+                           for name, n in run.data.take_source_tokens().items()}
+    local.ranks_with_bad_grads = 0.0 if engine.grads_finite() else 1.0
+    local.stop_requests = stop.requested
+    totals = local.summed_over_ranks(run.device)
+    update = engine.optimizer_step(apply=totals.finite)
+    if update.applied:
+        run.scheduler.step(increment=1)
+    return totals, update

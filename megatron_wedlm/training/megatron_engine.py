@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -29,7 +30,7 @@ from torch import Tensor
 
 from megatron_wedlm.config.schema import TrainConfig, validate_layout
 from megatron_wedlm.data.dual_stream import DualStreamBatch
-from megatron_wedlm.data.prepare import tokenizer_dir_of
+from megatron_wedlm.data.manifest import tokenizer_dir_of
 from megatron_wedlm.model.context_parallel import shard_batch
 from megatron_wedlm.model.hf_config import MODEL_ARGS_FILE
 from megatron_wedlm.model.losses import LossNormalizer
@@ -45,7 +46,7 @@ from .run_data import run_data_dir
 from .throughput import ModelShape
 
 __all__ = [
-    "MegatronEngine", "forward_backward_step", "forward_only_step", "megatron_forward_step", "run_model_on_shard",
+    "MegatronEngine", "MegatronPlan", "forward_backward_step", "forward_only_step", "megatron_forward_step", "run_model_on_shard",
     "run_schedule", "schedule_loss_scale",
 ]
 
@@ -178,31 +179,38 @@ def _grads_nonfinite(ddp_chunks: list) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class MegatronPlan:
+    """What :meth:`MegatronEngine.start` derived: the rank's role in the layout and the model."""
+
+    role: RankRole
+    device: torch.device
+    bf16: bool
+    model_args: Any  # ModelArgs, from the config and the data
+    tokenizer_dir: Path  # the data's tokenizer, saved with every checkpoint
+
+
 class MegatronEngine:
     """Megatron-Core model chunks, DDP, optimizer, schedule and torch_dist checkpoints."""
 
-    def __init__(self, cfg: TrainConfig) -> None:
-        self.cfg = cfg
-        self.device = torch.device("cpu")
-        self.bf16 = False
-        self.world = 1
-        self.dp_size = 1
-        self.model_args = None  # ModelArgs, resolved by start() from the config and the data
-        self.tokenizer_dir = Path()  # the data's tokenizer, saved with every checkpoint (by start())
-        self.model: list = []  # this rank's model chunks, by build()
-        self.ddp: list = []  # the chunks in Megatron DDP
-        self.optimizer = None  # Megatron's optimizer
+    def __init__(self, cfg: TrainConfig, plan: MegatronPlan, resuming: bool) -> None:
+        """Build this rank's model chunks (initial weights unless ``resuming``), DDP and optimizer."""
+        from megatron_wedlm.model.wedlm_model import build_model_chunks  # imports Megatron-Core
 
-    # ---- before the output directory is claimed ----
-    def start(self, device: torch.device, bf16: bool, manifest: dict[str, Any]) -> RankRole:
+        self.cfg, self.plan, self.device = cfg, plan, plan.device
+        dtype = torch.bfloat16 if plan.bf16 else torch.float32
+        self.model = build_model_chunks(plan.model_args, build_settings(cfg, plan.device, dtype))
+        if cfg.model.init_from is not None and not resuming:
+            load_init_weights(self.model, cfg.model.init_from)
+        self.ddp = wrap_ddp(self.model, cfg.optimizer.use_distributed_optimizer)
+        self.optimizer = build_optimizer(cfg, self.ddp, plan.bf16)
+
+    @classmethod
+    def start(cls, cfg: TrainConfig, device: torch.device, bf16: bool, manifest: dict[str, Any]) -> MegatronPlan:
         """Check the layout and the model description, create the process groups."""
-        cfg = self.cfg
-        self.device, self.bf16 = device, bf16
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.dp_size = validate_layout(cfg, self.world)
-        self.model_args = resolve_model_args(cfg, manifest, "bfloat16" if bf16 else "float32")
-        self.tokenizer_dir = tokenizer_dir_of(run_data_dir(cfg), manifest)
-        cfg.parallelism.dp = self.dp_size
+        dp_size = validate_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        model_args = resolve_model_args(cfg, manifest, "bfloat16" if bf16 else "float32")
+        tokenizer_dir = tokenizer_dir_of(run_data_dir(cfg), manifest)
         init_distributed(device, timeout_s=cfg.trainer.distributed_timeout_s)
         layout = initialize_parallel_state(
             ParallelConfig(
@@ -219,35 +227,24 @@ class MegatronEngine:
 
         # the CP ranks of a replica share its rows (and the reports are already summed over DP x CP)
         first_cp = ps.get_context_parallel_rank() == 0
-        return RankRole(
+        role = RankRole(
             dp_rank=layout.dp_rank,
-            dp_size=self.dp_size,
+            dp_size=dp_size,
             is_logger=layout.rank == 0,
             reports_losses=ps.is_pipeline_last_stage() and layout.tp_rank == 0 and layout.dp_rank == 0 and first_cp,
             counts_tokens=layout.tp_rank == 0 and layout.pp_rank == 0 and first_cp,
             loss_group="data_parallel",  # Megatron's DP group (DP x CP for the reports)
         )
+        return MegatronPlan(role, device, bf16, model_args, tokenizer_dir)
 
     def describe(self) -> str:
         p = self.cfg.parallelism
         chunks = f" ({p.virtual_pp} chunks per stage)" if p.virtual_pp else ""
-        return f"Megatron-Core, tp {p.tp} x pp {p.pp}{chunks} x cp {p.cp} x dp {self.dp_size}"
+        return f"Megatron-Core, tp {p.tp} x pp {p.pp}{chunks} x cp {p.cp} x dp {self.plan.role.dp_size}"
 
-    # ---- model, optimizer, state ----
-    def build(self, resuming: bool) -> Any:
-        from megatron_wedlm.model.wedlm_model import build_model_chunks  # imports Megatron-Core
-
-        cfg = self.cfg
-        dtype = torch.bfloat16 if self.bf16 else torch.float32
-        self.model = build_model_chunks(self.model_args, build_settings(cfg, self.device, dtype))
-        if cfg.model.init_from is not None and not resuming:
-            load_init_weights(self.model, cfg.model.init_from)
-        self.ddp = wrap_ddp(self.model, cfg.optimizer.use_distributed_optimizer)
-        self.optimizer = build_optimizer(cfg, self.ddp, self.bf16)
-        return self.optimizer
-
+    # ---- state ----
     def model_shape(self) -> ModelShape:
-        return ModelShape.from_model_args(self.model_args)
+        return ModelShape.from_model_args(self.plan.model_args)
 
     def _manager(self):
         return CheckpointManager(self.cfg.checkpointing.dir, self.cfg.checkpointing.keep_last)
@@ -258,8 +255,8 @@ class MegatronEngine:
     def save(self, step: int, trainer_state: dict[str, Any], files: dict[str, str]) -> Path:
         """The checkpoint holds what an export needs besides the tensors: the model description
         and the data's tokenizer (so ``megatron-to-hf`` and evaluation need no ``--tokenizer``)."""
-        model_args = json.dumps(self.model_args.to_dict(), indent=2, sort_keys=True) + "\n"
-        tokenizer = {file.name: file for file in tokenizer_files_in(self.tokenizer_dir)}
+        model_args = json.dumps(self.plan.model_args.to_dict(), indent=2, sort_keys=True) + "\n"
+        tokenizer = {file.name: file for file in tokenizer_files_in(self.plan.tokenizer_dir)}
         return self._manager().save(step, self.model, self.optimizer, trainer_state,
                                     files={**files, MODEL_ARGS_FILE: model_args, **tokenizer})
 

@@ -10,7 +10,7 @@ throughput per device (tokens/s, TFLOP/s, MFU, peak memory: :mod:`.throughput`) 
 validation losses.
 
 ``metrics.jsonl`` always describes one consistent history: the lineage of the running run (see
-:mod:`.checkpointing`). It is appended to, never cut silently: when a run starts, the records that
+:mod:`.checkpoint_index`). It is appended to, never cut silently: when a run starts, the records that
 are not part of its history (the steps a crashed run logged after its last checkpoint, the
 abandoned future of a rollback, an earlier run in the directory) are first appended to
 ``metrics.abandoned.jsonl``, each tagged ``abandoned_by`` with the new run's id, and a message
@@ -105,7 +105,7 @@ class MetricsLogger:
     def _set_aside_other_history(self, run_id: str | None, lineage: list[dict[str, Any]]) -> None:
         """Move the records that are not on ``lineage`` to ``metrics.abandoned.jsonl`` (appended and
         synced first, so a kill in between duplicates records rather than losing them)."""
-        from .checkpointing import on_lineage  # imports torch
+        from .checkpoint_index import on_lineage  # imports torch
 
         if not self.path.exists():
             return

@@ -19,7 +19,7 @@ rollback behave the same under Megatron-Core and DeepSpeed:
   moves the earlier run (every file but the lock, and the checkpoints directory) aside to the
   sibling ``<output_dir>.replaced-<run id>``; nothing is deleted.
 * **Lineage.** The run gets an id; its lineage is the parent checkpoint's lineage plus itself
-  (see :mod:`.checkpointing`), recorded as the directory's current one before training starts.
+  (see :mod:`.checkpoint_index`), recorded as the directory's current one before training starts.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from megatron_wedlm.runtime.atomic_output import pid_alive
 from megatron_wedlm.runtime.rank_zero import agreed
 from megatron_wedlm.runtime.slurm import current_job, job_is_live
 
-from .checkpointing import (
+from .checkpoint_index import (
     Lineage,
     _stderr,
     complete_checkpoints,
