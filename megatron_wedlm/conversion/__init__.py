@@ -1,14 +1,8 @@
-"""Checkpoint conversion between HF (Qwen2 / Qwen3 / Llama, safetensors) and Megatron-Core torch_dist.
+"""Checkpoint conversion between HF (Qwen2/Qwen3/Llama, safetensors) and Megatron-Core torch_dist.
 
-* :func:`convert_hf_to_megatron` / :func:`convert_megatron_to_hf` -- the two directions
-  (``tools/convert_checkpoint.py`` is their command line).
-* :func:`load_megatron_weights` -- load a converted checkpoint into a built Megatron model, any
-  TP/PP (the weights half of ``model.init_from``); the model to build is described by
-  ``megatron_wedlm.model.hf_config.load_model_args(dir)``.
-* :mod:`.mapping` (which HF tensors make which Megatron tensor), :mod:`.layout` (QKV grouping,
-  SwiGLU fusion, TP shards), :mod:`.hf_checkpoint` (streaming safetensors read/write),
-  :mod:`.megatron_checkpoint` (torch_dist write through a real model, layer-at-a-time read),
-  :mod:`.tokenizer_files` (mask token), :mod:`.gguf` (GGUF -> HF directory, cached).
+:func:`convert_hf_to_megatron` / :func:`convert_megatron_to_hf` are the two directions
+(``tools/convert_checkpoint.py``); :func:`load_megatron_weights` loads a converted checkpoint into a
+built model of any TP/PP (the weights half of ``model.init_from``).
 """
 
 from .gguf import cached_hf_from_gguf, convert_gguf_to_hf, packaged_file

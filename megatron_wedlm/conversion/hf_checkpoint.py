@@ -1,13 +1,7 @@
 """Read and write HF safetensors checkpoints one tensor at a time.
 
-Reading opens the file for each tensor and closes it again: ``safe_open`` memory-maps the whole
-file, and pages touched through a mapping that stays open count towards the process's resident
-memory until it is closed, so a long-lived handle would make a streaming conversion look (and,
-under memory pressure, behave) like a load-everything one.
-
-Writing keeps at most one shard in memory: tensors are buffered until the next one would push
-the shard past ``max_shard_bytes``, then the shard is written with ``safetensors.torch.save_file``
-and dropped. Shards get their final ``model-0000i-of-0000N`` names once N is known.
+Reading opens the file per tensor (pages of a mapping held open count as resident memory);
+writing keeps at most one shard in memory, named ``model-0000i-of-0000N`` once N is known.
 """
 
 from __future__ import annotations
@@ -47,10 +41,8 @@ def read_json(path: Path) -> dict:
 
 
 def safetensors_names(path: Path) -> list[str]:
-    """The tensor names in a safetensors file, after checking its header covers the whole file.
-
-    ``safe_open`` parses the header and checks that the tensors it lists end exactly at the end
-    of the file, so a truncated (or padded) file is caught here, before anything is written.
+    """The tensor names in a safetensors file, after checking its header covers the whole file
+    (a truncated or padded file is caught before anything is written).
     """
     try:
         with safe_open(path, framework="pt") as f:

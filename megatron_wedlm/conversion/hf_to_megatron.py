@@ -1,16 +1,8 @@
 """HF directory (Qwen2 / Qwen3 / Llama, safetensors) -> Megatron ``torch_dist`` checkpoint.
 
-Output directory::
-
-    metadata.json, .metadata, common.pt, __*.distcp   the torch_dist checkpoint (model weights)
-    wedlm_model.json                                   ModelArgs: what to build to load it
-    tokenizer files, generation_config.json            carried along for export
-
-Every HF tensor is checked (present, shape, nothing left unmapped) before anything is written,
-so a bad input fails in seconds with the tensor's name rather than halfway through. The output
-is written into a temporary sibling and renamed into place at the end
-(:func:`megatron_wedlm.runtime.atomic_output.atomic_output_dir`), so a failed conversion leaves
-an earlier output as it was.
+Writes the checkpoint, ``wedlm_model.json`` (what to build to load it), the tokenizer files and
+``generation_config.json``. Every HF tensor is checked before anything is written, and the
+output is renamed into place at the end, so a failure leaves an earlier output as it was.
 """
 
 from __future__ import annotations
@@ -149,8 +141,8 @@ def convert_hf_to_megatron(
 ) -> ModelArgs:
     """Convert and return the :class:`ModelArgs` written to ``wedlm_model.json``.
 
-    ``tensor/pipeline_model_parallel_size`` pick the layout the checkpoint is *written* with (that
-    many local processes); it loads under any layout. ``dtype`` defaults to the HF weights' dtype.
+    ``tensor/pipeline_model_parallel_size``: the layout written (that many local processes); it
+    loads under any layout. ``dtype`` defaults to the HF weights'.
     """
     input_dir, output_dir = Path(input_dir), Path(output_dir)
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size

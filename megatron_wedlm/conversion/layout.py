@@ -1,13 +1,8 @@
 """How Megatron-Core lays out the tensors HF keeps separate, in the full (TP=1) layout.
 
-* ``linear_qkv`` fuses q/k/v *per query group*: for each of the G key/value heads, the rows of
-  its query heads, then its key head, then its value head. Chunking those rows by TP then gives
-  each rank whole groups, which is why Megatron interleaves rather than stacking [Q; K; V].
-* ``linear_fc1`` stacks the SwiGLU gate projection over the up projection, [gate; up]; under TP
-  each rank holds [gate_r; up_r] (:func:`tp_local_shard`).
-* The vocabulary is padded with extra rows (:func:`resize_rows`).
-
-All functions work on weights ``[rows, in]`` and biases ``[rows]`` alike.
+``linear_qkv`` fuses q/k/v per query group (its query heads, then its key and value head), so
+TP chunks hold whole groups; ``linear_fc1`` stacks [gate; up], each TP rank [gate_r; up_r];
+the vocabulary is padded with rows. Weights ``[rows, in]`` and biases ``[rows]`` alike.
 """
 
 from __future__ import annotations
@@ -60,10 +55,8 @@ def resize_rows(tensor: torch.Tensor, rows: int, fill: torch.Tensor | None = Non
 def tp_local_shard(
     full: torch.Tensor, partition_dim: int | None, tp_rank: int, tp_size: int, gated: bool = False
 ) -> torch.Tensor:
-    """This tensor-parallel rank's piece of a full Megatron tensor.
-
-    ``partition_dim`` None means replicated. ``gated`` marks ``linear_fc1`` of a gated MLP, whose
-    rank holds its slice of the gate rows followed by its slice of the up rows.
+    """This TP rank's piece of a full Megatron tensor; ``partition_dim`` None: replicated,
+    ``gated``: ``linear_fc1`` of a gated MLP (the rank's gate rows, then its up rows).
     """
     if partition_dim is None or tp_size == 1:
         return full

@@ -1,12 +1,9 @@
 """Which HF tensors make which Megatron tensor, for Qwen2, Qwen3 and Llama.
 
-Each :class:`TensorRule` names one Megatron parameter three ways -- its module name (how the
-built model calls it), its ``torch_dist`` checkpoint key (how ``sharded_state_dict`` stores it:
-transformer layers stacked along a leading axis, and the local layer spec's norms under the
-Transformer Engine names ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight`` so
-local and TE checkpoints are interchangeable) and the HF tensors it is made of -- plus how the
-pieces combine (:class:`Combine`). ``tests/test_conversion.py`` checks names, keys and shapes
-against a real Megatron model, so a Megatron release that moves them fails there first.
+A :class:`TensorRule` names one Megatron parameter by module name, ``torch_dist`` key (layers
+stacked; local-spec norms under TE's names, so both checkpoints interchange) and its HF tensors,
+with how they combine (:class:`Combine`); ``tests/test_conversion.py`` checks them against a
+real Megatron model.
 """
 
 from __future__ import annotations
@@ -120,12 +117,8 @@ def checkpoint_key_variants(key: str) -> list[str]:
 
 
 def zero_hf_tensors(args: ModelArgs, layer: int) -> dict[str, tuple[int, ...]]:
-    """HF tensors of one layer that the transformers class has and Megatron does not, so they must be zero.
-
-    A qwen3 model with q/k/v biases is ``Qwen3ForCausalLM(attention_bias=True)``, which also has an
-    o_proj bias; Megatron's attention has a bias on ``linear_qkv`` only (``add_qkv_bias``; its
-    ``add_bias_linear`` would add MLP biases too). Such an HF checkpoint may leave that bias out
-    (official WeDLM ones do) or hold zeros; export writes zeros, so the function is unchanged.
+    """One layer's HF tensors that Megatron lacks, so they must be zero: the o_proj bias of
+    ``Qwen3ForCausalLM(attention_bias=True)`` (absent or zero on import, written as zeros).
     """
     if args.architecture == "qwen3" and args.add_qkv_bias:
         return {f"{_HF_LAYER.format(layer=layer)}self_attn.o_proj.bias": (args.hidden_size,)}

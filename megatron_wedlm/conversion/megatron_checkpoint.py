@@ -1,16 +1,9 @@
 """Write and read Megatron-Core ``torch_dist`` checkpoints of a converted model.
 
-Writing goes through the model training builds (:func:`megatron_wedlm.model.wedlm_model.build_model_chunks`,
-whose parameter names and checkpoint keys are those of Megatron's local-spec ``GPTModel``) for
-this rank's part of the layout and ``dist_checkpointing.save(model.sharded_state_dict())``, so
-the checkpoint has exactly the keys, shapes and shard metadata training and Megatron's own
-loaders expect, and reshards to any TP/PP on load. The model is built without random initialisation and filled one tensor at a
-time, so a rank holds its part of the model once plus one full tensor in flight.
-
-Reading does *not* build a model: :class:`MegatronCheckpointReader` asks ``dist_checkpointing``
-for one layer's slice of one stacked tensor at a time, which is what keeps ``megatron-to-hf``
-streaming. It reads training checkpoints too (the model keys are the same; optimizer and other
-state are simply not requested).
+Writing builds this rank's part of the model as training does (no random init), fills it one
+tensor at a time and saves its ``sharded_state_dict``, so keys, shapes and shard metadata are
+training's and reshard to any TP/PP. Reading builds no model: :class:`MegatronCheckpointReader`
+reads one layer of one tensor at a time, from converted and training checkpoints alike.
 """
 
 from __future__ import annotations
@@ -52,10 +45,8 @@ def megatron_process_group(
 ) -> Iterator[None]:
     """torch.distributed (gloo) and Megatron's groups for a conversion, torn down afterwards.
 
-    Inside torchrun (or :func:`run_distributed`) the launcher's world is joined; a plain process
-    gets a world of its own, and its environment is restored afterwards. Whatever already
-    existed is kept. Without CUDA the project's CPU runtime is switched on for the duration
-    (Megatron cannot build a model on a CPU-only torch without it).
+    Joins a launcher's world, else makes one of its own and restores the environment; keeps what
+    existed; without CUDA switches on the CPU runtime for the duration.
     """
     from megatron.core import parallel_state as ps
 
@@ -112,10 +103,7 @@ def _single_process_env() -> Iterator[None]:
 
 def build_conversion_model(args: ModelArgs, *, initialize: bool = False):
     """This rank's part of the model ``args`` describes, built as training builds it, in the
-    checkpoint's dtype (one chunk: conversion layouts have no virtual pipeline).
-
-    ``initialize=False`` allocates without random init -- every tensor is about to be
-    overwritten, and initialising a multi-billion-parameter model on CPU takes minutes.
+    checkpoint's dtype; ``initialize=False`` skips random init (every tensor is overwritten).
     """
     from megatron_wedlm.model.wedlm_model import BuildSettings, build_model_chunks  # imports Megatron-Core
 
@@ -164,12 +152,9 @@ def fill_model(model, args: ModelArgs, source: TensorSource) -> None:
 def save_megatron_checkpoint(model, directory: str | Path, release_model: bool = False) -> None:
     """``dist_checkpointing.save`` of the model's sharded state dict.
 
-    ``release_model=True`` is for a writer that is done with the model: torch_dist copies every
-    tensor that is a view into a larger storage before writing -- the SwiGLU gate and up halves
-    of ``linear_fc1`` are such views, a third of a typical model -- so the halves are copied
-    here, layer by layer, and the fused parameter freed right after. The copy then replaces the
-    original instead of sitting next to it (peak ~1x the model instead of ~1.5x). The model's
-    ``linear_fc1`` weights are empty afterwards.
+    ``release_model=True`` (a writer done with the model) copies ``linear_fc1``'s gate and up views
+    layer by layer and frees the fused parameter, so torch_dist's copy of views does not add to the
+    peak; those weights are empty afterwards.
     """
     from megatron_wedlm.runtime.megatron_compat import save_torch_dist
 
@@ -200,10 +185,7 @@ def _move_views_out_of_parameters(model, sharded) -> None:
 
 
 def load_megatron_weights(model, directory: str | Path, strict: bool = True) -> None:
-    """Load a converted (or training) checkpoint's weights into a built Megatron model, any layout.
-
-    This is the model half of ``model.init_from``: Megatron reshards to the model's TP/PP.
-    """
+    """Load a converted (or training) checkpoint's weights into a built model of any layout."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -234,10 +216,8 @@ def check_torch_dist_dir(directory: str | Path) -> None:
 def torch_dist_problem(directory: str | Path) -> str | None:
     """Why the tensor files of a ``torch_dist`` checkpoint cannot all be read, or None.
 
-    Cheap (the index and file sizes, no tensors): every data file the checkpoint's ``.metadata``
-    names must exist and be as long as the index says. A truncated ``*.distcp`` (an interrupted
-    copy or save) otherwise surfaces as a bare EOFError from deep inside
-    torch.distributed.checkpoint, naming neither the file nor the checkpoint.
+    Checks, from the index and file sizes only, that every data file ``.metadata`` names exists at
+    its full length: a truncated ``*.distcp`` otherwise fails as a bare EOFError naming no file.
     """
     from torch.distributed.checkpoint import FileSystemReader  # about 1 s to import
 

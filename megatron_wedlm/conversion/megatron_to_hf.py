@@ -1,11 +1,7 @@
 """Megatron ``torch_dist`` checkpoint -> HF directory that ``AutoModelForCausalLM`` loads.
 
-Written: ``model.safetensors`` (or ``model-*-of-*.safetensors`` + ``model.safetensors.index.json``
-above ``max_shard_size``), ``config.json`` with ``mask_token_id``, ``generation_config.json`` and
-the tokenizer files. Tensors are read one layer at a time and written shard by shard, so memory
-stays near one shard plus one tensor whatever the model size. The export is written into a
-temporary sibling of the output and renamed into place at the end, so a failed export (a corrupt
-checkpoint, a full disk) leaves an earlier export as it was.
+Reads one layer at a time and writes shard by shard (memory: about one shard plus one tensor),
+into a temporary sibling renamed into place at the end, so a failed export leaves an earlier one.
 """
 
 from __future__ import annotations
@@ -40,10 +36,9 @@ def convert_megatron_to_hf(
     require_mask_token: bool = True,
     overwrite: bool = False,
 ) -> list[Path]:
-    """Export and return the safetensors files written.
-
-    ``model_args`` (a ``wedlm_model.json``, or ModelArgs) defaults to the one found in
-    ``input_dir`` or its parents; ``tokenizer_dir`` defaults to that file's directory.
+    """Export and return the safetensors files written; ``model_args`` defaults to the
+    ``wedlm_model.json`` in ``input_dir`` or its parents, ``tokenizer_dir`` to that file's
+    directory.
     """
     input_dir, output_dir = Path(input_dir), Path(output_dir)
     check_torch_dist_dir(input_dir)

@@ -1,10 +1,7 @@
 """Tokenizer files that travel with a checkpoint, and the mask token WeDLM trains with.
 
-A WeDLM checkpoint must say which token id is the mask (``config.mask_token_id``). When the AR
-tokenizer already has a mask token (or the config already names one) that id is used and the
-tokenizer files are copied byte for byte. Otherwise the token (``<|mask|>`` by default) is added
-as a special token and the tokenizer re-saved; the caller then gives the new id an embedding row
-(see :mod:`.hf_to_megatron`).
+An existing mask token (tokenizer or config) is kept and the files copied byte for byte;
+otherwise ``<|mask|>`` is added and the caller gives it an embedding row (:mod:`.hf_to_megatron`).
 """
 
 from __future__ import annotations
@@ -51,11 +48,10 @@ def prepare_tokenizer(
     mask_token: str = DEFAULT_MASK_TOKEN,
     add_mask_token: bool = True,
 ) -> MaskTokenSetup:
-    """Put the tokenizer of ``src`` into ``dst`` with a mask token, and say which id it has.
+    """Put ``src``'s tokenizer into ``dst`` with a mask token, and return its id.
 
-    ``config`` is ``src``'s ``config.json``: its ``mask_token_id``, else the tokenizer's mask
-    token, else (an official ``wedlm`` config) the reference engine's id when the tokenizer has
-    it; only then is a token added.
+    The id: ``config``'s ``mask_token_id``, else the tokenizer's mask token, else (an official
+    ``wedlm`` config) the reference engine's id if the tokenizer has it; only then is one added.
     """
     config_mask_token_id = config.get("mask_token_id")
     if not tokenizer_files_in(src):

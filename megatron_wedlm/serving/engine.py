@@ -1,24 +1,13 @@
-"""The serving engine: one long-lived continuous batch that requests join and leave between forwards.
+"""The serving engine: one long-lived batch that requests join and leave between forwards.
 
-:func:`megatron_wedlm.decoding.parallel.decode` decodes a list of prompts known up front; a server
-learns of its prompts one at a time. The engine is a lock, a thread and events around the same
-:class:`~megatron_wedlm.decoding.batch.RowBatch`: a request's row is built as it is submitted
-(its own :class:`RowPlan`, the request as its owner), joins at the next step (in the cache row
-of a row that finished, else in an unused one) and leaves when it finishes or is cancelled. AR
-requests are next-token rows of the same batch, as ``decode(method="ar")`` decodes them, so a
-server and an evaluation measure one AR baseline.
-
-The KV cache is allocated once for ``max_rows`` rows of ``max_model_len`` positions (plus two
-windows), so memory does not grow with the number of requests served, and a full waiting queue
-is refused (:class:`QueueFull`) rather than held. Every request hears of its progress through
-``on_event``, called on the engine thread once per forward that decided tokens for it (the run its
-next forward commits, sent without waiting for that forward), and once when it ends; a callback
-that raises fails its own request only.
-
-An error the batch cannot contain (outside one forward, or in the thread itself) stops the engine
-loudly: every waiting and live request gets :class:`EngineFailed` naming the cause, later ones are
-refused with it, and :attr:`ServingEngine.failure` says so (``/health`` answers 503), as vLLM does
-once its engine is dead. Counters change under the lock, before the event that they count is sent.
+A lock, a thread and events around :class:`~megatron_wedlm.decoding.batch.RowBatch`: a
+request's row is built at submit, joins at the next step and leaves when it ends or is
+cancelled; AR requests are next-token rows of the same batch. The KV cache is allocated once
+and a full queue is refused (:class:`QueueFull`). ``on_event`` runs on the engine thread per
+forward that decided tokens for a request, and at its end; a raising callback fails its own
+request only. An error the batch cannot contain fails every request with
+:class:`EngineFailed` and refuses later ones (docs/serving.md). Counters change under the
+lock, before the event they count is sent.
 """
 
 from __future__ import annotations
@@ -66,9 +55,9 @@ class EngineFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class Progress:
-    """What one forward did for a request: the tokens it decided (a prefix of the final reply; none
-    when the request ends without new tokens), the request's forwards so far, and its result once
-    it has ended."""
+    """What one forward did for a request: the tokens it decided (a prefix of the final reply),
+    its forwards so far, and its result once ended.
+    """
 
     tokens: list[int]
     forwards: int
@@ -77,8 +66,10 @@ class Progress:
 
 @dataclass
 class Request:
-    """One generation: ``prompt`` token ids decoded with ``settings``; ``seed`` seeds its own sampler
-    (ignored when greedy). ``on_event`` receives :class:`Progress`, or the exception that failed it."""
+    """One generation of ``prompt`` with ``settings``; ``seed`` seeds its own sampler.
+
+    ``on_event`` receives :class:`Progress`, or the exception that failed it.
+    """
 
     prompt: list[int]
     settings: DecodeSettings
@@ -93,8 +84,7 @@ class Request:
 
 @dataclass
 class EngineStats:
-    """Counters for ``/metrics``, changed under the engine's lock; read without it (each is one
-    Python integer)."""
+    """Counters for ``/metrics``, changed under the engine's lock, read without it."""
 
     requests: dict[str, int] = field(default_factory=lambda: {"finished": 0, CANCELLED: 0, FAILED: 0, "refused": 0})
     tokens: int = 0  # generated tokens, all requests
@@ -107,10 +97,8 @@ class EngineStats:
 class ServingEngine:
     """Continuous batching over ``model`` (an SDPA HF model, eval mode) in a background thread.
 
-    ``max_rows``: rows decoded together; ``max_queue``: requests waiting for a row beyond those;
-    ``max_model_len``: the longest prompt plus generation a row holds; ``max_window``: the widest
-    window a request may ask for; ``prefix_cache_bytes``: memory for prompt prefixes kept across
-    requests (:mod:`megatron_wedlm.decoding.prefix_cache`; 0: none). Call :meth:`start` once,
+    ``max_rows`` decoded together, ``max_queue`` waiting, ``max_model_len`` positions per row,
+    ``max_window`` the widest window, ``prefix_cache_bytes`` (0: none). :meth:`start` once,
     :meth:`shutdown` at the end.
     """
 
@@ -154,16 +142,16 @@ class ServingEngine:
 
     @property
     def failure(self) -> EngineFailed | None:
-        """Why the engine can serve nothing more (its thread stopped on an error, or is gone), else None."""
+        """Why the engine can serve nothing more, else None."""
         if self._failure is None and self._thread.ident is not None and not self._thread.is_alive() \
                 and not self._stopping:
             return EngineFailed("the engine thread is no longer running")
         return self._failure
 
     def submit(self, request: Request) -> Request:
-        """Queue ``request``; raises ValueError when it does not fit (:meth:`check`, or its settings
-        do not suit the model), and :class:`QueueFull`, :class:`ShuttingDown` or
-        :class:`EngineFailed` instead of holding it."""
+        """Queue ``request``; ValueError when it does not fit or suit the model, and
+        :class:`QueueFull`, :class:`ShuttingDown` or :class:`EngineFailed` instead of holding it.
+        """
         self.check(request.prompt, request.settings)
         settings = with_default_stops(request.settings, self.model, self.tokenizer)
         with self._cond:
@@ -186,8 +174,7 @@ class ServingEngine:
                 self.stats.requests[CANCELLED] += 1
 
     def run_between_steps(self, job: Callable[[], object]) -> Future:
-        """Run ``job`` on the engine thread between two steps, where no other forward runs (scoring.py
-        says why); the future holds its result or its exception, which fails nothing else."""
+        """Run ``job`` on the engine thread between steps; its future holds its result or error."""
         future: Future = Future()
         with self._cond:
             self._refuse_when_closed()
@@ -196,7 +183,7 @@ class ServingEngine:
         return future
 
     def _refuse_when_closed(self) -> None:
-        """Raise what a new request or job gets from an engine that failed or is shutting down (under the lock)."""
+        """(Under the lock.) Raise what a new request or job gets from a closed engine."""
         failure = self.failure
         if failure is not None:
             raise failure
@@ -222,9 +209,7 @@ class ServingEngine:
             self._thread.join(timeout)
 
     def _retry_after(self) -> int:
-        """Seconds until the queue has room: the requests ahead of a new one, at the pace at which
-        requests finished lately (over the time they took to finish, not over a fixed window,
-        which would read a short burst as a slow pace)."""
+        """Seconds until the queue has room, at the pace requests finished lately."""
         now = time.perf_counter()
         finishes = [t for t in list(self.stats.finishes) if now - t <= 60.0]
         if len(finishes) < 2 or now - finishes[0] <= 0:
@@ -340,11 +325,9 @@ class ServingEngine:
             self.stats.requests[status] += n
 
     def _settled(self, row: RowState) -> list[int]:
-        """The row's tokens that can no longer change: those committed, and the run its next forward
-        commits (already decided: the leftmost filled run, AR's sampled token, a full block), up to
-        a stop token. Sending them now saves the client a forward's wait. A run that would end the
-        row at a stop string was committed in the step that decided it (``batch.decode_step``), so
-        a live row's run holds none."""
+        """The row's tokens that can no longer change: those committed and the run its next forward
+        commits, up to a stop token (a live row's run holds no stop string).
+        """
         return row.emitted + row.committable(row.plan.policy.commit_count(row))
 
     def _deliver(self, request: Request, event: Progress | BaseException) -> bool:

@@ -1,8 +1,5 @@
-"""``GET /metrics``: the engine's counters in Prometheus' text format (``prometheus_client``).
-
-Read at scrape time from :class:`~.engine.EngineStats`, so the engine thread pays nothing per
-request for them. Rates (tokens/s) are also given as gauges over the last 10 s, for a glance
-without a Prometheus server; with one, ``rate(wedlm_generated_tokens_total[1m])`` is the same.
+"""``GET /metrics``: the engine's counters in Prometheus' text format, read at scrape time from
+:class:`~.engine.EngineStats` (rates also as gauges over the last 10 s).
 """
 
 from __future__ import annotations

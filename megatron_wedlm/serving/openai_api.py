@@ -1,15 +1,9 @@
 """The OpenAI request bodies the server takes, and how each becomes decoding settings.
 
-Fields are those of OpenAI's ``/v1/completions`` and ``/v1/chat/completions``; a field the API
-does not have is refused (400), so a misspelt setting is reported instead of silently decoded
-with a default. Fields the API has but this server cannot honour (``n > 1``, penalties, chat's
-``logprobs``) are refused with the reason, unless given at their neutral value, which clients such
-as lm-evaluation-harness send. ``/v1/completions`` takes ``logprobs`` (0 to :data:`MAX_LOGPROBS`)
-and ``echo``, and ``max_tokens: 0`` with ``echo`` (the prompt alone): :mod:`.scoring`. WeDLM's
-own knobs are extra fields: ``method`` (``streaming``, ``blockwise``, ``ar``), ``window_size``,
-``entropy_threshold`` (``null``: one slot per forward) and ``distance_penalty``; what a request
-leaves out comes from the model's ``generation_config.json`` (:mod:`megatron_wedlm.decoding.options`),
-then the built-in defaults.
+Fields are OpenAI's; an unknown field is refused (400), and one this server cannot honour is
+refused with the reason unless at its neutral value. WeDLM's knobs are extra fields
+(docs/serving.md, "Request fields"); what a request leaves out comes from the model's stored
+defaults (:mod:`megatron_wedlm.decoding.options`), then the built-in ones.
 """
 
 from __future__ import annotations

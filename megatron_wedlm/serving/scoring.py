@@ -1,18 +1,10 @@
-"""Log-probabilities through ``/v1/completions`` (``logprobs``, ``echo``), laid out as vLLM returns them.
+"""``logprobs`` and ``echo`` of ``/v1/completions``, laid out as vLLM returns them.
 
-lm-evaluation-harness's ``local-completions`` scores multiple choice this way: ``prompt`` = context
-+ continuation, ``echo: true``, ``logprobs: 1``, ``max_tokens: 1``, summing
-``token_logprobs[ctxlen:-1]``. Every number is the model's causal log-probability from one plain HF
-forward over prompt and reply (no row cache, fp32 log-softmax): what lm-eval's ``hf`` model
-computes. For a decoded reply it is the same teacher-forced forward once the reply is done, so for
-WeDLM's parallel methods it is the causal log-probability of the committed tokens, not the
-distribution the commit was decided on (docs/serving.md); a stream carries it in each choice's
-last chunk.
-
-The forward runs on the engine thread between two decoding steps
-(:meth:`ServingEngine.run_between_steps`): that thread keeps the packed attention on for its whole
-loop, and a lock around its step would not be fair to a waiting scorer. A failing scoring forward
-fails its own request only.
+What the numbers are and how lm-eval uses them: docs/serving.md. The forward
+(:func:`~megatron_wedlm.decoding.log_likelihood.causal_log_likelihoods`) runs on the engine thread
+between two decoding steps (:meth:`ServingEngine.run_between_steps`), because that thread keeps
+packed attention on for its whole loop and a lock around its step would starve a scorer. A failing
+scoring forward fails its own request only.
 """
 
 from __future__ import annotations
@@ -35,9 +27,9 @@ BATCH_TOKENS = 4096
 
 @dataclass(frozen=True)
 class TokenScores:
-    """Log-probabilities of ``ids[first:]`` of one sequence: ``logprobs[k]`` is that of ``ids[first + k]``
-    given the tokens before it (None for the sequence's first token, which has none), ``top[k]``
-    the ``(token id, logprob)`` pairs of the most likely tokens at that position, most likely first."""
+    """Log-probabilities of ``ids[first:]``: ``logprobs[k]`` of ``ids[first + k]`` (None for the
+    sequence's first token), ``top[k]`` the most likely ``(token id, logprob)`` pairs there.
+    """
 
     ids: list[int]
     first: int
@@ -47,10 +39,9 @@ class TokenScores:
 
 def score_tokens(model, sequences: Sequence[Sequence[int]], first: Sequence[int], top_n: int,
                  batch_tokens: int = BATCH_TOKENS) -> list[TokenScores]:
-    """The causal log-probabilities of ``sequences[i][first[i]:]`` under ``model`` (an HF causal LM),
-    with the ``top_n`` most likely tokens at each position
-    (:func:`~megatron_wedlm.decoding.log_likelihood.causal_log_likelihoods`, up to ``batch_tokens``
-    padded tokens a forward). A sequence's first token has none (None)."""
+    """:class:`TokenScores` of each ``sequences[i][first[i]:]`` with the ``top_n`` most likely
+    tokens, up to ``batch_tokens`` padded tokens a forward.
+    """
     scored = [i for i, seq in enumerate(sequences) if max(first[i], 1) < len(seq)]
     found = dict(zip(scored, causal_log_likelihoods(model, [sequences[i] for i in scored],
                                                     [max(first[i], 1) for i in scored], top_n=top_n,
@@ -92,10 +83,8 @@ def logprobs_object(tokenizer, scores: TokenScores, top_n: int) -> dict:
 class CompletionScoring:
     """What ``echo`` and ``logprobs`` add to the choices of one completions request.
 
-    Choice ``i`` answers prompt ``i`` (``texts[i]`` as sent, ``prompts[i]`` its token ids).
-    :meth:`prefix` is the text a choice starts with (the prompt's with ``echo``), :meth:`logprobs`
-    the ``logprobs`` objects of finished choices, scored on the engine thread. ``poll``: how often a
-    wait looks whether the engine failed (seconds).
+    Choice ``i`` answers prompt ``i`` (``texts[i]`` as sent, ``prompts[i]`` its ids); ``poll``: how
+    often a wait checks whether the engine failed (seconds).
     """
 
     def __init__(self, engine: ServingEngine, tokenizer, texts: Sequence[str | list[int]],
@@ -116,8 +105,9 @@ class CompletionScoring:
         return self.texts[index] if self.echo else ""
 
     async def logprobs(self, replies: Sequence[tuple[int, Sequence[int]]]) -> list[dict | None]:
-        """The ``logprobs`` object of each ``(choice index, reply token ids)``, all scored in one
-        engine job; Nones without ``logprobs``. Raises the engine's failure if it stops meanwhile."""
+        """The ``logprobs`` object of each ``(choice index, reply ids)``, scored in one engine job;
+        raises the engine's failure if it stops meanwhile.
+        """
         if self.top_n is None or not replies:
             return [None] * len(replies)
         sequences = [self.prompts[i] + list(reply) for i, reply in replies]

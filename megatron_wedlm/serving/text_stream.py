@@ -1,12 +1,8 @@
 """Text deltas of a reply streamed as token commits arrive.
 
-A commit's tokens cannot be decoded on their own: a character may span tokens (a partial UTF-8
-sequence decodes to U+FFFD until its last byte arrives), and a stop string may begin in this commit
-and end in a later one, in which case its start must never have been sent. So each commit decodes
-the whole reply so far and sends what is new of the part that is settled: it holds back a trailing
-replacement character, and any tail that could be the start of a stop string. The final delta is
-the rest of the reply's own text (cut before its stop string), so the deltas always add up to the
-non-streamed reply.
+Each commit decodes the whole reply so far and sends the new settled part, holding back a
+trailing U+FFFD (a split character) and any tail that may begin a stop string, so the deltas
+always add up to the non-streamed reply.
 """
 
 from __future__ import annotations
