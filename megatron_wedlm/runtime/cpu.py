@@ -280,18 +280,12 @@ def _without_cuda_moves(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _patches() -> list[Patch]:
-    import megatron.core.optimizer.clip_grads as clip_grads
-    import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
-    import megatron.core.optimizer.grad_scaler as grad_scaler
-    import megatron.core.optimizer.optimizer as mcore_optimizer
-    from megatron.core.models.common.language_module.language_module import LanguageModule
-    import megatron.core.pipeline_parallel.schedules as schedules
-    import megatron.core.tensor_parallel.random as mcore_random
-    import megatron.core.transformer.utils as transformer_utils
-    import megatron.core.utils as mcore_utils
+    """Every patch, in the order it is applied: device calls, RNG, ``device="cuda"`` factories, CUDA type checks."""
+    return [*_device_patches(), *_rng_patches(), *_cuda_factory_patches(), *_cuda_type_patches()]
 
-    cpu_torch = _TorchWithCpuFactories()
-    cuda_factory = r"device=[\"']cuda[\"']"
+
+def _device_patches() -> list[Patch]:
+    """``torch.cuda`` calls for the current device, its stream and synchronisation."""
     return [
         Patch(torch.cuda, "current_device", _cpu_current_device,
               "tensors and buffers created on device=torch.cuda.current_device()",
@@ -318,6 +312,14 @@ def _patches() -> list[Patch]:
                   "0.16.1": "",
                   "0.19.2": "distributed/param_and_grad_buffer.py:632",
               }),
+    ]
+
+
+def _rng_patches() -> list[Patch]:
+    """The device generator and Megatron's CUDA RNG tracker, served by the CPU generator."""
+    import megatron.core.tensor_parallel.random as mcore_random
+
+    return [
         Patch(torch.cuda, "manual_seed", torch.manual_seed,
               "model_parallel_cuda_manual_seed and the tracker's add seed the device generator",
               r"torch\.cuda\.manual_seed\(", {
@@ -355,6 +357,21 @@ def _patches() -> list[Patch]:
                   "0.16.1": "tensor_parallel/random.py:161,315",
                   "0.19.2": "tensor_parallel/random.py:229,383",
               }),
+    ]
+
+
+def _cuda_factory_patches() -> list[Patch]:
+    """Modules that build tensors with ``device="cuda"`` see a ``torch`` whose factories make them on the CPU."""
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.grad_scaler as grad_scaler
+    import megatron.core.optimizer.optimizer as mcore_optimizer
+    import megatron.core.pipeline_parallel.schedules as schedules
+    import megatron.core.transformer.utils as transformer_utils
+    import megatron.core.utils as mcore_utils
+
+    cpu_torch = _TorchWithCpuFactories()
+    cuda_factory = r"device=[\"']cuda[\"']"
+    return [
         Patch(schedules, "torch", cpu_torch,
               "total_num_tokens counters built on device='cuda'", cuda_factory, {
                   "0.16.1": "pipeline_parallel/schedules.py:596,983,2138",
@@ -387,6 +404,16 @@ def _patches() -> list[Patch]:
                   "0.16.1": "optimizer/clip_grads.py:90,103,115,174,207",
                   "0.19.2": "optimizer/clip_grads.py:96,108,112,180,231",
               }),
+    ]
+
+
+def _cuda_type_patches() -> list[Patch]:
+    """Code that checks for ``torch.cuda.FloatTensor`` or moves weights with ``.cuda()``."""
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    return [
         Patch(clip_grads, "clip_grad_by_total_norm_fp32",
               _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32),
               "it asserts every grad is a 'torch.cuda.FloatTensor'",

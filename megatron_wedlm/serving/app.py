@@ -80,8 +80,15 @@ def build_app(engine: ServingEngine, served: ServedModel, api_key: str | None = 
         await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="megatron-wedlm", lifespan=lifespan)
-    page = resources.files("megatron_wedlm.serving").joinpath("page.html").read_text(encoding="utf-8")
-    registry = metrics_registry(engine)
+    _add_error_handlers(app)
+    if api_key:
+        _require_api_key(app, api_key)
+    _add_routes(app, engine, served)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every refusal as an OpenAI error object, with the status OpenAI and vLLM answer."""
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -120,17 +127,25 @@ def build_app(engine: ServingEngine, served: ServedModel, api_key: str | None = 
     async def unknown(request: Request, exc: UnknownModel) -> JSONResponse:
         return JSONResponse(error_body(str(exc), param="model", code="model_not_found"), status_code=404)
 
-    if api_key:
-        expected = f"Bearer {api_key}".encode()
 
-        @app.middleware("http")
-        async def authorize(request: Request, call_next):
-            if request.url.path.startswith("/v1/"):
-                given = request.headers.get("authorization", "").encode()
-                if not hmac.compare_digest(given, expected):
-                    return JSONResponse(error_body("a valid API key is required: Authorization: Bearer KEY",
-                                                   code="invalid_api_key"), status_code=401)
-            return await call_next(request)
+def _require_api_key(app: FastAPI, api_key: str) -> None:
+    """``/v1/*`` answers 401 unless the request carries ``Authorization: Bearer <api_key>``."""
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def authorize(request: Request, call_next):
+        if request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return JSONResponse(error_body("a valid API key is required: Authorization: Bearer KEY",
+                                               code="invalid_api_key"), status_code=401)
+        return await call_next(request)
+
+
+def _add_routes(app: FastAPI, engine: ServingEngine, served: ServedModel) -> None:
+    """The page, ``/health``, ``/metrics`` and the OpenAI endpoints."""
+    page = resources.files("megatron_wedlm.serving").joinpath("page.html").read_text(encoding="utf-8")
+    registry = metrics_registry(engine)
 
     @app.get("/", response_class=HTMLResponse)
     async def index() -> str:
@@ -167,8 +182,6 @@ def build_app(engine: ServingEngine, served: ServedModel, api_key: str | None = 
         _check_request(body, served)
         messages = [m.as_template_input() for m in body.messages]
         return await _serve(engine, served, body, [_chat_ids(served.tokenizer, messages)], request, chat=True)
-
-    return app
 
 
 class UnknownModel(LookupError):
