@@ -12,7 +12,7 @@ import torch
 
 from megatron_wedlm.config import ConfigError, load_config
 from megatron_wedlm.data.blend import BlendedDataIterator, BlendSource, blend_names, next_source
-from megatron_wedlm.data.prepare import prepare_dataset
+from megatron_wedlm.data.prepare import PrepareOptions, prepare_dataset
 from megatron_wedlm.data.webdataset_loader import TrainDataIterator, loader_spec_from_manifest, merge_data_states
 from megatron_wedlm.testing.tiny_models import build_tiny_tokenizer
 from megatron_wedlm.training.run_data import build_train_data, read_run_manifest
@@ -40,11 +40,11 @@ def sources(tmp_path_factory) -> dict[str, Path]:
         rng = random.Random(0)  # the same lengths in both sources
         src = root / f"{name}.jsonl"
         src.write_text("".join(json.dumps({"text": _letters_doc(rng, letters)}) + "\n" for _ in range(200)))
-        prepare_dataset([src], root / name, root / tok, samples_per_shard=25)
+        prepare_dataset([src], root / name, root / tok, PrepareOptions(samples_per_shard=25))
         out[name] = root / name
     pairs = root / "pairs.jsonl"
     pairs.write_text("".join(json.dumps({"prompt": "a b", "response": " c d"}) + "\n" for _ in range(40)))
-    prepare_dataset([pairs], root / "sft", root / "tok", task="sft", raw_sft=True, samples_per_shard=5)
+    prepare_dataset([pairs], root / "sft", root / "tok", PrepareOptions(task="sft", raw_sft=True, samples_per_shard=5))
     out["sft"] = root / "sft"
     return out
 

@@ -166,13 +166,14 @@ def write_hf_model(directory: Path) -> None:
     """A random Qwen3 (QK-norm, GQA, untied) whose tokenizer has no mask token, as Qwen3-8B's has
     none, and a chat template, as Qwen3-8B's has one."""
     from megatron_wedlm.testing.serving import CHAT_TEMPLATE
-    from megatron_wedlm.testing.tiny_models import build_tiny_ar_tokenizer, build_tiny_causal_lm
+    from megatron_wedlm.testing.tiny_models import TinyShape, build_tiny_ar_tokenizer, build_tiny_causal_lm
 
     tokenizer = build_tiny_ar_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
-    model = build_tiny_causal_lm("qwen3", vocab_size=len(tokenizer), hidden_size=64, num_layers=2, num_heads=4,
-                                 num_kv_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=512,
-                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    shape = TinyShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                      max_position_embeddings=512)
+    model = build_tiny_causal_lm("qwen3", shape, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                                 pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
 

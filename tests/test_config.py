@@ -12,7 +12,9 @@ import pytest
 import torch
 import yaml
 
-from megatron_wedlm.config import ConfigError, config_from_yaml_text, config_to_yaml, load_config, validate_layout
+from megatron_wedlm.config import (
+    ConfigError, check_data_files, config_from_yaml_text, config_to_yaml, load_config, validate_layout,
+)
 from megatron_wedlm.deepspeed_backend.settings import validate_deepspeed_run
 from megatron_wedlm.quickstart import pipeline
 from megatron_wedlm.quickstart.pipeline import precision_overrides, stage_precision
@@ -242,7 +244,7 @@ def test_cli_refuses_a_non_megatron_backend_for_pretraining(tmp_path):
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory) -> dict[str, Path]:
     """Prepared directories that differ in task, mask token and tokenizer from ``train``."""
-    from megatron_wedlm.data.prepare import prepare_dataset
+    from megatron_wedlm.data.prepare import PrepareOptions, prepare_dataset
     from megatron_wedlm.testing.tiny_models import build_tiny_ar_tokenizer, build_tiny_tokenizer
 
     root = tmp_path_factory.mktemp("prepared")
@@ -252,12 +254,13 @@ def prepared(tmp_path_factory) -> dict[str, Path]:
     (root / "pairs.jsonl").write_text('{"prompt": "one", "response": "two"}\n')
     out = {name: root / name for name in ("train", "sft", "other-mask", "other-tokenizer")}
     prepare_dataset([root / "docs.jsonl"], out["train"], root / "tok")
-    prepare_dataset([root / "pairs.jsonl"], out["sft"], root / "tok", task="sft", raw_sft=True)
+    prepare_dataset([root / "pairs.jsonl"], out["sft"], root / "tok", PrepareOptions(task="sft", raw_sft=True))
     prepare_dataset([root / "docs.jsonl"], out["other-tokenizer"], root / "other-tok")
     other = build_tiny_tokenizer()
     other.mask_token = None
     other.save_pretrained(str(root / "tok-no-mask"))
-    prepare_dataset([root / "docs.jsonl"], out["other-mask"], root / "tok-no-mask", mask_token="<|other_mask|>")
+    prepare_dataset([root / "docs.jsonl"], out["other-mask"], root / "tok-no-mask",
+                    PrepareOptions(mask_token="<|other_mask|>"))
     return out
 
 
@@ -276,7 +279,7 @@ def test_validation_defaults():
 )
 def test_valid_path_tokenized_otherwise_than_the_training_data_is_refused_naming_both(prepared, valid, message):
     with pytest.raises(ConfigError, match=re.escape(message)) as err:
-        load_config(TINY, [f"data.path={prepared['train']}", f"data.valid_path={prepared[valid]}"])
+        check_data_files(load_config(TINY, [f"data.path={prepared['train']}", f"data.valid_path={prepared[valid]}"]))
     assert f"data.valid_path={prepared[valid]}" in str(err.value)
     if valid != "sft":
         assert f"data.path={prepared['train']}" in str(err.value)
@@ -284,6 +287,7 @@ def test_valid_path_tokenized_otherwise_than_the_training_data_is_refused_naming
 
 def test_valid_path_of_the_same_tokenization_loads_and_a_saved_config_rereads_without_it(prepared, tmp_path):
     cfg = load_config(TINY, [f"data.path={prepared['train']}", f"data.valid_path={prepared['train']}"])
+    check_data_files(cfg)
     assert cfg.data.valid_path == str(prepared["train"])
     gone = load_config(TINY, [f"data.path={prepared['train']}", f"data.valid_path={tmp_path / 'moved'}"])
     assert config_from_yaml_text(config_to_yaml(gone)).data.valid_path == str(tmp_path / "moved")
@@ -292,12 +296,12 @@ def test_valid_path_of_the_same_tokenization_loads_and_a_saved_config_rereads_wi
 def test_valid_path_auto_reads_the_held_out_part_prepare_data_wrote_and_nothing_without_it(tmp_path):
     """The 8B configs say ``data.valid_path: auto``, so the README's ``--valid-fraction`` split is
     validated on; data prepared without one trains without validation, and the run says so."""
-    from megatron_wedlm.data.prepare import prepare_dataset
+    from megatron_wedlm.data.prepare import PrepareOptions, prepare_dataset
     from megatron_wedlm.testing.tiny_models import build_tiny_tokenizer
 
     build_tiny_tokenizer().save_pretrained(str(tmp_path / "tok"))
     (tmp_path / "docs.jsonl").write_text("".join(f'{{"text": "document {i} of twenty"}}\n' for i in range(20)))
-    prepare_dataset([tmp_path / "docs.jsonl"], tmp_path / "split", tmp_path / "tok", valid_fraction=0.3)
+    prepare_dataset([tmp_path / "docs.jsonl"], tmp_path / "split", tmp_path / "tok", PrepareOptions(valid_fraction=0.3))
     prepare_dataset([tmp_path / "docs.jsonl"], tmp_path / "whole", tmp_path / "tok")
     split = load_config(TINY, [f"data.path={tmp_path / 'split'}", "data.valid_path=auto"])
     assert split.data.valid_path == str(tmp_path / "split" / "valid")

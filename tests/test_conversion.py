@@ -17,6 +17,7 @@ import json
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,7 @@ from megatron_wedlm.model.hf_config import (
 from megatron_wedlm.runtime.atomic_output import OutputDirError
 from megatron_wedlm.testing.checkpoint_files import safetensors_of
 from megatron_wedlm.testing.tiny_models import (
+    TinyShape,
     build_tiny_ar_tokenizer,
     build_tiny_causal_lm,
     build_tiny_tokenizer,
@@ -51,9 +53,9 @@ from megatron_wedlm.testing.tiny_models import (
 ROOT = Path(__file__).resolve().parents[1]
 ATOL = 1e-5
 ARCHS = {
-    "qwen2": dict(num_kv_heads=2, rope_theta=1e6, rms_norm_eps=1e-6),
-    "qwen3": dict(num_kv_heads=2, head_dim=16, rope_theta=1e6, rms_norm_eps=1e-6),
-    "llama": dict(num_kv_heads=2, rope_theta=5e5, rms_norm_eps=1e-5),
+    "qwen2": TinyShape(num_kv_heads=2, rope_theta=1e6, rms_norm_eps=1e-6),
+    "qwen3": TinyShape(num_kv_heads=2, head_dim=16, rope_theta=1e6, rms_norm_eps=1e-6),
+    "llama": TinyShape(num_kv_heads=2, rope_theta=5e5, rms_norm_eps=1e-5),
 }
 CASES = [(arch, tied) for arch in ARCHS for tied in (False, True)]
 CASE_IDS = [f"{arch}-{'tied' if tied else 'untied'}" for arch, tied in CASES]
@@ -62,8 +64,8 @@ CASE_IDS = [f"{arch}-{'tied' if tied else 'untied'}" for arch, tied in CASES]
 def make_hf_dir(directory: Path, arch: str, tied: bool, tokenizer=None, vocab_size: int | None = None, seed: int = 0):
     tokenizer = tokenizer or build_tiny_tokenizer()
     model = build_tiny_causal_lm(
-        arch, vocab_size=vocab_size or len(tokenizer), num_layers=4, tie_word_embeddings=tied,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, seed=seed, **ARCHS[arch],
+        arch, replace(ARCHS[arch], num_layers=4, tie_word_embeddings=tied), vocab_size=vocab_size or len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, seed=seed,
     )
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
@@ -499,8 +501,8 @@ def test_legacy_config_fields_are_understood():
 
 def _qwen3_with_qkv_bias(o_proj_bias_zero: bool):
     tokenizer = build_tiny_tokenizer()
-    model = build_tiny_causal_lm("qwen3", vocab_size=len(tokenizer), num_layers=2, attention_bias=True,
-                                 eos_token_id=tokenizer.eos_token_id, **ARCHS["qwen3"])
+    model = build_tiny_causal_lm("qwen3", replace(ARCHS["qwen3"], num_layers=2, attention_bias=True),
+                                 vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
     if o_proj_bias_zero:
         with torch.no_grad():
             for layer in model.model.layers:

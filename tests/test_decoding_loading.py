@@ -8,6 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from megatron_wedlm.decoding import load_wedlm_model, streaming_generate
 from megatron_wedlm.testing.tiny_models import (
+    TinyShape,
     build_tiny_causal_lm,
     build_tiny_model,
     build_tiny_tokenizer,
@@ -31,8 +32,8 @@ def _source_model(kind):
         config = LlamaConfig(**{**SIZE, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id})
         return LlamaForCausalLM(config).eval()
     if kind == "qwen3-bias":
-        model = build_tiny_causal_lm("qwen3", vocab_size=len(tokenizer), attention_bias=True, head_dim=8,
-                                     max_position_embeddings=128)
+        model = build_tiny_causal_lm("qwen3", TinyShape(attention_bias=True, head_dim=8, max_position_embeddings=128),
+                                     vocab_size=len(tokenizer))
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.o_proj.bias.zero_()

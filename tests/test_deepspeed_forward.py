@@ -23,15 +23,15 @@ from megatron_wedlm.deepspeed_backend.hf_model import (
     weight_decay_param_groups,
 )
 from megatron_wedlm.model.losses import wedlm_labels
-from megatron_wedlm.testing.tiny_models import build_tiny_ar_tokenizer, build_tiny_causal_lm
+from megatron_wedlm.testing.tiny_models import TinyShape, build_tiny_ar_tokenizer, build_tiny_causal_lm
 from megatron_wedlm.training.objective import Objective
 
 MASK = 400  # the AR tokenizer has 400 tokens; prepare_data appends the mask token after them
 
 
 def _model(arch: str = "qwen3", tied: bool = False, vocab_size: int = 512, seed: int = 0):
-    model = build_tiny_causal_lm(arch, vocab_size=vocab_size, num_kv_heads=2, head_dim=16 if arch == "qwen3" else None,
-                                 tie_word_embeddings=tied, seed=seed)
+    shape = TinyShape(num_kv_heads=2, head_dim=16 if arch == "qwen3" else None, tie_word_embeddings=tied)
+    model = build_tiny_causal_lm(arch, shape, vocab_size=vocab_size, seed=seed)
     model.set_attn_implementation("sdpa")
     return model
 
@@ -139,7 +139,8 @@ def test_objective_on_hf_output_is_the_wedlm_loss_and_ar_mode_is_next_token_only
 
 def _hf_dir(tmp_path, vocab_size: int, tokenizer=None, tied: bool = False, mask_token_id: int | None = None):
     tokenizer = tokenizer or build_tiny_ar_tokenizer()
-    model = build_tiny_causal_lm("qwen2", vocab_size=vocab_size, tie_word_embeddings=tied, mask_token_id=mask_token_id)
+    model = build_tiny_causal_lm("qwen2", TinyShape(tie_word_embeddings=tied),
+                                 vocab_size=vocab_size, mask_token_id=mask_token_id)
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     return model
@@ -211,7 +212,7 @@ def test_loss_on_a_fixed_batch_equals_the_megatron_models_on_converted_weights(t
     from megatron_wedlm.training.model_setup import build_settings, load_init_weights, resolve_model_args
 
     tokenizer = build_tiny_ar_tokenizer()
-    source = build_tiny_causal_lm("qwen3", vocab_size=400, num_kv_heads=2, head_dim=16, seed=3)
+    source = build_tiny_causal_lm("qwen3", TinyShape(num_kv_heads=2, head_dim=16), vocab_size=400, seed=3)
     source.save_pretrained(tmp_path / "hf")
     tokenizer.save_pretrained(tmp_path / "hf")
     convert_hf_to_megatron(tmp_path / "hf", tmp_path / "megatron")
@@ -250,7 +251,7 @@ def test_official_wedlm_checkpoint_loads_as_its_ar_family_and_keeps_its_mask_tok
 
     from megatron_wedlm.deepspeed_backend.hf_model import load_hf_causal_lm
 
-    source = build_tiny_causal_lm("qwen3", vocab_size=512, num_kv_heads=2, head_dim=16, mask_token_id=MASK)
+    source = build_tiny_causal_lm("qwen3", TinyShape(num_kv_heads=2, head_dim=16), vocab_size=512, mask_token_id=MASK)
     source.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     config.update(model_type="wedlm", architectures=["WeDLMForCausalLM"], qk_norm=True, attention_bias=False)

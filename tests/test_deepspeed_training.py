@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_wedlm.data.prepare import prepare_dataset
+from megatron_wedlm.data.prepare import PrepareOptions, prepare_dataset
 from megatron_wedlm.eval.builtin_tasks import training_pairs
 from megatron_wedlm.runtime.multiprocess import run_distributed
 from megatron_wedlm.testing.checkpoint_files import safetensors_of
-from megatron_wedlm.testing.tiny_models import build_tiny_ar_tokenizer, build_tiny_causal_lm
+from megatron_wedlm.testing.tiny_models import TinyShape, build_tiny_ar_tokenizer, build_tiny_causal_lm
 from megatron_wedlm.training.metrics import REQUIRED_KEYS, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,19 +60,20 @@ def data(tmp_path_factory) -> dict[str, str]:
 def make_sft_data(root: Path) -> dict[str, str]:
     """A tiny HF checkpoint (Qwen3, its tokenizer without a mask token) and SFT data prepared with it."""
     tokenizer = build_tiny_ar_tokenizer()
-    model = build_tiny_causal_lm("qwen3", vocab_size=len(tokenizer), num_kv_heads=2, head_dim=16,
+    model = build_tiny_causal_lm("qwen3", TinyShape(num_kv_heads=2, head_dim=16), vocab_size=len(tokenizer),
                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(root / "hf")
     tokenizer.save_pretrained(root / "hf")
     with open(root / "pairs.jsonl", "w") as handle:
         for prompt, completion in training_pairs(64, seed=1):
             handle.write(json.dumps({"prompt": prompt, "response": completion}) + "\n")
-    prepare_dataset([root / "pairs.jsonl"], root / "sft", root / "hf", task="sft", raw_sft=True, samples_per_shard=8)
+    prepare_dataset([root / "pairs.jsonl"], root / "sft", root / "hf",
+                    PrepareOptions(task="sft", raw_sft=True, samples_per_shard=8))
     with open(root / "held-out.jsonl", "w") as handle:
         for prompt, completion in training_pairs(16, seed=3):
             handle.write(json.dumps({"prompt": prompt, "response": completion}) + "\n")
-    prepare_dataset([root / "held-out.jsonl"], root / "sft-valid", root / "hf", task="sft", raw_sft=True,
-                    samples_per_shard=8)
+    prepare_dataset([root / "held-out.jsonl"], root / "sft-valid", root / "hf",
+                    PrepareOptions(task="sft", raw_sft=True, samples_per_shard=8))
     return {"root": str(root), "hf": str(root / "hf"), "sft": str(root / "sft"), "valid": str(root / "sft-valid")}
 
 

@@ -24,7 +24,8 @@ from test_prepare_data import read_shards, tokenizer_dir  # noqa: F401 - tokeniz
 
 from megatron_wedlm.config import ConfigError, load_config
 from megatron_wedlm.conversion import ConversionError, convert_hf_to_megatron, convert_megatron_to_hf
-from megatron_wedlm.data.prepare import InvalidUtf8Error, prepare_dataset, read_manifest
+from megatron_wedlm.data.manifest import read_manifest
+from megatron_wedlm.data.prepare import InvalidUtf8Error, PrepareOptions, prepare_dataset
 from megatron_wedlm.model.hf_config import UnsupportedModelError, model_args_from_hf_config
 from megatron_wedlm.runtime.atomic_output import DiskFullError
 
@@ -157,7 +158,7 @@ def prepared(tmp_path, tokenizer_dir) -> Path:  # noqa: F811 - the imported fixt
     (tmp_path / "corpus").mkdir()
     lines = [json.dumps({"text": f"Count from {i} to {i + 5}"}) for i in range(20)]
     (tmp_path / "corpus" / "docs.jsonl").write_text("\n".join(lines) + "\n")
-    prepare_dataset([tmp_path / "corpus"], tmp_path / "data", tokenizer_dir, samples_per_shard=8)
+    prepare_dataset([tmp_path / "corpus"], tmp_path / "data", tokenizer_dir, PrepareOptions(samples_per_shard=8))
     return tmp_path / "data"
 
 
@@ -219,8 +220,8 @@ def test_invalid_utf8_stops_the_run_naming_file_and_line(mixed_encoding, tmp_pat
 def test_invalid_utf8_replaced_on_request_is_counted_per_file(mixed_encoding, tmp_path, tokenizer_dir):  # noqa: F811
     jsonl, text = mixed_encoding
     reported: list[str] = []
-    summary = prepare_dataset([jsonl, text], tmp_path / "out", tokenizer_dir, encoding_errors="replace",
-                              report=reported.append)
+    summary = prepare_dataset([jsonl, text], tmp_path / "out", tokenizer_dir,
+                              PrepareOptions(encoding_errors="replace"), report=reported.append)
     expected = {str(jsonl): {"bytes": 2, "lines": 1, "first_line": 2},
                 str(text): {"bytes": 1, "lines": 1, "first_line": 3}}
     assert summary.invalid_utf8 == expected
@@ -282,7 +283,7 @@ def test_full_disk_during_a_training_save_is_named(small_disk, tmp_path, tokeniz
     corpus = tmp_path / "corpus.jsonl"
     counts = [" ".join(str(n) for n in range(i, i + 10)) for i in range(64)]
     corpus.write_text("".join(json.dumps({"text": f"Count: {text}"}) + "\n" for text in counts))
-    prepare_dataset([corpus], tmp_path / "data", tokenizer_dir, samples_per_shard=8)
+    prepare_dataset([corpus], tmp_path / "data", tokenizer_dir, PrepareOptions(samples_per_shard=8))
     [message] = run_distributed(full_disk_training_worker, 1, str(tmp_path / "data"), str(tmp_path / "run"),
                                 str(small_disk / "checkpoints"), timeout_s=300)
     assert message.startswith(f"[Errno 28] no space left on device while writing {small_disk / 'checkpoints'}")

@@ -29,7 +29,7 @@ from test_deepspeed_training import _common as ds_common
 from test_deepspeed_training import make_sft_data
 from test_training import LAUNCH_TIMEOUT, TINY, _base, _train, losses
 
-from megatron_wedlm.data.prepare import prepare_dataset
+from megatron_wedlm.data.prepare import PrepareOptions, prepare_dataset
 from megatron_wedlm.eval.builtin_tasks import training_corpus
 from megatron_wedlm.runtime.multiprocess import run_distributed
 from megatron_wedlm.testing.tiny_models import build_tiny_tokenizer
@@ -49,7 +49,7 @@ def data(tmp_path_factory) -> dict[str, str]:
         with open(root / f"{name}.jsonl", "w") as handle:
             for doc in training_corpus(200, seed=seed):
                 handle.write(json.dumps({"text": doc}) + "\n")
-        prepare_dataset([root / f"{name}.jsonl"], root / name, root / "tok", samples_per_shard=50)
+        prepare_dataset([root / f"{name}.jsonl"], root / name, root / "tok", PrepareOptions(samples_per_shard=50))
     return {"a": str(root / "a"), "b": str(root / "b")}
 
 
@@ -255,7 +255,7 @@ def other_data_worker(data_a: str, data_b: str, out_dir: str) -> dict:
 
 
 def test_resuming_on_a_different_shard_set_is_refused_unless_allowed(data, tmp_path):
-    from megatron_wedlm.data.prepare import read_manifest
+    from megatron_wedlm.data.manifest import read_manifest
 
     assert len(read_manifest(data["a"])["shards"]) == len(read_manifest(data["b"])["shards"])
     out = tmp_path / "run"

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_wedlm.config import ConfigError, load_config
+from megatron_wedlm.config import ConfigError, check_data_files, load_config
 from megatron_wedlm.data.blend import BlendedDataIterator
 from megatron_wedlm.data.indexed import read_source_manifest
-from megatron_wedlm.data.prepare import prepare_dataset, read_manifest
+from megatron_wedlm.data.manifest import read_manifest
+from megatron_wedlm.data.prepare import PrepareOptions, prepare_dataset
 from megatron_wedlm.data.webdataset_loader import TrainDataIterator, _read_shard, loader_spec_from_manifest, merge_data_states
 from megatron_wedlm.eval.builtin_tasks import training_corpus
 from megatron_wedlm.runtime.hf_local import tokenizer_files_in
@@ -55,7 +56,8 @@ def data(tmp_path_factory) -> dict[str, Path]:
     for name, seed in (("corpus", 0), ("other", 7)):
         with open(root / f"{name}.jsonl", "w") as f:
             f.writelines(json.dumps({"text": doc}) + "\n" for doc in training_corpus(400, seed=seed))
-        prepare_dataset([root / f"{name}.jsonl"], root / name, root / "tok", samples_per_shard=PER_SHARD)
+        prepare_dataset([root / f"{name}.jsonl"], root / name, root / "tok",
+                        PrepareOptions(samples_per_shard=PER_SHARD))
     write_prefix(root / "corpus_text_document", prepared_documents(root / "corpus"))
     return {"prepared": root / "corpus", "prefix": root / "corpus_text_document", "other": root / "other",
             "tokenizer": root / "corpus" / "tokenizer", "root": root}
@@ -70,8 +72,10 @@ def cache_dir(tmp_path, monkeypatch) -> Path:
 
 def _cfg(tmp_path: Path, source: str | Path, *extra: str, tokenizer: Path | None = None):
     options = [f"data.tokenizer={tokenizer}"] if tokenizer is not None else []
-    return load_config(str(TINY), [f"data.path={source}", f"trainer.output_dir={tmp_path / 'run'}",
-                                   f"data.indexed_documents_per_shard={PER_SHARD}", *options, *extra])
+    cfg = load_config(str(TINY), [f"data.path={source}", f"trainer.output_dir={tmp_path / 'run'}",
+                                  f"data.indexed_documents_per_shard={PER_SHARD}", *options, *extra])
+    check_data_files(cfg)  # what the entry point checks before training
+    return cfg
 
 
 def _rows(it, microbatches: int) -> list:

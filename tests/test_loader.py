@@ -11,7 +11,7 @@ import torch
 
 from megatron_wedlm.data.dual_stream import IGNORE_INDEX, build_memory_only_row
 from megatron_wedlm.data.packing import pack_documents_into_rows
-from megatron_wedlm.data.prepare import prepare_dataset
+from megatron_wedlm.data.prepare import PrepareOptions, prepare_dataset
 from megatron_wedlm.data.webdataset_loader import (
     StreamPosition,
     StreamingRowDataset,
@@ -47,7 +47,7 @@ def pretrain_dir(tmp_path_factory, tokenizer_dir) -> Path:
     rng = random.Random(0)
     src = root / "docs.jsonl"
     src.write_text("".join(json.dumps({"text": _numbers_doc(rng)}) + "\n" for _ in range(120)))
-    prepare_dataset([src], root / "data", tokenizer_dir, samples_per_shard=15)
+    prepare_dataset([src], root / "data", tokenizer_dir, PrepareOptions(samples_per_shard=15))
     return root / "data"
 
 
@@ -61,7 +61,7 @@ def sft_dir(tmp_path_factory, tokenizer_dir) -> Path:
         prompt = "Count: " + _numbers_doc(rng) if i % 7 else "Count: " + " ".join(["1"] * 40)  # some prompts fill a row
         lines.append(json.dumps({"prompt": prompt, "response": " " + _numbers_doc(rng)}))
     src.write_text("\n".join(lines) + "\n")
-    prepare_dataset([src], root / "data", tokenizer_dir, task="sft", raw_sft=True, samples_per_shard=6)
+    prepare_dataset([src], root / "data", tokenizer_dir, PrepareOptions(task="sft", raw_sft=True, samples_per_shard=6))
     return root / "data"
 
 

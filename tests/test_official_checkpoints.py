@@ -24,6 +24,7 @@ import torch
 from megatron_wedlm.decoding import load_wedlm_model
 from megatron_wedlm.runtime.hf_local import REFERENCE_MASK_TOKEN_ID, load_tokenizer
 from megatron_wedlm.testing.tiny_models import (
+    TinyShape,
     build_tiny_ar_tokenizer,
     build_tiny_causal_lm,
     build_tiny_model,
@@ -152,8 +153,9 @@ def unnamed_mask(tmp_path_factory) -> Path:
     but has an added token at the reference engine's id (the model's vocabulary covers it)."""
     directory = tmp_path_factory.mktemp("wedlm_no_mask_id")
     tokenizer = _tokenizer_with_token_at(directory, REFERENCE_MASK_TOKEN_ID)
-    model = build_tiny_causal_lm("qwen2", vocab_size=REFERENCE_MASK_TOKEN_ID + 15, hidden_size=16, num_heads=2,
-                                 num_kv_heads=1, max_position_embeddings=64, eos_token_id=tokenizer.eos_token_id)
+    model = build_tiny_causal_lm("qwen2",
+                                 TinyShape(hidden_size=16, num_heads=2, num_kv_heads=1, max_position_embeddings=64),
+                                 vocab_size=REFERENCE_MASK_TOKEN_ID + 15, eos_token_id=tokenizer.eos_token_id)
     write_official_checkpoint(directory, model, qk_norm=False, attention_bias=True)
     return directory
 
@@ -178,8 +180,9 @@ def test_conversion_and_data_use_the_same_reference_id(unnamed_mask, tmp_path):
 
 def test_missing_mask_token_id_is_refused_when_the_tokenizer_lacks_the_reference_id(tmp_path):
     _tokenizer_with_token_at(tmp_path, REFERENCE_MASK_TOKEN_ID - 7)  # some other id
-    model = build_tiny_causal_lm("qwen2", vocab_size=REFERENCE_MASK_TOKEN_ID + 15, hidden_size=16, num_heads=2,
-                                 num_kv_heads=1, max_position_embeddings=64)
+    model = build_tiny_causal_lm("qwen2",
+                                 TinyShape(hidden_size=16, num_heads=2, num_kv_heads=1, max_position_embeddings=64),
+                                 vocab_size=REFERENCE_MASK_TOKEN_ID + 15)
     write_official_checkpoint(tmp_path, model, qk_norm=False, attention_bias=True)
     with pytest.raises(ValueError, match="mask_token_id.*reference engine's default id"):
         load_wedlm_model(tmp_path, device="cpu")

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from megatron_wedlm.data.prepare import prepare_dataset, read_manifest
+from megatron_wedlm.data.manifest import read_manifest
+from megatron_wedlm.data.prepare import PrepareOptions, prepare_dataset
 from megatron_wedlm.testing.tiny_models import build_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +70,8 @@ def test_pretrain_jsonl_bad_lines_are_skipped_counted_and_reported(tmp_path, tok
         ],
     )
     reported: list[str] = []
-    summary = prepare_dataset([src], tmp_path / "out", tokenizer_dir, samples_per_shard=2, report=reported.append)
+    summary = prepare_dataset([src], tmp_path / "out", tokenizer_dir,
+                              PrepareOptions(samples_per_shard=2), report=reported.append)
     assert summary.bad_lines == 5
     assert [line.split(": ", 1)[0] for line in reported] == [f"skipped {src}:{n}" for n in (2, 3, 5, 7, 8)]
     assert summary.bad_by_reason == {
@@ -98,9 +100,10 @@ def test_text_files_split_into_paragraphs_or_lines(tmp_path, tokenizer_dir):
     (tmp_path / "in").mkdir()
     src = tmp_path / "in" / "book.txt"
     src.write_text("first paragraph\nstill first\n\n\nsecond one\n")
-    para = prepare_dataset([src], tmp_path / "p", tokenizer_dir, text_unit="paragraph", add_eos=False)
-    lines = prepare_dataset([src], tmp_path / "l", tokenizer_dir, text_unit="line", add_eos=False)
-    whole = prepare_dataset([tmp_path / "in"], tmp_path / "f", tokenizer_dir, text_unit="file", add_eos=False)
+    para = prepare_dataset([src], tmp_path / "p", tokenizer_dir, PrepareOptions(text_unit="paragraph", add_eos=False))
+    lines = prepare_dataset([src], tmp_path / "l", tokenizer_dir, PrepareOptions(text_unit="line", add_eos=False))
+    whole = prepare_dataset([tmp_path / "in"], tmp_path / "f", tokenizer_dir,
+                            PrepareOptions(text_unit="file", add_eos=False))
     assert (para.num_samples, lines.num_samples, whole.num_samples) == (2, 3, 1)
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "p" / "tokenizer"))
     decoded = [tok.decode(t) for t, _ in read_shards(tmp_path / "p")]
@@ -123,9 +126,8 @@ def test_sft_chat_template_prompt_lengths(tmp_path, tokenizer_dir):
     ]
     src = write_lines(tmp_path / "chat.jsonl", [json.dumps(c) for c in chats])
     reported: list[str] = []
-    summary = prepare_dataset(
-        [src], tmp_path / "sft", tokenizer_dir, task="sft", chat_template=CHAT_TEMPLATE, report=reported.append
-    )
+    summary = prepare_dataset([src], tmp_path / "sft", tokenizer_dir,
+                              PrepareOptions(task="sft", chat_template=CHAT_TEMPLATE), report=reported.append)
     assert summary.num_samples == 3 and summary.bad_lines == 3
     assert [r.split(": ", 1)[0] for r in reported] == [f"skipped {src}:{n}" for n in (4, 5, 6)]
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "sft" / "tokenizer"))
@@ -146,8 +148,8 @@ def test_sft_chat_template_prompt_lengths(tmp_path, tokenizer_dir):
 def test_sft_without_template_needs_raw_mode(tmp_path, tokenizer_dir):
     src = write_lines(tmp_path / "pairs.jsonl", [json.dumps({"prompt": "1 2 3", "completion": " 4 5\n"})])
     with pytest.raises(ValueError, match="no chat template"):
-        prepare_dataset([src], tmp_path / "x", tokenizer_dir, task="sft")
-    prepare_dataset([src], tmp_path / "raw", tokenizer_dir, task="sft", raw_sft=True)
+        prepare_dataset([src], tmp_path / "x", tokenizer_dir, PrepareOptions(task="sft"))
+    prepare_dataset([src], tmp_path / "raw", tokenizer_dir, PrepareOptions(task="sft", raw_sft=True))
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "raw" / "tokenizer"))
     [(tokens, meta)] = read_shards(tmp_path / "raw")
     assert tok.decode(tokens[: meta["prompt_length"]]) == "1 2 3"
@@ -206,7 +208,8 @@ def _prepare_tool(argv: list[str]) -> int:
 
 
 def test_valid_fraction_holds_out_a_stable_share_into_a_prepared_directory(tmp_path, tokenizer_dir, capsys):
-    from megatron_wedlm.data.prepare import holds_out, tokenizer_dir_of
+    from megatron_wedlm.data.manifest import tokenizer_dir_of
+    from megatron_wedlm.data.prepare import holds_out
 
     src = write_lines(tmp_path / "docs.jsonl", [json.dumps({"text": f"document number {i}"}) for i in range(200)])
     args = ["--input", str(src), "--tokenizer", str(tokenizer_dir), "--samples-per-shard", "16",

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from megatron_wedlm.data.manifest import read_manifest
 from megatron_wedlm.data.prepare import (
+    PrepareOptions,
     merge_parts,
     prepare_dataset,
     prepare_partition,
-    read_manifest,
     work_dir_of,
 )
 from megatron_wedlm.data.public_corpora import shakespeare_texts
@@ -53,12 +54,12 @@ def test_workers_partitions_and_merge_give_the_same_output(tmp_path, tokenizer_d
     docs = documents(600)
     jsonl(corpus / "a.jsonl", [{"text": t} for t in docs[:400]] + [{"oops": 1}])
     jsonl(corpus / "b.jsonl", [{"text": t} for t in docs[400:]])
-    options = dict(samples_per_shard=25, part_bytes=4096, valid_fraction=0.1)
-    one = prepare_dataset([corpus], tmp_path / "one", tokenizer_dir, workers=1, **options)
-    two = prepare_dataset([corpus], tmp_path / "two", tokenizer_dir, workers=2, **options)
+    options = PrepareOptions(samples_per_shard=25, valid_fraction=0.1)
+    one = prepare_dataset([corpus], tmp_path / "one", tokenizer_dir, options, workers=1, part_bytes=4096)
+    two = prepare_dataset([corpus], tmp_path / "two", tokenizer_dir, options, workers=2, part_bytes=4096)
     assert one.num_parts > 6  # the JSON lines files were cut into parts
     for i in range(3):
-        report = prepare_partition([corpus], tmp_path / "parts", tokenizer_dir, (i, 3), **options)
+        report = prepare_partition([corpus], tmp_path / "parts", tokenizer_dir, (i, 3), options, part_bytes=4096)
         assert report.parts == len(range(i, one.num_parts, 3))
     assert report.remaining == 0
     merged = merge_parts(tmp_path / "parts")
@@ -100,16 +101,16 @@ def test_every_input_format_gives_the_same_pretraining_samples(tmp_path, tokeniz
     paths["txt"] = tmp_path / "r.txt"
     results = {}
     for name, path in paths.items():
-        extra = {"text_unit": "line"} if name == "txt" else {}
-        prepare_dataset([path], tmp_path / f"out-{name}", tokenizer_dir, part_bytes=512, **extra)
+        options = PrepareOptions(text_unit="line") if name == "txt" else PrepareOptions()
+        prepare_dataset([path], tmp_path / f"out-{name}", tokenizer_dir, options, part_bytes=512)
         results[name] = samples_of(tmp_path / f"out-{name}")
     assert len(list((paths["arrow"]).glob("data-*.arrow"))) > 1  # several Arrow files, read in order
     for name in paths:
         assert results[name] == results["jsonl"], name
     # a named parquet column
-    prepare_dataset([paths["parquet"]], tmp_path / "col", tokenizer_dir, text_field="text")
+    prepare_dataset([paths["parquet"]], tmp_path / "col", tokenizer_dir, PrepareOptions(text_field="text"))
     with pytest.raises(ValueError, match=r"r.parquet has no column 'body'.*--text-field"):
-        prepare_dataset([paths["parquet"]], tmp_path / "nocol", tokenizer_dir, text_field="body")
+        prepare_dataset([paths["parquet"]], tmp_path / "nocol", tokenizer_dir, PrepareOptions(text_field="body"))
 
 
 def test_every_input_format_gives_the_same_sft_samples(tmp_path, tokenizer_dir):  # noqa: F811
@@ -122,7 +123,7 @@ def test_every_input_format_gives_the_same_sft_samples(tmp_path, tokenizer_dir):
         results = {}
         for name, path in paths.items():
             out = tmp_path / kind / f"out-{name}"
-            prepare_dataset([path], out, tokenizer_dir, task="sft", chat_template=CHAT_TEMPLATE)
+            prepare_dataset([path], out, tokenizer_dir, PrepareOptions(task="sft", chat_template=CHAT_TEMPLATE))
             results[name] = samples_of(out)
         for name in paths:
             assert results[name] == results["jsonl"], (kind, name)

@@ -276,7 +276,7 @@ def sft_data(hf_dir, tmp_path_factory) -> Path:
 
 def test_sft_samples_are_the_chat_template_and_learn_only_the_final_reply(sft_data, tokenizer):
     from megatron_wedlm.data.dual_stream import IGNORE_INDEX
-    from megatron_wedlm.data.prepare import read_manifest
+    from megatron_wedlm.data.manifest import read_manifest
     from megatron_wedlm.data.webdataset_loader import StreamPosition, loader_spec_from_manifest, stream_rows
 
     from test_prepare_data import read_shards

@@ -49,9 +49,10 @@ def data(tmp_path_factory) -> dict[str, str]:
     with open(root / "held-out.jsonl", "w") as f:  # the same kind of text, other documents
         for doc in training_corpus(40, seed=5):
             f.write(json.dumps({"text": doc}) + "\n")
-    prepare_dataset([root / "corpus.jsonl"], root / "pretrain", root / "tok", samples_per_shard=50)
-    prepare_dataset([root / "held-out.jsonl"], root / "valid", root / "tok", samples_per_shard=50)
-    prepare_dataset([root / "pairs.jsonl"], root / "sft", root / "tok", task="sft", raw_sft=True, samples_per_shard=32)
+    prepare_dataset([root / "corpus.jsonl"], root / "pretrain", root / "tok", PrepareOptions(samples_per_shard=50))
+    prepare_dataset([root / "held-out.jsonl"], root / "valid", root / "tok", PrepareOptions(samples_per_shard=50))
+    prepare_dataset([root / "pairs.jsonl"], root / "sft", root / "tok",
+                    PrepareOptions(task="sft", raw_sft=True, samples_per_shard=32))
     return {"pretrain": str(root / "pretrain"), "sft": str(root / "sft"), "valid": str(root / "valid")}
 
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from megatron_wedlm.config import ConfigError, config_from_yaml_text, load_config
-from megatron_wedlm.data.prepare import prepare_dataset, read_manifest
+from megatron_wedlm.data.manifest import read_manifest
+from megatron_wedlm.data.prepare import PrepareOptions, prepare_dataset
 from megatron_wedlm.data.webdataset_loader import TrainDataIterator, loader_spec_from_manifest
 from megatron_wedlm.eval.builtin_tasks import training_corpus
 from megatron_wedlm.runtime.multiprocess import run_distributed
@@ -137,7 +138,7 @@ def converted(tmp_path_factory) -> dict:
     with open(root / "corpus.jsonl", "w") as f:
         for doc in training_corpus(64, seed=2):
             f.write(json.dumps({"text": doc}) + "\n")
-    prepare_dataset([root / "corpus.jsonl"], root / "data", root / "hf", samples_per_shard=8)
+    prepare_dataset([root / "corpus.jsonl"], root / "data", root / "hf", PrepareOptions(samples_per_shard=8))
     return {"hf": model, "mcore": str(root / "mcore"), "data": str(root / "data")}
 
 

@@ -53,7 +53,7 @@ def test_stop_at_15_and_resume_reproduces_steps_16_to_30(data, tmp_path):
 def blend(data, tmp_path_factory) -> list[str]:
     """data.blend overrides: the pretraining corpus at weight 1 and another corpus of the same kind
     (same tokenizer) at weight 3."""
-    from megatron_wedlm.data.prepare import prepare_dataset
+    from megatron_wedlm.data.prepare import PrepareOptions, prepare_dataset
     from megatron_wedlm.eval.builtin_tasks import training_corpus
 
     root = tmp_path_factory.mktemp("blend")
@@ -61,7 +61,7 @@ def blend(data, tmp_path_factory) -> list[str]:
         for doc in training_corpus(400, seed=7):
             f.write(json.dumps({"text": doc}) + "\n")
     tokenizer = Path(data["pretrain"]).parent / "tok"  # the one the data fixture prepared with
-    prepare_dataset([root / "corpus.jsonl"], root / "second", tokenizer, samples_per_shard=50)
+    prepare_dataset([root / "corpus.jsonl"], root / "second", tokenizer, PrepareOptions(samples_per_shard=50))
     return ["data.path=null", f"data.blend=[{{path: {data['pretrain']}, weight: 1, name: first}}, "
                               f"{{path: {root / 'second'}, weight: 3}}]"]
 

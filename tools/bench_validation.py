@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def prepare(root: Path) -> Path:
     """Built-in training text with 10% of the documents held out into ``<data>/valid``."""
-    from megatron_wedlm.data.prepare import prepare_dataset
+    from megatron_wedlm.data.prepare import PrepareOptions, prepare_dataset
     from megatron_wedlm.eval.builtin_tasks import training_corpus
     from megatron_wedlm.testing.tiny_models import build_tiny_tokenizer
 
@@ -61,7 +61,8 @@ def prepare(root: Path) -> Path:
     with open(root / "corpus.jsonl", "w") as handle:
         for doc in training_corpus(1000, seed=0):
             handle.write(json.dumps({"text": doc}) + "\n")
-    prepare_dataset([root / "corpus.jsonl"], root / "data", root / "tok", samples_per_shard=100, valid_fraction=0.1)
+    prepare_dataset([root / "corpus.jsonl"], root / "data", root / "tok",
+                    PrepareOptions(samples_per_shard=100, valid_fraction=0.1))
     return root / "data"
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from megatron_wedlm.data.prepare import (
     DEFAULT_MASK_TOKEN,
     ENCODING_ERRORS,
+    PrepareOptions,
     merge_parts,
     prepare_dataset,
     prepare_partition,
@@ -113,29 +114,23 @@ def main(argv: list[str] | None = None) -> int:
         if args.merge:
             print(merge_parts(args.output, overwrite=args.overwrite).describe())
             return 0
-        template = Path(args.chat_template).read_text() if args.chat_template else None
-        run = prepare_dataset if args.partition is None else partial(prepare_partition, partition=args.partition)
-        summary = run(
-            args.input,
-            args.output,
-            args.tokenizer,
-            workers=args.workers,
-            part_bytes=args.part_bytes,
-            show_progress=not args.no_progress,
+        options = PrepareOptions(
             task=args.task,
             samples_per_shard=args.samples_per_shard,
             text_field=args.text_field,
             text_unit=args.text_unit,
             add_eos=not args.no_eos,
             mask_token=args.mask_token,
-            chat_template=template,
+            chat_template=Path(args.chat_template).read_text() if args.chat_template else None,
             raw_sft=args.raw_sft,
-            overwrite=args.overwrite,
             max_reported=args.max_reported,
             encoding_errors=args.encoding_errors,
             valid_fraction=args.valid_fraction,
             reply_end=args.reply_end,
         )
+        run = prepare_dataset if args.partition is None else partial(prepare_partition, partition=args.partition)
+        summary = run(args.input, args.output, args.tokenizer, options=options, workers=args.workers,
+                      part_bytes=args.part_bytes, overwrite=args.overwrite, show_progress=not args.no_progress)
     except (ValueError, OSError) as err:
         print(f"prepare_data: error: {err}", file=sys.stderr)
         return 2

@@ -1,5 +1,7 @@
-"""Training configuration: typed schema (:mod:`.schema`) + YAML/CLI loading (:mod:`.loading`)."""
+"""Training configuration: typed schema (:mod:`.schema`) + YAML/CLI loading (:mod:`.loading`); the
+checks that read the data it names (:mod:`.data_check`)."""
 
+from .data_check import check_data_files
 from .loading import config_from_yaml_text, config_to_yaml, load_config, save_config
 from .schema import (
     CheckpointingConfig,
@@ -33,6 +35,7 @@ __all__ = [
     "TrainerConfig",
     "WandbConfig",
     "WeDLMConfig",
+    "check_data_files",
     "config_from_yaml_text",
     "config_to_yaml",
     "load_config",

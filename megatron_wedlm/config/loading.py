@@ -18,7 +18,8 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from megatron_wedlm.runtime.atomic_output import atomic_write_text
 
-from .schema import ConfigError, TrainConfig, blend_from_data_path, resolve_valid_path, validate_config
+from .data_check import resolve_valid_path
+from .schema import ConfigError, TrainConfig, blend_from_data_path, validate_config
 
 __all__ = ["load_config", "config_to_yaml", "save_config", "config_from_yaml_text", "all_keys"]
 

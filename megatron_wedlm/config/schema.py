@@ -14,11 +14,11 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
-# The one table of attention backends (a light module: no torch or Megatron at import).
+# The tables of attention backends and recompute modes (light modules: no torch or Megatron at import).
 from megatron_wedlm.model.attention_backends import ATTENTION_BACKEND_NAMES, ATTENTION_BACKENDS, backend_names
+from megatron_wedlm.model.recompute import RECOMPUTE_MODES
 
 __all__ = [
     "BlendSourceConfig",
@@ -284,7 +284,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.attention_backend": ATTENTION_BACKEND_NAMES,
     "wedlm.ratio_mode": ("block", "document"),
     "wedlm.loss_weighting": ("inverse_ratio", "uniform"),
-    "parallelism.recompute": ("none", "selective", "full"),
+    "parallelism.recompute": RECOMPUTE_MODES,
     "optimizer.name": ("adam", "sgd"),
     "optimizer.decay_style": ("cosine", "linear", "constant", "inverse-square-root"),
     "logging.wandb.mode": ("online", "offline"),
@@ -339,8 +339,6 @@ def validate_config(cfg: TrainConfig) -> None:
     _validate_context_and_virtual_pipeline(cfg)
     _check_attention_device(cfg)
     _check_data(cfg)
-    _check_indexed_sources(cfg)
-    _check_valid_data(cfg)
     if cfg.trainer.exit_at_step is not None and cfg.trainer.exit_at_step > cfg.trainer.train_steps:
         raise ConfigError(
             f"trainer.exit_at_step={cfg.trainer.exit_at_step} is past trainer.train_steps={cfg.trainer.train_steps}"
@@ -480,95 +478,10 @@ def _check_data_sources(data: DataConfig) -> None:
         seen[key] = i
 
 
-def _data_sources(cfg: TrainConfig) -> list[tuple[str, str]]:
-    """(config key, path) of every data source of the run: training and validation."""
-    sources = [("data.path", cfg.data.path)] if cfg.data.blend is None else [
-        (f"data.blend[{i}].path", s.path) for i, s in enumerate(cfg.data.blend)]
-    if cfg.data.valid_path is not None:
-        sources.append(("data.valid_path", cfg.data.valid_path))
-    return [(key, path) for key, path in sources if path]  # type: ignore[misc]
-
-
-def _check_indexed_sources(cfg: TrainConfig) -> None:
-    """A Megatron indexed dataset among the sources needs ``data.tokenizer`` and a pretraining run.
-    Only prefixes whose files exist are recognised: a saved config is re-read (exports, --follow)
-    where the data may be gone, and the run names a missing source when it reads it."""
-    sources = [(key, path) for key, path in _data_sources(cfg) if not Path(path).is_dir()]
-    if not sources:
-        return  # prepared directories only: the data readers are not needed
-    # deferred: loading a config imports no data readers unless a source may be a prefix
-    from megatron_wedlm.data.indexed import is_indexed_prefix, prefix_refusal
-
-    for key, path in sources:
-        refusal = prefix_refusal(path, key, cfg.trainer.task, cfg.data.tokenizer) if is_indexed_prefix(path) else None
-        if refusal:
-            raise ConfigError(refusal)
-
-
-AUTO_VALID_PATH = "auto"
-
-
-def resolve_valid_path(cfg: TrainConfig) -> None:
-    """``data.valid_path=auto`` becomes ``<data.path>/valid`` when ``prepare_data.py
-    --valid-fraction`` wrote it there, else None (the run then says it validates nothing), so one
-    config serves data prepared with or without a held-out part."""
-    if cfg.data.valid_path != AUTO_VALID_PATH:
-        return
-    # deferred: a config without validation data imports no data readers
-    from megatron_wedlm.data.prepare import MANIFEST_FILE
-    from megatron_wedlm.data.tokenize_part import VALID_DIR
-
-    candidate = Path(cfg.data.path) / VALID_DIR if cfg.data.path and cfg.data.blend is None else None
-    cfg.data.valid_path = str(candidate) if candidate and (candidate / MANIFEST_FILE).is_file() else None
-
-
 def training_data_dir(cfg: TrainConfig) -> str | None:
     """The source (directory or indexed prefix) whose manifest and tokenizer describe the run's
     data: ``data.path``, or the first ``data.blend`` source (the others must match it)."""
     return cfg.data.path if cfg.data.blend is None else cfg.data.blend[0].path
-
-
-def _check_valid_data(cfg: TrainConfig) -> None:
-    """``data.valid_path`` must be tokenized as the training data (``data.path``, or the first
-    ``data.blend`` source, which the others match) and prepared for this run's task: validation
-    rows are built by the same loader and scored by the same model and objective. A Megatron
-    indexed dataset is tokenized as ``data.tokenizer`` says (its tokens are checked where the run
-    reads it)."""
-    valid, train = cfg.data.valid_path, training_data_dir(cfg)
-    if valid is None:
-        return
-    # deferred: a config without validation data imports no data readers
-    from megatron_wedlm.data.indexed import is_indexed_prefix, tokenizer_manifest
-    from megatron_wedlm.data.prepare import MANIFEST_FILE, read_manifest, read_task_manifest, tokenization_of
-
-    if not (Path(valid) / MANIFEST_FILE).is_file() and not is_indexed_prefix(valid):
-        # A saved config is re-read (exports, --follow) where the data may be gone; the run itself
-        # refuses a missing source when it reads it (training/run_data.py).
-        return
-
-    def manifest_of(path: str, key: str | None) -> dict:
-        if is_indexed_prefix(path):  # a pretraining source (_check_indexed_sources) of data.tokenizer's ids
-            return tokenizer_manifest(cfg.data.tokenizer)  # type: ignore[arg-type]
-        return read_task_manifest(path, cfg.trainer.task, key) if key else read_manifest(path)
-
-    try:
-        valid_manifest = manifest_of(valid, "data.valid_path")
-    except (OSError, ValueError) as err:
-        raise ConfigError(str(err)) from None
-    try:
-        train_manifest = manifest_of(train, None)  # type: ignore[arg-type]
-    except (OSError, ValueError):
-        return  # data.path itself is checked (and refused) where the run reads it
-    train_format = tokenization_of(train, train_manifest)  # type: ignore[arg-type]
-    valid_format = tokenization_of(valid, valid_manifest)
-    for key, value in train_format.items():
-        if valid_format[key] != value:
-            raise ConfigError(
-                f"data.valid_path={valid} was prepared with another tokenizer or mask token than data.path={train} "
-                f"({key}: {valid_format[key]!r} vs {value!r}); prepare both with the same --tokenizer and "
-                "--mask-token (tools/prepare_data.py --valid-fraction splits one input into both; a Megatron "
-                "indexed dataset is read with data.tokenizer)"
-            )
 
 
 def _check_model_from_scratch(model: ModelConfig) -> None:

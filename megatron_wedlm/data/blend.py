@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .dual_stream import DualStreamBatch, stack_dual_stream_batches
-from .prepare import tokenization_of
+from .manifest import tokenization_difference, tokenization_of
 from .webdataset_loader import LoaderSpec, RowItem, TrainDataIterator
 
 __all__ = [
@@ -111,15 +111,13 @@ def check_compatible_sources(sources: Sequence[tuple[str, str, dict[str, Any]]])
     first_name, first_dir, first_manifest = sources[0]
     reference = tokenization_of(first_dir, first_manifest)
     for name, data_dir, manifest in sources[1:]:
-        current = tokenization_of(data_dir, manifest)
-        for key, value in reference.items():
-            if current[key] != value:
-                raise ValueError(
-                    f"data.blend sources '{first_name}' ({first_dir}) and '{name}' ({data_dir}) differ in their "
-                    f"{key}: {value!r} vs {current[key]!r}; every source must be prepared by tools/prepare_data.py "
-                    "for the same task with the same tokenizer (re-prepare one of them; a Megatron indexed dataset "
-                    "is read with data.tokenizer)"
-                )
+        difference = tokenization_difference(reference, tokenization_of(data_dir, manifest))
+        if difference:
+            raise ValueError(
+                f"data.blend sources '{first_name}' ({first_dir}) and '{name}' ({data_dir}) differ in their "
+                f"{difference}; every source must be prepared by tools/prepare_data.py for the same task with the "
+                "same tokenizer (re-prepare one of them; a Megatron indexed dataset is read with data.tokenizer)"
+            )
 
 
 # --------------------------------------------------------------------------------------------

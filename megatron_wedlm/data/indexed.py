@@ -5,8 +5,8 @@ often too large to tokenize again. A prefix is therefore read where a prepared d
 and the rest of the system does not know the difference:
 
 * **A manifest of the same shape** (:func:`indexed_manifest`): task ``pretrain``, the tokenizer
-  named by ``data.tokenizer`` (an absolute path, so :func:`~.prepare.tokenizer_dir_of` and
-  :func:`~.prepare.tokenization_of` find it and checkpoints copy it), its special ids and length,
+  named by ``data.tokenizer`` (an absolute path, so :func:`~.manifest.tokenizer_dir_of` and
+  :func:`~.manifest.tokenization_of` find it and checkpoints copy it), its special ids and length,
   counts, and *virtual* shards: consecutive ranges of ``documents_per_shard`` documents, named
   ``documents:START:END``. With the default, tools/prepare_data.py's ``--samples-per-shard``, the
   same documents give the same shards either way, hence the same rows, masks and positions.
@@ -46,7 +46,8 @@ import numpy as np
 from megatron_wedlm.runtime.cache import default_cache_dir
 from megatron_wedlm.runtime.hf_local import tokenizer_files_in
 
-from .prepare import load_tokenizer_with_mask, read_manifest, read_task_manifest
+from .manifest import read_manifest, read_task_manifest
+from .tokenize_part import load_tokenizer_with_mask
 
 __all__ = [
     "DEFAULT_DOCUMENTS_PER_SHARD",
@@ -141,7 +142,7 @@ def read_source_manifest(
 
 
 def read_source_task_manifest(path: str | Path, task: str, key: str, **options: Any) -> dict[str, Any]:
-    """:func:`~.prepare.read_task_manifest` for any source (``options``: those of
+    """:func:`~.manifest.read_task_manifest` for any source (``options``: those of
     :func:`read_source_manifest`); errors name the config key ``key``. A prefix holds pretraining
     documents only: its documents carry no prompt/reply split."""
     if not is_indexed_prefix(path):
@@ -184,7 +185,7 @@ _tokenizers: dict[str, tuple[list, dict[str, Any]]] = {}
 
 def tokenizer_manifest(tokenizer_dir: str | Path) -> dict[str, Any]:
     """What a prefix's manifest says about its tokenization (the whole manifest but its shards and
-    counts; enough for :func:`~.prepare.tokenization_of`). The tokenizer must hold a mask token:
+    counts; enough for :func:`~.manifest.tokenization_of`). The tokenizer must hold a mask token:
     checkpoints and exports copy its files, which must name the token the model trains with."""
     path = Path(tokenizer_dir).resolve()
     files = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in tokenizer_files_in(path)] \

@@ -1,71 +1,28 @@
-"""Raw text / chat data -> tokenized webdataset shards that the training loader streams.
-
-What a prepared directory holds (the contract with :mod:`.webdataset_loader`):
-
-* ``shard-000000.tar`` ...: webdataset tar shards. One sample per document: ``<key>.tokens.npy``
-  (int32 token ids) and ``<key>.json`` (``{"prompt_length": k, "source": "file:line"}``;
-  ``prompt_length`` is 0 for pretraining).
-* ``tokenizer/``: the tokenizer used, saved with the mask token added if it had none.
-* ``manifest.json``: task, shard list with sample/token counts, ``mask_token_id``,
-  ``eos_token_id``, tokenizer length, and how many input lines were skipped and why; for SFT also
-  ``end_token_id``, the token that ends a reply (the last special token of the first rendered
-  reply, e.g. the chat template's ``<|im_end|>``; EOS for raw pairs; or the token of
-  ``reply_end``): the loader appends copies of it as learnable end tokens
-  (``wedlm.num_learnable_end_tokens``), and ``wedlm.mask_after_masked_end`` masks after it.
-* ``valid/`` (with ``valid_fraction`` > 0): the held-out documents, a prepared directory of its
-  own (shards, ``manifest.json``, ``tokenizer/``) for ``data.valid_path``. A document is held
-  out when a hash of its source (``file:line`` as recorded, the input path as given) falls below
-  the fraction, so the split is the same on every re-run with the same inputs and does not move
-  when documents are added elsewhere.
+"""Raw text or chat records -> a prepared directory of tokenized webdataset shards (the layout
+and manifest are :mod:`.manifest`'s contract).
 
 Inputs (:mod:`.input_formats`): JSON lines (plain, ``.gz``, ``.zst``), parquet, Arrow
-``save_to_disk`` directories and plain text. Pretraining records hold the document in
-``text_field`` (a JSON key or a column); plain text files are one document per file, paragraph
-or line (``text_unit``). Text is tokenized with special-token parsing off,
-so a literal ``<|mask|>`` in the data is ordinary text, and the EOS token is appended.
+``save_to_disk`` directories and plain text; SFT takes records only (``messages``, or ``prompt``
+and ``response``), rendered with the chat template, only the final reply learnt
+(:mod:`.tokenize_part`). What is made of them is a :class:`PrepareOptions`.
 
-SFT records (JSON lines, parquet or Arrow): ``{"messages": [{"role", "content"}, ...]}`` whose last message is
-the assistant's reply, or ``{"prompt": ..., "response": ...}`` (``"completion"`` is accepted for
-``"response"``). The conversation is rendered with the tokenizer's chat template; the prompt is
-everything before the final reply (the template's generation prompt included), and only the
-final reply is learnt. With ``chat_template=None`` and ``raw_sft=True`` pairs are concatenated
-as ``prompt + response + EOS`` (for base-model tasks that have no chat format).
+Bad input lines are skipped and reported as ``file:line: reason``. Invalid UTF-8 stops the run
+naming ``file:line`` (as HF ``datasets`` and Megatron-LM's ``preprocess_data.py`` do: a replaced
+byte trains the model on U+FFFD), unless ``encoding_errors="replace"``, which counts it per file.
 
-``reply_end`` names the reply's end where it is text before the closing special tokens, such as
-the newline that ends every answer of the built-in tasks and stops their decoding: its single token
-becomes ``end_token_id``, and a reply whose last token before its closing special tokens is
-another one is a bad line (so no sample quietly lacks the end the loader masks after).
-
-Bad input lines (invalid JSON, missing or non-string field, empty text, malformed messages, a
-sample with nothing to learn) are skipped; each is reported as ``file:line: reason`` and the
-summary counts them by reason.
-
-Input that is not valid UTF-8 stops the run by default, naming ``file:line`` (as HF ``datasets``
-and Megatron-LM's ``preprocess_data.py`` do: a silently replaced byte would train the model on
-U+FFFD where the data had other text). ``encoding_errors="replace"`` keeps going with U+FFFD in
-place of each invalid byte sequence and records, per file, how many bytes on how many lines were
-replaced (console, summary and ``manifest.json`` under ``invalid_utf8``).
-
-**Parallel, partitioned, resumable.** The input is cut into parts that depend on the files
-alone (:func:`.input_formats.plan_parts`, :func:`default_part_bytes`); each part is tokenized into shards of its own in the
-work directory ``<output>.parts/`` (:mod:`.tokenize_part`), by ``workers`` processes, or, with
-``partition=(i, n)``, only the parts ``p`` with ``p % n == i`` (one job of a SLURM array or one
-per node on a shared file system). A finished part is a directory renamed into place with its
-``part.json``; a killed or failed run keeps its finished parts, and the same command goes on
-with the others (``plan.json`` records the inputs and options; other ones are refused unless
-``overwrite``). When every part is finished, the merge links the parts' shards, in part order,
-into the output as ``shard-NNNNNN.tar`` and writes the manifest; the output is thus the same
-documents, in the same order and shards, for any worker count or partitioning.
-
-The output is written into a temporary sibling directory and renamed into place at the end
-(:func:`megatron_wedlm.runtime.atomic_output.atomic_output_dir`): inputs are checked first, an
-output that overlaps an input is refused, and a failed run (a typo in an input path, no usable
-sample, a full disk) leaves an earlier prepared directory exactly as it was.
+Parallel, partitioned, resumable: the input is cut into parts that depend on the files alone
+(:func:`.input_formats.plan_parts`); each is tokenized into its own directory under
+``<output>.parts/``, by ``workers`` processes or, with ``partition=(i, n)``, one job of a SLURM
+array. A finished part survives a killed run, and the same command goes on with the others
+(``plan.json`` holds the inputs and options; other ones are refused unless ``overwrite``). The
+merge links the parts' shards in part order, so the output is the same for any worker count or
+partitioning. The output is written beside its place and renamed into it when complete
+(:func:`~megatron_wedlm.runtime.atomic_output.atomic_output_dir`), so a failed run leaves an
+earlier prepared directory as it was.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -85,8 +42,6 @@ from megatron_wedlm.runtime.atomic_output import (
     is_disk_full,
     remove_dead_writers,
 )
-from megatron_wedlm.runtime.hf_local import tokenizer_files_in
-
 from .input_formats import (
     ENCODING_ERRORS,
     BadLine,
@@ -97,11 +52,12 @@ from .input_formats import (
     input_format,
     plan_parts,
 )
+from .manifest import FORMAT_VERSION, MANIFEST_FILE, TOKENIZER_DIR, VALID_DIR
 from .tokenize_part import (
     DEFAULT_MASK_TOKEN,
     PART_FILE,
-    VALID_DIR,
     PartOptions,
+    PrepareOptions,
     PartResult,
     Sample,
     cached_run_tokenizer,
@@ -116,11 +72,9 @@ __all__ = [
     "BadLine",
     "InputFormatError",
     "InvalidUtf8Error",
+    "PrepareOptions",
     "PrepareSummary",
     "Sample",
-    "MANIFEST_FILE",
-    "TOKENIZER_DIR",
-    "VALID_DIR",
     "DEFAULT_MASK_TOKEN",
     "default_part_bytes",
     "ENCODING_ERRORS",
@@ -130,23 +84,15 @@ __all__ = [
     "merge_parts",
     "prepare_dataset",
     "prepare_partition",
-    "read_manifest",
-    "read_task_manifest",
-    "tokenization_of",
-    "tokenizer_dir_of",
     "work_dir_of",
 ]
 
-MANIFEST_FILE = "manifest.json"
-TOKENIZER_DIR = "tokenizer"
 PLAN_FILE = "plan.json"
-FORMAT_VERSION = 1
 PLAN_VERSION = 1
 _TEXT_UNITS = ("file", "paragraph", "line")
-#: Bounds of the default part size, 1/64 of the input: at least 64 parts, so that every worker of
-#: a machine gets several and they finish together, even on one 10 MB file; at most 64 MiB, so a
-#: killed run loses little; at least 1 MiB, so a part's fixed costs (a hand-off to a worker, a
-#: partial last shard) stay small.
+#: Bounds of the default part size, 1/64 of the input: many parts, so every worker gets several
+#: and they finish together; at most 64 MiB, so a killed run loses little; at least 1 MiB, so a
+#: part's fixed costs (a hand-off to a worker, a partial last shard) stay small.
 MIN_PART_BYTES, MAX_PART_BYTES = 1 << 20, 64 << 20
 
 
@@ -159,8 +105,8 @@ class PrepareSummary:
     num_shards: int = 0
     mask_token_id: int = -1
     mask_token_added: bool = False
-    end_token_id: int | None = None  # SFT: the token that ends a reply (see tokenize_part._reply_end_token)
-    reply_end: str | None = None  # SFT: the text named as the reply's end (prepare_dataset's reply_end)
+    end_token_id: int | None = None  # SFT: the token that ends a reply
+    reply_end: str | None = None  # SFT: the text named as the reply's end (PrepareOptions.reply_end)
     bad_lines: int = 0
     bad_by_reason: dict[str, int] = field(default_factory=dict)
     invalid_utf8: dict[str, dict[str, int]] = field(default_factory=dict)  # file -> bytes, lines, first_line
@@ -449,19 +395,18 @@ def _drain(queue: Any, progress: _Progress) -> None:
 
 
 def prepare_partition(
-    inputs: Sequence[str | Path], output_dir: str | Path, tokenizer_dir: str | Path, partition: tuple[int, int], *,
-    workers: int = 1, part_bytes: int | None = None, overwrite: bool = False, show_progress: bool = False,
-    **options: Any,
+    inputs: Sequence[str | Path], output_dir: str | Path, tokenizer_dir: str | Path, partition: tuple[int, int],
+    options: PrepareOptions = PrepareOptions(), *, workers: int = 1, part_bytes: int | None = None,
+    overwrite: bool = False, show_progress: bool = False,
 ) -> PartitionReport:
     """Prepare partition ``i`` of ``n`` (``partition=(i, n)``) of the parts into the work
     directory; :func:`merge_parts` writes the output once every partition is finished. The other
-    keywords are :func:`prepare_dataset`'s."""
+    arguments are :func:`prepare_dataset`'s."""
     i, n = partition
     if not (n >= 1 and 0 <= i < n):
         raise ValueError(f"partition {i}/{n}: give I/N with 0 <= I < N")
     out = Path(output_dir)
-    plan = _plan(inputs, out, PartOptions(task=options.pop("task", "pretrain"), tokenizer_dir=str(tokenizer_dir),
-                                             **options), part_bytes, overwrite)
+    plan = _plan(inputs, out, PartOptions.of(options, tokenizer_dir), part_bytes, overwrite)
     mine = [p for p in range(len(plan["parts"])) if p % n == i]
     before = _run_parts(plan, mine, workers, show_progress, out)
     work = work_dir_of(out)
@@ -470,49 +415,20 @@ def prepare_partition(
 
 
 def prepare_dataset(
-    inputs: Sequence[str | Path],
-    output_dir: str | Path,
-    tokenizer_dir: str | Path,
-    *,
-    task: str = "pretrain",
-    samples_per_shard: int = 10_000,
-    text_field: str = "text",
-    text_unit: str = "paragraph",
-    add_eos: bool = True,
-    mask_token: str = DEFAULT_MASK_TOKEN,
-    chat_template: str | None = None,
-    raw_sft: bool = False,
-    overwrite: bool = False,
-    report: Callable[[str], None] | None = None,
-    max_reported: int = 100,
-    encoding_errors: str = "strict",
-    valid_fraction: float = 0.0,
-    reply_end: str | None = None,
-    workers: int = 1,
-    part_bytes: int | None = None,
-    show_progress: bool = False,
+    inputs: Sequence[str | Path], output_dir: str | Path, tokenizer_dir: str | Path,
+    options: PrepareOptions = PrepareOptions(), *, workers: int = 1, part_bytes: int | None = None,
+    overwrite: bool = False, show_progress: bool = False, report: Callable[[str], None] | None = None,
 ) -> PrepareSummary:
-    """Tokenize ``inputs`` into webdataset shards under ``output_dir``; see the module docstring.
+    """Tokenize ``inputs`` into a prepared directory ``output_dir`` as ``options`` say.
 
-    ``valid_fraction``: the share of documents held out into ``output_dir/valid`` (0: none).
-    ``reply_end`` (SFT): the text, one token, that ends every reply before its closing special
-    tokens; recorded as ``end_token_id`` (None: the reply's last special token).
     ``workers``: processes tokenizing parts at once (one core each); ``part_bytes``: about how
-    much input a part holds (None: :func:`default_part_bytes`).
-
-    ``report`` receives one line per bad input line (the first ``max_reported``) and per file
-    with replaced invalid UTF-8, and is stderr by default. Every input is checked and the
-    tokenizer loaded before anything is written; the output replaces an earlier one only when
-    complete. Returns the run summary (also stored in ``manifest.json``).
+    much input a part holds (None: :func:`default_part_bytes`). ``report`` receives one line per
+    bad input line (the first ``options.max_reported``) and per file with replaced invalid
+    UTF-8 (default: stderr). Every input is checked and the tokenizer loaded before anything is
+    written. Returns the run summary (also stored in ``manifest.json``).
     """
-    options = PartOptions(
-        task=task, tokenizer_dir=str(tokenizer_dir), samples_per_shard=samples_per_shard, text_field=text_field,
-        text_unit=text_unit, add_eos=add_eos, mask_token=mask_token, chat_template=chat_template, raw_sft=raw_sft,
-        encoding_errors=encoding_errors, valid_fraction=valid_fraction, reply_end=reply_end,
-        max_reported=max_reported,
-    )
     out = Path(output_dir)
-    plan = _plan(inputs, out, options, part_bytes, overwrite)
+    plan = _plan(inputs, out, PartOptions.of(options, tokenizer_dir), part_bytes, overwrite)
     before = _run_parts(plan, range(len(plan["parts"])), workers, show_progress, out)
     report = report or (lambda line: print(line, file=sys.stderr))
     if before:
@@ -659,62 +575,3 @@ def _manifest(
         "encoding_errors": encoding_errors,
         "invalid_utf8": summary.invalid_utf8,
     }
-
-
-def read_manifest(data_dir: str | Path) -> dict[str, Any]:
-    """The manifest of a prepared directory, with a clear error when it is not one."""
-    path = Path(data_dir) / MANIFEST_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{data_dir} is not a prepared dataset (no {MANIFEST_FILE}); run tools/prepare_data.py")
-    manifest = json.loads(path.read_text())
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise ValueError(
-            f"{path}: format_version {manifest.get('format_version')} is not {FORMAT_VERSION}; re-run tools/prepare_data.py"
-        )
-    return manifest
-
-
-
-def read_task_manifest(data_dir: str | Path, task: str, key: str) -> dict[str, Any]:
-    """The manifest of ``data_dir`` (named by the config key ``key`` in errors), refused with a
-    ValueError when it is not a prepared directory or was prepared for another ``task``."""
-    try:
-        manifest = read_manifest(data_dir)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{key}: {err}") from None
-    if manifest["task"] != task:
-        raise ValueError(
-            f"{key}={data_dir} holds '{manifest['task']}' data but this is a {task} run; "
-            f"prepare it with tools/prepare_data.py --task {task}"
-        )
-    return manifest
-
-
-# Files that do not change what token ids mean: the config holds the chat template and the
-# loading options (e.g. the directory it was loaded from), not the vocabulary.
-_NOT_VOCABULARY = ("tokenizer_config.json", "chat_template.jinja", "chat_template.json")
-
-
-def tokenization_of(data_dir: str | Path, manifest: dict[str, Any]) -> dict[str, Any]:
-    """What must agree between prepared directories whose rows one model reads (blend sources,
-    training and validation data): the task, the special ids, the mask token and a hash of the
-    tokenizer files (names and bytes of each tokenizer file but the config and the chat template)."""
-    directory = tokenizer_dir_of(data_dir, manifest)
-    digest = hashlib.sha256()
-    # the tokenizer's own files only: the directory may be a converted checkpoint's, weights and all
-    for file in sorted(p for p in tokenizer_files_in(directory) if p.name not in _NOT_VOCABULARY):
-        digest.update(str(file.relative_to(directory)).encode() + b"\0" + file.read_bytes() + b"\0")
-    return {
-        "task": manifest["task"],
-        "mask token id": manifest["mask_token_id"],
-        "tokenizer length": manifest.get("tokenizer_length"),
-        "eos token id": manifest.get("eos_token_id"),
-        "pad token id": manifest.get("pad_token_id"),
-        "tokenizer files": digest.hexdigest()[:16],
-        "mask token": manifest.get("mask_token"),
-    }
-
-
-def tokenizer_dir_of(data_dir: str | Path, manifest: dict[str, Any]) -> Path:
-    """The tokenizer a prepared directory was tokenized with (the manifest names its subdirectory)."""
-    return Path(data_dir) / manifest.get("tokenizer", TOKENIZER_DIR)

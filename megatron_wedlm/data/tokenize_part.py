@@ -19,7 +19,7 @@ import os
 import shutil
 import tarfile
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -29,12 +29,14 @@ from megatron_wedlm.runtime.atomic_output import writer_tag
 from megatron_wedlm.runtime.hf_local import load_tokenizer, read_config, reference_mask_token_id
 
 from .input_formats import SFT_FIELDS, BadLine, Part, Utf8Decoder, part_records
+from .manifest import VALID_DIR
 
 __all__ = [
     "DEFAULT_MASK_TOKEN",
     "PART_FILE",
     "PartOptions",
     "PartResult",
+    "PrepareOptions",
     "Sample",
     "VALID_DIR",
     "holds_out",
@@ -48,7 +50,6 @@ __all__ = [
 
 DEFAULT_MASK_TOKEN = "<|mask|>"
 PART_FILE = "part.json"  # written last into a part's directory: the part is complete
-VALID_DIR = "valid"  # the held-out documents (valid_fraction > 0), in a part and in the output
 _BATCH = 512  # documents tokenized per call (fast tokenizers batch in Rust)
 
 
@@ -59,14 +60,18 @@ class Sample:
     source: str
 
 
+@dataclass(frozen=True, kw_only=True)
+class PrepareOptions:
+    """What a preparation makes of its input: how records are read, tokenized, split and sharded.
+    These options decide the output (a plan with other ones is refused); how the run goes
+    (workers, part size, progress) is given to :func:`.prepare.prepare_dataset` apart.
 
+    ``valid_fraction``: the share of documents held out into ``valid/`` (0: none). ``reply_end``
+    (SFT): the text, one token, that ends every reply before its closing special tokens, recorded
+    as ``end_token_id`` (None: the reply's last special token). ``max_reported``: bad lines listed
+    one by one (the others are counted)."""
 
-@dataclass(frozen=True)
-class PartOptions:
-    """How every part of one preparation is read and tokenized (picklable, for the workers)."""
-
-    task: str
-    tokenizer_dir: str
+    task: str = "pretrain"
     samples_per_shard: int = 10_000
     text_field: str = "text"
     text_unit: str = "paragraph"
@@ -78,6 +83,17 @@ class PartOptions:
     valid_fraction: float = 0.0
     reply_end: str | None = None
     max_reported: int = 100
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartOptions(PrepareOptions):
+    """How every part of one preparation is read and tokenized (picklable, for the workers)."""
+
+    tokenizer_dir: str
+
+    @classmethod
+    def of(cls, options: PrepareOptions, tokenizer_dir: str | Path) -> PartOptions:
+        return cls(tokenizer_dir=str(tokenizer_dir), **{f.name: getattr(options, f.name) for f in fields(PrepareOptions)})
 
     def fingerprint(self) -> str:
         """What a finished part depends on besides its input: these options and the tokenizer

@@ -83,7 +83,7 @@ from .dual_stream import (
 )
 from .indexed import indexed_file_sizes, shard_documents, shard_range
 from .packing import next_piece_length, piece_prompt_length, spared_places
-from .prepare import read_manifest
+from .manifest import read_manifest
 from .seeding import rank_seed
 
 __all__ = [

@@ -28,15 +28,13 @@ from megatron_wedlm.runtime.parallel import batched_p2p_supported
 from .attention_backends import get_attention_backend
 from .hf_config import ModelArgs
 from .layer_spec import get_wedlm_block_spec
+from .recompute import RECOMPUTE_MODES
 from .rope import LogicalRotaryEmbedding
 
 __all__ = [
     "BuildSettings", "ModelChunks", "RECOMPUTE_MODES", "WeDLMGPTModel", "build_model_chunks", "build_wedlm_model",
     "wedlm_transformer_config",
 ]
-
-#: ``BuildSettings.recompute`` values: activation recomputation of nothing, core attention, whole layers.
-RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -98,31 +99,38 @@ def build_tiny_ar_tokenizer(extra_texts: Iterable[str] = (), vocab_size: int = 4
     return as_hf_tokenizer(tok, mask_token=None)
 
 
+@dataclass(frozen=True)
+class TinyShape:
+    """The architecture knobs of :func:`build_tiny_causal_lm` (None: derived from the others)."""
+
+    hidden_size: int = 32
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int | None = None  # None: hidden_size // num_heads
+    intermediate_size: int | None = None  # None: 2 x hidden_size
+    tie_word_embeddings: bool = False
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 1024
+    attention_bias: bool | None = None  # None: the family's default
+
+
 def build_tiny_causal_lm(
     arch: str = "qwen2",
+    shape: TinyShape = TinyShape(),
     *,
     vocab_size: int,
-    hidden_size: int = 32,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    head_dim: int | None = None,
-    intermediate_size: int | None = None,
-    tie_word_embeddings: bool = False,
-    rope_theta: float = 10000.0,
-    rms_norm_eps: float = 1e-6,
-    max_position_embeddings: int = 1024,
     eos_token_id: int | None = None,
     pad_token_id: int | None = None,
     mask_token_id: int | None = None,
-    attention_bias: bool | None = None,
     seed: int = 0,
 ) -> PreTrainedModel:
-    """A random Qwen2 / Qwen3 / Llama causal LM with every shape knob exposed (fp32, eval mode).
+    """A random Qwen2 / Qwen3 / Llama causal LM of ``shape`` (fp32, eval mode).
 
     For tests that need shapes :func:`build_tiny_model` fixes: Llama, tied embeddings, a
     head_dim other than hidden/heads, a vocabulary sized independently of a tokenizer. Weights
-    are scaled up from the config's tiny init (std 0.02) so layers visibly change the logits --
+    are scaled up from the config's tiny init (std 0.02) so layers visibly change the logits:
     a mapping bug then shows as a large difference rather than one lost in rounding.
     """
     families = {
@@ -135,20 +143,20 @@ def build_tiny_causal_lm(
     config_cls, model_cls = families[arch]
     config = config_cls(
         vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size or 2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim or hidden_size // num_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
-        rms_norm_eps=rms_norm_eps,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size or 2 * shape.hidden_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim or shape.hidden_size // shape.num_heads,
+        max_position_embeddings=shape.max_position_embeddings,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
+        rms_norm_eps=shape.rms_norm_eps,
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         bos_token_id=None,
-        **({} if attention_bias is None else {"attention_bias": attention_bias}),
+        **({} if shape.attention_bias is None else {"attention_bias": shape.attention_bias}),
     )
     if mask_token_id is not None:
         config.mask_token_id = mask_token_id

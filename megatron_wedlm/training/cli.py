@@ -18,6 +18,7 @@ import sys
 import traceback
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
+from megatron_wedlm.config.data_check import check_data_files
 from megatron_wedlm.config.loading import config_to_yaml, load_config
 from megatron_wedlm.config.schema import ConfigError
 
@@ -78,6 +79,7 @@ def run_entry_point(argv: Sequence[str] | None, task: str, backends: Backends) -
     rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = load_config(args.config, overrides, defaults={"trainer": {"task": task}})
+        check_data_files(cfg)  # the data the config names, before any process group exists
         if cfg.trainer.task != task:
             raise ConfigError(f"trainer.task={cfg.trainer.task!r} but this is the {task} entry point")
         if cfg.trainer.backend not in backends:

@@ -60,7 +60,7 @@ from pathlib import Path
 import torch
 
 from megatron_wedlm.config.schema import ConfigError, TrainConfig, training_data_dir, validate_layout
-from megatron_wedlm.data.prepare import MANIFEST_FILE
+from megatron_wedlm.data.manifest import MANIFEST_FILE
 from megatron_wedlm.model.attention_backends import resolve_attention_backend
 from megatron_wedlm.model.hf_config import ModelArgs, find_model_args_file, load_model_args
 
