@@ -33,6 +33,7 @@ after an interruption decodes only what is missing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -45,9 +46,10 @@ from megatron_wedlm.decoding import METHODS
 from megatron_wedlm.decoding.cli import add_decoding_arguments, cli_values, float_list
 from megatron_wedlm.decoding.inputs import DTYPES
 from megatron_wedlm.decoding.options import describe, resolve_decoding_settings, window_settings
+from megatron_wedlm.decoding.settings import DecodeSettings
 from megatron_wedlm.eval import evaluate, load_tasks, write_report
 from megatron_wedlm.eval.follow import FollowSettings, follow_run
-from megatron_wedlm.eval.runner import BATCH_SIZE, SPEED_EXAMPLES
+from megatron_wedlm.eval.runner import BATCH_SIZE, SPEED_EXAMPLES, EvalPlan
 from megatron_wedlm.eval.sharding import Shard
 from megatron_wedlm.training.hf_export import load_checkpoint, training_checkpoint
 
@@ -179,14 +181,13 @@ def _evaluate(args: argparse.Namespace, methods: list[str], shots: dict[str, int
               + ", ".join(f"{t.name} ({len(t.examples)})" for t in tasks), file=sys.stderr)
         print(f"decoding settings: {describe(values, sources)}", file=sys.stderr)
     start = time.perf_counter()
-    report = evaluate(
-        model, tokenizer, tasks, methods, taus=taus, mask_token_id=args.mask_token_id,
-        **window_settings(values), stop_at_eos=args.stop_at_eos,
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, seed=args.seed, chat=args.chat, keep_samples=not args.no_samples,
-        progress=talk, model_name=args.model, batch_size=args.batch_size, speed_examples=args.speed_examples,
-        shard=shard, parts_dir=os.path.join(args.out, "parts"), identity=_checkpoint_identity(training_checkpoint(args.model) or args.model),
+    plan = _plan(args, tasks, methods, progress=talk)
+    plan = dataclasses.replace(
+        plan, taus=taus, model_name=args.model, shard=shard,
+        settings=DecodeSettings.build(plan.settings, **window_settings(values)), parts_dir=os.path.join(args.out, "parts"),
+        identity=_checkpoint_identity(training_checkpoint(args.model) or args.model),
     )
+    report = evaluate(model, tokenizer, plan)
     if report is None:  # not rank 0: its decodes went into rank 0's report
         return 0
     report.settings["decoding_sources"] = sources  # where window, tau, lambda, refill and stop fill came from
@@ -200,14 +201,21 @@ def _evaluate(args: argparse.Namespace, methods: list[str], shots: dict[str, int
 
 def _follow(args: argparse.Namespace, tasks: list, methods: list[str]) -> int:
     """``--follow``: evaluate every checkpoint of a training run as it appears."""
-    options = dict(mask_token_id=args.mask_token_id, stop_at_eos=args.stop_at_eos, max_new_tokens=args.max_new_tokens,
-                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat,
-                   keep_samples=not args.no_samples, progress=not args.quiet)
-    settings = FollowSettings(tasks, methods, taus=args.taus, device=args.device, dtype=args.dtype,
-                              decoding=cli_values(args), evaluate_options=options, report_dir=args.out)
+    plan = _plan(args, tasks, methods, progress=not args.quiet)
+    settings = FollowSettings(plan, device=args.device, dtype=args.dtype, decoding=cli_values(args),
+                              report_dir=args.out)
     follow_run(args.follow, settings, until_step=args.follow_until, poll_interval_s=args.poll_interval,
                wait_for_run_s=args.follow_wait)
     return 0
+
+
+def _plan(args: argparse.Namespace, tasks: list, methods: list[str], progress: bool) -> EvalPlan:
+    """The evaluation the command line asks for, less what each model adds: its window settings and tau."""
+    sampling = DecodeSettings(mask_token_id=args.mask_token_id, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p)
+    return EvalPlan(tasks, methods, taus=args.taus or (), settings=sampling, max_new_tokens=args.max_new_tokens,
+                    stop_at_eos=args.stop_at_eos, seed=args.seed, chat=args.chat, batch_size=args.batch_size,
+                    speed_examples=args.speed_examples, keep_samples=not args.no_samples, progress=progress)
 
 
 def _device(device: str | None, shard: Shard) -> str | None:

@@ -17,11 +17,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from megatron_wedlm.decoding import (
     DecodeSettings,
-    ar_generate,
-    blockwise_generate,
     generate,
     generate_batch,
-    streaming_generate,
 )
 from megatron_wedlm.decoding.model_runner import cache_keyword
 from megatron_wedlm.decoding.parallel import decode
@@ -511,7 +508,7 @@ def test_ar_greedy_equals_a_plain_argmax_loop(tokenizer):
     model = tiny_model(tokenizer, "qwen3", 1.0)
     prompt = tokenizer.encode("for i in range(10):")
     mask_id = model.config.mask_token_id
-    result = ar_generate(model, prompt, max_new_tokens=15, stop_token_ids=())
+    result = generate(model, prompt, method="ar", max_new_tokens=15, stop_token_ids=())
     ids = list(prompt)
     for _ in range(15):
         with torch.no_grad():
@@ -524,7 +521,7 @@ def test_ar_greedy_equals_a_plain_argmax_loop(tokenizer):
 
     eos = model.config.eos_token_id
     assert eos in result.token_ids
-    stopped = ar_generate(model, prompt, max_new_tokens=15)
+    stopped = generate(model, prompt, method="ar", max_new_tokens=15)
     assert stopped.token_ids == result.token_ids[: result.token_ids.index(eos) + 1]
     assert stopped.stop_reason == "stop_token"
 
@@ -609,17 +606,17 @@ def test_clear_errors(tokenizer):
     model = tiny_model(tokenizer)
     prompt = tokenizer.encode("1 2 3")
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        streaming_generate(model, list(range(5)) * 60, window_size=16)
+        generate(model, list(range(5)) * 60, method="streaming", window_size=16)
     no_mask = tiny_model(tokenizer)
     no_mask.config.mask_token_id = None
     with pytest.raises(ValueError, match="mask_token_id"):
-        streaming_generate(no_mask, prompt)
+        generate(no_mask, prompt, method="streaming")
     with pytest.raises(ValueError, match="stop_strings need a tokenizer"):
-        blockwise_generate(model, prompt, stop_strings=["x"])
+        generate(model, prompt, method="blockwise", stop_strings=["x"])
     with pytest.raises(ValueError, match="unknown decoding method"):
         generate(model, prompt, method="beam")
     with pytest.raises(ValueError, match="prompt_ids is empty"):
-        streaming_generate(model, [])
+        generate(model, [], method="streaming")
 
 
 def test_sampler_filters_restrict_the_support():

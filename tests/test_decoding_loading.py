@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from megatron_wedlm.decoding import load_wedlm_model, streaming_generate
+from megatron_wedlm.decoding import generate, load_wedlm_model
 from megatron_wedlm.testing.tiny_models import (
     TinyShape,
     build_tiny_causal_lm,
@@ -55,7 +55,7 @@ def test_official_wedlm_config_maps_onto_transformers_class(tmp_path, kind, qk_n
     ids = torch.tensor([[5, 9, 3, 17, 4]])
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, source(ids).logits, rtol=0, atol=0)
-    assert len(streaming_generate(loaded, [5, 9, 3], max_new_tokens=4).token_ids) == 4
+    assert len(generate(loaded, [5, 9, 3], method="streaming", max_new_tokens=4).token_ids) == 4
 
 
 def test_project_export_loads_and_missing_mask_token_is_named(tmp_path):

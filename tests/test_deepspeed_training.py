@@ -269,7 +269,7 @@ def test_checkpoints_hold_deepspeed_states_and_hf_exports(two_ranks):
 def test_hf_export_holds_the_trained_weights_loads_and_decodes(two_ranks, data):
     from transformers import AutoTokenizer
 
-    from megatron_wedlm.decoding import load_wedlm_model, streaming_generate
+    from megatron_wedlm.decoding import generate, load_wedlm_model
 
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -293,10 +293,10 @@ def test_hf_export_holds_the_trained_weights_loads_and_decodes(two_ranks, data):
     model = load_wedlm_model(final, device="cpu")
     assert model.config.mask_token_id == 400
     prompt = tokenizer("Count from 3 to 12:")["input_ids"]
-    result = streaming_generate(model, prompt, window_size=4, max_new_tokens=12)
+    result = generate(model, prompt, method="streaming", window_size=4, max_new_tokens=12)
     assert len(result.token_ids) == 12 and result.num_forwards >= 1
     model.load_state_dict(trained, strict=False)  # the checkpoint's own weights decode the same
-    assert streaming_generate(model, prompt, window_size=4, max_new_tokens=12).token_ids == result.token_ids
+    assert generate(model, prompt, method="streaming", window_size=4, max_new_tokens=12).token_ids == result.token_ids
 
 
 def test_a_non_finite_step_is_skipped_and_too_many_stop_the_run(two_ranks):

@@ -12,7 +12,9 @@ import torch
 
 from megatron_wedlm.decoding import GenerationResult, generate, generate_batch, load_tokenizer
 from megatron_wedlm.eval import EvalReport, builtin_task, evaluate, write_report
-from megatron_wedlm.eval.runner import combine_reports
+from megatron_wedlm.decoding.settings import DecodeSettings
+from megatron_wedlm.eval import runner
+from megatron_wedlm.eval.runner import EvalPlan, combine_reports
 from megatron_wedlm.eval.tasks import truncate_at_stop
 from megatron_wedlm.testing.tiny_models import build_tiny_model, build_tiny_tokenizer
 
@@ -50,12 +52,13 @@ class OracleDecoder:
         return GenerationResult(ids, forwards, forwards * (1 if method == "ar" else 4), seconds, method)
 
 
-def test_runner_accounting_with_an_oracle_decoder(model, tokenizer):
+def test_runner_accounting_with_an_oracle_decoder(model, tokenizer, monkeypatch):
     counting, copying = builtin_task("counting", 4, seed=5), builtin_task("copying", 3, seed=5)
     answers = {e.prompt: f" {e.reference}\nCount from" for e in counting.examples}  # extra text after the stop
     answers |= {e.prompt: " " + e.reference.replace("a", "b") for e in copying.examples}  # wrong when it has an "a"
     oracle = OracleDecoder(tokenizer, answers)
-    report = evaluate(model, tokenizer, [counting, copying], taus=(0.3, 0.7), decode_fn=oracle, warmup=False)
+    monkeypatch.setattr(runner, "generate", oracle)
+    report = evaluate(model, tokenizer, EvalPlan([counting, copying], taus=(0.3, 0.7), warmup=False))
 
     assert report.tasks == ["counting", "copying"] and report.methods == ["streaming", "blockwise", "ar"]
     assert len(report.results) == 2 * 5 and len(oracle.calls) == 7 * 5
@@ -78,8 +81,8 @@ def test_runner_accounting_with_an_oracle_decoder(model, tokenizer):
 @pytest.mark.parametrize("fused_refill", [True, False], ids=["fused", "paper"])
 def test_runner_matches_direct_decoding(model, tokenizer, fused_refill):
     task = builtin_task("arithmetic", 2, seed=0)
-    report = evaluate(model, tokenizer, [task], ["streaming", "ar"], taus=(0.5,), max_new_tokens=6,
-                      fused_refill=fused_refill)
+    report = evaluate(model, tokenizer, EvalPlan([task], ["streaming", "ar"], taus=(0.5,), max_new_tokens=6,
+                                                 settings=DecodeSettings(fused_refill=fused_refill)))
     assert report.settings["refill"] == ("fused" if fused_refill else "paper")
     for sample in report.samples:
         ids = tokenizer(next(e.prompt for e in task.examples if e.uid == sample.uid))["input_ids"]
@@ -100,7 +103,7 @@ def test_confident_model_fills_several_slots_per_forward(tokenizer):
     model = build_tiny_model(tokenizer, arch="qwen2", seed=3)
     with torch.no_grad():
         model.lm_head.weight.mul_(60.0)
-    report = evaluate(model, tokenizer, ["copying"], taus=(0.5,), limit=3, max_new_tokens=24, warmup=False)
+    report = evaluate(model, tokenizer, EvalPlan(["copying"], taus=(0.5,), limit=3, max_new_tokens=24, warmup=False))
     for method in ("streaming", "blockwise"):
         # Algorithm 1's fixed window commits a filled run one forward after filling it, so a
         # sharpened random model lands near 1.5 here; AR can never exceed 1.
@@ -111,8 +114,8 @@ def test_confident_model_fills_several_slots_per_forward(tokenizer):
 
 def test_sampled_runs_are_reproducible_from_the_seed(model, tokenizer):
     def run(seed):
-        report = evaluate(model, tokenizer, ["counting"], ["streaming", "ar"], limit=2, max_new_tokens=5,
-                          temperature=1.0, seed=seed, warmup=False)
+        report = evaluate(model, tokenizer, EvalPlan(["counting"], ["streaming", "ar"], limit=2, max_new_tokens=5,
+                                                     settings=DecodeSettings(temperature=1.0), seed=seed, warmup=False))
         return [(s.method, s.completion) for s in report.samples]
 
     first = run(seed=7)
@@ -123,11 +126,11 @@ def test_sampled_runs_are_reproducible_from_the_seed(model, tokenizer):
 def test_runner_rejects_bad_input(model, tokenizer):
     task = builtin_task("counting", 1)
     with pytest.raises(ValueError, match="unknown decoding methods"):
-        evaluate(model, tokenizer, [task], ["beam"])
+        evaluate(model, tokenizer, EvalPlan([task], ["beam"]))
     with pytest.raises(ValueError, match="no tasks"):
-        evaluate(model, tokenizer, [])
+        evaluate(model, tokenizer, EvalPlan([]))
     with pytest.raises(ValueError, match="entropy threshold"):
-        evaluate(model, tokenizer, [task], taus=())
+        evaluate(model, tokenizer, EvalPlan([task], taus=()))
 
 
 def _table_rows(markdown: str) -> dict[tuple[str, str, str], dict[str, str]]:
@@ -143,15 +146,15 @@ def _table_rows(markdown: str) -> dict[tuple[str, str, str], dict[str, str]]:
     return rows
 
 
-def test_methods_decoded_in_separate_runs_combine_into_the_report_of_one_run(model, tokenizer):
+def test_methods_decoded_in_separate_runs_combine_into_the_report_of_one_run(model, tokenizer, monkeypatch):
     """The quickstart decodes the block-wise baseline in a second process; the joined report must be
     the one a single run writes: same rows and samples in the same order, speed-ups against AR."""
     tasks = [builtin_task("counting", 3, seed=2), builtin_task("copying", 2, seed=2)]
-    oracle = OracleDecoder(tokenizer, {e.prompt: " " + e.reference for t in tasks for e in t.examples})
+    monkeypatch.setattr(runner, "generate", OracleDecoder(tokenizer, {e.prompt: " " + e.reference for t in tasks
+                                                                      for e in t.examples}))
 
     def run(methods):
-        report = evaluate(model, tokenizer, tasks, methods, taus=(0.3, 0.6), decode_fn=oracle, model_name="tiny",
-                          warmup=False)
+        report = evaluate(model, tokenizer, EvalPlan(tasks, methods, taus=(0.3, 0.6), model_name="tiny", warmup=False))
         report.settings.pop("time")
         return report
 
@@ -167,12 +170,13 @@ def test_methods_decoded_in_separate_runs_combine_into_the_report_of_one_run(mod
         combine_reports([rest, blockwise], methods=["streaming", "ar"])
 
 
-def test_report_files_round_trip(model, tokenizer, tmp_path):
+def test_report_files_round_trip(model, tokenizer, tmp_path, monkeypatch):
     oracle = OracleDecoder(tokenizer, {})
     tasks = [builtin_task("counting", 3, seed=1), builtin_task("arithmetic", 3, seed=1)]
     oracle.answers = {e.prompt: " " + e.reference for t in tasks for e in t.examples}
     oracle.answers[tasks[1].examples[0].prompt] = " -1"
-    report = evaluate(model, tokenizer, tasks, taus=(0.2, 0.4, 0.6), decode_fn=oracle, model_name="tiny")
+    monkeypatch.setattr(runner, "generate", oracle)
+    report = evaluate(model, tokenizer, EvalPlan(tasks, taus=(0.2, 0.4, 0.6), model_name="tiny"))
     paths = write_report(report, str(tmp_path / "out"))
 
     loaded = EvalReport.load(paths["json"])
@@ -253,10 +257,10 @@ def test_accuracy_mode_in_batches_equals_one_at_a_time(confident, tokenizer):
     output and counts it gets decoded alone; only the speed sample is timed."""
     tasks = [builtin_task("copying", 7, seed=4), builtin_task("counting", 5, seed=4)]
     kw = dict(taus=(0.5,), max_new_tokens=16, warmup=False)
-    alone = evaluate(confident, tokenizer, tasks, speed_examples=None, **kw)
+    alone = evaluate(confident, tokenizer, EvalPlan(tasks, speed_examples=None, **kw))
     assert all(r.timed_examples == r.num_examples for r in alone.results)
     for batch_size in (1, 3, 8):
-        batched = evaluate(confident, tokenizer, tasks, speed_examples=2, batch_size=batch_size, **kw)
+        batched = evaluate(confident, tokenizer, EvalPlan(tasks, speed_examples=2, batch_size=batch_size, **kw))
         assert _outputs(batched) == _outputs(alone)
         assert all(r.timed_examples == 2 and r.tokens_per_second for r in batched.results)
         assert [s.seconds is None for s in batched.samples if s.task == "copying" and s.method == "ar"] == \
@@ -264,7 +268,7 @@ def test_accuracy_mode_in_batches_equals_one_at_a_time(confident, tokenizer):
     assert batched.settings["batch_size"] == 8 and batched.settings["speed_examples"] == 2
 
 
-def test_a_restarted_evaluation_skips_the_decodes_kept_in_its_parts(confident, tokenizer, tmp_path):
+def test_a_restarted_evaluation_skips_the_decodes_kept_in_its_parts(confident, tokenizer, tmp_path, monkeypatch):
     tasks = [builtin_task("copying", 4, seed=1), builtin_task("counting", 3, seed=1)]
     decoded = []
 
@@ -272,10 +276,12 @@ def test_a_restarted_evaluation_skips_the_decodes_kept_in_its_parts(confident, t
         decoded.extend([settings.method] * len(prompts))
         return generate_batch(model, prompts, settings, **kwargs)
 
+    monkeypatch.setattr(runner, "generate_batch", counting_batch)
+
     def run(**kw):
-        report = evaluate(confident, tokenizer, tasks, ["streaming", "ar"], taus=(0.5,), max_new_tokens=12,
-                          speed_examples=0, parts_dir=str(tmp_path / "parts"), decode_batch_fn=counting_batch,
-                          model_name="tiny", **kw)
+        report = evaluate(confident, tokenizer, EvalPlan(tasks, ["streaming", "ar"], taus=(0.5,), max_new_tokens=12,
+                                                         speed_examples=0, parts_dir=str(tmp_path / "parts"),
+                                                         model_name="tiny", **kw))
         report.settings.pop("time")
         return report
 

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 from megatron_wedlm.decoding import GenerationResult
-from megatron_wedlm.eval import evaluate
+from megatron_wedlm.eval import evaluate, runner
 from megatron_wedlm.eval.paper_suite import load_paper_task
 from megatron_wedlm.eval.registry import load_task
 from megatron_wedlm.eval.results import EvalReport, SampleRecord
+from megatron_wedlm.eval.runner import EvalPlan
 from megatron_wedlm.eval.scoring import score_file, score_report
 from megatron_wedlm.testing.tiny_models import build_tiny_model, build_tiny_tokenizer
 
@@ -75,7 +76,7 @@ def test_bad_input_is_named(tmp_path):
         score_file(str(samples), "paper:gsm8k:/data/test.jsonl")
 
 
-def test_rescoring_a_runner_report_gives_the_runners_verdicts(tmp_path):
+def test_rescoring_a_runner_report_gives_the_runners_verdicts(tmp_path, monkeypatch):
     records = [
         {"id": f"q{i}", "question": f"Pick {k}", "choices": {"text": ["x", "y", "z"], "label": ["A", "B", "C"]},
          "answerKey": k}
@@ -91,8 +92,9 @@ def test_rescoring_a_runner_report_gives_the_runners_verdicts(tmp_path):
         ids = tokenizer(replies[tokenizer.decode(prompt_ids)])["input_ids"]
         return GenerationResult(ids, len(ids), len(ids), 0.01, settings.method)
 
-    report = evaluate(build_tiny_model(tokenizer, arch="qwen3", seed=1), tokenizer, [task], ["ar"],
-                      decode_fn=decode, warmup=False)
+    monkeypatch.setattr(runner, "generate", decode)
+    model = build_tiny_model(tokenizer, arch="qwen3", seed=1)
+    report = evaluate(model, tokenizer, EvalPlan([task], ["ar"], warmup=False))
     path = tmp_path / "report.json"
     path.write_text(report.to_json())
 

@@ -116,7 +116,7 @@ def test_follow_ends_once_no_run_holds_the_directory_and_every_checkpoint_is_eva
     finally:
         lock.release()
     assert not run_in_progress(copy)
-    settings = FollowSettings(tasks=[], methods=["ar"])  # nothing is left to evaluate
+    settings = FollowSettings(EvalPlan([], ["ar"]))  # nothing is left to evaluate
     assert follow_run(copy, settings, until_step=100, poll_interval_s=0.01) == []
 
 
@@ -128,8 +128,8 @@ def test_follow_wait_bridges_the_gap_between_two_jobs_of_a_run(run, tmp_path):
     _copy_with_evaluated(run, copy, [2, 4])
     later = tmp_path / "iter_0000006"
     shutil.move(copy / "checkpoints" / "iter_0000006", later)
-    settings = FollowSettings(tasks=[load_task("counting", num_examples=1)], methods=["ar"], device="cpu",
-                              evaluate_options={"max_new_tokens": 4, "progress": False})
+    settings = FollowSettings(EvalPlan([load_task("counting", num_examples=1)], ["ar"], max_new_tokens=4),
+                              device="cpu")
     assert follow_run(copy, settings, poll_interval_s=0.01) == []  # ended at the gap
 
     said: list[str] = []
@@ -152,7 +152,7 @@ def test_follow_passes_over_the_checkpoints_of_an_abandoned_branch(run, tmp_path
     lineage = [{"run_id": trained_by, "from_step": 0}, {"run_id": "rollback", "from_step": 2}]
     record_lineage(copy / "checkpoints", lineage)
     assert [step for step, _ in lineage_checkpoints(copy / "checkpoints")] == [2]
-    settings = FollowSettings(tasks=[], methods=["ar"])  # evaluating 4 or 6 would fail: no tasks
+    settings = FollowSettings(EvalPlan([], ["ar"]))  # evaluating 4 or 6 would fail: no tasks
     assert follow_run(copy, settings, poll_interval_s=0.01) == []
 
 

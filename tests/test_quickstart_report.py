@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from megatron_wedlm.eval import builtin_task, evaluate
+from megatron_wedlm.eval import EvalPlan, builtin_task, evaluate
 from megatron_wedlm.eval.report import brief_model_name
 from megatron_wedlm.eval.results import EvalReport
 from megatron_wedlm.quickstart import summary as S
@@ -28,9 +28,11 @@ def reports(tmp_path_factory):
     """Real reports of two tiny random models: 'base' (AR only) and 'wedlm' (all methods)."""
     tok = build_tiny_tokenizer()
     tasks = [builtin_task(t, num_examples=2, seed=0) for t in TASKS]
-    base = evaluate(build_tiny_model(tok, seed=1), tok, tasks, ["ar"], max_new_tokens=6, model_name="/runs/q/hf/base")
-    wedlm = evaluate(build_tiny_model(tok, seed=2), tok, tasks, ["streaming", "blockwise", "ar"],
-                     taus=(0.4, 0.8), max_new_tokens=6, model_name="/runs/q/hf/wedlm")
+    base = evaluate(build_tiny_model(tok, seed=1), tok, EvalPlan(tasks, ["ar"], max_new_tokens=6,
+                                                                 model_name="/runs/q/hf/base"))
+    wedlm = evaluate(build_tiny_model(tok, seed=2), tok, EvalPlan(tasks, ["streaming", "blockwise", "ar"],
+                                                                  taus=(0.4, 0.8), max_new_tokens=6,
+                                                                  model_name="/runs/q/hf/wedlm"))
     root = tmp_path_factory.mktemp("reports")
     (root / "base.json").write_text(base.to_json())
     (root / "wedlm.json").write_text(wedlm.to_json())
@@ -48,8 +50,9 @@ def _summary(reports, timings=None, training=None, previous=None):
     calibration = calibration_from_reports(EvalReport.load(str(reports / "base.json")),
                                            EvalReport.load(str(reports / "wedlm.json")), ["counting", "copying"])
     return S.build_summary(reports / "base.json", reports / "wedlm.json", settings, seed=0, calibration=calibration,
-                           stages=[], timings=timings or {"total_seconds": 100.0, "longest_silence_seconds": 5.0},
-                           training=training or TRAINING, previous_fingerprint=previous)
+                           run=S.RunRecord(stages=[], timings=timings or {"total_seconds": 100.0,
+                                                                          "longest_silence_seconds": 5.0},
+                                           training=training or TRAINING, previous_fingerprint=previous))
 
 
 def _tau(data):
@@ -175,8 +178,8 @@ def test_a_task_the_base_never_learned_is_reported_as_the_base_models_failure(re
     assert calibration.operating_tau == choose_operating_tau(sweep, {"counting": 1.0}, calibration.tolerance)
     settings = load_settings(preset_path("ci"))
     data = S.build_summary(tmp_path / "base.json", tmp_path / "wedlm.json", settings, seed=0, calibration=calibration,
-                           stages=[], timings={"total_seconds": 100.0, "longest_silence_seconds": 5.0},
-                           training=TRAINING)
+                           run=S.RunRecord(stages=[], timings={"total_seconds": 100.0, "longest_silence_seconds": 5.0},
+                                           training=TRAINING))
     targets = _targets(data)
     message = "the base model did not learn copying (base AR 0.0%"
     assert targets["copying: base model learned the task"]["status"] == S.NOT_MET
@@ -214,8 +217,8 @@ def test_per_task_calibration_reports_each_task_at_its_own_tau(reports, tmp_path
     settings = load_settings(preset_path("ci"))
     settings.eval.tau_per_task = True
     data = S.build_summary(tmp_path / "base.json", tmp_path / "wedlm.json", settings, seed=0, calibration=calibration,
-                           stages=[], timings={"total_seconds": 100.0, "longest_silence_seconds": 5.0},
-                           training=TRAINING)
+                           run=S.RunRecord(stages=[], timings={"total_seconds": 100.0, "longest_silence_seconds": 5.0},
+                                           training=TRAINING))
     q, targets, report = data["quickstart"], _targets(data), EvalReport.from_dict(data)
     for task, tau in (("counting", 0.4), ("copying", 0.8)):
         stream = report.result(task, "streaming", tau)

@@ -36,6 +36,7 @@ from megatron_wedlm.decoding.options import describe, resolve_decoding_settings 
 from megatron_wedlm.decoding.settings import DecodeSettings  # noqa: E402
 from megatron_wedlm.eval.comparison import (  # noqa: E402
     DEFAULT_MC_SETS,
+    ComparePlan,
     ModelSpec,
     compare_models,
     parse_mc_sets,
@@ -87,13 +88,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[compare] streaming settings: {describe(values, sources)}", flush=True)
     prompts = [t.prompt for t in sharegpt_first_turns("test", limit=args.chat_prompts)] if args.chat_prompts else []
     models = [ModelSpec(args.base_name, args.base, base=True), *args.wedlm]
+    plan = ComparePlan(
+        mc_sets=parse_mc_sets(args.mc_sets), gen_tasks=[t for t in args.gen_tasks.split(",") if t],
+        gen_limit=args.gen_limit, chat_prompts=prompts, settings=settings, dtype=args.dtype, mc_dtype=args.mc_dtype,
+        mc_batch_size=args.mc_batch_size, chat=not args.no_chat_template, device=args.device, cache_dir=args.mc_cache,
+    )
     try:
-        report = compare_models(
-            models, mc_sets=parse_mc_sets(args.mc_sets), gen_tasks=[t for t in args.gen_tasks.split(",") if t],
-            gen_limit=args.gen_limit, chat_prompts=prompts, settings=settings, dtype=args.dtype,
-            mc_dtype=args.mc_dtype, mc_batch_size=args.mc_batch_size, chat=not args.no_chat_template, device=args.device,
-            cache_dir=args.mc_cache, shard=shard,
-        )
+        report = compare_models(models, plan, shard=shard)
     finally:
         shard.close()
     if report is not None:

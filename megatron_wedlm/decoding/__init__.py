@@ -13,7 +13,7 @@ All methods take a HF causal LM (``load_wedlm_model``) and token ids, and return
 ``"blockwise"`` and ``"ar"``; ``generate_batch`` decodes several prompts together.
 """
 
-from .api import ar_generate, blockwise_generate, generate, generate_batch, streaming_generate
+from .api import generate, generate_batch
 from .checks import resolve_mask_token_id
 from .loading import load_tokenizer, load_wedlm_model, wedlm_config_to_hf
 from .result import GenerationResult
@@ -23,13 +23,10 @@ __all__ = [
     "METHODS",
     "DecodeSettings",
     "GenerationResult",
-    "ar_generate",
-    "blockwise_generate",
     "generate",
     "generate_batch",
     "load_tokenizer",
     "load_wedlm_model",
     "resolve_mask_token_id",
-    "streaming_generate",
     "wedlm_config_to_hf",
 ]

@@ -18,7 +18,7 @@ import torch
 from .checks import as_prompt_batch, as_token_list
 from .parallel import decode
 from .result import GenerationResult
-from .settings import AUTOREGRESSIVE, BLOCKWISE, STREAMING, DecodeSettings
+from .settings import DecodeSettings
 
 
 def generate_batch(
@@ -56,17 +56,3 @@ def generate(model, prompt_ids, settings: DecodeSettings | None = None, **kwargs
     """Decode one prompt (``list[int]``, 1-D or ``[1, n]`` tensor); see :func:`generate_batch`."""
     return generate_batch(model, [as_token_list(prompt_ids)], settings, **kwargs)[0]
 
-
-def streaming_generate(model, prompt_ids, settings: DecodeSettings | None = None, **kwargs) -> GenerationResult:
-    """Streaming Parallel Decoding (docs/method.md §3.2, Algorithm 1) of one prompt."""
-    return generate(model, prompt_ids, settings, method=STREAMING, **kwargs)
-
-
-def blockwise_generate(model, prompt_ids, settings: DecodeSettings | None = None, **kwargs) -> GenerationResult:
-    """The block-wise baseline: a block of ``window_size`` masks is committed once all of it is filled."""
-    return generate(model, prompt_ids, settings, method=BLOCKWISE, **kwargs)
-
-
-def ar_generate(model, prompt_ids, settings: DecodeSettings | None = None, **kwargs) -> GenerationResult:
-    """Token-by-token decoding of the same model (the AR baseline): one next-token row per forward."""
-    return generate(model, prompt_ids, settings, method=AUTOREGRESSIVE, **kwargs)

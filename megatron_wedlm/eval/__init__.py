@@ -11,7 +11,7 @@
 * ``dataset_files``    benchmark records from local hub downloads (jsonl, JSON, parquet, csv)
 * ``scoring``          scoring saved completions (``inference/score.py``) as the runner does
 * ``registry``         ``load_tasks("counting,gsm8k:path.jsonl")``
-* ``runner``           ``evaluate(model, tokenizer, tasks, methods, taus=...) -> EvalReport``: speed mode
+* ``runner``           ``evaluate(model, tokenizer, EvalPlan(tasks, methods, taus=...))``: speed mode
                        (one prompt at a time, timed) and accuracy mode (continuous batches)
 * ``sharding``         an evaluation over torchrun's processes; per-rank records for a restart
 * ``report``           ``write_report(report, out_dir)``: JSON, Markdown, speed-accuracy PNG
@@ -28,12 +28,13 @@ from megatron_wedlm.eval.builtin_tasks import builtin_task, training_corpus, tra
 from megatron_wedlm.eval.registry import load_task, load_tasks
 from megatron_wedlm.eval.report import write_report
 from megatron_wedlm.eval.results import EvalReport, MethodResult
-from megatron_wedlm.eval.runner import METHODS, evaluate
+from megatron_wedlm.eval.runner import METHODS, EvalPlan, evaluate
 from megatron_wedlm.eval.tasks import EvalExample, Judgement, Task
 
 __all__ = [
     "METHODS",
     "EvalExample",
+    "EvalPlan",
     "EvalReport",
     "Judgement",
     "MethodResult",

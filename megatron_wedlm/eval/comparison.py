@@ -22,7 +22,7 @@ import os
 import platform
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ from megatron_wedlm.eval.multiple_choice import (
 from megatron_wedlm.eval.sharding import Shard
 from megatron_wedlm.eval.tasks import arc_spelling
 
-__all__ = ["ModelSpec", "compare_models", "comparison_markdown", "plot_comparison", "write_comparison",
+__all__ = ["ComparePlan", "ModelSpec", "compare_models", "comparison_markdown", "plot_comparison", "write_comparison",
            "parse_mc_sets"]
 
 AR, STREAMING = "ar", "streaming"
@@ -74,40 +74,59 @@ def _log(message: str) -> None:
     print(f"[compare] {message}", flush=True)
 
 
-def compare_models(
-    models: Sequence[ModelSpec],
-    *,
-    mc_sets: Sequence[tuple[str, int | None]] = (),
-    gen_tasks: Sequence[str] = (),
-    gen_limit: int | None = None,
-    chat_prompts: Sequence[str] = (),
-    settings: DecodeSettings | None = None,
-    dtype: str = "auto",
-    mc_dtype: str = "float32",
-    mc_batch_size: int = 16,
-    chat: bool = True,
-    device: str = "cpu",
-    cache_dir: str | None = None,
-    shard: Shard | None = None,
-    log: Callable[[str], None] = _log,
-) -> dict[str, Any] | None:
-    """Run every part for every model; the report as a JSON-ready dict on rank 0.
+@dataclass(frozen=True)
+class ComparePlan:
+    """What a comparison runs, built once by its caller.
 
-    ``settings`` holds the streaming operating point (window, tau, fallback, budget); ``dtype`` the
+    ``settings``: the streaming operating point (window, tau, fallback, budget); ``dtype`` the
     decoding precision, ``mc_dtype`` the scoring one (float32: lm-eval's numbers). ``device``
-    "cuda" means each rank's own GPU (``cuda:LOCAL_RANK``). ``cache_dir`` keeps each model's
-    multiple-choice scores (keyed by its weights files, the items and the precision), so a later
-    comparison of new checkpoints against the same base scores the base once.
+    "cuda" means each rank's own GPU. ``cache_dir`` keeps each model's multiple-choice scores
+    (keyed by its weights files, the items and the precision), so a base is scored once.
     """
+
+    mc_sets: Sequence[tuple[str, int | None]] = ()
+    gen_tasks: Sequence[str] = ()
+    gen_limit: int | None = None
+    chat_prompts: Sequence[str] = ()
+    settings: DecodeSettings = field(default_factory=DecodeSettings)
+    dtype: str = "auto"
+    mc_dtype: str = "float32"
+    mc_batch_size: int = 16
+    chat: bool = True
+    device: str = "cpu"
+    cache_dir: str | None = None
+
+
+def compare_models(models: Sequence[ModelSpec], plan: ComparePlan, shard: Shard | None = None,
+                   log: Callable[[str], None] = _log) -> dict[str, Any] | None:
+    """Run every part of ``plan`` for every model; the report as a JSON-ready dict on rank 0."""
     if sum(m.base for m in models) != 1:
         raise ValueError("give exactly one base model")
     shard = shard or Shard()
-    settings = settings or DecodeSettings()
-    lead = shard.rank == 0
-    if device == "cuda":
-        device = f"cuda:{shard.local_rank}"
+    if plan.device == "cuda":
+        plan = dataclasses.replace(plan, device=f"cuda:{shard.local_rank}")
     started = time.time()
-    report: dict[str, Any] = {
+    report = _report_header(models, plan, shard)
+    mc_items = {name: load_mc_set(name, limit) for name, limit in plan.mc_sets}
+    per_item: dict[str, dict[str, Any]] = {name: {} for name in mc_items}
+    for spec in models:
+        for name, scores in _score_model(spec, mc_items, plan, shard.rank == 0, log).items():
+            per_item[name][spec.name] = scores
+        if plan.gen_tasks or plan.chat_prompts:
+            _decode_parts(spec, report, plan, shard, log)
+    if shard.rank != 0:
+        return None
+    base = next(m.name for m in models if m.base)
+    for name, by_model in per_item.items():
+        report["multiple_choice"][name] = _mc_entry(name, by_model, base)
+    _speedups_vs_base(report, base)
+    report["seconds"] = round(time.time() - started, 1)
+    return report
+
+
+def _report_header(models: Sequence[ModelSpec], plan: ComparePlan, shard: Shard) -> dict[str, Any]:
+    settings = plan.settings
+    return {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
                     "processes": shard.world},
@@ -115,62 +134,60 @@ def compare_models(
         "settings": {"window_size": settings.window_size, "entropy_threshold": settings.entropy_threshold,
                      "distance_penalty": settings.distance_penalty, "leftmost_fallback": settings.leftmost_fallback,
                      "contiguous_stop": settings.contiguous_stop, "stop_penalty": settings.stop_penalty,
-                     "max_new_tokens": settings.max_new_tokens, "dtype": dtype, "mc_dtype": mc_dtype,
-                     "chat": chat},
+                     "max_new_tokens": settings.max_new_tokens, "dtype": plan.dtype, "mc_dtype": plan.mc_dtype,
+                     "chat": plan.chat},
         "multiple_choice": {}, "generation": {}, "chat": {},
     }
-    mc_items = {name: load_mc_set(name, limit) for name, limit in mc_sets}
-    per_item: dict[str, dict[str, Any]] = {name: {} for name in mc_items}
-    for spec in models:
-        model = tokenizer = None
-        for name, items in mc_items.items():
-            cached = _cache_file(cache_dir, spec, name, items, mc_dtype)
-            if cached is not None and cached.is_file():
-                per_item[name][spec.name] = [MCScore(**{**d, "logprobs": tuple(d["logprobs"]),
-                                                        "is_greedy": tuple(d["is_greedy"])})
-                                             for d in json.loads(cached.read_text())]
-                if lead:
-                    log(f"{spec.name} {name}: scores read from {cached}")
-                continue
-            if model is None:
-                model, tokenizer = load_checkpoint(spec.path, device=device, dtype=mc_dtype, require_mask_token=False)
-            exclude = None if spec.base else find_mask_token_id(model, tokenizer, None)
-            t0 = time.time()
-            tenth = [0]
 
-            def progress(done: int, total: int, name: str = name, tenth: list[int] = tenth) -> None:
-                if lead and 10 * done // total > tenth[0]:
-                    tenth[0] = 10 * done // total
-                    log(f"{spec.name} {name}: {done}/{total} choices scored, {time.time() - t0:.0f}s")
 
-            scores = score_multiple_choice(model, tokenizer, items, batch_size=mc_batch_size, exclude_token_id=exclude,
-                                           on_progress=progress)
-            per_item[name][spec.name] = scores
+def _score_model(spec: ModelSpec, mc_items: dict[str, list[MCItem]], plan: ComparePlan, lead: bool,
+                 log: Callable[[str], None]) -> dict[str, list[MCScore]]:
+    """One model's multiple-choice scores per set, read from the cache where it has them."""
+    model = tokenizer = None
+    out = {}
+    for name, items in mc_items.items():
+        cached = _cache_file(plan.cache_dir, spec, name, items, plan.mc_dtype)
+        if cached is not None and cached.is_file():
+            out[name] = [MCScore(**{**d, "logprobs": tuple(d["logprobs"]), "is_greedy": tuple(d["is_greedy"])})
+                         for d in json.loads(cached.read_text())]
             if lead:
-                log(f"{spec.name} {name}: {len(items)} items in {time.time() - t0:.0f}s, acc "
-                    f"{sum(s.acc for s in scores) / len(scores):.3f}")
-                if cached is not None:
-                    cached.parent.mkdir(parents=True, exist_ok=True)
-                    cached.write_text(json.dumps([dataclasses.asdict(x) for x in scores]))
-        del model
-        if gen_tasks or chat_prompts:
-            _decode_parts(spec, report, gen_tasks, gen_limit, chat_prompts, settings, dtype, chat, device, shard, log)
-    if lead:
-        base = next(m.name for m in models if m.base)
-        for name, by_model in per_item.items():
-            report["multiple_choice"][name] = _mc_entry(name, by_model, base)
-        for task, by_model in report["generation"].items():
-            base_ar = (by_model.get(base) or {}).get(AR, {}).get("tokens_per_second")
-            for methods in by_model.values():
-                for entry in methods.values():
-                    tps = entry.get("tokens_per_second")
-                    entry["speedup_vs_base_ar"] = tps / base_ar if tps and base_ar else None
-        base_ar = report["chat"].get(base, {}).get("ar_tokens_per_second")
-        for name, entry in report["chat"].items():
-            if name != base:
-                entry["speedup_vs_base_ar"] = (entry["streaming_tokens_per_second"] / base_ar) if base_ar else None
-        report["seconds"] = round(time.time() - started, 1)
-    return report if lead else None
+                log(f"{spec.name} {name}: scores read from {cached}")
+            continue
+        if model is None:
+            model, tokenizer = load_checkpoint(spec.path, device=plan.device, dtype=plan.mc_dtype,
+                                               require_mask_token=False)
+        exclude = None if spec.base else find_mask_token_id(model, tokenizer, None)
+        t0 = time.time()
+        tenth = [0]
+
+        def progress(done: int, total: int, name: str = name, tenth: list[int] = tenth) -> None:
+            if lead and 10 * done // total > tenth[0]:
+                tenth[0] = 10 * done // total
+                log(f"{spec.name} {name}: {done}/{total} choices scored, {time.time() - t0:.0f}s")
+
+        out[name] = scores = score_multiple_choice(model, tokenizer, items, batch_size=plan.mc_batch_size,
+                                                   exclude_token_id=exclude, on_progress=progress)
+        if lead:
+            log(f"{spec.name} {name}: {len(items)} items in {time.time() - t0:.0f}s, acc "
+                f"{sum(s.acc for s in scores) / len(scores):.3f}")
+            if cached is not None:
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                cached.write_text(json.dumps([dataclasses.asdict(x) for x in scores]))
+    return out
+
+
+def _speedups_vs_base(report: dict[str, Any], base: str) -> None:
+    """Every generation row's and every chat row's tokens/s over the base model's AR."""
+    for by_model in report["generation"].values():
+        base_ar = (by_model.get(base) or {}).get(AR, {}).get("tokens_per_second")
+        for methods in by_model.values():
+            for entry in methods.values():
+                tps = entry.get("tokens_per_second")
+                entry["speedup_vs_base_ar"] = tps / base_ar if tps and base_ar else None
+    base_ar = report["chat"].get(base, {}).get("ar_tokens_per_second")
+    for name, entry in report["chat"].items():
+        if name != base:
+            entry["speedup_vs_base_ar"] = (entry["streaming_tokens_per_second"] / base_ar) if base_ar else None
 
 
 def _cache_file(cache_dir: str | None, spec: ModelSpec, name: str, items: Sequence[MCItem],
@@ -196,41 +213,50 @@ def _mc_entry(name: str, by_model: dict[str, list[Any]], base: str) -> dict[str,
     return entry
 
 
-def _decode_parts(spec: ModelSpec, report: dict[str, Any], gen_tasks: Sequence[str], gen_limit: int | None,
-                  chat_prompts: Sequence[str], settings: DecodeSettings, dtype: str, chat: bool, device: str,
-                  shard: Shard, log: Callable[[str], None]) -> None:
-    from megatron_wedlm.eval.runner import evaluate  # the generation runner, only when generation is asked for
+def _decode_parts(spec: ModelSpec, report: dict[str, Any], plan: ComparePlan, shard: Shard,
+                  log: Callable[[str], None]) -> None:
+    """One model's generation tasks and chat prompts, into ``report``."""
+    model, tokenizer = load_checkpoint(spec.path, device=plan.device, dtype=plan.dtype,
+                                       require_mask_token=not spec.base)
+    if plan.gen_tasks:
+        _generation(model, tokenizer, spec, report, plan, shard, log)
 
-    model, tokenizer = load_checkpoint(spec.path, device=device, dtype=dtype, require_mask_token=not spec.base)
-    methods = [AR] if spec.base else [AR, STREAMING]
-    if gen_tasks:
-        tau = settings.entropy_threshold if settings.entropy_threshold is not None else 0.0
-        result = evaluate(model, tokenizer, list(gen_tasks), methods, taus=[tau], settings=settings,
-                          limit=gen_limit, chat=chat, shard=shard, model_name=spec.name, keep_samples=False)
-        if result is not None:
-            for r in result.results:
-                report["generation"].setdefault(r.task, {}).setdefault(spec.name, {})[r.method] = {
-                    "n": r.num_examples, "accuracy": r.accuracy, "ci95": list(r.accuracy_ci95 or ()),
-                    "tokens_per_forward": r.tokens_per_forward, "tokens_per_second": r.tokens_per_second,
-                    "speedup_vs_ar": r.speedup_vs_ar}
-                log(f"{spec.name} {r.task} {r.method}: accuracy {r.accuracy:.3f}, "
-                    f"{r.tokens_per_forward or 0:.2f} tokens/forward")
     def on_prompt(k: int, n: int) -> None:
         if k % 8 == 0 or k == n:
             log(f"{spec.name} chat: {k}/{n} prompts")
 
-    if chat_prompts and not spec.base:
-        decodes = decode_chat_prompts(model, tokenizer, chat_prompts, settings, shard=shard, on_prompt=on_prompt)
+    prompts, settings = plan.chat_prompts, plan.settings
+    if prompts and not spec.base:
+        decodes = decode_chat_prompts(model, tokenizer, prompts, settings, shard=shard, on_prompt=on_prompt)
         if decodes is not None:
             report["chat"][spec.name] = summarize_chat(decodes).to_dict()
-    elif chat_prompts:  # the base model has no streaming: its AR speed is the reference
-        ar = decode_chat_prompts(model, tokenizer, chat_prompts, settings, shard=shard, on_prompt=on_prompt,
-                                 ar_only=True)
+    elif prompts:  # the base model has no streaming: its AR speed is the reference
+        ar = decode_chat_prompts(model, tokenizer, prompts, settings, shard=shard, on_prompt=on_prompt, ar_only=True)
         if ar is not None:
             summary = summarize_chat(ar).to_dict()
             report["chat"][spec.name] = {k: summary[k] for k in ("prompts", "ar_tokens", "ar_seconds",
                                                                   "ar_tokens_per_second", "mean_ar_length")}
     del model
+
+
+def _generation(model: Any, tokenizer: Any, spec: ModelSpec, report: dict[str, Any], plan: ComparePlan,
+                shard: Shard, log: Callable[[str], None]) -> None:
+    """One model's generation tasks through the runner: AR, and streaming for a WeDLM."""
+    from megatron_wedlm.eval.runner import EvalPlan, evaluate  # the generation runner, only when asked for
+
+    tau = plan.settings.entropy_threshold if plan.settings.entropy_threshold is not None else 0.0
+    result = evaluate(model, tokenizer, EvalPlan(
+        list(plan.gen_tasks), [AR] if spec.base else [AR, STREAMING], taus=[tau], settings=plan.settings,
+        limit=plan.gen_limit, chat=plan.chat, shard=shard, model_name=spec.name, keep_samples=False))
+    if result is None:
+        return
+    for r in result.results:
+        report["generation"].setdefault(r.task, {}).setdefault(spec.name, {})[r.method] = {
+            "n": r.num_examples, "accuracy": r.accuracy, "ci95": list(r.accuracy_ci95 or ()),
+            "tokens_per_forward": r.tokens_per_forward, "tokens_per_second": r.tokens_per_second,
+            "speedup_vs_ar": r.speedup_vs_ar}
+        log(f"{spec.name} {r.task} {r.method}: accuracy {r.accuracy:.3f}, "
+            f"{r.tokens_per_forward or 0:.2f} tokens/forward")
 
 
 def _pct(value: float) -> str:

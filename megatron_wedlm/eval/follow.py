@@ -1,46 +1,29 @@
 """Follow a training run: evaluate each checkpoint once it is complete, while the run trains.
 
-``inference/evaluate.py --follow RUN_DIR`` polls the run's checkpoints directory; every complete
-checkpoint not yet evaluated (oldest first) is loaded as its HF export would be
-(:func:`megatron_wedlm.training.hf_export.load_checkpoint`), evaluated with the user's tasks,
-methods and taus by :func:`megatron_wedlm.eval.runner.evaluate`, and recorded:
+``inference/evaluate.py --follow RUN_DIR`` polls the run's checkpoints; each complete one not yet
+evaluated (oldest first) is loaded as its HF export would be, evaluated, and recorded:
 
-* one JSON line per checkpoint in ``RUN_DIR/evals.jsonl``: ``step``, ``run_id`` (of the run
-  that saved it), ``checkpoint``, ``time``
-  (UTC), ``seconds`` (load and evaluation), ``report`` (the directory of its full report,
-  ``write_report``'s files, when a report directory is given), ``metrics`` (flat, as logged to wandb:
-  ``eval/<task>/<config>/accuracy``, ``.../tokens_per_forward``, ``.../p_cache``, where
-  ``<config>`` is ``ar`` or ``streaming_tau0.4``) and ``results`` (every
-  :class:`~megatron_wedlm.eval.results.MethodResult` as a dict). The file is also the state:
-  a checkpoint already in it (step and run id) is not evaluated again, so a restarted
-  ``--follow`` carries on.
-* the same metrics in the training run's own wandb run (its id is in the checkpoint's trainer
-  state, its project, entity and mode in the run's ``config.yaml``), with ``eval/step``, the
-  training step, as their x-axis (``define_metric``): wandb's own ``step`` only grows, and the
-  training process is usually ahead of the checkpoint being evaluated. An online run is joined
-  in wandb's shared mode as a secondary writer, so the training process keeps owning the run's
-  state; an offline one writes an offline run directory of the same id next to the run's, which
-  ``wandb sync`` appends to it.
+* a JSON line in ``RUN_DIR/evals.jsonl`` (``step``, ``run_id``, ``checkpoint``, ``time``,
+  ``seconds``, ``report``, flat ``metrics`` ``eval/<task>/<config>/<metric>``, ``results``). The
+  file is also the state: a restarted ``--follow`` skips what it lists.
+* the same metrics in the training run's own wandb run, against ``eval/step`` (wandb's ``step``
+  only grows, and training is ahead of the checkpoint evaluated); an online run is joined in
+  shared mode as a secondary writer, an offline one gets an offline run of the same id.
 
-When it stops: once the run has saved a checkpoint at or past ``until_step`` (default: the
-run's ``trainer.train_steps``) and every checkpoint up to it has been evaluated, or once no live
-run holds ``RUN_DIR`` (its ``run.lock``; the run ended, was stopped early, or crashed) and every
-checkpoint there has been evaluated, and has held it for none of the last ``wait_for_run_s``
-seconds: a run trained by a chain of SLURM jobs has gaps between its jobs (a time limit, a
-requeue, a job waiting in the queue), which that wait bridges. While the directory, or its first checkpoint, does not
-exist yet it waits, so ``--follow`` can be started before the training. A checkpoint pruned
-(``checkpointing.keep_last``) before its turn is skipped with a note. Only the checkpoints of
-the run's current lineage count (:func:`~megatron_wedlm.training.checkpointing.lineage_checkpoints`):
-after a rollback (a run resumed from an earlier checkpoint) the abandoned branch is passed over,
-and the steps the new run saves again are evaluated again, as rows of its own run id.
+It stops once a checkpoint at or past ``until_step`` (default ``trainer.train_steps``) and all
+before it are evaluated, or once no live run has held ``RUN_DIR`` for ``wait_for_run_s`` seconds
+(which bridges the gaps of a SLURM job chain). It waits for a directory that does not exist yet,
+skips a checkpoint pruned before its turn, and follows the current lineage only: after a rollback
+the abandoned branch is passed over.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,7 +64,6 @@ class FollowSettings:
     device: str | None = None
     dtype: str = "auto"
     decoding: dict[str, Any] = field(default_factory=dict)
-    evaluate_options: dict[str, Any] = field(default_factory=dict)
     report_dir: str | Path | None = None  # each checkpoint's full report goes to <report_dir>/iter_N
 
 
@@ -242,7 +224,8 @@ def _evaluate_checkpoint(key: tuple[int, str | None], path: Path, settings: Foll
     started = time.perf_counter()
     say(f"--follow: evaluating {path}")
     # as evaluate.py: a mask token is needed by the parallel methods, unless one is given
-    needs_mask = settings.evaluate_options.get("mask_token_id") is None and list(settings.methods) != ["ar"]
+    plan = settings.plan
+    needs_mask = plan.settings.mask_token_id is None and list(plan.methods) != ["ar"]
     try:  # everything read from the checkpoint's files; after this, it may be pruned
         values, _ = resolve_decoding_settings(settings.decoding, path)
         model, tokenizer = load_checkpoint(path, device=settings.device, dtype=settings.dtype,
@@ -252,11 +235,9 @@ def _evaluate_checkpoint(key: tuple[int, str | None], path: Path, settings: Foll
             say(f"note: checkpoint {path.name} was removed before it could be evaluated; skipped")
             return None
         raise
-    taus = list(settings.taus or [values["entropy_threshold"]])
-    report = evaluate(
-        model, tokenizer, list(settings.tasks), list(settings.methods), taus=taus,
-        **window_settings(values), model_name=str(path), **settings.evaluate_options,
-    )
+    plan = dataclasses.replace(plan, taus=list(plan.taus or [values["entropy_threshold"]]), model_name=str(path),
+                               settings=DecodeSettings.build(plan.settings, **window_settings(values)))
+    report = evaluate(model, tokenizer, plan)
     metrics = row_metrics(report)
     report_dir = None
     if settings.report_dir is not None:

@@ -1,35 +1,24 @@
 """The ``wedlm`` model for lm-evaluation-harness.
 
-* ``generate_until`` decodes with WeDLM streaming parallel decoding (``method=blockwise`` or
-  ``ar`` in ``--model_args`` switch the decoder, for side-by-side runs; ``refill=fused``, the
-  reference engine's schedule, is the default, ``refill=paper`` is Algorithm 1's step order;
-  ``stop_fill=contiguous`` puts a stop token only after filled slots (default ``anywhere``, the engine);
-  ``stop_penalty=true`` scores a slot after masks that may hold a stop token by the chance that the
-  reply goes on (default false, the engine);
-  ``fallback=leftmost`` fills the leftmost mask when no slot passes the threshold, so every forward
-  commits a token (default ``argmin``, the engine);
-  ``stop_at_eos=false`` decodes past the tokenizer's EOS, which by default ends a generation;
-  window size, entropy threshold, distance penalty, refill, stop fill and stop penalty default to
-  the values stored with a ``pretrained`` model, else the built-in ones, and ``setting_sources`` /
-  the log say which);
-* ``loglikelihood`` / ``loglikelihood_rolling`` use the plain causal forward: a WeDLM checkpoint
-  keeps its next-token head (the AR loss trains it), so likelihood tasks score as for any
-  causal LM. The mask token is excluded from every distribution, as in decoding: it is never a
-  valid output.
+* ``generate_until`` decodes with WeDLM streaming decoding; ``--model_args`` keys
+  (:class:`DecodingArgs`) switch the method (``blockwise``, ``ar``) and the step rules
+  (``refill``, ``stop_fill``, ``stop_penalty``, ``fallback``, ``stop_at_eos``); the window
+  settings default to those stored with a ``pretrained`` model, else the built-in ones
+  (``setting_sources`` and the log say which).
+* ``loglikelihood`` / ``loglikelihood_rolling`` use the plain causal forward (a WeDLM keeps its
+  next-token head), the mask token excluded from every distribution as in decoding.
 
-lm_eval discovers models only through its registry, and it has no plugin entry points, so the
-model is registered when this module is imported. Run the harness through this module::
+lm_eval finds models only through its registry (no plugin entry points), so importing this
+module registers ``wedlm``; run the harness through it::
 
     python -m megatron_wedlm.eval.lm_eval_adapter --model wedlm \\
         --model_args pretrained=/ckpt,entropy_threshold=0.4 --tasks arc_easy --device cpu
-
-or in Python: ``import megatron_wedlm.eval.lm_eval_adapter`` then ``lm_eval.simple_evaluate(
-model="wedlm", ...)``, or pass a ``WeDLMLM(model=..., tokenizer=...)`` instance directly.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -59,81 +48,95 @@ def _as_bool(value: Any) -> bool:
     return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
 
 
+@dataclass(frozen=True)
+class DecodingArgs:
+    """The decoding keys of ``--model_args`` (strings from the command line, values from Python).
+
+    None: the value stored with a ``pretrained`` model, else the built-in one.
+    """
+
+    method: str = "streaming"
+    mask_token_id: int | None = None
+    window_size: int | None = None
+    entropy_threshold: float | str | None = None  # "none": one slot per forward
+    distance_penalty: float | None = None
+    refill: str | None = None
+    stop_fill: str | None = None
+    stop_penalty: bool | str | None = None
+    fallback: str | None = None
+    stop_at_eos: bool | str = True
+    max_gen_toks: int = 256
+    chat: bool | str = False
+
+    @classmethod
+    def pick(cls, args: dict[str, Any]) -> "DecodingArgs":
+        """The keys named here; lm-eval passes others too (e.g. ``max_batch_size``), which are ignored."""
+        return cls(**{f.name: args[f.name] for f in fields(cls) if f.name in args})
+
+    def check(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.refill is not None and self.refill not in REFILL_ORDERS:
+            raise ValueError(f"refill must be fused (the reference engine's schedule) or paper, got {self.refill!r}")
+        if self.stop_fill is not None and self.stop_fill not in STOP_FILLS:
+            raise ValueError(f"stop_fill must be anywhere (the reference engine) or contiguous, got {self.stop_fill!r}")
+        if self.fallback is not None and self.fallback not in FALLBACKS:
+            raise ValueError(f"fallback must be argmin (the reference engine) or leftmost, got {self.fallback!r}")
+
+    def given(self) -> dict[str, Any]:
+        """The window settings given, typed, for :func:`resolve_decoding_settings` (None: not given)."""
+        tau = self.entropy_threshold
+        if tau is not None:
+            tau = ONE_SLOT if str(tau).lower() == "none" else float(tau)
+        return {
+            "window_size": None if self.window_size is None else int(self.window_size),
+            "entropy_threshold": tau,
+            "distance_penalty": None if self.distance_penalty is None else float(self.distance_penalty),
+            "fused_refill": None if self.refill is None else REFILL_ORDERS[self.refill],
+            "contiguous_stop": None if self.stop_fill is None else STOP_FILLS[self.stop_fill],
+            "stop_penalty": None if self.stop_penalty is None else _as_bool(self.stop_penalty),
+            "leftmost_fallback": None if self.fallback is None else FALLBACKS[self.fallback],
+        }
+
+
 @register_model("wedlm")
 class WeDLMLM(LM):
     """lm_eval LM over an HF causal model with a mask token.
 
-    Give either ``pretrained`` (a local checkpoint directory, or a training checkpoint or run
-    directory, loaded with the project's loader)
-    or ready ``model`` and ``tokenizer`` objects.
+    Give either ``pretrained`` (a checkpoint, training checkpoint or run directory) or ready
+    ``model`` and ``tokenizer`` objects. lm-eval builds the model as ``WeDLMLM(**model_args)``, so
+    the decoding keys arrive as keywords: :class:`DecodingArgs` names them.
     """
 
-    def __init__(
-        self,
-        pretrained: str | None = None,
-        model: Any = None,
-        tokenizer: Any = None,
-        mask_token_id: int | None = None,
-        device: str | None = None,
-        dtype: str = "auto",
-        method: str = "streaming",
-        window_size: int | None = None,
-        entropy_threshold: float | str | None = None,
-        distance_penalty: float | None = None,
-        refill: str | None = None,
-        stop_fill: str | None = None,
-        stop_penalty: bool | str | None = None,
-        fallback: str | None = None,
-        stop_at_eos: bool | str = True,
-        max_gen_toks: int = 256,
-        max_length: int | None = None,
-        batch_size: int | str = 1,
-        chat: bool | str = False,
-        **unused: Any,
-    ):
+    def __init__(self, pretrained: str | None = None, model: Any = None, tokenizer: Any = None,
+                 device: str | None = None, dtype: str = "auto", max_length: int | None = None,
+                 batch_size: int | str = 1, **decoding: Any):
         super().__init__()
+        args = DecodingArgs.pick(decoding)
         if (pretrained is None) == (model is None):
             raise ValueError("give exactly one of pretrained=DIR or model=<HF model object>")
         if pretrained is not None:
             model, tokenizer = load_checkpoint(
                 pretrained, device=device, dtype=dtype,
-                require_mask_token=mask_token_id is None and method != "ar",
+                require_mask_token=args.mask_token_id is None and args.method != "ar",
             )
         elif tokenizer is None:
             raise ValueError("model= needs tokenizer= as well")
-        mask_token_id = find_mask_token_id(model, tokenizer, mask_token_id)
-        if mask_token_id is None and method != "ar":
+        mask_token_id = find_mask_token_id(model, tokenizer, args.mask_token_id)
+        if mask_token_id is None and args.method != "ar":
             raise ValueError("model has no mask token: set config.mask_token_id or pass mask_token_id")
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-        if refill is not None and refill not in REFILL_ORDERS:
-            raise ValueError(f"refill must be fused (the reference engine's schedule) or paper, got {refill!r}")
-        if stop_fill is not None and stop_fill not in STOP_FILLS:
-            raise ValueError(f"stop_fill must be anywhere (the reference engine) or contiguous, got {stop_fill!r}")
-        if fallback is not None and fallback not in FALLBACKS:
-            raise ValueError(f"fallback must be argmin (the reference engine) or leftmost, got {fallback!r}")
+        args.check()
         self.model, self.tokenizer = model.eval(), tokenizer
         self.mask_token_id = mask_token_id
-        if entropy_threshold is not None:  # "none" in --model_args: one slot per forward
-            entropy_threshold = ONE_SLOT if str(entropy_threshold).lower() == "none" else float(entropy_threshold)
-        given = {
-            "window_size": None if window_size is None else int(window_size),
-            "entropy_threshold": entropy_threshold,
-            "distance_penalty": None if distance_penalty is None else float(distance_penalty),
-            "fused_refill": None if refill is None else REFILL_ORDERS[refill],
-            "contiguous_stop": None if stop_fill is None else STOP_FILLS[stop_fill],
-            "stop_penalty": None if stop_penalty is None else _as_bool(stop_penalty),
-            "leftmost_fallback": None if fallback is None else FALLBACKS[fallback],
-        }
-        values, self.setting_sources = resolve_decoding_settings(given, pretrained)
+        values, self.setting_sources = resolve_decoding_settings(args.given(), pretrained)
         logger.info(f"wedlm decoding settings: {describe(values, self.setting_sources)}")
         self.refill = "fused" if values["fused_refill"] else "paper"
-        self.stop_at_eos = _as_bool(stop_at_eos)
+        self.stop_at_eos = _as_bool(args.stop_at_eos)
         eos = tokenizer.eos_token_id if self.stop_at_eos else None
-        self.settings = DecodeSettings(method=method, mask_token_id=mask_token_id,
+        self.settings = DecodeSettings(method=args.method, mask_token_id=mask_token_id,
                                        stop_token_ids=() if eos is None else (eos,), **values)
-        self.max_gen_toks = int(max_gen_toks)
-        self.chat = _as_bool(chat)
+        self.max_gen_toks = int(args.max_gen_toks)
+        self.chat = _as_bool(args.chat)
         self.batch_size = 1 if str(batch_size).startswith("auto") else int(batch_size)
         self._max_length = int(max_length) if max_length else int(
             getattr(model.config, "max_position_embeddings", 2048)

@@ -1,33 +1,20 @@
 """Run tasks under WeDLM streaming, block-wise and AR decoding of one model, side by side.
 
-Every method sees the same model, the same tokenized prompts, the same stop tokens and (when
-sampling) the same per-example seeds, so accuracy and speed differences come from the decoder.
-Entropy thresholds in ``taus`` are swept for both parallel methods (streaming and block-wise:
-the same fill rule, different commit policy); AR has no threshold and runs once.
+Every method sees the same model, prompts, stop tokens and (when sampling) per-example seeds, so
+differences come from the decoder. Each entropy threshold in ``taus`` is swept for both parallel
+methods; AR runs once.
 
-Accuracy and speed are two measurements:
+* **speed mode**, the first ``speed_examples`` examples of each task: decoded one at a time, so
+  tokens/s is single-stream latency; configurations are interleaved per example, so drifting
+  machine load hits all alike, after one untimed warm-up decode per configuration.
+* **accuracy mode**, every other example: continuous batches of ``batch_size`` rows
+  (:func:`~megatron_wedlm.decoding.generate_batch`). A greedy row's output and counts do not
+  depend on its neighbours, so the figures equal one-at-a-time decoding.
 
-* **speed mode**, on the first ``speed_examples`` examples of each task: prompts are decoded one at
-  a time, so tokens/s is the single-stream latency the paper reports, not a batched throughput.
-  Configurations are interleaved per example, so drifting machine load affects all of them
-  alike, and one untimed warm-up decode per configuration keeps one-off costs (allocator growth,
-  kernel selection) out of the first example's timing. Tokens/s and the speed-up over AR come
-  from these decodes only (``MethodResult.timed_examples``).
-* **accuracy mode**, every other example: decoded in batches of ``batch_size`` rows
-  (:func:`~megatron_wedlm.decoding.generate_batch`: streaming and block-wise keep the batch full,
-  a finished row's place going to the next prompt). A row's greedy output and its forward and
-  slot counts do not depend on the rows beside it, so accuracy, tokens/forward and p_cache over
-  all examples are those of one-at-a-time decoding. An example of the speed sample is not decoded
-  again: its output would be the same.
-
-When sampling (``temperature > 0``) every example is decoded alone with its own seed
-(``seed + index``), so a draw does not depend on batch or process either.
-
-Spread over processes (``shard``, from torchrun's environment, see :mod:`.sharding`): rank ``r``
-decodes examples ``r, r + G, ...`` of every task, one model replica per process; each finished
-decode is appended to ``parts_dir/rank{r}.jsonl`` at once, so a restart skips it; rank 0 gathers
-every rank's decodes, judges them and returns the report, the same report one process writes for
-the same examples (timings aside). The other ranks return None.
+When sampling, every example is decoded alone with seed ``seed + index``. Over torchrun's
+processes (:mod:`.sharding`) rank ``r`` decodes examples ``r, r + G, ...``, appends each finished
+decode to ``parts_dir/rank{r}.jsonl`` (a restart skips it), and rank 0 returns the report one
+process would write; the other ranks return None.
 """
 
 from __future__ import annotations
@@ -50,18 +37,56 @@ from megatron_wedlm.eval.results import EvalReport, MethodResult, SampleRecord
 from megatron_wedlm.eval.sharding import PartsLog, Record, Shard, record_key
 from megatron_wedlm.eval.tasks import Task, truncate_at_stop
 
-#: ``decode_fn(model, prompt_ids, settings, *, tokenizer, generator) -> result`` where the result
-#: has ``token_ids``, ``num_forwards``, ``num_slots`` and ``seconds``; the default is
-#: :func:`megatron_wedlm.decoding.generate`. Generation stops at the tokenizer's EOS (unless
-#: ``stop_at_eos=False``) and at the task's stop strings (``settings.stop_strings``, with the
-#: ``tokenizer``), so no method spends time past the end of an answer.
-DecodeFn = Callable[..., Any]
-#: ``decode_batch_fn(model, prompts, settings, *, tokenizer, batch_size, on_result) -> results``,
-#: default :func:`megatron_wedlm.decoding.generate_batch`; ``on_result(index, result)`` as each
-#: prompt finishes.
-DecodeBatchFn = Callable[..., Any]
 #: Default rows decoded together in accuracy mode, and examples per task timed in speed mode.
 BATCH_SIZE, SPEED_EXAMPLES = 32, 16
+Config = tuple[str, float | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalPlan:
+    """One evaluation, built once by its caller and passed whole to :func:`evaluate`.
+
+    ``tasks``: :class:`Task` objects or :func:`load_task` specs, cut to ``limit`` examples.
+    ``settings`` steer every decode; per configuration and task the runner sets ``method``,
+    ``entropy_threshold`` (from ``taus``), the budget (the task's, capped by ``max_new_tokens``)
+    and the stops (the task's strings; the EOS too when ``stop_at_eos``). ``speed_examples``
+    (None: all) are timed one at a time, the rest decoded ``batch_size`` rows together.
+    ``shard``: this process's part of a torchrun launch; ``parts_dir``: finished decodes kept for
+    a restart while the settings, examples and ``identity`` (e.g. the checkpoint files) match.
+    """
+
+    tasks: Sequence[Task | str]
+    methods: Sequence[str] = METHODS
+    taus: Sequence[float] = (0.4,)
+    settings: DecodeSettings = dataclasses.field(default_factory=DecodeSettings)
+    limit: int | None = None
+    max_new_tokens: int | None = None
+    stop_at_eos: bool = True
+    seed: int = 0
+    chat: bool = False
+    batch_size: int = BATCH_SIZE
+    speed_examples: int | None = SPEED_EXAMPLES
+    warmup: bool = True
+    keep_samples: bool = True
+    progress: bool = False
+    model_name: str | None = None
+    shard: Shard | None = None
+    parts_dir: str | None = None
+    identity: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown or not self.methods:
+            raise ValueError(f"unknown decoding methods {unknown or self.methods}; choose from {METHODS}")
+        if self.batch_size < 1 or (self.speed_examples is not None and self.speed_examples < 0):
+            raise ValueError(f"batch_size must be >= 1 and speed_examples >= 0 (or None: all), got "
+                             f"{self.batch_size} and {self.speed_examples}")
+
+    @property
+    def configs(self) -> list[Config]:
+        """(method, tau) in report order: each tau for each parallel method, then AR once."""
+        configs = [(m, float(t)) for m in self.methods if m in PARALLEL_METHODS for t in self.taus]
+        return configs + ([("ar", None)] if "ar" in self.methods else [])
 
 
 @dataclasses.dataclass
@@ -71,143 +96,117 @@ class _TaskWork:
     settings: DecodeSettings
 
 
-def evaluate(
-    model: Any,
-    tokenizer: Any,
-    tasks: Sequence[Task | str],
-    methods: Sequence[str] = METHODS,
-    *,
-    taus: Sequence[float] = (0.4,),
-    settings: DecodeSettings | None = None,
-    limit: int | None = None,
-    max_new_tokens: int | None = None,
-    stop_at_eos: bool = True,
-    seed: int = 0,
-    chat: bool = False,
-    warmup: bool = True,
-    keep_samples: bool = True,
-    progress: bool = False,
-    model_name: str | None = None,
-    decode_fn: DecodeFn | None = None,
-    decode_batch_fn: DecodeBatchFn | None = None,
-    batch_size: int = BATCH_SIZE,
-    speed_examples: int | None = SPEED_EXAMPLES,
-    shard: Shard | None = None,
-    parts_dir: str | None = None,
-    identity: dict[str, Any] | None = None,
-    **overrides: Any,
-) -> EvalReport | None:
-    """Evaluate ``tasks`` with each decoding method; see the module docstring for the protocol.
+@dataclasses.dataclass
+class _Setup:
+    """What :func:`evaluate` derives from the plan and the model before decoding."""
 
-    ``tasks`` holds :class:`Task` objects or specs for :func:`load_task` (``"counting"``,
-    ``"gsm8k:/data/test.jsonl"``); ``limit`` keeps the first N examples of each task.
-    ``settings`` (and keyword ``overrides`` of its fields, e.g. ``window_size=8``,
-    ``fused_refill=False`` for the paper's step order) steer every decode; ``method``,
-    ``entropy_threshold`` (from ``taus``), ``max_new_tokens`` and the stop conditions are set per
-    configuration and task. ``max_new_tokens`` caps every task's own budget (``None``: the task's
-    budget). ``stop_at_eos``: the tokenizer's / model's EOS ends a generation (default, as the
-    reference engine); the task's stop strings always do.
+    work: list[_TaskWork]
+    base: DecodeSettings
+    record: dict[str, Any]
+    name: str
+    device: torch.device
+    dtype: str | None
+    shard: Shard
 
-    ``speed_examples``: examples per task timed one at a time (None: all, today's single-stream
-    protocol for every example); ``batch_size``: rows decoded together for the rest. A custom
-    ``decode_fn`` without ``decode_batch_fn`` decodes every example alone. ``shard``: this
-    process's part of a run over several (default: one process); ``parts_dir``: where finished
-    decodes are kept for a restart, valid while ``identity`` (e.g. the checkpoint files' sizes and
-    times; the settings and examples are added here) stays the same. Returns the report on rank 0,
-    None on other ranks.
-    """
-    base = DecodeSettings.build(settings, **overrides)
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown or not methods:
-        raise ValueError(f"unknown decoding methods {unknown or methods}; choose from {METHODS}")
-    if not tasks:
+
+def evaluate(model: Any, tokenizer: Any, plan: EvalPlan) -> EvalReport | None:
+    """Evaluate ``plan``'s tasks with each of its methods: the report on rank 0, None on the others."""
+    setup = _prepare(model, tokenizer, plan)
+    records = setup.shard.gather(_decode_all(model, tokenizer, plan, setup))
+    if records is None:
+        return None
+    by_key = {record_key(r): r for r in records}
+    results, samples = _report_rows(setup.work, plan, by_key, setup.base.stop_token_ids)
+    setup.record.update(device=str(setup.device), dtype=setup.dtype, processes=setup.shard.world,
+                        torch=torch.__version__, python=platform.python_version(),
+                        time=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    return EvalReport(model=setup.name, settings=setup.record, results=results, samples=samples)
+
+
+def _prepare(model: Any, tokenizer: Any, plan: EvalPlan) -> _Setup:
+    """Load and cut the tasks, find the mask and stop tokens, encode every prompt."""
+    if not plan.tasks:
         raise ValueError("no tasks to evaluate")
-    if batch_size < 1 or (speed_examples is not None and speed_examples < 0):
-        raise ValueError(f"batch_size must be >= 1 and speed_examples >= 0 (or None: all), got {batch_size} and "
-                         f"{speed_examples}")
-    tasks = [load_task(t, limit=limit) if isinstance(t, str) else t.limited(limit) for t in tasks]
-    if any(m in PARALLEL_METHODS for m in methods) and not taus:
+    tasks = [load_task(t, limit=plan.limit) if isinstance(t, str) else t.limited(plan.limit) for t in plan.tasks]
+    parallel = any(m in PARALLEL_METHODS for m in plan.methods)
+    if parallel and not plan.taus:
         raise ValueError("streaming/blockwise need at least one entropy threshold in taus")
-    mask_token_id = find_mask_token_id(model, tokenizer, base.mask_token_id)
-    if mask_token_id is None and any(m in PARALLEL_METHODS for m in methods):
+    mask_token_id = find_mask_token_id(model, tokenizer, plan.settings.mask_token_id)
+    if mask_token_id is None and parallel:
         raise ValueError(
             "no mask token: set config.mask_token_id on the model, a mask token on the tokenizer, "
             "or pass mask_token_id; only method 'ar' works without one"
         )
-    shard = shard or Shard()
-    weight = next(iter(model.parameters())) if hasattr(model, "parameters") else None
+    weight = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
     device = weight.device if weight is not None else torch.device("cpu")
     # recorded with the report: tokens/s and near-tie answers depend on the weights' dtype
     dtype = str(weight.dtype).removeprefix("torch.") if weight is not None else None
-    stop_ids = eos_token_ids(model, tokenizer) if stop_at_eos else []
-    base = dataclasses.replace(base, mask_token_id=mask_token_id, stop_token_ids=stop_ids)
-    configs = [(m, float(t)) for m in methods if m in PARALLEL_METHODS for t in taus]
-    configs += [("ar", None)] if "ar" in methods else []
-    name = model_name or getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
-
-    record = dict(
-        methods=list(methods), taus=[float(t) for t in taus], window_size=base.window_size,
-        distance_penalty=base.distance_penalty, refill="fused" if base.fused_refill else "paper",
-        stop_fill="contiguous" if base.contiguous_stop else "anywhere", stop_penalty=base.stop_penalty,
-        fallback="leftmost" if base.leftmost_fallback else "argmin", stop_at_eos=stop_at_eos, max_new_tokens=max_new_tokens, temperature=base.temperature,
-        top_k=base.top_k, top_p=base.top_p, seed=seed, chat=chat, mask_token_id=mask_token_id,
-        stop_token_ids=stop_ids, tasks={t.name: len(t.examples) for t in tasks},
-        speed_examples=speed_examples, batch_size=batch_size,
-    )
+    stop_ids = eos_token_ids(model, tokenizer) if plan.stop_at_eos else []
+    base = dataclasses.replace(plan.settings, mask_token_id=mask_token_id, stop_token_ids=stop_ids)
     work = []
     for task in tasks:
-        budget = task.max_new_tokens if max_new_tokens is None else min(task.max_new_tokens, max_new_tokens)
-        work.append(_TaskWork(task, [encode_prompt(tokenizer, ex.prompt, chat) for ex in task.examples],
+        budget = task.max_new_tokens if plan.max_new_tokens is None else min(task.max_new_tokens, plan.max_new_tokens)
+        work.append(_TaskWork(task, [encode_prompt(tokenizer, ex.prompt, plan.chat) for ex in task.examples],
                               dataclasses.replace(base, max_new_tokens=budget, stop_strings=tuple(task.stop_strings))))
+    name = (plan.model_name or getattr(getattr(model, "config", None), "_name_or_path", "")
+            or type(model).__name__)
+    return _Setup(work, base, _settings_record(plan, base, tasks), name, device, dtype, plan.shard or Shard())
 
-    log = None
-    done: dict[tuple, Record] = {}
-    if parts_dir is not None:
-        examples = {w.task.name: [ex.uid for ex in w.task.examples] for w in work}
-        outputs_depend_on = {k: v for k, v in record.items() if k != "batch_size"}  # a row's output does not
-        log = PartsLog(parts_dir, shard.rank, {"model": name, "settings": outputs_depend_on, "examples": examples,
-                                               "identity": identity or {}})
-        done = log.open(shard)
+
+def _settings_record(plan: EvalPlan, base: DecodeSettings, tasks: list[Task]) -> dict[str, Any]:
+    """The settings the report records (the decoding ones under the names the CLI uses)."""
+    return dict(
+        methods=list(plan.methods), taus=[float(t) for t in plan.taus], window_size=base.window_size,
+        distance_penalty=base.distance_penalty, refill="fused" if base.fused_refill else "paper",
+        stop_fill="contiguous" if base.contiguous_stop else "anywhere", stop_penalty=base.stop_penalty,
+        fallback="leftmost" if base.leftmost_fallback else "argmin", stop_at_eos=plan.stop_at_eos,
+        max_new_tokens=plan.max_new_tokens, temperature=base.temperature, top_k=base.top_k, top_p=base.top_p,
+        seed=plan.seed, chat=plan.chat, mask_token_id=base.mask_token_id, stop_token_ids=list(base.stop_token_ids),
+        tasks={t.name: len(t.examples) for t in tasks}, speed_examples=plan.speed_examples,
+        batch_size=plan.batch_size,
+    )
+
+
+def _decode_all(model: Any, tokenizer: Any, plan: EvalPlan, setup: _Setup) -> list[Record]:
+    """This rank's decodes of every task, those kept from an interrupted run included."""
+    log, done = None, {}
+    if plan.parts_dir is not None:
+        examples = {w.task.name: [ex.uid for ex in w.task.examples] for w in setup.work}
+        outputs_depend_on = {k: v for k, v in setup.record.items() if k != "batch_size"}  # a row's output does not
+        log = PartsLog(plan.parts_dir, setup.shard.rank, {"model": setup.name, "settings": outputs_depend_on,
+                                                          "examples": examples, "identity": plan.identity or {}})
+        done = log.open(setup.shard)
+    configs = plan.configs
+    keys = [(w.task.name, ex.uid, m, t) for w in setup.work for ex in w.task.examples for m, t in configs]
+    bar = _Progress(sum(k not in done for k in keys), setup.shard, plan.progress)
+    wanted = set(keys)
+    mine = [r for r in done.values() if record_key(r) in wanted]
+
+    def keep(rec: Record) -> None:
+        mine.append(rec)
+        if log is not None:
+            log.append(rec)
+        bar.advance()
+
     try:
-        decoder = _Decoder(model, tokenizer, base, seed, device, decode_fn, decode_batch_fn, batch_size)
-        keys = [(w.task.name, ex.uid, m, t) for w in work for ex in w.task.examples for m, t in configs]
-        bar = _Progress(sum(k not in done for k in keys), shard, progress)
-        wanted = set(keys)
-        mine = [r for r in done.values() if record_key(r) in wanted]  # kept from an earlier, interrupted run
-
-        def keep(rec: Record) -> None:
-            mine.append(rec)
-            if log is not None:
-                log.append(rec)
-            bar.advance()
-
-        for w in work:
-            _decode_task(w, configs, shard, done, decoder, keep, speed_examples, warmup)
+        decoder = _Decoder(model, tokenizer, plan, setup.device)
+        for w in setup.work:
+            _decode_task(w, plan, setup.shard, done, decoder, keep)
         bar.wait_for_others()
     finally:
         if log is not None:
             log.close()
-    records = shard.gather(mine)
     bar.close()
-    if records is None:
-        return None
-    by_key = {record_key(r): r for r in records}
-    results, samples = _report_rows(work, configs, by_key, stop_ids, keep_samples, progress)
-    record.update(device=str(device), dtype=dtype, processes=shard.world, torch=torch.__version__,
-                  python=platform.python_version(), time=time.strftime("%Y-%m-%dT%H:%M:%S"))
-    return EvalReport(model=name, settings=record, results=results, samples=samples)
+    return mine
 
 
 class _Decoder:
     """One example alone (speed mode, or any example when sampling) or many in batches (accuracy mode)."""
 
-    def __init__(self, model: Any, tokenizer: Any, base: DecodeSettings, seed: int, device: torch.device,
-                 decode_fn: DecodeFn | None, decode_batch_fn: DecodeBatchFn | None, batch_size: int):
-        self.model, self.tokenizer, self.seed, self.device = model, tokenizer, seed, device
-        self.sampling = base.temperature > 0
-        self.one = decode_fn or generate
-        self.batch = decode_batch_fn or (generate_batch if decode_fn is None else None)
-        self.batch_size = batch_size
+    def __init__(self, model: Any, tokenizer: Any, plan: EvalPlan, device: torch.device):
+        self.model, self.tokenizer, self.seed, self.device = model, tokenizer, plan.seed, device
+        self.sampling = plan.settings.temperature > 0
+        self.batch_size = plan.batch_size
 
     def settings(self, w: _TaskWork, method: str, tau: float | None) -> DecodeSettings:
         config = dataclasses.replace(w.settings, method=method)
@@ -217,27 +216,26 @@ class _Decoder:
         generator = None
         if self.sampling:  # same seed per example for every method
             generator = torch.Generator(device=self.device).manual_seed(self.seed + index)
-        return self.one(self.model, w.prompts[index], self.settings(w, method, tau), tokenizer=self.tokenizer,
+        return generate(self.model, w.prompts[index], self.settings(w, method, tau), tokenizer=self.tokenizer,
                         generator=generator)
 
     def together(self, w: _TaskWork, method: str, tau: float | None, indices: list[int],
                  on_result: Callable[[int, Any], None]) -> None:
         """Decode ``indices``; ``on_result(example index, result)`` as each finishes."""
-        if self.sampling or self.batch is None:
+        if self.sampling:
             for i in indices:
                 on_result(i, self.alone(w, method, tau, i))
             return
-        self.batch(self.model, [w.prompts[i] for i in indices], self.settings(w, method, tau),
-                   tokenizer=self.tokenizer, batch_size=self.batch_size,
-                   on_result=lambda k, result: on_result(indices[k], result))
+        generate_batch(self.model, [w.prompts[i] for i in indices], self.settings(w, method, tau),
+                       tokenizer=self.tokenizer, batch_size=self.batch_size,
+                       on_result=lambda k, result: on_result(indices[k], result))
 
 
-def _decode_task(w: _TaskWork, configs: list[tuple[str, float | None]], shard: Shard, done: dict[tuple, Record],
-                 decoder: _Decoder, keep: Callable[[Record], None], speed_examples: int | None,
-                 warmup: bool) -> None:
+def _decode_task(w: _TaskWork, plan: EvalPlan, shard: Shard, done: dict[tuple, Record], decoder: _Decoder,
+                 keep: Callable[[Record], None]) -> None:
     """This rank's examples of one task: the speed sample one at a time, interleaved, then the rest in batches."""
-    examples = w.task.examples
-    timed = len(examples) if speed_examples is None else min(speed_examples, len(examples))
+    examples, configs = w.task.examples, plan.configs
+    timed = len(examples) if plan.speed_examples is None else min(plan.speed_examples, len(examples))
     mine = [i for i in range(len(examples)) if shard.owns(i)]
 
     def pending(i: int, method: str, tau: float | None) -> bool:
@@ -247,11 +245,10 @@ def _decode_task(w: _TaskWork, configs: list[tuple[str, float | None]], shard: S
         keep(_record(w, i, method, tau, result, decoder.tokenizer, w.settings.stop_token_ids, is_timed))
 
     speed = [i for i in mine if i < timed and any(pending(i, m, t) for m, t in configs)]
-    if speed and warmup:
+    if speed and plan.warmup:
         for method, tau in configs:
             decoder.alone(w, method, tau, speed[0])
-    # Interleaved: every configuration decodes example i before any moves to i + 1, so a change in
-    # machine load hits all of them alike instead of skewing one method's speed.
+    # every configuration decodes example i before any moves to i + 1: load drift hits all alike
     for i in speed:
         for method, tau in configs:
             if pending(i, method, tau):
@@ -272,15 +269,14 @@ def _record(w: _TaskWork, index: int, method: str, tau: float | None, result: An
                 seconds=float(result.seconds) if timed else None)
 
 
-def _report_rows(work: list[_TaskWork], configs: list[tuple[str, float | None]], records: dict[tuple, Record],
-                 stop_ids: Sequence[int], keep_samples: bool,
-                 progress: bool) -> tuple[list[MethodResult], list[SampleRecord]]:
+def _report_rows(work: list[_TaskWork], plan: EvalPlan, records: dict[tuple, Record],
+                 stop_ids: Sequence[int]) -> tuple[list[MethodResult], list[SampleRecord]]:
     """Judge every decode and sum each (task, configuration)'s row, examples in task order."""
     results: list[MethodResult] = []
     samples: list[SampleRecord] = []
     for w in work:
         task_results = []
-        for method, tau in configs:
+        for method, tau in plan.configs:
             rows = [records[(w.task.name, ex.uid, method, tau)] for ex in w.task.examples]
             judgements = w.task.judge_all(w.task.examples, [r["completion"] for r in rows])
             timed = [r for r in rows if r["seconds"] is not None]
@@ -294,9 +290,9 @@ def _report_rows(work: list[_TaskWork], configs: list[tuple[str, float | None]],
                 timed_examples=len(timed), timed_tokens=sum(r["new_tokens"] for r in timed),
             )
             task_results.append(result)
-            if progress:
+            if plan.progress:
                 print(_summary_line(result), file=sys.stderr, flush=True)
-            if keep_samples:
+            if plan.keep_samples:
                 samples += [
                     SampleRecord(w.task.name, method, tau, ex.uid, r["completion"], j.extracted, ex.reference,
                                  j.correct, r["new_tokens"], r["forwards"], r["seconds"], j.detail)
@@ -308,11 +304,8 @@ def _report_rows(work: list[_TaskWork], configs: list[tuple[str, float | None]],
 
 
 class _Progress:
-    """One bar on rank 0 over every rank's decodes, with an ETA; the ranks count in torchrun's store.
-
-    A rank adds its count to the store at most every ``PERIOD_S`` seconds: each add is a round trip
-    to the launcher's store server, which a decode of a small model should not wait for every time.
-    """
+    """One bar on rank 0 over every rank's decodes; the ranks count in torchrun's store, each at most
+    every ``PERIOD_S`` seconds (an add is a round trip to the store server)."""
 
     PERIOD_S = 1.0
 
@@ -369,14 +362,11 @@ def _fill_speedups(task_results: list[MethodResult]) -> None:
 
 
 def combine_reports(reports: Sequence[EvalReport], methods: Sequence[str] = METHODS) -> EvalReport:
-    """One model's reports from several processes, each decoding some of the methods, as one report.
+    """One model's reports from processes that each decoded some of the methods, as one report.
 
-    Why: one process decodes its configurations one after the other, so a caller with idle cores
-    (the quickstart) splits the methods across processes. Rows and samples come back per task in
-    ``methods`` order, as one process would have written them, and every speed-up is taken against
-    its task's AR row again. Only rows measured in the same process as that AR row were
-    interleaved with it example by example (see the module docstring); the others ran beside it
-    at the same time.
+    Why: a caller with idle cores (the quickstart) splits the methods across processes. Rows and
+    samples come back in ``methods`` order per task, and speed-ups are taken against the task's AR
+    row again (only rows from AR's own process were interleaved with it).
     """
     if not reports:
         raise ValueError("combine_reports needs at least one report")

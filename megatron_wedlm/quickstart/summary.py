@@ -252,23 +252,38 @@ def headline_figures(report: EvalReport, calibration: Calibration, timings: dict
     return figures
 
 
+@dataclass(frozen=True)
+class RunRecord:
+    """What a quickstart run recorded besides its evaluation reports.
+
+    ``previous_fingerprint``: of a same-seed earlier run; ``general``, ``general_tokens``: see
+    :func:`check_targets`.
+    """
+
+    stages: Sequence[Any]
+    timings: dict[str, Any]
+    training: dict[str, dict[str, Any]]
+    previous_fingerprint: str | None = None
+    general: dict[str, tuple[int, int]] | None = None
+    general_tokens: dict[str, tuple[int, int]] | None = None
+
+
 def build_summary(base_report: str | Path | None, wedlm_report: str | Path, settings: AnySettings, seed: int,
-                  calibration: Calibration, stages: Sequence[Any], timings: dict[str, Any],
-                  training: dict[str, dict[str, Any]], previous_fingerprint: str | None = None,
-                  general: dict[str, tuple[int, int]] | None = None,
-                  general_tokens: dict[str, tuple[int, int]] | None = None) -> dict[str, Any]:
-    """The full report as a dict (``report.json``); ``previous_fingerprint``: of a same-seed earlier run.
+                  calibration: Calibration, run: RunRecord) -> dict[str, Any]:
+    """The full report as a dict (``report.json``).
 
     ``base_report``: the base model's AR test report, merged in as ``base-ar`` rows (None in a
-    pretrained preset); ``general``, ``general_tokens``: see :func:`check_targets`.
+    pretrained preset).
     """
     wedlm = EvalReport.load(str(wedlm_report))
     merged = wedlm if base_report is None else merge_reports(EvalReport.load(str(base_report)), wedlm)
     tau = calibration.operating_tau
     reference = reference_method(settings)
     agreement = agreement_with_reference(merged, reference)
+    stages, timings, training, general, general_tokens = (run.stages, run.timings, run.training, run.general,
+                                                          run.general_tokens)
     fp = fingerprint(merged, training, calibration)
-    targets = check_targets(merged, settings, calibration, timings, agreement, fp, previous_fingerprint, general,
+    targets = check_targets(merged, settings, calibration, timings, agreement, fp, run.previous_fingerprint, general,
                             general_tokens)
     recorded = asdict(settings)
     recorded["eval"]["operating_tau"] = tau  # next to window_size and distance_penalty: the operating point
