@@ -1,21 +1,10 @@
-"""WeDLM SFT of HF checkpoints under DeepSpeed ZeRO (``trainer.backend=deepspeed``), no conversion.
+"""WeDLM SFT of HF checkpoints under DeepSpeed ZeRO (``trainer.backend=deepspeed``), no conversion:
+the Megatron path's rows, losses, schedule, data, checkpoint conventions and logging, with an
+unmodified transformers ``*ForCausalLM`` under ZeRO-1/2/3 (optionally offloaded to the CPU).
 
-For teams that instruct-tune from a HF checkpoint: the same dual-stream rows, losses, lr
-schedule, data pipeline, checkpoint conventions and logging as the Megatron path, with the
-model an unmodified transformers ``*ForCausalLM`` trained by DeepSpeed ZeRO-1/2/3 (optionally
-with optimizer / parameter offload to the CPU).
-
-* :mod:`.settings`   -- the backend's checks of a run, the DeepSpeed JSON config;
-* :mod:`.hf_model`   -- loading (Qwen2 / Qwen3 / Llama / official WeDLM), mask-token row,
-  Megatron-style weight-decay groups;
-* :mod:`.forward`    -- the dual-stream forward through transformers' attention interface
-  (SDPA + 4-D float mask on CPU, FlexAttention ``BlockMask`` on GPU) and the WeDLM objective;
-* :mod:`.checkpoint` -- DeepSpeed checkpoints with exact resume, HF exports;
-* :mod:`.engine`     -- :class:`DeepSpeedEngine` for the one training loop, :func:`run_deepspeed_sft`;
-* :mod:`.cli`        -- the command line behind ``sft/sft_wedlm.py ... trainer.backend=deepspeed``.
-
-Importing this package does not import DeepSpeed; the trainer does (set ``DS_ACCELERATOR=cpu``
-on machines without a GPU, which the trainer does for ``trainer.device=cpu``).
+:mod:`.settings` (checks, the DeepSpeed JSON), :mod:`.hf_model` (loading, mask-token row,
+weight-decay groups), :mod:`.forward` (the dual-stream forward), :mod:`.checkpoint`, :mod:`.engine`
+(:class:`DeepSpeedEngine` for the one loop) and :mod:`.cli`. Importing it does not import DeepSpeed.
 """
 
 from __future__ import annotations

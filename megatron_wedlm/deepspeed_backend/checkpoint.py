@@ -1,20 +1,10 @@
 """DeepSpeed training checkpoints (exact resume) and HF exports of the trained model.
 
-A checkpoint is a directory ``<checkpointing.dir>/iter_0000015/`` with the same conventions as
-the Megatron path (:mod:`megatron_wedlm.training.checkpoint_index`), so ``resume=auto``,
-``keep_last`` and the atomic ``.partial`` -> ``iter_N`` rename behave identically:
-
-* ``deepspeed/``: ``engine.save_checkpoint`` output -- module weights and every rank's ZeRO
-  optimizer partition (fp32 master weights, Adam moments);
-* ``rng/rank<r>.pt``: each rank's RNG states (dropout, if the model has any);
-* ``hf/`` (``deepspeed.export_hf``): a HF export of the weights at this step;
-* ``trainer_state.json``: step, lr schedule, the data position of every stream, counters,
-  world size; ``config.yaml``: the run's resolved config.
-
-A HF export is what ``save_pretrained`` writes (``config.json`` with ``mask_token_id``,
-``*.safetensors``, ``generation_config.json``) plus the data's tokenizer (mask token included),
-so :func:`megatron_wedlm.decoding.loading.load_wedlm_model` and ``AutoModelForCausalLM`` load it
-as it is. Under ZeRO-3 the weights are gathered one layer at a time to rank 0.
+An ``iter_N`` directory with the Megatron path's conventions (:mod:`megatron_wedlm.training.checkpoint_index`)
+holding ``deepspeed/`` (``engine.save_checkpoint``: weights and every rank's ZeRO partition),
+``rng/rank<r>.pt``, optionally ``hf/`` (``deepspeed.export_hf``), ``trainer_state.json`` and
+``config.yaml``. An HF export is ``save_pretrained``'s output plus the data's tokenizer, so
+``load_wedlm_model`` and ``AutoModelForCausalLM`` load it as it is.
 """
 
 from __future__ import annotations
@@ -69,10 +59,8 @@ def full_state_dict(engine) -> dict[str, torch.Tensor] | None:
 
 
 def export_hf_model(engine, hf_model: nn.Module, directory: str | Path, tokenizer_dir: str | Path | None) -> Path:
-    """Collective: write a HF export of the engine's current weights to ``directory`` (rank 0 writes).
-
-    An earlier export in ``directory`` is replaced only once the new one is complete.
-    """
+    """Collective: write a HF export of the engine's weights to ``directory`` (rank 0 writes); an
+    earlier export there is replaced only once the new one is complete."""
     from megatron_wedlm.conversion.tokenizer_files import copy_tokenizer_files, tokenizer_files_in  # imports safetensors
 
     directory = Path(directory)
@@ -114,12 +102,8 @@ class DeepSpeedCheckpointManager(CheckpointDirectory):
         return self.finish_save(partial, final, state, files)
 
     def load(self, path: str | Path, engine, load_optimizer: bool = True) -> dict[str, Any]:  # type: ignore[override]
-        """Load weights (and optimizer states and RNG when asked) into ``engine``; return the trainer state.
-
-        ZeRO partitions belong to ranks, so optimizer states reload only under the world size
-        they were saved with; weights alone (``load_optimizer=false``) reload under any world
-        size for ZeRO-1/2.
-        """
+        """Load weights (optimizer states and RNG when asked) into ``engine``; return the trainer state.
+        ZeRO partitions belong to ranks: optimizer states reload only under the saving world size."""
         path = Path(path)
         state = read_trainer_state(path)
         layout = state.get("layout", {})

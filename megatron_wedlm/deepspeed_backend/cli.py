@@ -1,11 +1,5 @@
-"""Command line of ``sft/sft_wedlm.py ... trainer.backend=deepspeed``.
-
-    torchrun --nproc_per_node G sft/sft_wedlm.py --config configs/sft/qwen3_8b_deepspeed.yaml \\
-        model.init_from=/models/Qwen3-8B data.path=/data/sft trainer.backend=deepspeed
-
-The arguments are the Megatron entry point's (``--config``, ``--resume``, ``--print-config``,
-``--result-json``, ``key=value`` overrides); ``sft/sft_wedlm.py`` offers :data:`DEEPSPEED` next to
-the Megatron backend and the loaded config's ``trainer.backend`` picks one.
+"""Command line of ``sft/sft_wedlm.py ... trainer.backend=deepspeed``: the Megatron entry point's
+arguments; ``sft/sft_wedlm.py`` offers :data:`DEEPSPEED` next to Megatron and the config picks.
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
-"""The DeepSpeed ZeRO engine of :func:`megatron_wedlm.training.loop.run_training`: WeDLM SFT of a
-HF checkpoint, no conversion.
-
-The loop is the Megatron path's (data, objective, lr schedule, logging, non-finite policy,
-saving schedule), so a run here and a Megatron run with the same config log the same
-quantities and follow the same schedule. What this engine does differently:
-
-* the model is an unmodified transformers ``*ForCausalLM`` (:class:`.forward.DualStreamCausalLM`
-  around it), loaded under ZeRO-3's init hook when asked, with a mask-token row added if needed;
-* per micro-batch: forward (per-slot cross entropy), the objective's contribution to the global
-  loss, ``engine.backward(contribution * G * world)`` -- DeepSpeed divides by ``G`` and
-  averages gradients over ranks, so the applied gradient is that of the global loss -- and
-  ``engine.step()`` between micro-batches, which only advances DeepSpeed's accumulation counter;
-* the accumulation boundary's ``engine.step()`` (DeepSpeed clips and updates there) is the
-  loop's decision: :meth:`DeepSpeedEngine.optimizer_step` runs it with the update when the
-  step is finite on every rank, and without it otherwise (:func:`_update_withheld`), so a
-  non-finite step never reaches the weights whatever DeepSpeed's own overflow checks cover in
-  this precision;
-* checkpoints are DeepSpeed's (exact resume) with optional HF exports, and the trained model is
-  exported to ``<trainer.output_dir>/hf`` at the end.
+"""The DeepSpeed ZeRO engine of :func:`megatron_wedlm.training.loop.run_training`: WeDLM SFT of a HF
+checkpoint. Per micro-batch ``engine.backward(contribution * G * world)`` (DeepSpeed divides by
+``G`` and averages over ranks, so the gradient is the global loss's) and ``engine.step()`` between
+micro-batches (counters only). The boundary's ``engine.step()`` is the loop's decision: with the
+update when the step is finite on every rank, without it otherwise (:func:`_update_withheld`).
+The trained model is exported to ``<trainer.output_dir>/hf`` at the end.
 """
 
 from __future__ import annotations
@@ -131,10 +117,8 @@ def _build_optimizer(cfg: TrainConfig, module, device: torch.device, offload: bo
 
 @contextmanager
 def _update_withheld(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """DeepSpeed's ``step()`` without the weight update: for its duration the base optimizer's
-    ``step`` does nothing. ZeRO still consumes and releases the step's reduced gradients and
-    advances its counters, while the weights and the Adam state stay as they were (ZeRO copies
-    its unchanged fp32 partitions back into the parameters)."""
+    """DeepSpeed's ``step()`` without the weight update: the base optimizer's ``step`` does nothing
+    meanwhile, so ZeRO releases the gradients and advances its counters, weights and Adam state kept."""
     optimizer.step = lambda *args, **kwargs: None  # type: ignore[method-assign]
     try:
         yield
@@ -143,17 +127,15 @@ def _update_withheld(optimizer: torch.optim.Optimizer) -> Iterator[None]:
 
 
 def _grads_have_inf_or_nan(ds_engine) -> bool:
-    """Collective over the data-parallel group: any inf/NaN in the step's reduced gradients.
-
-    Asked of the ZeRO optimizer, which holds them after the accumulation boundary's backward
-    (partitioned under ZeRO-2/3); the same check it runs itself before a fp16 update."""
+    """Collective over the DP group: any inf/NaN in the step's reduced gradients (the ZeRO
+    optimizer's own overflow check, partitioned under ZeRO-2/3)."""
     zero = ds_engine.optimizer
     return bool(zero.has_overflow(partition_gradients=getattr(zero, "partition_gradients", True)))
 
 
 @dataclass(frozen=True)
 class DeepSpeedPlan:
-    """What :meth:`DeepSpeedEngine.start` derived: the rank's role, the DeepSpeed config, the attention backend."""
+    """What :meth:`DeepSpeedEngine.start` derived: role, DeepSpeed config, attention backend."""
 
     role: RankRole
     device: torch.device
@@ -171,8 +153,8 @@ class DeepSpeedEngine:
     """A HF causal LM trained by a DeepSpeed ZeRO engine; DeepSpeed checkpoints and HF exports."""
 
     def __init__(self, cfg: TrainConfig, plan: DeepSpeedPlan, resuming: bool) -> None:
-        """Load the HF model (its weights also when ``resuming``: the checkpoint replaces them),
-        build the optimizer and the DeepSpeed engine around them."""
+        """Load the HF model (a resumed checkpoint replaces its weights), build the optimizer and the
+        DeepSpeed engine."""
         import deepspeed
 
         ds = cfg.deepspeed
@@ -236,8 +218,7 @@ class DeepSpeedEngine:
     # ---- one step ----
     def forward_backward(self, batches: Sequence[DualStreamBatch], normalizer: LossNormalizer,
                          objective: Objective) -> list[dict[str, torch.Tensor]]:
-        """Forward and backward per micro-batch, ``engine.step()`` between them (no update before
-        the accumulation boundary); the loss reports. The boundary's step is :meth:`optimizer_step`."""
+        """Forward and backward per micro-batch, ``engine.step()`` between them; the loss reports."""
         scale = len(batches) * self.world
         reports = []
         for index, batch in enumerate(batches):
@@ -254,8 +235,8 @@ class DeepSpeedEngine:
         return not _grads_have_inf_or_nan(self.engine)
 
     def optimizer_step(self, apply: bool) -> StepUpdate:
-        """The accumulation boundary's ``engine.step()``: DeepSpeed clips and updates when
-        ``apply`` (and may still skip on its own overflow check); without the update otherwise."""
+        """The boundary's ``engine.step()``: with the update when ``apply`` (DeepSpeed may still skip on
+        overflow), without it otherwise."""
         if not apply:
             with _update_withheld(self.base_optimizer):
                 self.engine.step()
@@ -268,10 +249,8 @@ class DeepSpeedEngine:
 
     def evaluate(self, batches: Sequence[DualStreamBatch], normalizer: LossNormalizer,
                  objective: Objective) -> list[dict[str, torch.Tensor]]:
-        """Forward per micro-batch without autograd; the loss reports. In eval mode (a HF
-        checkpoint's config may carry dropout), as HF's Trainer evaluates a DeepSpeed engine; ZeRO-3
-        gathers the parameters through its forward hooks as in training. Between steps, so no
-        gradient accumulation is under way."""
+        """Forward per micro-batch without autograd, in eval mode (as HF's Trainer evaluates); the loss
+        reports."""
         reports = []
         self.engine.eval()
         try:

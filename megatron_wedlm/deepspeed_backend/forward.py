@@ -1,28 +1,10 @@
 """Dual-stream forward of an unmodified HF causal LM: per-slot cross entropy for the objective.
 
-Nothing in the HF model is patched or copied. The WeDLM attention rule reaches the layers
-through transformers' own attention interface, which hands an already-4-D ``attention_mask``
-to the attention function untouched (``masking_utils``), and RoPE follows the explicit
-``position_ids``:
-
-Which ``attn_implementation`` a backend name loads, and what rows are padded to, is the backend
-table's (:mod:`megatron_wedlm.model.attention_backends`); the mask each implementation takes:
-
-* ``sdpa`` (the dense backend; CPU, tests): an *additive float* mask
-  ``[B, 1, S, S]`` (0 = may attend, dtype minimum = may not). A float mask, not a bool one:
-  transformers' eager path adds the mask to the scores, so a bool mask would silently be
-  wrong there, while a float mask means the same to SDPA and eager. Padding slots attend
-  themselves (the kernel-safe form), so no softmax row is empty.
-* ``flex_attention`` (the flex backend; GPU): the project's FlexAttention ``BlockMask``
-  (:func:`megatron_wedlm.data.attention_rule.build_block_mask`), which never materialises
-  ``S x S``. Rows are padded to whole tiles first (:func:`pad_rows`).
-
-Logits are computed only for slots that carry a label (masked prediction slots and memory
-slots with a next-token label), in float32, so the ``[B, S, vocab]`` tensor of a large
-vocabulary is never built for slots that cannot contribute.
-
-The loss is the run's :class:`megatron_wedlm.training.objective.Objective`, as on the Megatron
-path, fed with full-vocabulary per-slot cross entropy instead of the vocab-parallel one.
+The WeDLM rule reaches the layers through transformers' attention interface, which passes a 4-D
+``attention_mask`` through untouched; RoPE follows ``position_ids``. ``sdpa`` (dense; CPU) takes an
+additive float mask (a bool one would be wrong on the eager path), padding slots attending
+themselves; ``flex_attention`` (GPU) takes the project's ``BlockMask`` on tile-padded rows. Logits
+are computed in float32 for labelled slots only.
 """
 
 from __future__ import annotations
@@ -90,12 +72,8 @@ def model_inputs(batch: DualStreamBatch, backend: str, dtype: torch.dtype) -> tu
 
 
 def per_slot_cross_entropy(hidden: Tensor, output_layer: nn.Module, labels: Tensor) -> Tensor:
-    """Float32 cross entropy ``[B, S]`` of ``output_layer(hidden)`` against ``labels``; 0 where label < 0.
-
-    Only labelled slots go through the output layer. The layer is called even when there is
-    none (an empty batch of rows), so every rank runs the same modules, which ZeRO-3's
-    parameter gathering relies on.
-    """
+    """Float32 cross entropy ``[B, S]`` of ``output_layer(hidden)`` against ``labels`` (0 where label < 0),
+    for labelled slots only; the layer runs even with none, as ZeRO-3's gathering needs every rank to."""
     flat_labels = labels.reshape(-1)
     keep = (flat_labels >= 0).nonzero().squeeze(1)
     picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep)
@@ -106,11 +84,8 @@ def per_slot_cross_entropy(hidden: Tensor, output_layer: nn.Module, labels: Tens
 
 
 class DualStreamCausalLM(nn.Module):
-    """Wraps a HF ``*ForCausalLM``: ``forward(...) -> per-slot cross entropy [B, S]``.
-
-    The wrapper is what DeepSpeed trains (its parameters are the HF model's, under the
-    ``hf_model.`` prefix), so ZeRO hooks see the decoder and the output layer as submodules.
-    """
+    """Wraps a HF ``*ForCausalLM``: ``forward(...) -> per-slot cross entropy [B, S]``; what DeepSpeed
+    trains, so ZeRO hooks see the decoder and the output layer as submodules."""
 
     def __init__(self, hf_model: nn.Module) -> None:
         super().__init__()
@@ -126,8 +101,7 @@ class DualStreamCausalLM(nn.Module):
 
 def dual_stream_cross_entropy(model: nn.Module, batch: DualStreamBatch, backend: str,
                               dtype: torch.dtype | None = None) -> Tensor:
-    """Per-slot cross entropy ``[B, S]`` of a stacked batch (on the model's device, rows padded by
-    :func:`pad_rows`) through ``model``: a :class:`DualStreamCausalLM`, or the DeepSpeed engine
-    around one. ``dtype``: of the additive dense mask (default: the model's)."""
+    """Per-slot cross entropy ``[B, S]`` of a stacked, padded batch through ``model`` (a
+    :class:`DualStreamCausalLM` or the DeepSpeed engine around one); ``dtype``: of the dense mask."""
     dtype = dtype if dtype is not None else next(model.parameters()).dtype
     return model(*model_inputs(batch, backend, dtype))

@@ -1,22 +1,9 @@
 """A HF causal LM ready for WeDLM training: loaded from a local directory, with a mask-token row.
 
-Which checkpoints: anything :func:`megatron_wedlm.decoding.loading.load_wedlm_model` loads --
-plain ``qwen2`` / ``qwen3`` / ``llama`` directories and the official ``model_type: "wedlm"``
-ones (mapped onto the transformers class of the AR model they came from, no remote code).
-
-The mask token. The data (``tools/prepare_data.py``) fixes its id: the tokenizer it saved has
-the token, appended when the original tokenizer had none. The model must then have an
-embedding row for that id:
-
-* the checkpoint already knows a mask token (``config.mask_token_id``, or its tokenizer has a
-  mask token): the ids must agree, nothing is changed;
-* otherwise the token is new. If the embedding is too small it is grown (rows padded to a
-  multiple of ``model.make_vocab_size_divisible_by``, as the Megatron conversion does) and the
-  mask row -- of the input embedding and, when untied, of the output layer -- is set to the
-  mean of the real tokens' rows, the same initialisation the HF -> Megatron conversion uses,
-  so both backends start a WeDLM run from the same weights.
-
-In every case ``config.mask_token_id`` records the id, so exports are WeDLM checkpoints.
+Anything :func:`megatron_wedlm.decoding.loading.load_wedlm_model` loads. The data fixes the mask
+id: a checkpoint that knows a mask token must agree; otherwise the embedding grows if needed and
+the mask row takes the mean of the real tokens' rows, as the HF -> Megatron conversion does, so
+both backends start from the same weights. ``config.mask_token_id`` records the id.
 """
 
 from __future__ import annotations
@@ -51,13 +38,8 @@ class MaskTokenPlan:
 
 
 def load_hf_causal_lm(path: str | Path, dtype: torch.dtype, attn_implementation: str) -> nn.Module:
-    """Load ``path`` in ``dtype`` for training (``train()`` mode, KV cache off), where it lands.
-
-    The decoding loader does the loading (official ``model_type: "wedlm"`` configs included),
-    without moving the model: DeepSpeed places it, and under ZeRO-3 initialisation
-    (``deepspeed.zero3_init``) the parameters are already partitioned when this returns. The
-    checkpoint need not know a mask token yet (:func:`apply_mask_token` adds it).
-    """
+    """Load ``path`` in ``dtype`` for training (``train()`` mode, KV cache off) without moving it:
+    DeepSpeed places it (under ZeRO-3 init already partitioned)."""
     from megatron_wedlm.decoding.loading import load_wedlm_model  # imports transformers
 
     try:
@@ -122,11 +104,8 @@ def _embedding_weights(model: nn.Module) -> list[nn.Parameter]:
 
 
 def apply_mask_token(model: nn.Module, plan: MaskTokenPlan, pad_rows_to_multiple_of: int = 1) -> None:
-    """Grow the embedding if needed, initialise the new mask row, record ``config.mask_token_id``.
-
-    Rows added by growing are zero except the mask row (as in the Megatron conversion), so an
-    unused row gives logit 0 on both backends rather than a random one.
-    """
+    """Grow the embedding if needed, initialise the new mask row, record ``config.mask_token_id``;
+    other grown rows are zero, as in the Megatron conversion."""
     old_rows = model.get_input_embeddings().num_embeddings
     if old_rows < plan.min_rows:
         multiple = max(int(pad_rows_to_multiple_of), 1)
@@ -144,11 +123,8 @@ def apply_mask_token(model: nn.Module, plan: MaskTokenPlan, pad_rows_to_multiple
 
 
 def weight_decay_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two AdamW groups as Megatron forms them: no decay on biases and 1-D tensors (norms).
-
-    ``wd_mult`` is what Megatron's ``OptimizerParamScheduler`` multiplies the scheduled weight
-    decay by, so the scheduler keeps the no-decay group at zero.
-    """
+    """Two AdamW groups as Megatron forms them: no decay on biases and 1-D tensors; ``wd_mult`` keeps
+    Megatron's scheduler from decaying the no-decay group."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:

@@ -1,15 +1,7 @@
 """The DeepSpeed backend's checks of a run and the DeepSpeed JSON config derived from it.
 
-Why a section of its own and not a free-form DeepSpeed JSON: every other setting the DeepSpeed
-path needs (batch sizes, lr schedule, clipping, precision, data, checkpoints, logging) already
-has a key in the training schema (:mod:`megatron_wedlm.config.schema`) and means the same
-thing on both backends. Only what is specific to ZeRO lives in the section; ``extra_config`` is the
-escape hatch for DeepSpeed knobs nobody mapped (bucket sizes, overlap), merged last.
-
-The section (:class:`megatron_wedlm.config.schema.DeepSpeedConfig`) is part of the training schema, so
-:func:`megatron_wedlm.config.load_config` loads it like any other (unknown ``deepspeed.*`` keys
-fail with a suggestion) and :func:`megatron_wedlm.config.validate_config` checks its values;
-what holds only when this backend runs is checked here.
+Every setting both backends share has one key in the training schema; the ``deepspeed`` section
+holds only ZeRO's, and ``extra_config`` (merged last) any DeepSpeed knob nobody mapped.
 """
 
 from __future__ import annotations
@@ -65,12 +57,8 @@ def validate_deepspeed_run(cfg: TrainConfig) -> None:
 
 
 def build_ds_config(cfg: TrainConfig, world_size: int, bf16: bool) -> dict[str, Any]:
-    """The DeepSpeed JSON config of a run.
-
-    The optimizer and the lr schedule are *not* in it: the trainer builds AdamW param groups
-    (no weight decay on biases and norms, as Megatron) and drives the lr with Megatron's own
-    scheduler, so both backends follow one schedule.
-    """
+    """The DeepSpeed JSON config of a run, without optimizer and lr schedule: the trainer builds
+    AdamW groups and drives the lr with Megatron's scheduler, one schedule for both backends."""
     ds = cfg.deepspeed
     micro = cfg.data.micro_batch_size
     if cfg.data.global_batch_size % (micro * world_size):

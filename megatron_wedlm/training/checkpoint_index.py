@@ -1,17 +1,10 @@
-"""Where training checkpoints live and which one a run resumes: names, lineage, readability and
-the atomic directory commit, shared by the Megatron and DeepSpeed engines.
+"""Training checkpoints' names, lineage, readability and atomic publication, for both engines.
 
-A checkpoint is ``<checkpointing.dir>/iter_0000015/``, written into ``iter_N.partial`` and renamed
-to ``iter_N`` once every rank finished and ``trainer_state.json`` is on disk, so the newest
-*complete* checkpoint is always loadable; pruning renames to ``.pruned`` before deleting, so a
-reader (``--follow``) sees a checkpoint whole or gone. ``latest_checkpointed_iteration.txt`` is
-for humans and Megatron-LM tools; resume scans the directories.
-
-Lineage: ``trainer_state.json`` records ``run_id``, ``parent`` and ``lineage`` (the chain of runs,
-each with the step it started from); ``<dir>/lineage.json`` holds the lineage of the run that
-started last. ``--resume auto`` and pruning follow it only, so an abandoned branch is never loaded
-by ``auto`` and never makes pruning delete the checkpoint just saved. An unreadable checkpoint
-(:func:`checkpoint_problem`, no tensors loaded) is named, and ``auto`` falls back to the previous one.
+A checkpoint ``<checkpointing.dir>/iter_0000015/`` is written as ``iter_N.partial`` and renamed once
+every rank finished and ``trainer_state.json`` is on disk, so the newest complete one is loadable;
+pruning renames to ``.pruned`` first, so a reader sees a checkpoint whole or gone. Each trainer
+state records the run's ``lineage`` (runs, each with the step it started from); ``lineage.json``
+holds the newest run's, and ``--resume auto`` and pruning follow it only, never an abandoned branch.
 """
 
 from __future__ import annotations
@@ -85,9 +78,8 @@ def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
 
 
 def lineage_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
-    """(step, path) of the complete checkpoints under ``root`` that belong to its current lineage,
-    oldest first: an abandoned branch's are left out, and so are those whose trainer state cannot
-    be read. Every complete one when no lineage is recorded."""
+    """(step, path) of the complete, readable checkpoints of ``root``'s current lineage, oldest first
+    (every complete one when no lineage is recorded)."""
     lineage = current_lineage(root)
     found = []
     for step, path in complete_checkpoints(root):
@@ -109,12 +101,8 @@ def _stderr(text: str) -> None:
 
 
 def on_lineage(run_id: str | None, step: int, lineage: Lineage) -> bool:
-    """Whether what run ``run_id`` saved (or logged) at ``step`` is part of the history ``lineage``.
-
-    A run's output belongs to the history up to the step the next run of the chain started
-    from; later output of that run is an abandoned future. ``run_id`` None stands for output
-    written before runs had ids: it is history only when the lineage began from such a checkpoint.
-    """
+    """Whether what run ``run_id`` saved or logged at ``step`` is history of ``lineage``: a run's
+    output counts up to the step the next run started from."""
     ids = [entry["run_id"] for entry in lineage]
     if run_id not in ids:
         return False
@@ -147,13 +135,7 @@ def record_lineage(root: str | Path, lineage: Lineage) -> None:
 
 
 def checkpoint_problem(path: str | Path) -> str | None:
-    """Why the checkpoint at ``path`` cannot be loaded, or None when it looks whole.
-
-    Cheap (file sizes and indexes, no tensors), so ``--resume auto`` can test candidates before
-    any rank starts loading: the trainer state parses; every ``.distcp`` file is as long as the
-    torch_dist index (``.metadata``) says; every ``torch.save`` file (``*.pt``: Megatron's
-    ``common.pt``, DeepSpeed's states) is a complete zip archive.
-    """
+    """Why the checkpoint at ``path`` cannot be loaded, or None; cheap: file sizes and indexes, no tensors."""
     path = Path(path)
     try:
         read_trainer_state(path)
@@ -172,12 +154,8 @@ def checkpoint_problem(path: str | Path) -> str | None:
 
 
 def find_latest_checkpoint(root: str | Path, warn: Callable[[str], None] = _stderr) -> Path | None:
-    """The newest readable checkpoint of the current lineage under ``root`` (None if there is none).
-
-    Checkpoints of an abandoned branch are passed over; an unreadable one is named in a
-    warning and the previous one is tried. Raises :class:`CheckpointReadError` when checkpoints
-    exist but none of the lineage can be read (starting from scratch would silently mix runs).
-    """
+    """The newest readable checkpoint of the current lineage under ``root`` (None if none), passing over
+    unreadable ones with a warning; :class:`CheckpointReadError` when checkpoints exist but none is readable."""
     found = complete_checkpoints(root)
     lineage = current_lineage(root)
     problems = []
@@ -201,9 +179,7 @@ def find_latest_checkpoint(root: str | Path, warn: Callable[[str], None] = _stde
 
 
 def resolve_resume_path(resume: str, root: str | Path, warn: Callable[[str], None] = _stderr) -> Path | None:
-    """``none`` -> None; ``auto`` -> the newest readable checkpoint of the current lineage under
-    ``root`` (or None); anything else is a checkpoint directory (or a checkpoints root) that
-    must be complete and readable."""
+    """``none``: None; ``auto``: :func:`find_latest_checkpoint`; else a complete, readable checkpoint (or root)."""
     if resume == "none":
         return None
     if resume == "auto":
@@ -228,8 +204,7 @@ def resolve_resume_path(resume: str, root: str | Path, warn: Callable[[str], Non
 
 
 def host_rng_state() -> dict[str, Any]:
-    """The process's python, numpy, torch (and CUDA) generators: what exact resume restores
-    under either backend (the Megatron path adds its model-parallel tracker)."""
+    """The process's python, numpy, torch (and CUDA) generators, which exact resume restores."""
     state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -250,8 +225,7 @@ def _barrier() -> None:
 
 
 class CheckpointDirectory:
-    """The checkpoints under ``root``: a save's ``.partial`` directory, its publication and the
-    pruning to ``keep_last``; rank 0 does the file-system moves. Engines add the tensors."""
+    """The checkpoints under ``root``: ``.partial`` saves, publication, pruning (rank 0 moves files)."""
 
     def __init__(self, root: str | Path, keep_last: int = 3) -> None:
         self.root = Path(root)
@@ -259,8 +233,8 @@ class CheckpointDirectory:
         self.is_writer = not dist.is_initialized() or dist.get_rank() == 0
 
     def begin_save(self, step: int) -> tuple[Path, Path]:
-        """Collective: ``(final, partial)`` for ``step``, with ``partial`` freshly created (and the
-        leftovers of killed saves removed) before any rank writes into it."""
+        """Collective: ``(final, partial)`` for ``step``, ``partial`` created fresh (killed saves'
+        leftovers removed) before any rank writes."""
         final = self.root / checkpoint_name(step)
         partial = final.with_name(final.name + PARTIAL_SUFFIX)
         if self.is_writer:
@@ -275,9 +249,8 @@ class CheckpointDirectory:
     def finish_save(
         self, partial: Path, final: Path, state: dict[str, Any], files: dict[str, str | Path]
     ) -> Path:
-        """Collective, after every rank wrote its tensors: rank 0 writes ``files`` (text, or a
-        :class:`Path` to copy) and the trainer state (last, it marks the checkpoint complete),
-        publishes and prunes."""
+        """Collective, once every rank wrote its tensors: rank 0 writes ``files`` (text, or a
+        :class:`Path` to copy) and the trainer state last (it marks completion), publishes and prunes."""
         _barrier()
         if self.is_writer:
             for name, content in files.items():
@@ -300,9 +273,8 @@ class CheckpointDirectory:
         atomic_write_text(self.root / LATEST_FILE, f"{step}\n")
 
     def prune(self, lineage: Lineage | None = None) -> None:
-        """Keep the newest ``keep_last`` complete checkpoints of ``lineage`` (the one just saved
-        is its newest), delete its older ones; other branches and checkpoints whose state cannot
-        be read are not touched. ``lineage`` None: every checkpoint counts (no lineages)."""
+        """Keep the newest ``keep_last`` complete checkpoints of ``lineage``, delete its older ones; other
+        branches and unreadable ones are not touched (``lineage`` None: every checkpoint counts)."""
         if self.keep_last <= 0:
             return
         ours = []

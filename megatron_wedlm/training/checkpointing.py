@@ -1,8 +1,5 @@
-"""Megatron ``torch_dist`` checkpoints: model weights, the optimizer state in Megatron's
-``fully_reshardable`` distributed-optimizer format (a checkpoint reloads under any TP/PP/DP) and
-the RNG states, next to ``trainer_state.json``, ``config.yaml`` and ``wedlm_model.json`` with the
-data's tokenizer files (what ``model.init_from``, ``megatron-to-hf`` and the decoding entry points
-read). Naming, lineage and publication: :mod:`.checkpoint_index`.
+"""Megatron ``torch_dist`` checkpoints: weights, the optimizer state in the ``fully_reshardable``
+format (reloads under any TP/PP/DP) and RNG states; naming and publication: :mod:`.checkpoint_index`.
 """
 
 from __future__ import annotations
@@ -13,7 +10,13 @@ from typing import Any
 from megatron_wedlm.runtime.atomic_output import disk_full_is_named
 from megatron_wedlm.runtime.megatron_compat import prepare_optimizer_for_load, save_torch_dist, separate_adam_step_counters
 
-from .checkpoint_index import CheckpointDirectory, CheckpointReadError, host_rng_state, read_trainer_state, set_host_rng_state
+from .checkpoint_index import (
+    CheckpointDirectory,
+    CheckpointReadError,
+    host_rng_state,
+    read_trainer_state,
+    set_host_rng_state,
+)
 
 __all__ = ["CheckpointManager", "OPTIMIZER_METADATA"]
 
@@ -38,8 +41,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _rng_sharded_object(state: dict[str, Any] | None):
-    """RNG state of this (pp, tp) rank; data- and context-parallel peers are replicas (their
-    states agree)."""
+    """RNG state of this (pp, tp) rank; its DP and CP peers are replicas."""
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -73,9 +75,8 @@ class CheckpointManager(CheckpointDirectory):
         trainer_state: dict[str, Any],
         files: dict[str, str | Path],
     ) -> Path:
-        """Collective: every rank calls it. ``model`` is the unwrapped chunk; ``files`` are
-        extra files written by rank 0: name -> text (e.g. config.yaml) or -> a file to copy
-        (e.g. the tokenizer's)."""
+        """Collective. ``model``: the unwrapped chunk; ``files``: written by rank 0, name -> text or -> a
+        file to copy."""
         final, partial = self.begin_save(step)
         model_sd = model.sharded_state_dict()
         optimizer_sd = optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=OPTIMIZER_METADATA)
@@ -91,8 +92,8 @@ class CheckpointManager(CheckpointDirectory):
     # -- loading -----------------------------------------------------------------------------
 
     def load(self, path: str | Path, model, optimizer, load_optimizer: bool = True) -> dict[str, Any]:
-        """Load weights (and optimizer and RNG when asked and possible) into this layout; return
-        the trainer state. Model and optimizer reshard to the current TP/PP/DP."""
+        """Load weights (optimizer and RNG when asked and possible) resharded to this layout; returns
+        the trainer state."""
         from megatron.core import dist_checkpointing
 
         path = Path(path)

@@ -1,12 +1,6 @@
-"""Command line of ``pretrain/pretrain_wedlm.py`` and ``sft/sft_wedlm.py``.
-
-    torchrun --nnodes N --nproc_per_node G pretrain/pretrain_wedlm.py \\
-        --config configs/pretrain/qwen3_8b.yaml [--resume auto] key=value ...
-
-``key=value`` arguments override the YAML (omegaconf dotlist: ``optimizer.lr=1e-5``,
-``logging.wandb.tags=[a,b]``). The config is loaded and validated on every rank before any
-process group is created, so a typo fails at once with the key's name. ``--dry-run
-[--world-size N]`` stops there and prints what the run would hold per GPU (:mod:`.memory_plan`).
+"""Command line of ``pretrain/pretrain_wedlm.py`` and ``sft/sft_wedlm.py``: ``--config`` YAML,
+``key=value`` overrides, ``--resume``, ``--dry-run [--world-size N]`` (:mod:`.memory_plan`). The
+config is loaded and checked on every rank before any process group exists, so a typo fails at once.
 """
 
 from __future__ import annotations
@@ -67,12 +61,8 @@ def parse_args(argv: Sequence[str] | None, task: str) -> tuple[argparse.Namespac
 
 
 def run_entry_point(argv: Sequence[str] | None, task: str, backends: Backends) -> int:
-    """Load the config, pick its ``trainer.backend`` from ``backends``, check the config with
-    it, train, report.
-
-    Every backend's command line goes through here, so they share the arguments and the exit
-    codes: 0 ok, 1 crash, 2 config error, 3 non-finite stop.
-    """
+    """Load the config, pick its ``trainer.backend`` from ``backends``, check, train, report; exit
+    codes 0 ok, 1 crash, 2 config error, 3 non-finite stop."""
     args, overrides = parse_args(argv, task)
     if args.resume is not None:
         overrides = [*overrides, f"checkpointing.resume={args.resume}"]

@@ -29,12 +29,8 @@ __all__ = ["Engine", "EnginePlan", "EngineType", "RankRole", "StepUpdate"]
 
 @dataclass(frozen=True)
 class RankRole:
-    """Where this rank stands in the loop's bookkeeping, known once the process groups exist.
-
-    Ranks that hold copies of the same number (tensor-parallel peers, pipeline stages, the
-    context-parallel ranks of a replica) must count it once when the loop sums over all ranks:
-    ``reports_losses`` and ``counts_tokens`` pick the one rank that does.
-    """
+    """Where this rank stands in the loop's bookkeeping: of the ranks holding copies of a number (TP
+    peers, stages, CP ranks), the one ``reports_losses`` / ``counts_tokens`` picks counts it."""
 
     dp_rank: int
     dp_size: int
@@ -53,9 +49,8 @@ class StepUpdate:
 
 
 class Engine(Protocol):
-    """A built engine: its constructor built the model and optimizer. Per step the loop calls
-    ``forward_backward``, ``grads_finite``, ``optimizer_step``, ``evaluate`` when a validation is
-    due and ``save`` when due; ``finish`` after the last step."""
+    """A built engine (the constructor built model and optimizer). Per step: ``forward_backward``,
+    ``grads_finite``, ``optimizer_step``, ``evaluate`` and ``save`` when due; ``finish`` at the end."""
 
     optimizer: Any  # the optimizer whose param groups the lr schedule drives
 
@@ -102,17 +97,15 @@ class Engine(Protocol):
 
 
 class EnginePlan(Protocol):
-    """What an engine's ``start`` derived before the output directory is claimed (the layout,
-    the model description): a frozen value the engine is then constructed from."""
+    """What ``start`` derived before the claim (layout, model description), the engine built from it."""
 
     role: RankRole
 
 
 class EngineType(Protocol):
-    """How the loop makes an engine (an engine class): ``start`` checks the run and creates the
-    process groups before the output directory is claimed; the constructor, called once the
-    claim decided whether the run resumes, builds the model and optimizer (initial weights
-    unless ``resuming``)."""
+    """An engine class: ``start`` checks the run and creates the process groups before the output
+    directory is claimed; the constructor then builds the model and optimizer (initial weights unless
+    ``resuming``)."""
 
     def start(self, cfg: TrainConfig, device: torch.device, bf16: bool, manifest: dict[str, Any]) -> EnginePlan:
         ...

@@ -1,24 +1,10 @@
 """A training run's checkpoint as a model to decode: find it, export it to HF, load it.
 
-The decoding entry points (``inference/generate.py``, ``inference/evaluate.py``) and
-``--follow`` take, besides an HF directory, what training writes:
-
-* one checkpoint, ``<run>/checkpoints/iter_0000100`` (or the ``torch_dist`` directory
-  ``hf-to-megatron`` writes);
-* a checkpoints root (``<run>/checkpoints``) or a run directory (``trainer.output_dir``, whose
-  ``config.yaml`` names its ``checkpointing.dir``): its newest complete, readable checkpoint of
-  the current lineage, as ``--resume auto`` would pick it (:func:`.checkpoint_index.find_latest_checkpoint`).
-
-A DeepSpeed checkpoint's own HF export (``hf/``) is loaded as it is. A Megatron checkpoint of
-any TP/PP/CP layout is exported by :func:`megatron_wedlm.conversion.convert_megatron_to_hf`
-(which reads each tensor whole, whatever layout it was saved with) into a temporary directory,
-loaded exactly as the HF export would be, and the directory is removed: the model that decodes
-is the model ``tools/convert_checkpoint.py megatron-to-hf`` would write. A checkpoint carries its
-model description and tokenizer (:meth:`.megatron_engine.MegatronEngine.save`), so nothing
-else is asked for. The temporary export needs disk space for one copy of the weights, under
-``$TMPDIR``. In a rank of a multi-process launch (torchrun) the export runs in a fresh process of
-its own, as the conversion needs a process group of its own; every rank then exports its own
-copy, so for a large model export once with ``megatron-to-hf`` and pass the HF directory.
+Besides an HF directory, the decoding entry points and ``--follow`` take an ``iter_N``, a
+checkpoints root or a run directory (its newest checkpoint as ``--resume auto`` picks it). A
+Megatron checkpoint is exported by :func:`megatron_wedlm.conversion.convert_megatron_to_hf` into a
+temporary directory and loaded from there, so what decodes is what ``megatron-to-hf`` writes;
+under torchrun every rank exports its own copy (for a large model, export once).
 """
 
 from __future__ import annotations
@@ -52,9 +38,8 @@ class TrainingCheckpointError(FileNotFoundError):
 
 
 def checkpoints_root(run_dir: str | Path) -> Path:
-    """Where the run in ``run_dir`` (its ``trainer.output_dir``) saves its checkpoints:
-    ``<run_dir>/checkpoints`` when it exists (the default, and where a copied or moved run
-    keeps them), else ``checkpointing.dir`` of its ``config.yaml`` (an absolute path when written)."""
+    """Where the run in ``run_dir`` saves: ``<run_dir>/checkpoints`` if it exists, else its config's
+    ``checkpointing.dir``."""
     run_dir = Path(run_dir)
     config = run_dir / CONFIG_FILE
     if not (run_dir / "checkpoints").is_dir() and config.is_file():
@@ -69,15 +54,8 @@ def _holds_iterations(path: Path) -> bool:
 
 
 def training_checkpoint(path: str | Path) -> Path | None:
-    """The Megatron checkpoint ``path`` stands for, or None when it is an HF directory (it has a
-    ``config.json``) or no checkpoint directory at all.
-
-    An ``iter_N`` directory or a ``torch_dist`` directory (``metadata.json``, e.g. written by
-    ``hf-to-megatron``) is itself; a checkpoints root (``iter_N`` subdirectories) or a run
-    directory (``config.yaml`` or ``checkpoints/``) stands for its newest complete checkpoint.
-    Raises :class:`TrainingCheckpointError` for a training path without a usable checkpoint (an
-    unfinished save, a run that has not saved yet).
-    """
+    """The Megatron checkpoint ``path`` stands for, or None for an HF directory or no checkpoint;
+    :class:`TrainingCheckpointError` for a training path without a usable checkpoint."""
     path = Path(path)
     if not path.is_dir() or (path / "config.json").is_file():
         return None
@@ -109,12 +87,8 @@ def load_checkpoint(
     path: str | Path, device: str | None = None, dtype: str = "auto", require_mask_token: bool = True,
     **placement: Any,
 ) -> tuple[Any, Any]:
-    """(model, tokenizer) of an HF directory or of a training path (see the module docstring).
-
-    Same arguments as :func:`megatron_wedlm.decoding.inputs.load_checkpoint` (``placement``:
-    ``device_map`` / ``max_memory``), which loads the HF directory (the given one, or the
-    temporary export of the training checkpoint).
-    """
+    """(model, tokenizer) of an HF directory or a training path; arguments as
+    :func:`megatron_wedlm.decoding.inputs.load_checkpoint`."""
     checkpoint = training_checkpoint(path)
     if checkpoint is None:
         return decoding_inputs.load_checkpoint(path, device=device, dtype=dtype, require_mask_token=require_mask_token,

@@ -1,12 +1,8 @@
 """The one training loop: ``run_training(cfg, engine_type)`` for both engines and both objectives.
 
-The loop owns what a run does besides the model: device and precision, data, the output
-directory (lock, resume decision, lineage), lr schedule, log, non-finite policy, save schedule.
-An engine (contract: :mod:`.engine`) builds the model and optimizer, computes a step's gradients,
-applies or drops the update as the loop decides, and saves or loads its tensors; the objective
-(:class:`~.objective.Objective`, WeDLM or AR) says what is differentiated and logged. A step
-whose losses or gradients are non-finite on any rank is skipped (weights and optimizer state
-untouched) and logged; ``trainer.max_consecutive_nonfinite`` in a row stop the run.
+The loop owns the run (device, precision, data, output directory, lr schedule, log, non-finite
+policy, saves); an engine (:mod:`.engine`) owns the model and computes gradients, and the loop
+decides whether a step is applied: one non-finite on any rank is skipped, weights untouched.
 """
 
 from __future__ import annotations
@@ -42,8 +38,7 @@ __all__ = ["Engine", "EngineType", "NonFiniteLossError", "RankRole", "StepUpdate
 
 def bf16_enabled(cfg: TrainConfig, device: torch.device) -> bool:
     """Whether ``trainer.precision`` means bf16 on ``device``: ``auto`` is bf16 on a GPU and fp32
-    on a CPU; an explicit ``bf16`` holds on either (on a CPU it pays only with native bf16 matrix
-    instructions, :mod:`megatron_wedlm.runtime.precision`; the run's first line says which)."""
+    on a CPU; an explicit ``bf16`` holds on either (:mod:`megatron_wedlm.runtime.precision`)."""
     if cfg.trainer.precision == "auto":
         return device.type == "cuda"
     if cfg.trainer.precision == "bf16" and cfg.trainer.backend == "deepspeed" and device.type != "cuda":
@@ -63,8 +58,7 @@ def precision_name(bf16: bool, device: torch.device) -> str:
 
 
 def run_training(cfg: TrainConfig, engine_type: EngineType = MegatronEngine) -> TrainResult:
-    """Train as described by ``cfg`` in this process (one rank of a torchrun launch) with an
-    engine of ``engine_type`` (default: Megatron-Core)."""
+    """Train as ``cfg`` says in this process (one rank of a torchrun launch) with an engine of ``engine_type``."""
     device = resolve_device(cfg.trainer.device)
     bf16 = bf16_enabled(cfg, device)
     manifest = read_run_manifest(cfg)
@@ -79,8 +73,7 @@ def run_training(cfg: TrainConfig, engine_type: EngineType = MegatronEngine) -> 
 
 
 def config_with_layout(cfg: TrainConfig, role: RankRole) -> TrainConfig:
-    """``cfg`` as the run's ``config.yaml`` records it: with the data-parallel size the layout
-    derived. A copy: ``cfg`` keeps what was given."""
+    """``cfg`` with the data-parallel size the layout derived, as ``config.yaml`` records it (a copy)."""
     return replace(cfg, parallelism=replace(cfg.parallelism, dp=role.dp_size))
 
 
@@ -166,9 +159,8 @@ def _run_steps(run: _Run, recorder: StepRecorder) -> TrainResult:
 
 
 def _train_step(run: _Run, micro: list, shape: ModelShape, stop: StopSignal) -> tuple[StepTotals, StepUpdate]:
-    """One step over its micro-batches: gradients, the step's totals summed over the ranks (every
-    rank learns whether one was signalled), the update when everything is finite, the lr schedule
-    advanced on an applied update."""
+    """One step: gradients, the step's totals summed over the ranks, the update when everything is
+    finite (the lr schedule advances with it)."""
     engine, role, objective = run.engine, run.role, run.objective
     batches = [b for b, _ in micro]
     normalizer = global_loss_normalizer(batches, objective.mlm_weighting, group=role.loss_group)

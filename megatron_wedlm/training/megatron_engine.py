@@ -1,19 +1,11 @@
-"""The Megatron-Core engine of :func:`megatron_wedlm.training.loop.run_training`.
+"""The Megatron-Core engine of :func:`megatron_wedlm.training.loop.run_training`: the parallel
+layout, the WeDLM model chunks in Megatron DDP, Megatron's optimizer, the pipeline schedule with
+the forward step below, and torch_dist checkpoints.
 
-What is Megatron-specific about a run: the parallel layout (TP x PP x CP x DP, virtual
-pipeline chunks), the WeDLM GPT model chunks in Megatron DDP, Megatron's optimizer, the
-pipeline-aware ``get_forward_backward_func`` schedule with the forward step below, and
-torch_dist checkpoints. Everything else (data, objective, logging, non-finite handling,
-saving schedule) is the loop's.
-
-Megatron's schedule contract (``schedules.forward_step_calc_loss``): a loss function returning
-``(loss, report)`` has ``loss`` multiplied by the context-parallel size and divided by the
-number of micro-batches, and DDP averages gradients over the DP x CP ranks. The forward step
-therefore returns ``contribution * num_microbatches * dp_size`` (:func:`schedule_loss_scale`;
-DP without CP, the CP factors cancel), so the gradient Megatron applies is the gradient of the
-globally normalised step loss -- under context parallelism each rank's contribution covers its
-own slots and the contributions add up. This needs ``config.calculate_per_token_loss=False``
-(checked).
+Megatron's schedule divides a returned loss by the number of micro-batches and multiplies it by
+the CP size, and DDP averages gradients over DP x CP, so the forward step returns
+``contribution * num_microbatches * dp`` (:func:`schedule_loss_scale`): the gradient applied is
+that of the globally normalised step loss. Needs ``calculate_per_token_loss=False`` (checked).
 """
 
 from __future__ import annotations
@@ -52,23 +44,16 @@ __all__ = [
 
 
 def schedule_loss_scale(num_microbatches: int) -> int:
-    """What a micro-batch's share of the step loss is multiplied by before Megatron sees it.
-
-    Megatron divides the returned loss by ``num_microbatches`` and multiplies it by the CP
-    size; DDP divides the gradients by DP x CP. Multiplying by ``num_microbatches x DP`` leaves
-    the sum of the contributions -- the step loss -- as what is differentiated.
-    """
+    """What a micro-batch's share of the step loss is multiplied by before Megatron sees it
+    (``num_microbatches x DP``: the module docstring says why)."""
     from megatron.core import parallel_state as ps
 
     return num_microbatches * ps.get_data_parallel_world_size(with_context_parallel=False)
 
 
 def run_model_on_shard(model, batch: DualStreamBatch, objective: Objective) -> tuple[DualStreamBatch, Tensor]:
-    """Run ``model`` on this rank's part of ``batch`` against the objective's label row.
-
-    Returns the part (the whole batch without context parallelism) -- the loss must read its
-    labels and weights -- and the model's output (per-slot CE on the last stage).
-    """
+    """Run ``model`` on this rank's part of ``batch`` (the whole batch without CP) against the
+    objective's label row; returns the part (the loss reads its labels) and the model's output."""
     shard = shard_batch(batch)
     local = shard.batch
     output = model(
@@ -89,13 +74,8 @@ def _schedule_loss(objective: Objective, batch: DualStreamBatch, normalizer: Los
 def megatron_forward_step(
     objective: Objective, normalizer: LossNormalizer, num_microbatches: int, device: torch.device | str | None = None
 ) -> Callable:
-    """A ``forward_step_func`` for Megatron's ``get_forward_backward_func()``.
-
-    The data iterator yields stacked :class:`DualStreamBatch` micro-batches ``[B, S]`` on
-    *every* pipeline stage (all stages need position ids and mask metadata; the first also
-    uses ``input_ids``, the last the labels and weights); under context parallelism every CP
-    rank gets the whole micro-batch and keeps its slots (:func:`.context_parallel.shard_batch`).
-    """
+    """A ``forward_step_func`` for ``get_forward_backward_func()``: every stage reads whole
+    micro-batches (positions, mask metadata), every CP rank keeps its slots."""
 
     def forward_step(data_iterator, model):
         config = getattr(model, "config", None)
@@ -112,13 +92,8 @@ def megatron_forward_step(
 
 def run_schedule(chunks: Sequence, forward_step: Callable, batches: Sequence, seq_length: int,
                  micro_batch_size: int, forward_only: bool = False) -> list | None:
-    """``batches`` through Megatron's pipeline-aware schedule for this layout (the one place that
-    calls ``get_forward_backward_func``); the per-micro-batch reports on the last pipeline
-    stage, None on the others.
-
-    ``chunks``: this rank's model chunks (several under the interleaved schedule, every chunk
-    reading the same micro-batches: all stages need positions and mask metadata).
-    """
+    """``batches`` through Megatron's schedule (its one caller here) over this rank's ``chunks``; the
+    per-micro-batch reports on the last pipeline stage, None elsewhere."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -137,9 +112,8 @@ def run_schedule(chunks: Sequence, forward_step: Callable, batches: Sequence, se
 def forward_backward_step(ddp_chunks: Sequence, batches: Sequence[DualStreamBatch], normalizer: LossNormalizer,
                           objective: Objective, seq_length: int, micro_batch_size: int,
                           device: torch.device | str | None = None) -> list[dict[str, Tensor]] | None:
-    """A training step's forward and backward: gradients of the globally normalised step loss
-    over this rank's micro-batches in the DDP buffers (zeroed first), weights untouched; the
-    loss reports on the last pipeline stage, None elsewhere."""
+    """Gradients of the globally normalised step loss in the DDP buffers (zeroed first), weights
+    untouched; the loss reports on the last pipeline stage, None elsewhere."""
     for chunk in ddp_chunks:
         chunk.zero_grad_buffer()
     step = megatron_forward_step(objective, normalizer, len(batches), device)
@@ -149,21 +123,15 @@ def forward_backward_step(ddp_chunks: Sequence, batches: Sequence[DualStreamBatc
 def forward_only_step(ddp_chunks: Sequence, batches: Sequence[DualStreamBatch], normalizer: LossNormalizer,
                       objective: Objective, seq_length: int, micro_batch_size: int,
                       device: torch.device | str | None = None) -> list[dict[str, Tensor]] | None:
-    """An evaluation's forward over this rank's micro-batches through the same schedule and forward
-    step as training (``forward_only``: no backward, no gradient finalisation), without autograd;
-    gradient buffers and weights untouched. The loss reports on the last pipeline stage, None elsewhere."""
+    """Forward only through the training schedule and forward step, without autograd; gradient
+    buffers and weights untouched. The loss reports on the last pipeline stage, None elsewhere."""
     step = megatron_forward_step(objective, normalizer, len(batches), device)
     with torch.no_grad():
         return run_schedule(ddp_chunks, step, batches, seq_length, micro_batch_size, forward_only=True)
 
 
 def has_nonfinite(values: Tensor) -> bool:
-    """Any inf or NaN in ``values``, exactly, at about the cost of one sum.
-
-    A sum of finite values is finite unless it overflows, and any inf or NaN makes the sum
-    non-finite, so only a non-finite sum needs the elementwise check. That check allocates a
-    boolean the size of the buffer and is several times slower than the sum on CPU; it runs on
-    every step."""
+    """Any inf or NaN in ``values``, exactly; the elementwise check only when the sum is not finite."""
     if torch.isfinite(values.sum()):
         return False
     return not bool(torch.isfinite(values).all())
@@ -253,8 +221,7 @@ class MegatronEngine:
         return self._manager().load(path, self.model, self.optimizer, self.cfg.checkpointing.load_optimizer)
 
     def save(self, step: int, trainer_state: dict[str, Any], files: dict[str, str]) -> Path:
-        """The checkpoint holds what an export needs besides the tensors: the model description
-        and the data's tokenizer (so ``megatron-to-hf`` and evaluation need no ``--tokenizer``)."""
+        """Also saves the model description and the data's tokenizer: an export needs no ``--tokenizer``."""
         model_args = json.dumps(self.plan.model_args.to_dict(), indent=2, sort_keys=True) + "\n"
         tokenizer = {file.name: file for file in tokenizer_files_in(self.plan.tokenizer_dir)}
         return self._manager().save(step, self.model, self.optimizer, trainer_state,
@@ -263,8 +230,7 @@ class MegatronEngine:
     # ---- one step ----
     def forward_backward(self, batches: Sequence[DualStreamBatch], normalizer: LossNormalizer,
                          objective: Objective) -> list[dict[str, Tensor]] | None:
-        """Gradients of the step loss over this rank's micro-batches; the loss reports (last
-        pipeline stage; None elsewhere)."""
+        """Gradients of the step loss; the loss reports (last pipeline stage; None elsewhere)."""
         self.optimizer.zero_grad()
         return forward_backward_step(self.ddp, batches, normalizer, objective, self.cfg.data.seq_length,
                                      self.cfg.data.micro_batch_size, self.device)

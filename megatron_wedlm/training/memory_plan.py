@@ -1,53 +1,33 @@
 """What a run holds per GPU, from its config alone: the figures ``--dry-run`` prints.
 
-``plan_run(cfg, world_size)`` resolves the model as training does (the ``wedlm_model.json`` of
-``model.init_from`` when it is here, else the config's model keys), checks the layout as training
-does (:func:`megatron_wedlm.config.schema.validate_layout`) and counts, without building anything:
+``plan_run(cfg, world_size)`` resolves the model and checks the layout as training does, then
+counts without building anything (``q`` = heads x head dim ``d``, ``k`` = groups x ``d``, ``V`` the
+padded vocabulary, ``F`` the MLP width, ``t`` = tp, ``u`` bytes per value, ``s`` the rank's slots
+``seq_length / cp``, ``b`` the micro-batch):
 
-* **Parameters** of the Megatron model (:func:`parameter_count`), per layer
-  ``2h`` (input and pre-MLP RMSNorm) ``+ h(q + 2k)`` (fused QKV; ``+ q + 2k`` with QKV bias)
-  ``+ qh`` (output projection) ``+ 3hF`` (SwiGLU) ``+ 2d`` (per-head q/k RMSNorm, Qwen3), plus the
-  final norm ``h``; embedding ``V h`` and, untied, the output layer ``V h`` (``q`` = heads x head
-  dim ``d``, ``k`` = query groups x ``d``, ``V`` = the padded vocabulary the model is built with).
-* **Weights, gradients, optimizer state** of the busiest rank (:func:`rank_parameters`: a
-  stage's layers split over ``tp``, norms replicated; the embedding on the first stage, the
-  output layer on the last one, also when tied and ``pp > 1``, where Megatron keeps a copy).
-  Bytes per parameter as the Megatron engine allocates them (``training/optimization.py``):
-  weights 2 (bf16) or 4 (fp32); gradients 4 (``grad_reduce_in_fp32``); Adam 12 with bf16 (fp32
-  master copy + two moments), 8 with fp32 weights (the moments; the weights are the master), SGD
-  one moment instead of two; the optimizer state is split over ``dp x cp`` with
-  ``optimizer.use_distributed_optimizer`` (Megatron shards it over the data-parallel group with
-  context parallelism).
-* **Activations** per micro-batch and layer (:func:`layer_activation_bytes`): Korthikanti et al.
-  (2022, "Reducing Activation Recomputation in Large Transformer Models", §4) count
-  ``s b h (34 + 5 a s / h)`` bytes for a GPT-3 layer. Redone the same way, tensor by tensor, for
-  this project's layer (RMSNorm, GQA, SwiGLU, no dropout, an attention kernel that keeps no
-  ``s x s`` matrix: flex or TE), ``u`` bytes per value, ``s`` slots of the rank (``seq_length / cp``),
-  ``b`` micro-batch, ``t`` = tp::
+* **Parameters** per layer ``2h + h(q + 2k) + qh + 3hF`` (``+ q + 2k`` with QKV bias, ``+ 2d``
+  with q/k norms), the final norm ``h``, the embedding ``Vh`` and an untied output layer ``Vh``.
+* **Weights, gradients, optimizer state** of the busiest rank (:func:`rank_parameters`; the output
+  layer sits on the last stage also when tied and ``pp > 1``), in the bytes the Megatron engine
+  allocates: weights 2 (bf16) or 4; gradients 4; Adam 12 with bf16 (master + two moments), 8 with
+  fp32, SGD one moment fewer; split over ``dp x cp`` by the distributed optimizer.
+* **Activations** per micro-batch and layer (:func:`layer_activation_bytes`), counted tensor by
+  tensor as Korthikanti et al. (2022, §4) count a GPT-3 layer, for this layer (RMSNorm, GQA,
+  SwiGLU, no dropout, no ``s x s`` matrix in the kernel)::
 
       u s b [4h / t_sp  +  (3q + 3k + 4F) / t]  +  4 s b a / t  (+ s S b with the dense backend)
 
-  ``4h``: the inputs of the two norms and of the QKV and FC1 projections (split over ``t`` only
-  with sequence parallelism, ``t_sp``); ``3q + 3k``: the QKV output, the rotated q and k, the
-  attention output; ``4F``: FC1's output (2F), SiLU's output and FC2's input; ``4 s b a``: the
-  attention's fp32 log-sum-exp per head; the dense backend adds its boolean ``s x S`` mask (``S``
-  = the whole row). Context parallelism adds the gathered keys and values, ``2 u S b k / t``.
-  ``recompute=selective`` (core attention recomputed) drops the log-sum-exp and the mask;
-  ``recompute=full`` keeps each chunk of ``recompute_num_layers`` layers' input ``u s b h / t_sp``
-  and recomputes one chunk at a time (its full activations, once).
-* Held at the peak: pipeline stage ``r`` keeps ``min(pp - r, m)`` micro-batches in flight under
-  1F1B (``m`` = micro-batches per rank per step), and under the interleaved schedule Megatron's
-  warm-up count, ``2 (pp - r - 1) + (v - 1) pp + 1`` chunks of ``1/v`` of its layers (on the first
-  stage ``pp (1 + (pp - 1) / (pp v))`` stages' worth, Korthikanti §4.2.3). The last stage adds
-  the logits of one micro-batch's labelled slots: ``6 N V / t`` with bf16 (the output layer's
-  logits and the fp32 softmax the vocabulary-parallel cross entropy keeps; ``4 N V / t`` in fp32,
-  where the softmax overwrites the logits), with ``N`` the
-  expected labelled slots of a row: ``3/4 s`` for WeDLM with the AR loss (every memory-stream slot
-  and half the prediction stream), ``1/4 s`` without it, ``s`` for AR rows; SFT prompts carry
-  none, so there it is an upper bound.
+  (``t_sp``: ``t`` with sequence parallelism, else 1; ``4 s b a``: the fp32 log-sum-exp; the dense
+  backend's boolean mask over the whole row ``S``). CP adds the gathered keys and values
+  ``2 u S b k / t``; ``recompute=selective`` drops the log-sum-exp and mask; ``recompute=full``
+  keeps each chunk's input ``u s b h / t_sp`` and one chunk's full activations.
+* **At the peak**, stage ``r`` holds ``min(pp - r, m)`` micro-batches under 1F1B, and Megatron's
+  warm-up count ``2 (pp - r - 1) + (v - 1) pp + 1`` chunks of ``1/v`` of its layers when
+  interleaved. The last stage adds one micro-batch's logits over its labelled slots ``N``:
+  ``6 N V / t`` in bf16 (logits and the fp32 softmax), ``4 N V / t`` in fp32; ``N`` is ``3/4 s`` for
+  WeDLM with the AR loss, ``1/4 s`` without, ``s`` for AR (an upper bound for SFT).
 
-Not counted: the CUDA context, NCCL and allocator buffers and fragmentation (a few GiB on a GPU),
-and the transient tensors of one operation. The estimate is for planning a layout, not a promise.
+Not counted: the CUDA context, communication and allocator buffers, one operation's transients.
 """
 
 from __future__ import annotations
@@ -208,11 +188,8 @@ def layer_activation_bytes(
     attention_backend: str = "flex",
     bytes_per_value: int = 2,
 ) -> int:
-    """Bytes one layer keeps for its backward, for one micro-batch (the module docstring's formula).
-
-    ``recompute='full'`` is not handled here (a layer then keeps only its input):
-    :func:`plan_run` counts it from this figure and the input.
-    """
+    """Bytes one layer keeps for its backward, for one micro-batch (the module docstring's formula);
+    ``recompute='full'`` is counted by :func:`plan_run` from this figure and the layer's input."""
     h, f, u, b = args.hidden_size, args.ffn_hidden_size, bytes_per_value, micro_batch_size
     q, k = _widths(args)
     s = seq_length // cp
@@ -249,9 +226,8 @@ def _microbatches_in_flight(pp: int, virtual_pp: int | None, microbatches: int, 
 
 
 def _planned_model(cfg: TrainConfig, dtype: str) -> tuple[ModelArgs, str]:
-    """The model training would build (``training.model_setup.resolve_model_args``), and where its
-    description came from. Needs no data: the vocabulary comes from the checkpoint, the config or,
-    when it is here, the data's manifest (which is then checked as training checks it)."""
+    """The model training would build, and where its description came from; needs no data (the
+    vocabulary comes from the checkpoint, the config or, when here, the data's manifest)."""
     cfg = copy.deepcopy(cfg)  # resolve_model_args fills the null model keys in place
     m = cfg.model
     found = find_model_args_file(m.init_from) if m.init_from is not None else None

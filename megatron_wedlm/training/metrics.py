@@ -1,20 +1,8 @@
 """Where a run's numbers go: ``metrics.jsonl``, Weights & Biases, and a console progress bar.
 
-Only the logging rank (global rank 0) writes; the loop hands it step records that are already
-global (reduced over all ranks). ``metrics.jsonl`` has one JSON object per logged step with at
-least: step, loss, mlm_loss, ar_loss, masked_tokens, lr, grad_norm, tokens_per_sec, the
-throughput per device (tokens/s, TFLOP/s, MFU, peak memory: :mod:`.throughput`) and the
-``run_id`` of the run that logged it; a step followed by a validation also has ``valid/loss``,
-``valid/mlm_loss``, ``valid/ar_loss`` and the validation's token counts, and is written whatever
-``logging.log_interval`` says. The wandb run's summary holds the last train loss and the last
-validation losses.
-
-``metrics.jsonl`` always describes one consistent history: the lineage of the running run (see
-:mod:`.checkpoint_index`). It is appended to, never cut silently: when a run starts, the records that
-are not part of its history (the steps a crashed run logged after its last checkpoint, the
-abandoned future of a rollback, an earlier run in the directory) are first appended to
-``metrics.abandoned.jsonl``, each tagged ``abandoned_by`` with the new run's id, and a message
-says how many moved.
+Only the logging rank writes. ``metrics.jsonl`` holds one history, the running run's lineage
+(:mod:`.checkpoint_index`): records off it are moved to ``metrics.abandoned.jsonl`` at the start,
+tagged ``abandoned_by``, never cut silently.
 """
 
 from __future__ import annotations
@@ -103,8 +91,7 @@ class MetricsLogger:
             )
 
     def _set_aside_other_history(self, run_id: str | None, lineage: list[dict[str, Any]]) -> None:
-        """Move the records that are not on ``lineage`` to ``metrics.abandoned.jsonl`` (appended and
-        synced first, so a kill in between duplicates records rather than losing them)."""
+        """Move the records off ``lineage`` to ``metrics.abandoned.jsonl`` (appended and synced first)."""
         from .checkpoint_index import on_lineage  # imports torch
 
         if not self.path.exists():
@@ -178,9 +165,8 @@ class MetricsLogger:
             self._to_wandb(f"step {step}", lambda run: run.log(numbers, step=step, commit=True))
 
     def _to_wandb(self, what: str, call: Callable[[Any], Any]) -> None:
-        """``call(run)``; if wandb fails, say so once and log on without it. Its service is a process
-        of its own, which SLURM signals with the job's (SIGTERM on scancel or at the time limit): a
-        run that is finishing its step to save must not fail on it, and metrics.jsonl has every record."""
+        """``call(run)``; if wandb fails, say so once and log on without it (SLURM signals wandb's
+        service with the job: a run finishing its step to save must not fail on it)."""
         try:
             call(self.wandb_run)
         except Exception as err:  # noqa: BLE001 - any failure of the logging side channel

@@ -1,13 +1,9 @@
 """From the ``model`` config section to this rank's WeDLM model chunk.
 
-The architecture is described once, as :class:`megatron_wedlm.model.hf_config.ModelArgs`: read
-from the ``wedlm_model.json`` of ``model.init_from`` (a converted HF checkpoint or a training
-checkpoint) or assembled from the config for a model trained from scratch. The same record is
-written into every training checkpoint, so ``megatron-to-hf`` and later runs rebuild exactly
-this model.
-
-AR mode (``wedlm.enabled=false``) uses the same model: its rows hold only the memory stream, on
-which the WeDLM attention rule is ordinary causal attention inside each document.
+The architecture is one :class:`megatron_wedlm.model.hf_config.ModelArgs`, read from the
+``wedlm_model.json`` of ``model.init_from`` or assembled from the config, and written into every
+checkpoint, so ``megatron-to-hf`` and later runs rebuild exactly this model. AR mode uses the same
+model on memory-stream rows.
 """
 
 from __future__ import annotations
@@ -45,11 +41,8 @@ _ARCH_FIELDS = {
 
 
 def resolve_model_args(cfg: TrainConfig, manifest: dict[str, Any], dtype: str) -> ModelArgs:
-    """The model description for this run; fills the config's null model keys in place.
-
-    Checks that the data's mask token has an embedding row and that the vocabulary covers the
-    tokenizer. ``dtype`` is the training precision name ('float32' or 'bfloat16').
-    """
+    """The model description for this run; fills the config's null model keys in place. Checks
+    that the data's mask token has an embedding row and that the vocabulary covers the tokenizer."""
     m = cfg.model
     mask_id = int(manifest["mask_token_id"])
     tokenizer_length = int(manifest["tokenizer_length"])
@@ -118,9 +111,8 @@ def resolve_model_args(cfg: TrainConfig, manifest: dict[str, Any], dtype: str) -
 
 
 def build_settings(cfg: TrainConfig, device: torch.device, params_dtype: torch.dtype) -> BuildSettings:
-    """How this run builds its model (:func:`megatron_wedlm.model.wedlm_model.build_model_chunks`):
-    the config's layout features, recompute, init and attention backend, on ``device`` in
-    ``params_dtype``."""
+    """How this run builds its model: the config's layout features, recompute, init and attention
+    backend, on ``device`` in ``params_dtype``."""
     from megatron_wedlm.model.wedlm_model import BuildSettings  # imports Megatron-Core
 
     p = cfg.parallelism
@@ -136,12 +128,8 @@ def build_settings(cfg: TrainConfig, device: torch.device, params_dtype: torch.d
 
 
 def load_init_weights(model, directory: str | Path) -> None:
-    """``model.init_from``: the weights of a converted HF (or training) checkpoint, any TP/PP.
-
-    ``strict=False`` only because a training checkpoint's common state (optimizer, RNG) comes
-    back with the requested weights; every parameter is requested as a sharded tensor, and
-    ``dist_checkpointing`` raises if the checkpoint lacks one.
-    """
+    """``model.init_from``: the weights of a converted HF (or training) checkpoint, any TP/PP
+    (``strict=False``: a training checkpoint's common state comes back too)."""
     from megatron_wedlm.conversion.megatron_checkpoint import load_megatron_weights  # imports safetensors
 
     load_megatron_weights(model, directory, strict=False)

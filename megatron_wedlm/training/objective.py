@@ -1,17 +1,6 @@
 """What a run optimises: WeDLM (``wedlm.enabled=true``) or plain next-token AR, for both engines.
-
-One object answers the three questions whose answers differ between the objectives, so no loop
-or forward step asks ``if cfg.wedlm.enabled``:
-
-* the label row of a micro-batch (:func:`megatron_wedlm.model.losses.wedlm_labels`: own token
-  on masked slots, next token on memory slots -- the same row in AR mode, whose rows hold only
-  the memory stream);
-* a micro-batch's differentiated contribution to the globally normalised step loss, and its
-  loss report (raw sums, so reports of a step combine exactly);
-* the number logged as ``loss``: what was differentiated (``(mlm + w ar) / (1 + w)`` for WeDLM,
-  the AR term alone in AR mode).
-
-Both modes log the same fields (the AR-mode report is the WeDLM one with an empty MLM part).
+One object gives the label row, the differentiated contribution with its loss report and the
+logged ``loss``, so no loop or forward step asks ``if cfg.wedlm.enabled``.
 """
 
 from __future__ import annotations
@@ -59,9 +48,7 @@ class Objective:
         self, per_slot_ce: Tensor, batch: DualStreamBatch, normalizer: LossNormalizer | None
     ) -> tuple[Tensor, WeDLMLoss]:
         """(this micro-batch's share of the step loss, with the gradient; its loss report).
-
-        ``normalizer``: the step's global denominators (None: this batch alone).
-        """
+        ``normalizer``: the step's global denominators (None: this batch alone)."""
         if not self.wedlm:
             return ar_mode_loss(per_slot_ce, batch.is_masked, batch.mlm_weights, batch.ar_labels, normalizer=normalizer)
         loss = wedlm_loss(

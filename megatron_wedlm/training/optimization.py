@@ -1,7 +1,5 @@
-"""Megatron DDP, the (distributed) optimizer and the learning-rate schedule from the config.
-
-All three are Megatron-Core's own classes; this module only maps config keys onto them, so a
-run here behaves like a Megatron-LM run with the same settings.
+"""Megatron DDP, the (distributed) optimizer and the lr schedule: Megatron-Core's own classes,
+with config keys mapped onto them, so a run behaves like a Megatron-LM run with the same settings.
 """
 
 from __future__ import annotations
@@ -19,13 +17,8 @@ __all__ = ["wrap_ddp", "build_optimizer", "build_scheduler", "current_lr"]
 
 def wrap_ddp(chunks: list, use_distributed_optimizer: bool) -> list:
     """Megatron ``DistributedDataParallel`` around each model chunk, plus the config hooks its
-    schedules call.
-
-    ``finalize_model_grads`` all-reduces gradients over DP x CP (and embedding/SP-norm grads
-    across stages and TP ranks) at the end of the backward passes; ``no_sync`` defers the DP
-    reduction to the last micro-batch (one per chunk under the interleaved schedule). The
-    equivalence harness (:mod:`megatron_wedlm.testing.wedlm_equivalence`) wraps with this too.
-    """
+    schedules call: ``finalize_model_grads`` all-reduces gradients over DP x CP (and shared ones across
+    stages and TP ranks); ``no_sync`` defers the DP reduction to the last micro-batch."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     wrapped = [
@@ -75,11 +68,8 @@ def build_optimizer(cfg: TrainConfig, ddp_chunks: list, bf16: bool):
 
 
 def build_scheduler(cfg: TrainConfig, optimizer):
-    """Megatron's ``OptimizerParamScheduler``: warmup from 0, then decay to ``min_lr``.
-
-    Megatron's convention: update ``n`` (0-based) uses the lr of ``n`` scheduler steps, so
-    with warmup the first update has lr 0; without warmup it has the peak lr.
-    """
+    """Megatron's ``OptimizerParamScheduler``: warmup from 0, then decay to ``min_lr``. Update ``n``
+    uses the lr of ``n`` scheduler steps, so with warmup the first update has lr 0."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     o = cfg.optimizer

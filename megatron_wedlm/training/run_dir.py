@@ -1,25 +1,10 @@
 """A run owns its ``trainer.output_dir``: one run at a time, never mixed with an earlier one.
 
-Both backends call :func:`claim_output_dir` right after the process group exists and
-:meth:`RunClaim.release` when they end, so a second run, a fresh run over a finished one and a
-rollback behave the same under Megatron-Core and DeepSpeed:
-
-* **Lock.** Rank 0 creates ``<output_dir>/run.lock`` (exclusive create) holding host, pid, the
-  process's start time and the run id. A second run into the directory is refused with a
-  message naming the holder. A lock whose process is gone (same host, pid not alive or reused
-  by another process) was left by a killed run: it is taken over with a warning. A lock from
-  another host is checked through SLURM when it names the SLURM job it ran in (the job that
-  continues a run after a time limit or a preemption often starts on another node): it is taken
-  over once SLURM says that job no longer runs, or when it is an earlier start of one's own
-  requeued job (:mod:`megatron_wedlm.runtime.slurm`). Otherwise it cannot be checked and is
-  refused; the message says to delete it if that run is gone.
-* **Fresh over old.** A run without ``--resume`` into a directory that holds checkpoints is
-  refused: it would restart at step 1 over the old run's metrics, config and checkpoints. Pass
-  ``--resume auto`` or a checkpoint, another ``output_dir``, or ``trainer.overwrite=true``, which
-  moves the earlier run (every file but the lock, and the checkpoints directory) aside to the
-  sibling ``<output_dir>.replaced-<run id>``; nothing is deleted.
-* **Lineage.** The run gets an id; its lineage is the parent checkpoint's lineage plus itself
-  (see :mod:`.checkpoint_index`), recorded as the directory's current one before training starts.
+* **Lock.** Rank 0 creates ``run.lock``; a second run is refused, naming the holder. A lock whose
+  process is gone on this host, or whose SLURM job has ended, is taken over with a warning.
+* **Fresh over old.** A run without ``--resume`` into a directory holding checkpoints is refused
+  unless ``trainer.overwrite=true``, which moves the earlier run aside (nothing is deleted).
+* **Lineage.** The run's lineage is its parent checkpoint's plus itself (:mod:`.checkpoint_index`).
 """
 
 from __future__ import annotations
@@ -165,9 +150,8 @@ def _slurm_job_ended(job: Any) -> bool:
 
 
 def run_in_progress(output_dir: str | Path) -> bool:
-    """Whether a run holds ``output_dir`` now: its lock exists and is not stale (:meth:`RunLock._stale`:
-    a killed run's on this host, or one whose SLURM job has ended; a lock from another host that
-    SLURM cannot vouch for counts as held)."""
+    """Whether a run holds ``output_dir`` now: its lock exists and is not stale (a lock from
+    another host that SLURM cannot vouch for counts as held)."""
     lock = RunLock(output_dir, run_id="")
     holder = lock._read()
     return holder is not None and not lock._stale(holder)
@@ -239,10 +223,9 @@ def _claim(cfg: TrainConfig, lock: RunLock, ckpt_root: Path, warn: Callable[[str
 
 
 def claim_output_dir(cfg: TrainConfig, warn: Callable[[str], None] = _stderr) -> RunClaim:
-    """Collective (after the process group exists): lock ``trainer.output_dir`` on rank 0, check it
-    against ``checkpointing.resume`` and ``trainer.overwrite``, resolve the checkpoint to resume
-    and the run's lineage. Sets ``checkpointing.dir`` to its default when unset. Every rank
-    raises the same error when rank 0 refuses; call :meth:`RunClaim.release` at the end."""
+    """Collective: lock ``trainer.output_dir`` on rank 0, check it against ``checkpointing.resume``
+    and ``trainer.overwrite``, resolve the checkpoint to resume and the lineage (``checkpointing.dir``
+    gets its default when unset). Every rank raises rank 0's refusal; release the claim at the end."""
     output_dir = Path(cfg.trainer.output_dir)
     ckpt_root = Path(cfg.checkpointing.dir or output_dir / "checkpoints")
     cfg.checkpointing.dir = str(ckpt_root)

@@ -1,8 +1,5 @@
-"""What happens around a training step that does not depend on the model engine.
-
-The one loop (:mod:`.loop`) uses these with either engine, so both log the same
-``metrics.jsonl`` records, count and stop on non-finite steps the same way,
-save on the same schedule and resume from the same trainer-state keys.
+"""What happens around a training step whatever the engine: both engines log the same
+``metrics.jsonl`` records, stop on non-finite steps, save and resume the same way.
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ from omegaconf import OmegaConf
 
 from megatron_wedlm.config.loading import config_to_yaml, save_config
 from megatron_wedlm.config.schema import TrainConfig
-from megatron_wedlm.data.webdataset_loader import merge_data_states
 
 from .metrics import MetricsLogger
 
@@ -60,8 +56,7 @@ def result_dict(result: TrainResult) -> dict[str, Any]:
 
 @dataclass
 class StepTotals:
-    """A step's logged numbers, summed over the ranks with one all-reduce (each rank adds what
-    its :class:`~.engine.RankRole` says it counts, so every number is counted once)."""
+    """A step's logged numbers, summed over the ranks in one all-reduce, each counted once."""
 
     loss: float = 0.0
     mlm: float = 0.0
@@ -93,9 +88,8 @@ class StepTotals:
 
 
 class StepRecorder:
-    """The run's counters, log and result from the resumed ``state`` on: records each step,
-    stops after too many non-finite steps in a row, decides when to save and what the
-    checkpoint's trainer state holds besides the engine's tensors."""
+    """The run's counters, log and result from the resumed ``state`` on: records each step, stops
+    on too many non-finite steps in a row, decides when to save and what the trainer state holds."""
 
     def __init__(self, cfg: TrainConfig, state: dict[str, Any], is_logger: bool, claim: RunClaim,
                  peak_tflops: float | None = None) -> None:
@@ -129,13 +123,10 @@ class StepRecorder:
     def record(self, step: int, *, started: float, totals: StepTotals, lr: float, grad_norm: float,
                ended: float | None = None, valid: dict[str, Any] | None = None,
                peak_memory_gib: float = float("nan"), data_wait_s: float = 0.0) -> bool:
-        """Log step ``step`` (begun at ``time.perf_counter() == started``, its training done at
-        ``ended`` (default: now); its update was applied when ``totals.finite``;
-        ``peak_memory_gib``: the largest over the ranks; ``data_wait_s``: how long the slowest rank
-        waited for its rows, of which ``data_wait_fraction`` is the share of the step: a loader
-        that cannot keep up shows there) with the ``valid/*`` numbers of a
-        validation after it; raise :class:`NonFiniteLossError` on too many skips in a row.
-        Returns whether a checkpoint is due now."""
+        """Log step ``step`` (begun at ``started``, trained by ``ended``, default now; applied when
+        ``totals.finite``; ``peak_memory_gib`` and ``data_wait_s``: the largest over the ranks) with the
+        ``valid/*`` numbers of a validation after it; raise :class:`NonFiniteLossError` on too many skips
+        in a row. Returns whether a checkpoint is due now."""
         finite, loss, tokens = totals.finite, totals.loss, totals.tokens
         if finite:
             self.nonfinite_in_a_row = 0
@@ -212,7 +203,7 @@ class StepRecorder:
             data_states = [local]
         return {
             "scheduler": scheduler.state_dict(),
-            "data": merge_data_states(data_states),
+            "data": data.merge_states(data_states),
             "consumed_tokens": self.consumed_tokens,
             "consumed_source_tokens": self.consumed_source_tokens,
             "skipped_steps": self.skipped_total,

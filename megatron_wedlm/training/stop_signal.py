@@ -1,21 +1,12 @@
-"""Stopping a run cleanly on a signal: the step in flight finishes, every rank saves the
-checkpoint of that step, the log (wandb included) is closed, and the process exits 0.
+"""Stopping a run cleanly on a signal: the step in flight finishes, every rank saves that step's
+checkpoint, the log is closed, and the process exits 0.
 
-SLURM sends SIGTERM at a job's time limit (``#SBATCH --signal`` can send it earlier), on
-``scancel`` and on preemption, to every process of the job, and SIGKILL after the cluster's
-KillWait; torchrun passes the SIGTERM it gets on to its workers and kills them after
-``--shutdown_timeout``. A rank that dies of it loses the steps since the last save, which the
-next job trains again.
-
-The signal is blocked, not handled. A blocked signal stays pending, and the training loop asks
-for it at the end of each step (:meth:`StopSignal.requested`); each rank adds the answer to the
-step's one all-reduce (:class:`~.step_record.StepTotals`), so every rank learns at the same step
-that some rank was signalled, and they save together, as a distributed checkpoint needs. A
-signal mask is inherited by every thread and process the rank starts afterwards (loader
-workers, Megatron-Core's checkpoint writers and their queue's manager), so SLURM's SIGTERM,
-which reaches them too, does not kill the helpers the save needs. A Python handler would not be
-inherited by a spawned process, nor by threads' process-directed delivery. Hence
-:func:`block_stop_signal` runs first thing in the entry point, before torch starts a thread.
+SLURM sends SIGTERM at a job's time limit, on ``scancel`` and on preemption. The signal is blocked,
+not handled: the loop asks for it after each step (:meth:`StopSignal.requested`) and adds the answer
+to the step's one all-reduce, so every rank learns at the same step and they save together. A signal
+mask, unlike a Python handler, is inherited by the threads and processes a rank starts later
+(loader workers, checkpoint writers), so the SIGTERM that reaches them does not kill what the save
+needs; hence :func:`block_stop_signal` runs first in the entry point, before torch starts a thread.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """Throughput as Megatron-LM reports it: model FLOPs per step, TFLOP/s and MFU per device, peak memory.
 
-A WeDLM row computes over both streams, so FLOPs are counted from what the model actually
-processes, the same way for WeDLM and AR rows (``docs/training.md``, "Throughput", has the
-formula):
-
-* every real (non-padding) slot goes through every projection, the MLP and the output layer:
-  ``6 * (L * (h * (q + 2 kv) + q * h + 3 * h * ffn) + h * V)`` FLOPs per slot (forward and
-  backward: x3; a multiply-add: x2; SwiGLU's three matrices: x3; ``q``/``kv`` the query and
-  key-value projection widths, ``V`` the rows of the output layer);
-* attention scores and their weighted sum cost ``12 * L * q`` FLOPs per allowed (query, key)
-  pair of the attention rule (:func:`~megatron_wedlm.data.attention_rule.allowed_keys_per_query`):
-  the work a mask-aware kernel cannot avoid. Megatron-LM's causal ``seq^2 / 2`` is this count
-  for a causal row without documents.
-
-A WeDLM row of S slots holds S/2 data tokens: at the same model FLOPs its tokens/s is about
-half an AR row's, which is why both figures are logged. Recomputation is not counted (model
-FLOPs, not hardware FLOPs), as in Megatron-LM.
+FLOPs are counted from what the model processes, the same way for WeDLM and AR rows
+(``docs/training.md``, "Throughput", has the formula): every real slot through every projection,
+the MLP and the output layer, plus ``12 * L * q`` per (query, key) pair the attention rule allows
+(:func:`~megatron_wedlm.data.attention_rule.allowed_keys_per_query`). A WeDLM row of S slots holds
+S/2 data tokens, so tokens/s and FLOPs are both logged. Recomputation is not counted (model FLOPs).
 """
 
 from __future__ import annotations

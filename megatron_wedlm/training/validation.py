@@ -1,14 +1,9 @@
-"""The run's validation curve: the objective on fixed held-out rows, every ``trainer.eval_interval`` steps.
+"""The run's validation curve: the objective on fixed held-out rows every ``trainer.eval_interval`` steps.
 
-What is measured is the run's own objective (:class:`~.objective.Objective`: WeDLM's total, MLM and
-AR losses with the training weighting, or the AR loss of an AR run) on the rows of
-:mod:`megatron_wedlm.data.validation_rows` (the same rows and masks at every evaluation), through
-the engine's forward-only :meth:`~.engine.Engine.evaluate`. The loss is normalised over the whole
-evaluation, as a step's is over its global batch: the weighted cross entropy summed over every
-micro-batch of every rank, divided by the global denominators of those rows
-(:func:`~megatron_wedlm.model.losses.reduce_loss_reports`), not a mean of per-batch means.
-Numbers are summed over the ranks like a step's (:class:`~.step_record.StepTotals`, each counted
-once by the rank its :class:`~.engine.RankRole` names).
+The rows of :mod:`megatron_wedlm.data.validation_rows` (same rows and masks each time) go through
+the engine's forward-only :meth:`~.engine.Engine.evaluate`; the loss is normalised over the whole
+evaluation as a step's is over its global batch (summed reports over the global denominators,
+:func:`~megatron_wedlm.model.losses.reduce_loss_reports`), not a mean of per-batch means.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Whether a run can log to wandb as configured, decided before any process group exists.
-
-``WANDB_MODE`` in the environment wins over ``logging.wandb.mode``, as wandb's users expect of
-its environment variables (``wandb.init(mode=...)`` would otherwise override it). An online run
-needs credentials on the machine; a batch job without them would fail inside ``wandb.init`` after
-queueing and start-up, so the entry points refuse it at once and say what to do.
+"""Whether a run can log to wandb as configured, decided before any process group exists:
+``WANDB_MODE`` wins over ``logging.wandb.mode``, and an online run without credentials is refused
+at once rather than failing inside ``wandb.init`` after the job queued and started.
 """
 
 from __future__ import annotations
