@@ -48,10 +48,11 @@ def _core_attention(backend: str, **options):
 
 
 def _row_metadata(seq_len: int = 32, block_size: int = 4):
-    from megatron_wedlm.data import build_dual_stream_batch
+    from megatron_wedlm.data import RowFormat, build_dual_stream_batch
 
     gen = torch.Generator().manual_seed(0)
-    row = build_dual_stream_batch([torch.randint(1, 50, (seq_len // 2,), generator=gen)], block_size, 0, gen)
+    row = build_dual_stream_batch([torch.randint(1, 50, (seq_len // 2,), generator=gen)], RowFormat(block_size, 0),
+                                  gen)
     return pack_attention_metadata(row.attention_metadata())
 
 

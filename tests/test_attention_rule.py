@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import megatron_wedlm
 from megatron_wedlm.data import (
     AttentionMetadata,
+    RowFormat,
     build_block_mask,
     build_dual_stream_batch,
     classify_tiles,
@@ -65,9 +66,8 @@ def rows(draw, max_docs=4, max_len=20, block_size=None):
     gen = torch.Generator().manual_seed(seed)
     documents = [torch.randint(1, 50, (n,), generator=gen) for n in lengths]
     extra = draw(st.integers(0, 9))
-    return build_dual_stream_batch(
-        documents, block_size, MASK, gen, prompt_lengths=prompts, pad_to=2 * sum(lengths) + extra
-    )
+    return build_dual_stream_batch(documents, RowFormat(block_size, MASK), gen, prompt_lengths=prompts,
+                                   pad_to=2 * sum(lengths) + extra)
 
 
 @settings(max_examples=40, deadline=None)
@@ -112,7 +112,7 @@ def test_tile_classification_never_wrong(data, block_size, tile, safe):
 def test_tile_classification_is_tight_for_aligned_documents():
     """Documents aligned to tiles: every partial tile really is mixed (no wasted kernel work)."""
     docs = [torch.randint(1, 50, (64,)), torch.randint(1, 50, (32,))]
-    batch = build_dual_stream_batch(docs, 8, MASK, torch.Generator().manual_seed(0))
+    batch = build_dual_stream_batch(docs, RowFormat(8, MASK), torch.Generator().manual_seed(0))
     classes, any_true, all_true = tiles_agree_with_dense(batch.attention_metadata(), 16)
     assert torch.equal(classes.full, all_true)
     assert torch.equal(classes.partial, any_true & ~all_true)
@@ -120,7 +120,8 @@ def test_tile_classification_is_tight_for_aligned_documents():
 
 def test_block_mask_matches_tile_classes_and_dense():
     batches = [
-        build_dual_stream_batch([torch.randint(1, 50, (n,)) for n in lens], 4, MASK, torch.Generator().manual_seed(i))
+        build_dual_stream_batch([torch.randint(1, 50, (n,)) for n in lens], RowFormat(4, MASK),
+                                torch.Generator().manual_seed(i))
         for i, lens in enumerate([(40, 17), (90,)])
     ]
     stacked = stack_dual_stream_batches(batches, pad_to=192)
@@ -142,7 +143,7 @@ def test_flex_attention_forward_equals_sdpa_with_dense_mask():
 
     gen = torch.Generator().manual_seed(0)
     batches = [
-        build_dual_stream_batch([torch.randint(1, 50, (n,), generator=gen) for n in lens], 8, MASK, gen,
+        build_dual_stream_batch([torch.randint(1, 50, (n,), generator=gen) for n in lens], RowFormat(8, MASK), gen,
                                 prompt_lengths=[3] * len(lens))
         for lens in [(50, 21, 30), (100,)]
     ]
@@ -166,7 +167,7 @@ def test_flex_attention_forward_equals_sdpa_with_dense_mask():
 
 
 def test_mask_mod_works_under_vmap_on_scalar_indices():
-    batch = build_dual_stream_batch([torch.arange(1, 20)], 4, MASK, torch.Generator().manual_seed(0))
+    batch = build_dual_stream_batch([torch.arange(1, 20)], RowFormat(4, MASK), torch.Generator().manual_seed(0))
     mm = flex_mask_mod(batch.attention_metadata())
     dense = batch.dense_attention_mask()
     for q, k in [(0, 0), (5, 3), (3, 5), (25, 2), (25, 20), (37, 19)]:
@@ -177,8 +178,9 @@ def test_block_mask_at_64k_slots_does_not_materialise_s_by_s():
     """S = 2 x 32768: the dense bool mask alone would be 4 GiB; the build must stay far below."""
     script = (
         "import resource, torch\n"
-        "from megatron_wedlm.data import build_dual_stream_batch, build_block_mask, count_allowed_pairs\n"
-        "b = build_dual_stream_batch([torch.randint(1, 1000, (32768,))], 32, 0, torch.Generator().manual_seed(0))\n"
+        "from megatron_wedlm.data import RowFormat, build_dual_stream_batch, build_block_mask, count_allowed_pairs\n"
+        "b = build_dual_stream_batch([torch.randint(1, 1000, (32768,))], RowFormat(32, 0), "
+        "torch.Generator().manual_seed(0))\n"
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "bm = build_block_mask(b.attention_metadata())\n"
         "pairs = int(count_allowed_pairs(b.attention_metadata())[0])\n"
@@ -200,7 +202,8 @@ def test_block_mask_at_64k_slots_does_not_materialise_s_by_s():
 
 def test_metadata_round_trip_and_validation():
     batch = stack_dual_stream_batches([
-        build_dual_stream_batch([torch.arange(1, 6)], 2, MASK), build_dual_stream_batch([torch.arange(1, 3)], 2, MASK)
+        build_dual_stream_batch([torch.arange(1, 6)], RowFormat(2, MASK)),
+        build_dual_stream_batch([torch.arange(1, 3)], RowFormat(2, MASK)),
     ])
     meta = batch.attention_metadata()
     again = AttentionMetadata.from_dict({k: v.clone() for k, v in meta.as_dict().items()})

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_wedlm.data import build_block_mask, build_dual_stream_batch, stack_dual_stream_batches
+from megatron_wedlm.data import RowFormat, build_block_mask, build_dual_stream_batch, stack_dual_stream_batches
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                 reason="torch.compile on CPU needs a C++ compiler")
@@ -24,7 +24,7 @@ def test_compiled_flex_attention_uses_tiles_correctly():
 
     gen = torch.Generator().manual_seed(0)
     rows = [
-        build_dual_stream_batch([torch.randint(1, 50, (n,), generator=gen) for n in lens], 8, 0, gen,
+        build_dual_stream_batch([torch.randint(1, 50, (n,), generator=gen) for n in lens], RowFormat(8, 0), gen,
                                 prompt_lengths=[5] * len(lens))
         for lens in [(130, 61, 40), (200, 40), (256,)]
     ]

@@ -13,9 +13,9 @@ import torch
 from megatron_wedlm.config import ConfigError, load_config
 from megatron_wedlm.data.blend import BlendedDataIterator, BlendSource, blend_names, next_source
 from megatron_wedlm.data.prepare import PrepareOptions, prepare_dataset
-from megatron_wedlm.data.webdataset_loader import TrainDataIterator, loader_spec_from_manifest, merge_data_states
+from megatron_wedlm.data.webdataset_loader import TrainDataIterator, loader_spec_from_manifest, manifest_row_format
 from megatron_wedlm.testing.tiny_models import build_tiny_tokenizer
-from megatron_wedlm.training.run_data import build_train_data, read_run_manifest
+from megatron_wedlm.training.run_data import build_train_data, read_run_manifest, run_row_format
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "pretrain" / "tiny_cpu.yaml"
@@ -50,9 +50,11 @@ def sources(tmp_path_factory) -> dict[str, Path]:
 
 
 def _blend(sources, weights, **kw) -> list[BlendSource]:
-    return [BlendSource(name, loader_spec_from_manifest(sources[name], num_streams=STREAMS, seq_length=SEQ,
-                                                        wedlm=kw.get("wedlm", False), block_size=BLOCK, seed=3), w)
-            for name, w in weights]
+    def spec(path):
+        return loader_spec_from_manifest(path, manifest_row_format(path, block_size=BLOCK), num_streams=STREAMS,
+                                         seq_length=SEQ, wedlm=kw.get("wedlm", False), seed=3)
+
+    return [BlendSource(name, spec(sources[name]), w) for name, w in weights]
 
 
 def _row_source(tokenizer, ids: torch.Tensor) -> str:
@@ -112,7 +114,8 @@ def _global_rows(blend, dp: int, microbatches: int, state=None, workers: int = 1
         for d, it in enumerate(iterators):
             per_rank[d].extend(it.next_row() for _ in range(mb))
     rows = [per_rank[d][j] for j in range(len(per_rank[0])) for d in range(dp)]
-    return [(s, item.batch) for s, item in rows], merge_data_states([it.state_dict() for it in iterators])
+    state = BlendedDataIterator.merge_states([it.state_dict() for it in iterators])
+    return [(s, item.batch) for s, item in rows], state
 
 
 def _same(a, b) -> bool:
@@ -151,7 +154,7 @@ def test_changed_blend_or_single_source_state_is_refused(sources):
     single = TrainDataIterator(blend[0].spec, 0, 1, 2, num_workers=0)
     single.next_microbatch()
     with pytest.raises(ValueError, match="of one source .data.path. but this run blends 2"):
-        BlendedDataIterator(blend, 0, 1, 2, num_workers=0, state=merge_data_states([single.state_dict()]))
+        BlendedDataIterator(blend, 0, 1, 2, num_workers=0, state=TrainDataIterator.merge_states([single.state_dict()]))
 
 
 def _cfg(tmp_path, blend: str, *extra: str):
@@ -170,7 +173,7 @@ def test_sources_with_another_tokenizer_mask_id_or_task_are_refused(sources, tmp
             read_run_manifest(cfg)
     cfg = _cfg(tmp_path, f"[{{path: {sources['first']}, weight: 1}},{{path: {sources['second']}, weight: 3}}]")
     assert read_run_manifest(cfg)["task"] == "pretrain"
-    data = build_train_data(cfg, {}, 0, 1)
+    data = build_train_data(cfg, run_row_format(cfg, read_run_manifest(cfg)), {}, 0, 1)
     assert isinstance(data, BlendedDataIterator) and data.names == ["first", "second"] and data.weights == [0.25, 0.75]
 
 

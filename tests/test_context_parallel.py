@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_wedlm.data import build_dual_stream_batch, pack_attention_metadata, stack_dual_stream_batches
+from megatron_wedlm.data import RowFormat, build_dual_stream_batch, pack_attention_metadata, stack_dual_stream_batches
 from megatron_wedlm.data.attention_rule import allowed_pairs_per_query_tile, dense_attention_mask
 from megatron_wedlm.model.attention import _context_parallel_block_mask
 from megatron_wedlm.model.context_parallel import (
@@ -27,7 +27,7 @@ def packed_rows(doc_lengths: list[list[int]], row_length: int, block_size: int =
     for lengths in doc_lengths:
         docs = [torch.randint(0, 100, (n,), generator=g) for n in lengths]
         prompts = [3] + [0] * (len(lengths) - 1)
-        rows.append(build_dual_stream_batch(docs, block_size, 127, g, prompt_lengths=prompts))
+        rows.append(build_dual_stream_batch(docs, RowFormat(block_size, 127), g, prompt_lengths=prompts))
     return stack_dual_stream_batches(rows, pad_to=row_length)
 
 

@@ -98,13 +98,13 @@ def megatron_logits(args: ModelArgs, ckpt: Path, ids: torch.Tensor) -> torch.Ten
 
 def wedlm_rows(mask_token_id: int, vocab: int):
     """Two packed dual-stream rows (three documents, an SFT prompt, padding), stacked ``[2, S]``."""
-    from megatron_wedlm.data import build_dual_stream_batch, stack_dual_stream_batches
+    from megatron_wedlm.data import RowFormat, build_dual_stream_batch, stack_dual_stream_batches
 
     g = torch.Generator().manual_seed(7)
     rows = []
     for lengths, prompt in (([11, 7], [3, 0]), ([13], [0])):
         tokens = [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
-        rows.append(build_dual_stream_batch(tokens, 4, mask_token_id, g, prompt_lengths=prompt))
+        rows.append(build_dual_stream_batch(tokens, RowFormat(4, mask_token_id), g, prompt_lengths=prompt))
     return stack_dual_stream_batches(rows, pad_to=40)
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_wedlm.data import build_dual_stream_batch, stack_dual_stream_batches
+from megatron_wedlm.data import RowFormat, build_dual_stream_batch, stack_dual_stream_batches
 from megatron_wedlm.deepspeed_backend.forward import DualStreamCausalLM, dual_stream_cross_entropy, pad_rows
 from megatron_wedlm.deepspeed_backend.hf_model import (
     apply_mask_token,
@@ -41,8 +41,8 @@ def _batch(seed: int = 0, block_size: int = 4):
     gen = torch.Generator().manual_seed(seed)
     docs = [torch.randint(3, 400, (n,), generator=gen) for n in (13, 9, 7)]
     rows = [
-        build_dual_stream_batch(docs[:2], block_size, MASK, gen, prompt_lengths=[3, 2]),
-        build_dual_stream_batch(docs[2:], block_size, MASK, gen),
+        build_dual_stream_batch(docs[:2], RowFormat(block_size, MASK), gen, prompt_lengths=[3, 2]),
+        build_dual_stream_batch(docs[2:], RowFormat(block_size, MASK), gen),
     ]
     return stack_dual_stream_batches(rows)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 
 from megatron_wedlm.data import (
     IGNORE_INDEX,
+    RowFormat,
     build_dual_stream_batch,
     pack_documents_into_rows,
     pad_dual_stream_batch,
@@ -129,10 +131,9 @@ def test_layout_matches_per_block_reference(docs, block_size, use_prompts, ratio
         at += n
     prompts = [min(int(f * n), n - 1) for f, n in zip(prompt_fracs, lengths)] if use_prompts else None
     n_slots = 2 * sum(lengths)
-    batch = build_dual_stream_batch(
-        documents, block_size=block_size, mask_token_id=MASK, generator=torch.Generator().manual_seed(seed),
-        prompt_lengths=prompts, ratio_mode=ratio_mode, random_block_offset=random_offset, pad_to=n_slots + pad,
-    )
+    row_format = RowFormat(block_size, MASK, ratio_mode=ratio_mode, random_block_offset=random_offset)
+    batch = build_dual_stream_batch(documents, row_format, generator=torch.Generator().manual_seed(seed),
+                                    prompt_lengths=prompts, pad_to=n_slots + pad)
     # documented draw order: with random offsets, one per document comes first
     offsets = (torch.randint(0, block_size, (len(documents),), generator=torch.Generator().manual_seed(seed)).tolist()
                if random_offset else None)
@@ -147,7 +148,8 @@ def test_gammas_and_counts_follow_documented_draw_order():
     """Replaying the generator as documented gives the gammas, so the rounding rule is checked exactly."""
     documents = [torch.randint(1, 100, (n,)) for n in (70, 33, 5)]
     block_size = 8
-    batch = build_dual_stream_batch(documents, block_size, MASK, torch.Generator().manual_seed(7), prompt_lengths=[10, 0, 2])
+    batch = build_dual_stream_batch(documents, RowFormat(block_size, MASK), torch.Generator().manual_seed(7),
+                                    prompt_lengths=[10, 0, 2])
     blocks = [math.ceil(len(d) / block_size) for d in documents]
     gamma = (1.0 - torch.rand(sum(blocks), generator=torch.Generator().manual_seed(7), dtype=torch.float64)).clamp(min=1e-8)
     g = 0
@@ -163,15 +165,17 @@ def test_gammas_and_counts_follow_documented_draw_order():
 def test_random_block_offsets_move_block_starts_and_leave_default_batches_unchanged():
     """Offsets differ between documents and cover 0..B-1; without them the batch is the default one."""
     documents = [torch.randint(1, 100, (40,)) for _ in range(200)]
-    shifted = build_dual_stream_batch(documents, 8, MASK, torch.Generator().manual_seed(5), random_block_offset=True)
+    shifted = build_dual_stream_batch(documents, RowFormat(8, MASK, random_block_offset=True),
+                                      torch.Generator().manual_seed(5))
     offsets = torch.randint(0, 8, (200,), generator=torch.Generator().manual_seed(5))
     assert set(offsets.tolist()) == set(range(8))
     first_block_len = [int(((shifted.doc_ids == d) & shifted.is_memory & (shifted.block_ids == 0)).sum()) for d in range(200)]
     assert first_block_len == (8 - offsets).tolist()
-    plain = build_dual_stream_batch(documents, 8, MASK, torch.Generator().manual_seed(5))
+    plain = build_dual_stream_batch(documents, RowFormat(8, MASK), torch.Generator().manual_seed(5))
     assert torch.equal(plain.block_ids, plain.position_ids // 8)  # off: docs/method.md §2.2, grid from 0
     assert not torch.equal(shifted.block_ids, shifted.position_ids // 8)
-    again = build_dual_stream_batch(documents, 8, MASK, torch.Generator().manual_seed(5), random_block_offset=False)
+    again = build_dual_stream_batch(documents, RowFormat(8, MASK, random_block_offset=False),
+                                    torch.Generator().manual_seed(5))
     for name in plain.tensor_field_names():
         assert torch.equal(getattr(plain, name), getattr(again, name)), name
 
@@ -186,8 +190,8 @@ def test_random_block_offsets_move_block_starts_and_leave_default_batches_unchan
     probability=st.sampled_from([1.0, 0.5, 0.0]),
 )
 def test_a_masked_end_masks_the_rest_of_its_block(docs, block_size, random_offset, end, seed, probability):
-    """``masked_end_token_id``: the uniform draw (same generator), plus every non-prompt token after a
-    masked end token of its block in the blocks drawn with ``masked_end_probability`` (their draw
+    """``mask_after_masked_end``: the uniform draw (same generator), plus every non-prompt token after a
+    masked end token of its block in the blocks drawn with that probability (their draw
     replayed: one float64 per block after the selection keys; none at 1), checked token by token;
     gammas and 1/gamma weights unchanged."""
     lengths, tokens, prompt_fracs = docs
@@ -197,10 +201,11 @@ def test_a_masked_end_masks_the_rest_of_its_block(docs, block_size, random_offse
         documents.append(torch.tensor(tokens[at:at + n]))
         at += n
     prompts = [int(f * n) // 2 for f, n in zip(prompt_fracs, lengths)]
-    kwargs = dict(prompt_lengths=prompts, random_block_offset=random_offset)
-    plain = build_dual_stream_batch(documents, block_size, MASK, torch.Generator().manual_seed(seed), **kwargs)
-    ended = build_dual_stream_batch(documents, block_size, MASK, torch.Generator().manual_seed(seed),
-                                    masked_end_token_id=end, masked_end_probability=probability, **kwargs)
+    plain_format = RowFormat(block_size, MASK, random_block_offset=random_offset)
+    ended_format = RowFormat(block_size, MASK, random_block_offset=random_offset, end_token_id=end,
+                             mask_after_masked_end=probability)
+    plain = build_dual_stream_batch(documents, plain_format, torch.Generator().manual_seed(seed), prompts)
+    ended = build_dual_stream_batch(documents, ended_format, torch.Generator().manual_seed(seed), prompts)
     drawn, got = masked_positions_of(plain, len(documents)), masked_positions_of(ended, len(documents))
     replay = torch.Generator().manual_seed(seed)
     offsets = torch.randint(0, block_size, (len(documents),), generator=replay).tolist() \
@@ -247,10 +252,11 @@ def test_pruning_keeps_every_memory_slot_and_exactly_the_prediction_blocks_with_
         documents.append(torch.tensor(tokens[at:at + n]))
         at += n
     prompts = [min(int(f * n), n - 1) for f, n in zip(prompt_fracs, lengths)]
-    kwargs = dict(prompt_lengths=prompts, random_block_offset=random_offset, masked_end_token_id=3)
-    full = build_dual_stream_batch(documents, block_size, MASK, torch.Generator().manual_seed(seed), **kwargs)
-    pruned = build_dual_stream_batch(documents, block_size, MASK, torch.Generator().manual_seed(seed),
-                                     prune_unmasked_blocks=True, pad_to=full.seq_len, **kwargs)
+    full_format = RowFormat(block_size, MASK, random_block_offset=random_offset, end_token_id=3,
+                            mask_after_masked_end=1.0)
+    full = build_dual_stream_batch(documents, full_format, torch.Generator().manual_seed(seed), prompts)
+    pruned = build_dual_stream_batch(documents, replace(full_format, prune_unmasked_blocks=True),
+                                     torch.Generator().manual_seed(seed), prompts, pad_to=full.seq_len)
     with_mask = {(int(d), int(b)) for d, b, m in zip(full.doc_ids, full.block_ids, full.is_masked) if m}
     kept = [bool(memory) or (int(d), int(b)) in with_mask
             for memory, d, b in zip(full.is_memory, full.doc_ids, full.block_ids)]
@@ -264,7 +270,7 @@ def test_pruning_keeps_every_memory_slot_and_exactly_the_prediction_blocks_with_
 def test_selection_is_uniform_within_block_and_counts_follow_gamma():
     """Many 8-token documents in one row: each position masked equally often; counts ~ U(0,1] x 8 rounded."""
     docs = [torch.arange(1, 9)] * 4000
-    batch = build_dual_stream_batch(docs, block_size=8, mask_token_id=MASK, generator=torch.Generator().manual_seed(3))
+    batch = build_dual_stream_batch(docs, RowFormat(8, MASK), generator=torch.Generator().manual_seed(3))
     pred = ~batch.is_memory
     pos = batch.position_ids[pred].view(4000, 8)
     masked = batch.is_masked[pred].view(4000, 8)
@@ -281,7 +287,7 @@ def test_deterministic_given_generator_and_ranks_differ():
     docs = [torch.randint(1, 1000, (300,)), torch.randint(1, 1000, (100,))]
 
     def build(gen):
-        return build_dual_stream_batch(docs, 32, MASK, gen).input_ids
+        return build_dual_stream_batch(docs, RowFormat(32, MASK), gen).input_ids
 
     assert torch.equal(build(torch.Generator().manual_seed(5)), build(torch.Generator().manual_seed(5)))
     assert not torch.equal(build(torch.Generator().manual_seed(5)), build(torch.Generator().manual_seed(6)))
@@ -296,18 +302,18 @@ def test_deterministic_given_generator_and_ranks_differ():
 def test_padding_options_and_stacking():
     docs = [torch.tensor([5, 6, 7]), torch.tensor([8, 9])]
     gen = lambda: torch.Generator().manual_seed(0)  # noqa: E731
-    plain = build_dual_stream_batch(docs, 2, MASK, gen())
+    plain = build_dual_stream_batch(docs, RowFormat(2, MASK), gen())
     assert plain.seq_len == 10
-    assert build_dual_stream_batch(docs, 2, MASK, gen(), pad_to_multiple_of=8).seq_len == 16
-    padded = build_dual_stream_batch(docs, 2, MASK, gen(), pad_to=13, pad_token_id=99)
+    assert build_dual_stream_batch(docs, RowFormat(2, MASK), gen(), pad_to_multiple_of=8).seq_len == 16
+    padded = build_dual_stream_batch(docs, RowFormat(2, MASK, pad_token_id=99), gen(), pad_to=13)
     assert padded.seq_len == 13 and padded.input_ids[10:].tolist() == [99, 99, 99]
     assert torch.equal(padded.input_ids[:10], plain.input_ids)
     # pad_dual_stream_batch gives the same as padding on build
-    again = pad_dual_stream_batch(build_dual_stream_batch(docs, 2, MASK, gen(), pad_token_id=99), 13)
+    again = pad_dual_stream_batch(build_dual_stream_batch(docs, RowFormat(2, MASK, pad_token_id=99), gen()), 13)
     for name in padded.tensor_field_names():
         assert torch.equal(getattr(again, name), getattr(padded, name)), name
 
-    other = build_dual_stream_batch([torch.arange(1, 9)], 2, MASK, gen())
+    other = build_dual_stream_batch([torch.arange(1, 9)], RowFormat(2, MASK), gen())
     stacked = stack_dual_stream_batches([plain, other])
     assert stacked.input_ids.shape == (2, 16)
     mask = stacked.dense_attention_mask()
@@ -329,7 +335,7 @@ def test_training_labels_in_sft_are_own_token_when_masked_and_next_response_toke
     from megatron_wedlm.training.objective import Objective
 
     doc = torch.tensor([11, 12, 13, 14, 15, 16])
-    batch = build_dual_stream_batch([doc], 3, MASK, torch.Generator().manual_seed(1), prompt_lengths=[3])
+    batch = build_dual_stream_batch([doc], RowFormat(3, MASK), torch.Generator().manual_seed(1), prompt_lengths=[3])
     # memory slots 0..5; labels predict the next token only when it is a response token
     assert batch.ar_labels[:6].tolist() == [-100, -100, 14, 15, 16, -100]
     labels = Objective().labels(batch)  # the one label row both engines train against
@@ -348,25 +354,29 @@ def test_training_labels_in_sft_are_own_token_when_masked_and_next_response_toke
         (dict(documents=[torch.tensor([1, 2, 3])], prompt_lengths=[3]), "no token left to learn"),
         (dict(documents=[torch.tensor([1, 2, 3])], prompt_lengths=[-1]), "negative"),
         (dict(documents=[torch.tensor([1, 2, 3])], prompt_lengths=[0, 0]), "2 entries for 1 documents"),
-        (dict(documents=[torch.tensor([1, 2, 3])], block_size=0), "block_size"),
+        (dict(block_size=0), "block_size"),
         (dict(documents=[torch.tensor([1, 2, 3])], max_length=5), "exceeds max_length"),
         (dict(documents=[torch.tensor([1, 2, 3])], pad_to=4), "pad_to 4 is shorter"),
         (dict(documents=[torch.tensor([1.0, 2.0])]), "dtype"),
         (dict(documents=[torch.ones(2, 2, dtype=torch.long)]), "1-D"),
-        (dict(documents=[torch.tensor([1, 2])], ratio_mode="token"), "ratio_mode"),
-        (dict(documents=[torch.tensor([1, 2])], eps=0.0), "eps"),
-        (dict(documents=[torch.tensor([1, 2])], mask_token_id=None), "mask_token_id must be"),
+        (dict(ratio_mode="token"), "ratio_mode"),
+        (dict(mask_eps=0.0), "eps"),
+        (dict(mask_token_id=None), "mask_token_id must be"),
     ],
 )
 def test_bad_input_raises_clear_errors(kwargs, message):
-    args = dict(block_size=2, mask_token_id=MASK, generator=torch.Generator().manual_seed(0))
-    args.update(kwargs)
+    """A bad row (documents, prompts, lengths) is refused by the build; a bad format by RowFormat."""
+    format_keys = {"block_size", "mask_token_id", "ratio_mode", "mask_eps"}
+    args = dict(documents=[torch.tensor([1, 2])], generator=torch.Generator().manual_seed(0))
+    args.update({k: v for k, v in kwargs.items() if k not in format_keys})
     with pytest.raises(ValueError, match=message):
-        build_dual_stream_batch(**args)
+        row_format = RowFormat(**{"block_size": 2, "mask_token_id": MASK,
+                                  **{k: v for k, v in kwargs.items() if k in format_keys}})
+        build_dual_stream_batch(row_format=row_format, **args)
 
 
 def test_max_length_accepts_rows_that_fit():
-    batch = build_dual_stream_batch([torch.tensor([1, 2, 3])], 2, MASK, max_length=8, pad_to=8)
+    batch = build_dual_stream_batch([torch.tensor([1, 2, 3])], RowFormat(2, MASK), max_length=8, pad_to=8)
     assert batch.seq_len == 8
 
 
@@ -395,10 +405,9 @@ def test_packing_splits_block_aligned_and_keeps_every_token(lengths, block_size,
             if not fill:  # next-fit: only a document longer than a row is cut, into row-sized pieces
                 assert start % capacity == 0 and (len(piece) == capacity or start + len(piece) == lengths[index])
             pieces[index].append((start, piece))
-        batch = build_dual_stream_batch(
-            row.documents, block_size, MASK, torch.Generator().manual_seed(0),
-            prompt_lengths=row.prompt_lengths, max_length=max_length,
-        )
+        batch = build_dual_stream_batch(row.documents, RowFormat(block_size, MASK),
+                                        torch.Generator().manual_seed(0), prompt_lengths=row.prompt_lengths,
+                                        max_length=max_length)
         check_against_reference(batch, row.documents, block_size, row.prompt_lengths)
     for i, doc in enumerate(documents):
         rebuilt = torch.cat([p for _, p in sorted(pieces[i], key=lambda x: x[0])])
@@ -432,9 +441,9 @@ def test_pruned_packing_fits_its_rows_for_any_block_offset_and_packs_at_least_as
     rows = pack_documents_into_rows(documents, max_length, block_size, prompt_lengths=prompts,
                                     prune_unmasked_blocks=True)
     for number, row in enumerate(rows):
-        batch = build_dual_stream_batch(row.documents, block_size, MASK, torch.Generator().manual_seed(seed + number),
-                                        prompt_lengths=row.prompt_lengths, random_block_offset=True,
-                                        prune_unmasked_blocks=True, pad_to=max_length)
+        row_format = RowFormat(block_size, MASK, random_block_offset=True, prune_unmasked_blocks=True)
+        batch = build_dual_stream_batch(row.documents, row_format, torch.Generator().manual_seed(seed + number),
+                                        prompt_lengths=row.prompt_lengths, pad_to=max_length)
         assert batch.seq_len == max_length
     assert [s for row in rows for s in row.sources] == [s for row in plain for s in row.sources]
     assert len(rows) <= len(plain)

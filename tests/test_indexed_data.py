@@ -18,12 +18,17 @@ from megatron_wedlm.data.blend import BlendedDataIterator
 from megatron_wedlm.data.indexed import read_source_manifest
 from megatron_wedlm.data.manifest import read_manifest
 from megatron_wedlm.data.prepare import PrepareOptions, prepare_dataset
-from megatron_wedlm.data.webdataset_loader import TrainDataIterator, _read_shard, loader_spec_from_manifest, merge_data_states
+from megatron_wedlm.data.webdataset_loader import (
+    TrainDataIterator,
+    _read_shard,
+    loader_spec_from_manifest,
+    manifest_row_format,
+)
 from megatron_wedlm.eval.builtin_tasks import training_corpus
 from megatron_wedlm.runtime.hf_local import tokenizer_files_in
 from megatron_wedlm.runtime.multiprocess import run_distributed
 from megatron_wedlm.testing.tiny_models import build_tiny_ar_tokenizer, build_tiny_tokenizer
-from megatron_wedlm.training.run_data import build_train_data, build_valid_data, read_run_manifest
+from megatron_wedlm.training.run_data import build_train_data, build_valid_data, read_run_manifest, run_row_format
 from test_training import LAUNCH_TIMEOUT, TINY, _base, _train, losses, valid_losses
 
 PER_SHARD = 50  # documents per shard, prepared and virtual: 400 documents, 8 shards
@@ -101,7 +106,8 @@ def test_a_prefix_of_the_prepared_documents_gives_the_same_rows(data, tmp_path, 
     assert [(s["samples"], s["tokens"]) for s in manifest["shards"]] == \
         [(s["samples"], s["tokens"]) for s in read_manifest(data["prepared"])["shards"]]
     assert manifest["shards"][1]["path"] == f"documents:{PER_SHARD}:{2 * PER_SHARD}"
-    rows = [_rows(build_train_data(cfg, {}, 0, 1), 12) for cfg in (prepared, prefix)]
+    rows = [_rows(build_train_data(cfg, run_row_format(cfg, read_run_manifest(cfg)), {}, 0, 1), 12)
+            for cfg in (prepared, prefix)]
     assert _same_rows(*rows)
     assert bool(rows[0][0].is_masked.any()) == wedlm
 
@@ -138,7 +144,7 @@ def test_a_blend_in_megatron_data_path_form_equals_the_list(data, tmp_path):
     assert as_string.data.blend == as_list.data.blend
     rows = []
     for cfg in (as_string, as_list):
-        it = build_train_data(cfg, {}, 0, 1)
+        it = build_train_data(cfg, run_row_format(cfg, read_run_manifest(cfg)), {}, 0, 1)
         assert isinstance(it, BlendedDataIterator) and it.weights == pytest.approx([0.3, 0.7])
         rows.append(_rows(it, 12))
     assert _same_rows(*rows)
@@ -202,7 +208,8 @@ def test_documents_without_eos_are_refused_or_get_it_with_append_eod(data, tmp_p
     appended = _cfg(tmp_path, cut, "data.append_eod=true", tokenizer=data["tokenizer"])
     terminated = _cfg(tmp_path, data["prefix"], tokenizer=data["tokenizer"])
     assert read_run_manifest(appended)["num_tokens"] == read_run_manifest(terminated)["num_tokens"]
-    assert _same_rows(*[_rows(build_train_data(cfg, {}, 0, 1), 12) for cfg in (appended, terminated)])
+    assert _same_rows(*[_rows(build_train_data(cfg, run_row_format(cfg, read_run_manifest(cfg)), {}, 0, 1), 12)
+                        for cfg in (appended, terminated)])
 
 
 def test_a_prefix_needs_a_pretraining_run_and_a_tokenizer_with_a_mask_token(data, tmp_path):
@@ -250,8 +257,9 @@ def test_resume_on_a_prefix_continues_at_the_same_row(data, tmp_path):
     """16 rows under dp=2, the state through JSON, the rest under dp=4 with 2 workers: the
     uninterrupted rows; the state is refused on a prefix whose first document grew by a token."""
     manifest = read_source_manifest(data["prefix"], tokenizer=data["tokenizer"], documents_per_shard=PER_SHARD)
-    spec = loader_spec_from_manifest(data["prefix"], manifest=manifest, num_streams=8, seq_length=64, wedlm=True,
-                                     block_size=4, seed=5)
+    row_format = manifest_row_format(data["prefix"], manifest, block_size=4)
+    spec = loader_spec_from_manifest(data["prefix"], row_format, manifest=manifest, num_streams=8, seq_length=64,
+                                     wedlm=True, seed=5)
 
     def global_rows(dp: int, workers: int, microbatches: int, state=None, mb: int = 2):
         iterators = [TrainDataIterator(spec, d, dp, mb, num_workers=workers, state=state) for d in range(dp)]
@@ -260,7 +268,7 @@ def test_resume_on_a_prefix_continues_at_the_same_row(data, tmp_path):
             for d, it in enumerate(iterators):
                 per_rank[d].extend(it.next_microbatch()[0].input_ids)
         rows = [per_rank[d][j] for j in range(len(per_rank[0])) for d in range(dp)]
-        return rows, merge_data_states([it.state_dict() for it in iterators])
+        return rows, TrainDataIterator.merge_states([it.state_dict() for it in iterators])
 
     uninterrupted, _ = global_rows(1, 0, 14)
     first, state = global_rows(2, 1, 4)
@@ -271,7 +279,7 @@ def test_resume_on_a_prefix_continues_at_the_same_row(data, tmp_path):
     documents = prepared_documents(data["prepared"])
     longer = write_prefix(tmp_path / "longer", [np.concatenate([[5], documents[0]]), *documents[1:]])
     manifest = read_source_manifest(longer, tokenizer=data["tokenizer"], documents_per_shard=PER_SHARD)
-    other = loader_spec_from_manifest(longer, manifest=manifest, num_streams=8, seq_length=64, wedlm=True, block_size=4,
+    other = loader_spec_from_manifest(longer, row_format, manifest=manifest, num_streams=8, seq_length=64, wedlm=True,
                                       seed=5)
     with pytest.raises(ValueError, match="another shard set"):
         TrainDataIterator(other, 0, 1, 2, num_workers=0, state=state)
@@ -281,5 +289,5 @@ def test_validation_rows_of_a_prefix_are_those_of_the_prepared_directory(data, t
     prepared = _cfg(tmp_path, data["prepared"], f"data.valid_path={data['prepared']}", "trainer.eval_iters=1")
     prefix = _cfg(tmp_path, data["prepared"], f"data.valid_path={data['prefix']}", "trainer.eval_iters=1",
                   tokenizer=data["tokenizer"])
-    rows = [build_valid_data(cfg, 0, 1) for cfg in (prepared, prefix)]
+    rows = [build_valid_data(cfg, run_row_format(cfg, read_run_manifest(cfg)), 0, 1) for cfg in (prepared, prefix)]
     assert len(rows[0].batches) == 4 and _same_rows(rows[0].batches, rows[1].batches)

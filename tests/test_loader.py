@@ -12,12 +12,13 @@ import torch
 from megatron_wedlm.data.dual_stream import IGNORE_INDEX, build_memory_only_row
 from megatron_wedlm.data.packing import pack_documents_into_rows
 from megatron_wedlm.data.prepare import PrepareOptions, prepare_dataset
+from megatron_wedlm.data.row_format import RowFormat
 from megatron_wedlm.data.webdataset_loader import (
     StreamPosition,
     StreamingRowDataset,
     TrainDataIterator,
     loader_spec_from_manifest,
-    merge_data_states,
+    manifest_row_format,
     row_capacity,
     stream_rows,
 )
@@ -65,10 +66,16 @@ def sft_dir(tmp_path_factory, tokenizer_dir) -> Path:
     return root / "data"
 
 
+_FORMAT_KEYS = {"block_size", "num_learnable_end_tokens", "mask_after_masked_end", "prune_unmasked_blocks",
+                "random_block_offset"}
+
+
 def _spec(data_dir: Path, wedlm: bool = True, **kw):
-    args = dict(num_streams=8, seq_length=SEQ, wedlm=wedlm, block_size=BLOCK, seed=5)
-    args.update(kw)
-    return loader_spec_from_manifest(data_dir, **args)
+    args = dict(num_streams=8, seq_length=SEQ, wedlm=wedlm, seed=5)
+    row_format = dict(block_size=BLOCK)
+    for key, value in kw.items():
+        (row_format if key in _FORMAT_KEYS else args)[key] = value
+    return loader_spec_from_manifest(data_dir, manifest_row_format(data_dir, **row_format), **args)
 
 
 def _shard_tokens(spec) -> dict[str, list[int]]:
@@ -89,7 +96,7 @@ def _global_rows(dp: int, workers: int, microbatches: int, spec, state=None, mb:
             batch, _ = it.next_microbatch()
             per_rank[d].extend(batch.input_ids)
     rows = [per_rank[d][j] for j in range(len(per_rank[0])) for d in range(dp)]
-    return rows, merge_data_states([it.state_dict() for it in iterators])
+    return rows, TrainDataIterator.merge_states([it.state_dict() for it in iterators])
 
 
 def _epoch_samples(spec, stream: int, epoch: int) -> list[tuple[list[int], int]]:
@@ -128,7 +135,7 @@ def test_pretrain_rows_are_filled_and_cover_the_epoch_in_order(pretrain_dir, wed
         pieces: list[list[int]] = []
         for item in stream_rows(spec, stream, StreamPosition()):
             documents = _row_documents(item.batch)
-            assert item.num_tokens == sum(map(len, documents)) >= capacity - spec.block_size + 1
+            assert item.num_tokens == sum(map(len, documents)) >= capacity - spec.row_format.block_size + 1
             pieces.extend(documents)
             flat.extend(t for d in documents for t in d)
             if len(flat) >= target:
@@ -143,12 +150,12 @@ def test_pretrain_rows_are_filled_and_cover_the_epoch_in_order(pretrain_dir, wed
         cursor = 0
         for piece in pieces:
             sample_start, sample_end = next(b for b in bounds if b[0] <= cursor < b[1])
-            assert cursor + len(piece) <= sample_end and (cursor - sample_start) % spec.block_size == 0
+            assert cursor + len(piece) <= sample_end and (cursor - sample_start) % spec.row_format.block_size == 0
             continued += cursor > sample_start
             cursor += len(piece)
         # the loader and pack_documents_into_rows share one rule
         reference = pack_documents_into_rows(
-            [torch.tensor(d) for d in epoch0], 2 * capacity, spec.block_size, fill=True
+            [torch.tensor(d) for d in epoch0], 2 * capacity, spec.row_format.block_size, fill=True
         )
         full_rows = [[d.tolist() for d in row.documents] for row in reference[:-1]]
         loader_rows = []
@@ -327,7 +334,7 @@ def test_pruned_sft_rows_take_a_prompt_at_about_one_slot_a_token(sft_dir):
 
 def test_memory_only_row_is_plain_next_token():
     docs = [torch.tensor([5, 6, 7, 8]), torch.tensor([9, 10, 11])]
-    row = build_memory_only_row(docs, [0, 2], block_size=4, mask_token_id=2, pad_token_id=1)
+    row = build_memory_only_row(docs, [0, 2], RowFormat(block_size=4, mask_token_id=2, pad_token_id=1))
     assert row.input_ids.tolist() == [5, 6, 7, 8, 9, 10, 11]
     assert row.position_ids.tolist() == [0, 1, 2, 3, 0, 1, 2]
     assert row.ar_labels.tolist() == [6, 7, 8, -100, -100, 11, -100]  # doc 2: prompt of 2 tokens
@@ -343,8 +350,9 @@ def test_sft_rows_end_with_learnable_end_tokens(sft_dir):
     tokens are learnt as the reply is (AR targets, masked with weight 1/gamma) and no prompt is.
     n=0 and n=1 rows equal the rows of a spec without the option."""
     spec = _spec(sft_dir, num_streams=4, seq_length=96, num_learnable_end_tokens=8)
-    end = spec.end_token_id
-    assert (spec.appended_end_tokens, end) == (7, json.loads((sft_dir / "manifest.json").read_text())["eos_token_id"])
+    end = spec.row_format.end_token_id
+    eos = json.loads((sft_dir / "manifest.json").read_text())["eos_token_id"]
+    assert (spec.row_format.appended_end_tokens, end) == (7, eos)
     capacity = row_capacity(spec)
     appended_masked = 0.0
     for stream in range(spec.num_streams):
@@ -388,7 +396,7 @@ def test_a_masked_reply_end_masks_the_rest_of_its_block_in_loader_rows(sft_dir, 
     plain = _spec(sft_dir, num_streams=4, seq_length=96, num_learnable_end_tokens=learnable)
     spec = _spec(sft_dir, num_streams=4, seq_length=96, num_learnable_end_tokens=learnable, mask_after_masked_end=1.0)
     half = _spec(sft_dir, num_streams=4, seq_length=96, num_learnable_end_tokens=learnable, mask_after_masked_end=0.5)
-    end = spec.end_token_id
+    end = spec.row_format.end_token_id
     assert end == json.loads((sft_dir / "manifest.json").read_text())["eos_token_id"]
     extra, blocks_kept, blocks_extended = 0, 0, 0
     for stream in range(spec.num_streams):
@@ -448,7 +456,7 @@ def test_old_manifest_without_end_token_falls_back_to_eos(sft_dir, tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.warns(UserWarning, match="no end_token_id"):
         spec = _spec(tmp_path, num_streams=4, seq_length=96, num_learnable_end_tokens=8)
-    assert spec.end_token_id == manifest["eos_token_id"]
+    assert spec.row_format.end_token_id == manifest["eos_token_id"]
 
 
 @pytest.mark.parametrize(("overrides", "appended"), [([], 7), (["wedlm.num_learnable_end_tokens=3"], 2),
@@ -457,22 +465,22 @@ def test_both_engines_read_sft_with_the_configured_end_tokens(sft_dir, overrides
     """build_train_data is where both engines (Megatron, DeepSpeed) get their rows: WeDLM SFT
     appends n-1 end tokens (default n=8, the reference's), AR SFT none."""
     from megatron_wedlm.config import load_config
-    from megatron_wedlm.training.run_data import build_train_data
+    from megatron_wedlm.training.run_data import build_train_data, read_run_manifest, run_row_format
 
     cfg = load_config(ROOT / "configs" / "sft" / "tiny_cpu.yaml", [f"data.path={sft_dir}", *overrides])
-    data = build_train_data(cfg, {}, 0, 1)
-    assert data.spec.appended_end_tokens == appended
+    data = build_train_data(cfg, run_row_format(cfg, read_run_manifest(cfg)), {}, 0, 1)
+    assert data.spec.row_format.appended_end_tokens == appended
     assert data.state_dict()["appended_end_tokens"] == appended
 
 
 def test_wedlm_prune_unmasked_blocks_reaches_the_rows(sft_dir):
     """The config key reaches the loader, and its rows hold no prediction block without a mask."""
     from megatron_wedlm.config import load_config
-    from megatron_wedlm.training.run_data import build_train_data
+    from megatron_wedlm.training.run_data import build_train_data, read_run_manifest, run_row_format
 
     cfg = load_config(ROOT / "configs" / "sft" / "tiny_cpu.yaml",
                       [f"data.path={sft_dir}", "wedlm.prune_unmasked_blocks=true"])
-    data = build_train_data(cfg, {}, 0, 1)
+    data = build_train_data(cfg, run_row_format(cfg, read_run_manifest(cfg)), {}, 0, 1)
     batch, _ = data.next_microbatch()
 
     def blocks(where: torch.Tensor) -> set[tuple[int, int, int]]:
@@ -481,7 +489,7 @@ def test_wedlm_prune_unmasked_blocks_reaches_the_rows(sft_dir):
         return set(zip(rows.tolist(), batch.doc_ids[where].tolist(), batch.block_ids[where].tolist()))
 
     prediction = ~batch.is_memory & ~batch.is_padding
-    assert data.spec.prune_unmasked_blocks and blocks(prediction) == blocks(batch.is_masked)
+    assert data.spec.row_format.prune_unmasked_blocks and blocks(prediction) == blocks(batch.is_masked)
 
 
 # --------------------------------------------------------------------------------------------
@@ -495,12 +503,12 @@ ROOT_CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "pretrain" /
 def _valid_rows(pretrain_dir: Path, dp_rank: int, dp_size: int, *overrides: str):
     """This rank's validation rows as a run of the tiny config builds them (held out: the same directory)."""
     from megatron_wedlm.config import load_config
-    from megatron_wedlm.training.run_data import build_valid_data
+    from megatron_wedlm.training.run_data import build_valid_data, read_run_manifest, run_row_format
 
     cfg = load_config(ROOT_CONFIG, [f"data.path={pretrain_dir}", f"data.valid_path={pretrain_dir}",
                                     f"data.seq_length={SEQ}", f"wedlm.block_size={BLOCK}", "data.micro_batch_size=2",
                                     "data.global_batch_size=4", "trainer.eval_iters=3", *overrides])
-    return build_valid_data(cfg, dp_rank, dp_size)
+    return build_valid_data(cfg, run_row_format(cfg, read_run_manifest(cfg)), dp_rank, dp_size)
 
 
 def _rows(batches) -> list[dict[str, torch.Tensor]]:

@@ -228,7 +228,7 @@ def test_wedlm_model_on_a_dual_stream_batch_of_real_text_equals_hf(tp1, tokenize
     (the original's tensors plus the mask token's row, which the original model lacks)."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_wedlm.data import build_dual_stream_batch, stack_dual_stream_batches
+    from megatron_wedlm.data import RowFormat, build_dual_stream_batch, stack_dual_stream_batches
     from megatron_wedlm.model.wedlm_model import BuildSettings, build_model_chunks
 
     args = tp1["args"]
@@ -236,8 +236,8 @@ def test_wedlm_model_on_a_dual_stream_batch_of_real_text_equals_hf(tp1, tokenize
     prompt = _ids(tokenizer.apply_chat_template(CHATS[0][:-1], tokenize=True, add_generation_prompt=True))
     sentence = tokenizer(TEXTS[0])["input_ids"]
     g = torch.Generator().manual_seed(0)
-    row = build_dual_stream_batch([torch.tensor(chat), torch.tensor(sentence)], 8, args.mask_token_id, g,
-                                  prompt_lengths=[len(prompt), 0])
+    row = build_dual_stream_batch([torch.tensor(chat), torch.tensor(sentence)], RowFormat(8, args.mask_token_id),
+                                  g, prompt_lengths=[len(prompt), 0])
     rows = stack_dual_stream_batches([row], pad_to=row.input_ids.shape[-1] + 6)
     assert rows.is_masked.any() and rows.is_padding.any()
     allowed = rows.dense_attention_mask(padding_attends_self=True)
@@ -277,7 +277,12 @@ def sft_data(hf_dir, tmp_path_factory) -> Path:
 def test_sft_samples_are_the_chat_template_and_learn_only_the_final_reply(sft_data, tokenizer):
     from megatron_wedlm.data.dual_stream import IGNORE_INDEX
     from megatron_wedlm.data.manifest import read_manifest
-    from megatron_wedlm.data.webdataset_loader import StreamPosition, loader_spec_from_manifest, stream_rows
+    from megatron_wedlm.data.webdataset_loader import (
+        StreamPosition,
+        loader_spec_from_manifest,
+        manifest_row_format,
+        stream_rows,
+    )
 
     from test_prepare_data import read_shards
 
@@ -301,9 +306,9 @@ def test_sft_samples_are_the_chat_template_and_learn_only_the_final_reply(sft_da
 
     # what the loader learns, with the default 8 learnable end tokens: each final reply (ending
     # "<|im_end|>\n") then 7 more <|im_end|>; nothing of any prompt
-    spec = loader_spec_from_manifest(sft_data, num_streams=1, seq_length=1024, wedlm=False, block_size=8,
-                                     shuffle=False, num_learnable_end_tokens=8)
-    assert (spec.appended_end_tokens, spec.end_token_id) == (7, im_end)
+    row_format = manifest_row_format(sft_data, block_size=8, num_learnable_end_tokens=8)
+    spec = loader_spec_from_manifest(sft_data, row_format, num_streams=1, seq_length=1024, wedlm=False, shuffle=False)
+    assert (spec.row_format.appended_end_tokens, spec.row_format.end_token_id) == (7, im_end)
     batch = next(stream_rows(spec, 0, StreamPosition())).batch
     learnt = []
     for doc in torch.unique(batch.doc_ids[batch.doc_ids >= 0]).tolist():

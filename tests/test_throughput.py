@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatron_wedlm.data.dual_stream import build_dual_stream_batch, build_memory_only_row, pad_dual_stream_batch
+from megatron_wedlm.data.row_format import RowFormat
 from megatron_wedlm.model.hf_config import ModelArgs
 from megatron_wedlm.training.throughput import ModelShape, batch_flops, default_peak_tflops, peak_tflops_of
 
@@ -37,8 +38,8 @@ def test_per_slot_and_per_pair_flops_equal_the_hand_count():
 
 
 def test_a_wedlm_row_counts_both_streams_and_the_pairs_its_mask_allows():
-    row = build_dual_stream_batch(_documents(), block_size=4, mask_token_id=MASK,
-                                  generator=torch.Generator().manual_seed(0), pad_to=32, pad_token_id=PAD)
+    row = build_dual_stream_batch(_documents(), RowFormat(4, MASK, pad_token_id=PAD),
+                                  generator=torch.Generator().manual_seed(0), pad_to=32)
     # Slots: 8 + 4 tokens in each stream = 24 real, 8 padding (not counted).
     # Pairs, document of 8 (blocks of 4): memory causal 8 x 9 / 2 = 36; prediction block 0: no
     # earlier memory + causal 4 x 5 / 2 = 10; block 1: 4 slots x 4 memory slots of block 0 + 10 = 26.
@@ -49,15 +50,15 @@ def test_a_wedlm_row_counts_both_streams_and_the_pairs_its_mask_allows():
 
 
 def test_an_ar_row_of_the_same_documents_counts_one_stream_and_causal_pairs():
-    row = pad_dual_stream_batch(build_memory_only_row(_documents(), [0, 0], 4, MASK, PAD), 16)
+    row = pad_dual_stream_batch(build_memory_only_row(_documents(), [0, 0], RowFormat(4, MASK, pad_token_id=PAD)), 16)
     pairs = 8 * 9 // 2 + 4 * 5 // 2  # causal inside each document
     assert batch_flops(ModelShape.from_model_args(TINY), [row]) == 12 * FLOPS_PER_SLOT + pairs * FLOPS_PER_PAIR
 
 
 def test_micro_batches_add_up():
     shape = ModelShape.from_model_args(TINY)
-    rows = [build_dual_stream_batch(_documents()[:n], block_size=4, mask_token_id=MASK,
-                                    generator=torch.Generator().manual_seed(n), pad_to=32, pad_token_id=PAD)
+    rows = [build_dual_stream_batch(_documents()[:n], RowFormat(4, MASK, pad_token_id=PAD),
+                                    generator=torch.Generator().manual_seed(n), pad_to=32)
             for n in (1, 2)]
     assert batch_flops(shape, rows) == batch_flops(shape, rows[:1]) + batch_flops(shape, rows[1:])
 

@@ -193,14 +193,20 @@ def test_validation_loss_equals_a_hand_computation_on_the_evaluated_weights(unin
     from megatron_wedlm.conversion.megatron_checkpoint import MegatronCheckpointReader, megatron_process_group
     from megatron_wedlm.data.dual_stream import stack_dual_stream_batches
     from megatron_wedlm.data.validation_rows import VALIDATION_SEED
-    from megatron_wedlm.data.webdataset_loader import StreamPosition, loader_spec_from_manifest, stream_rows
+    from megatron_wedlm.data.webdataset_loader import (
+        StreamPosition,
+        loader_spec_from_manifest,
+        manifest_row_format,
+        stream_rows,
+    )
     from megatron_wedlm.deepspeed_backend.forward import model_inputs
     from megatron_wedlm.model.hf_config import load_model_args
     from megatron_wedlm.training.hf_export import load_checkpoint
 
     cfg = config_from_yaml_text((uninterrupted / "config.yaml").read_text())
-    spec = loader_spec_from_manifest(data["valid"], num_streams=1, seq_length=cfg.data.seq_length, wedlm=True,
-                                     block_size=cfg.wedlm.block_size, seed=VALIDATION_SEED, shuffle=True)
+    row_format = manifest_row_format(data["valid"], block_size=cfg.wedlm.block_size)
+    spec = loader_spec_from_manifest(data["valid"], row_format, num_streams=1, seq_length=cfg.data.seq_length,
+                                     wedlm=True, seed=VALIDATION_SEED, shuffle=True)
     rows = stream_rows(spec, 0, StreamPosition())
     batch = stack_dual_stream_batches([next(rows).batch for _ in range(EVAL_ITERS * cfg.data.global_batch_size)])
     checkpoint = uninterrupted / "checkpoints" / "iter_0000030"

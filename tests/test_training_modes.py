@@ -15,7 +15,7 @@ import torch
 from megatron_wedlm.config import ConfigError, config_from_yaml_text, load_config
 from megatron_wedlm.data.manifest import read_manifest
 from megatron_wedlm.data.prepare import PrepareOptions, prepare_dataset
-from megatron_wedlm.data.webdataset_loader import TrainDataIterator, loader_spec_from_manifest
+from megatron_wedlm.data.webdataset_loader import TrainDataIterator, loader_spec_from_manifest, manifest_row_format
 from megatron_wedlm.eval.builtin_tasks import training_corpus
 from megatron_wedlm.runtime.multiprocess import run_distributed
 from megatron_wedlm.testing.tiny_models import build_tiny_model, build_tiny_tokenizer
@@ -157,8 +157,9 @@ def _hf_loss_on_first_step(conv: dict, cfg) -> float:
     """
     padded = json.loads((Path(conv["mcore"]) / "wedlm_model.json").read_text())["padded_vocab_size"]
     spec = loader_spec_from_manifest(
-        conv["data"], num_streams=cfg.data.num_streams, seq_length=cfg.data.seq_length, wedlm=False,
-        block_size=cfg.wedlm.block_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
+        conv["data"], manifest_row_format(conv["data"], block_size=cfg.wedlm.block_size),
+        num_streams=cfg.data.num_streams, seq_length=cfg.data.seq_length, wedlm=False, seed=cfg.data.seed,
+        shuffle=cfg.data.shuffle,
     )
     data = TrainDataIterator(spec, 0, 1, cfg.data.micro_batch_size, num_workers=0)
     total, count = 0.0, 0

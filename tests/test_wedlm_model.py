@@ -71,7 +71,7 @@ def model_packed(rows):
 
 
 def model_checks(spec_dict: dict) -> dict:
-    from megatron_wedlm.data import build_dual_stream_batch, stack_dual_stream_batches
+    from megatron_wedlm.data import RowFormat, build_dual_stream_batch, stack_dual_stream_batches
     from megatron_wedlm.model import wedlm_labels, wedlm_loss
 
     spec = we.TinyWeDLMSpec(**spec_dict)
@@ -96,7 +96,7 @@ def model_checks(spec_dict: dict) -> dict:
 
         # 3. Full dual-stream rows: memory slots still equal the standard GPT on the document.
         doc = torch.randint(0, spec.mask_token_id, (spec.row_length // 2,), generator=g)
-        row = build_dual_stream_batch([doc], spec.block_size, spec.mask_token_id, g)
+        row = build_dual_stream_batch([doc], RowFormat(spec.block_size, spec.mask_token_id), g)
         dual = model(row.input_ids[None], row.position_ids[None], row.attention_metadata())[0]
         results["dual_memory"] = dual[row.is_memory]
         results["gpt_on_doc"] = gpt(doc[None], torch.arange(len(doc))[None], attention_mask=None)[0]
@@ -104,7 +104,7 @@ def model_checks(spec_dict: dict) -> dict:
         # 4. Every slot of packed rows (two documents, an SFT prompt, padding), in the canonical
         #    order and with slots shuffled inside each block, equals the rule's brute force.
         docs = [torch.randint(0, spec.mask_token_id, (n,), generator=g) for n in (11, 9)]
-        canonical = build_dual_stream_batch(docs, spec.block_size, spec.mask_token_id, g,
+        canonical = build_dual_stream_batch(docs, RowFormat(spec.block_size, spec.mask_token_id), g,
                                             prompt_lengths=[2, 0], pad_to=spec.row_length)
         results["rule"] = []
         for row in (canonical, _permute_within_blocks(canonical, g), _permute_within_blocks(canonical, g)):
@@ -166,9 +166,10 @@ def model_checks(spec_dict: dict) -> dict:
     docs = [torch.randint(0, spec.mask_token_id, (n,), generator=g) for n in (14, 9)]
     results["prune"] = []
     for prune in (False, True):
-        row = build_dual_stream_batch(docs, spec.block_size, spec.mask_token_id, torch.Generator().manual_seed(5),
-                                      prompt_lengths=[10, 6], random_block_offset=True, pad_to=spec.row_length,
-                                      prune_unmasked_blocks=prune)
+        row_format = RowFormat(spec.block_size, spec.mask_token_id, random_block_offset=True,
+                               prune_unmasked_blocks=prune)
+        row = build_dual_stream_batch(docs, row_format, torch.Generator().manual_seed(5), prompt_lengths=[10, 6],
+                                      pad_to=spec.row_length)
         model.zero_grad()
         ce = model(row.input_ids[None], row.position_ids[None], attention_metadata=row.attention_metadata(),
                    labels=wedlm_labels(row.is_masked, row.target_ids, row.ar_labels)[None])

@@ -50,13 +50,13 @@ def long_row(tokens: int, block_size: int):
     """The benchmark row: 70% / 20% / 10% of ``tokens`` as three packed documents, padded."""
     import torch
 
-    from megatron_wedlm.data import build_dual_stream_batch, stack_dual_stream_batches
+    from megatron_wedlm.data import RowFormat, build_dual_stream_batch, stack_dual_stream_batches
 
     g = torch.Generator().manual_seed(0)
     lengths = [tokens * 7 // 10, tokens // 5]
     lengths.append(tokens - sum(lengths))
     docs = [torch.randint(0, 1000, (n,), generator=g) for n in lengths]
-    row = build_dual_stream_batch(docs, block_size, 1000, g)
+    row = build_dual_stream_batch(docs, RowFormat(block_size, 1000), g)
     padded = -(-2 * tokens // 64) * 64
     return stack_dual_stream_batches([row], pad_to=padded)
 

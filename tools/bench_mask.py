@@ -21,6 +21,7 @@ import warnings
 import torch
 
 from megatron_wedlm.data import (
+    RowFormat,
     build_block_mask,
     build_dual_stream_batch,
     classify_tiles,
@@ -98,7 +99,8 @@ def human(nbytes: float) -> str:
 def bench_build(repeats: int) -> None:
     gen = torch.Generator().manual_seed(0)
     documents = [torch.randint(1, 50000, (4096,), generator=gen) for _ in range(8)]
-    ours = median_time(lambda: build_dual_stream_batch(documents, 32, MASK, torch.Generator().manual_seed(1)), repeats)
+    ours = median_time(lambda: build_dual_stream_batch(documents, RowFormat(32, MASK),
+                                                       torch.Generator().manual_seed(1)), repeats)
     naive = median_time(lambda: naive_per_block_build(documents, 32, MASK, torch.Generator().manual_seed(1)), repeats)
     print("== build: 8 documents x 4096 tokens, block 32 (S = 65536 slots), median of", repeats)
     print(f"{'vectorised build_dual_stream_batch':<40}{ours * 1e3:>10.2f} ms")
@@ -115,7 +117,7 @@ def bench_masks(repeats: int, tile: int = 128) -> None:
     cases = [(f"1 doc x {L}", [L]) for L in (4096, 16384, 32768)] + [("8 docs x 4096", [4096] * 8)]
     for name, lengths in cases:
         docs = [torch.randint(1, 50000, (n,), generator=gen) for n in lengths]
-        batch = build_dual_stream_batch(docs, 32, MASK, gen, pad_to_multiple_of=tile)
+        batch = build_dual_stream_batch(docs, RowFormat(32, MASK), gen, pad_to_multiple_of=tile)
         meta = batch.attention_metadata()
         S = batch.seq_len
         if S <= DENSE_LIMIT_SLOTS:
@@ -141,7 +143,7 @@ def bench_masks(repeats: int, tile: int = 128) -> None:
     from torch.nn.attention.flex_attention import create_block_mask
 
     docs = [torch.randint(1, 50000, (4096,), generator=gen)]
-    batch = build_dual_stream_batch(docs, 32, MASK, gen)
+    batch = build_dual_stream_batch(docs, RowFormat(32, MASK), gen)
     meta = batch.attention_metadata()
     ours = median_time(lambda: build_block_mask(meta, tile), repeats)
     with warnings.catch_warnings():

@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     from megatron_wedlm.data import stack_dual_stream_batches
-    from megatron_wedlm.data.webdataset_loader import loader_spec_from_manifest
+    from megatron_wedlm.data.webdataset_loader import loader_spec_from_manifest, manifest_row_format
     from megatron_wedlm.model import global_loss_normalizer
     from megatron_wedlm.model.hf_config import ModelArgs
     from megatron_wedlm.model.wedlm_model import BuildSettings, build_model_chunks
@@ -91,18 +91,20 @@ def main(argv=None) -> int:
     from megatron_wedlm.training.megatron_engine import megatron_forward_step, run_schedule
     from megatron_wedlm.training.objective import Objective
 
-    plain = loader_spec_from_manifest(
-        args.data, num_streams=1, seq_length=args.seq_length, wedlm=True, block_size=args.block_size,
-        random_block_offset=args.random_block_offset, task="sft", seed=0,
+    row_format = manifest_row_format(
+        args.data, block_size=args.block_size, random_block_offset=args.random_block_offset,
         num_learnable_end_tokens=args.num_learnable_end_tokens, mask_after_masked_end=args.mask_after_masked_end,
     )
-    variants = {"both_streams_whole": plain, "pruned": replace(plain, prune_unmasked_blocks=True)}
+    plain = loader_spec_from_manifest(args.data, row_format, num_streams=1, seq_length=args.seq_length, wedlm=True,
+                                      task="sft", seed=0)
+    pruned = replace(plain, row_format=replace(row_format, prune_unmasked_blocks=True))
+    variants = {"both_streams_whole": plain, "pruned": pruned}
     rows = {name: rows_of(spec, args.rows) for name, spec in variants.items()}
     result: dict = {"data": args.data, "seq_length": args.seq_length, "block_size": args.block_size,
                     "rows": args.rows, **{name: describe(items) for name, items in rows.items()}}
 
     layout = initialize_parallel_state(ParallelConfig(), device="auto")
-    vocab = 1 + max(plain.mask_token_id, *(int(i.batch.input_ids.max()) for items in rows.values() for i in items))
+    vocab = 1 + max(row_format.mask_token_id, *(int(i.batch.input_ids.max()) for items in rows.values() for i in items))
     model_args = ModelArgs(
         architecture="llama", num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=4 * args.hidden,
         num_attention_heads=args.heads, num_query_groups=args.heads, head_dim=args.hidden // args.heads,

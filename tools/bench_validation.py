@@ -74,7 +74,7 @@ def run_worker(data: str, out: str, steps: int, warmup: int, validation: list[st
     from megatron_wedlm.config import load_config
     from megatron_wedlm.training.loop import run_training
     from megatron_wedlm.training.metrics import read_metrics
-    from megatron_wedlm.training.run_data import build_valid_data
+    from megatron_wedlm.training.run_data import build_valid_data, read_run_manifest, run_row_format
 
     torch.set_num_threads(1)
     cfg = load_config(str(TINY), [
@@ -86,7 +86,7 @@ def run_worker(data: str, out: str, steps: int, warmup: int, validation: list[st
     built = None
     if cfg.data.valid_path is not None:
         started = time.perf_counter()
-        build_valid_data(cfg, 0, 1)
+        build_valid_data(cfg, run_row_format(cfg, read_run_manifest(cfg)), 0, 1)
         built = time.perf_counter() - started
     return {
         "steps": sum(r["step_time_s"] for r in records),

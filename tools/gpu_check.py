@@ -220,10 +220,10 @@ def check_environment(ctx: Context) -> dict[str, Any]:
 
 def dual_stream_row(length: int, vocab: int, generator: torch.Generator, tile: int):
     """One stacked ``[1, 2L]`` dual-stream batch of a single random document of ``length`` tokens."""
-    from megatron_wedlm.data import build_dual_stream_batch, stack_dual_stream_batches
+    from megatron_wedlm.data import RowFormat, build_dual_stream_batch, stack_dual_stream_batches
 
     document = torch.randint(1, vocab, (length,), generator=generator)
-    row = build_dual_stream_batch([document], BLOCK_SIZE, 0, generator, pad_to_multiple_of=tile)
+    row = build_dual_stream_batch([document], RowFormat(BLOCK_SIZE, 0), generator, pad_to_multiple_of=tile)
     return stack_dual_stream_batches([row])
 
 
@@ -314,13 +314,14 @@ def model_args_of(shape: dict[str, int], tokens: int, qk_layernorm: bool):
 def training_batches(model_args, tokens: int, rows: int, steps: int, device: torch.device) -> list:
     """``steps`` micro-batches of ``rows`` one-document rows: the same documents, a fresh mask draw
     each step (so the loss falling shows the steps really update the model)."""
-    from megatron_wedlm.data import build_dual_stream_batch, stack_dual_stream_batches
+    from megatron_wedlm.data import RowFormat, build_dual_stream_batch, stack_dual_stream_batches
 
     generator = torch.Generator().manual_seed(0)
     mask_id = model_args.mask_token_id
     documents = [torch.randint(0, mask_id, (tokens,), generator=generator) for _ in range(rows)]
     return [
-        stack_dual_stream_batches([build_dual_stream_batch([d], BLOCK_SIZE, mask_id, generator) for d in documents])
+        stack_dual_stream_batches([build_dual_stream_batch([d], RowFormat(BLOCK_SIZE, mask_id), generator)
+                                   for d in documents])
         .to(device)
         for _ in range(steps)
     ]

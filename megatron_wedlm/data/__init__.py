@@ -1,5 +1,7 @@
 """Dual-stream WeDLM training data and the WeDLM attention-mask rule (docs/method.md §2).
 
+* :mod:`.row_format`     -- :class:`RowFormat`: how a row is built (block size, token ids,
+  masking options), one frozen object.
 * :mod:`.dual_stream`    -- ``build_dual_stream_batch`` -> :class:`DualStreamBatch` (one packed
   row), ``stack_dual_stream_batches`` (collate to ``[B, S]``), ``pad_dual_stream_batch``.
 * :mod:`.attention_rule` -- the rule :func:`may_attend`, written once, and its forms:
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
     )
     from .packed_metadata import causal_packed_metadata, pack_attention_metadata, packed_slot_order, unpack_attention_metadata
     from .packing import PackedRow, pack_documents_into_rows
+    from .row_format import RowFormat
     from .seeding import rank_generator, rank_seed
 
 _WHERE = {  # exported name -> the module that defines it
@@ -69,6 +72,7 @@ _WHERE = {  # exported name -> the module that defines it
     "unpack_attention_metadata": "packed_metadata",
     "PackedRow": "packing",
     "pack_documents_into_rows": "packing",
+    "RowFormat": "row_format",
     "rank_generator": "seeding",
     "rank_seed": "seeding",
 }
@@ -85,6 +89,7 @@ __all__ = [
     "DualStreamBatch",
     "IGNORE_INDEX",
     "PackedRow",
+    "RowFormat",
     "TileClasses",
     "build_block_mask",
     "build_dual_stream_batch",

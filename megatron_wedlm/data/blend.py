@@ -126,8 +126,8 @@ def check_compatible_sources(sources: Sequence[tuple[str, str, dict[str, Any]]])
 
 
 class BlendedDataIterator:
-    """Micro-batches for one rank from a blend, with the bookkeeping a checkpoint needs (the
-    same interface as :class:`~.webdataset_loader.TrainDataIterator`; see the module docstring).
+    """Micro-batches for one rank from a blend, with the bookkeeping a checkpoint needs (a
+    :class:`~.webdataset_loader.DataIterator`; see the module docstring).
 
     Each source is one :class:`TrainDataIterator` (its own loader workers); the blend asks the
     source of the current round for this rank's next row.
@@ -212,6 +212,22 @@ class BlendedDataIterator:
             "dp_rank": self.dp_rank,
             "dp_size": self.dp_size,
         }
+
+    @staticmethod
+    def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """Every rank's :meth:`state_dict` merged source by source."""
+        if not states:
+            raise ValueError("no data states to merge")
+        first = states[0]
+        if any(state["rows_consumed"] != first["rows_consumed"] for state in states):
+            raise ValueError("data-parallel ranks consumed different numbers of rows")
+        sources = [TrainDataIterator.merge_states([state["sources"][i] for state in states])
+                   for i in range(len(first["sources"]))]
+        return {"blend": first["blend"], "rows_consumed": first["rows_consumed"], "sources": sources}
+
+    def close(self) -> None:
+        for source in self.sources:
+            source.close()
 
 
 def _check_blend_state(state: dict[str, Any], names: list[str], weights: list[float]) -> None:

@@ -2,40 +2,36 @@
 
 A row packs several documents, each as ``[xo ; xt]``: the clean memory stream ``xo`` in order,
 then the prediction stream ``xt``, cut into blocks of ``block_size`` logical positions (from
-position 0, or from a random offset, see ``random_block_offset``). In each
-block ``round(gamma * maskable)`` maskable tokens are replaced by the mask token, and the block
+position 0, or from a random offset, see ``random_block_offset``). In each block
+``round(gamma * maskable)`` maskable tokens are replaced by the mask token, and the block
 is reordered: observed tokens first, then masked slots, each group by ascending position.
 Every slot keeps its logical position id (RoPE uses it); :mod:`.attention_rule` says who may
 attend whom.
 
-Choices (fixed here so every training path behaves the same):
+Choices (fixed here so every training path behaves the same; the fields named are those of
+:class:`.row_format.RowFormat`):
 
-* ``gamma ~ U(0, 1]`` drawn as ``1 - U[0, 1)``, clamped to ``>= eps``; one per block
+* ``gamma ~ U(0, 1]`` drawn as ``1 - U[0, 1)``, clamped to ``>= mask_eps``; one per block
   (``ratio_mode="block"``, default) or one per document (``"document"``).
 * ``random_block_offset``: the block grid of each document starts ``r ~ U{0..B-1}`` positions
   early (its first block holds ``B - r`` tokens). Why: a masked slot's clean context ends at its
   block's start, and streaming decoding commits prefixes of every length, so training must put
-  that boundary at every position of the text. With one SFT pair per document and the grid at
-  position 0 it sits at the same few places of every answer (16 and 32 for a 9-token prompt),
-  and a small model learns to predict ahead only from there (docs/results.md has the
-  quickstart's measurements). Default off: the method cuts blocks from position 0
-  (docs/method.md §2.2).
+  that boundary at every position of the text; with the grid at position 0 an SFT answer sees it
+  at the same few places only (docs/results.md). Default off: the method cuts blocks from
+  position 0 (docs/method.md §2.2).
 * Masked count per block: ``floor(gamma * maskable + 0.5)`` (round half up), computed in
   float64. ``gamma <= 1`` so it never exceeds the maskable count; it may be 0 for tiny gamma.
 * Which tokens: uniform among the block's maskable tokens (random 31-bit keys, smallest
   ``count`` keys masked; ties go to the earlier position, probability ~2^-31).
 * SFT: the first ``prompt_lengths[i]`` tokens of document i are never masked and never a
   loss target (also not an AR label).
-* ``masked_end_token_id`` (off by default; the method masks uniformly): in a block drawn with
-  probability ``masked_end_probability`` (default 1: every block), a masked reply end token also
-  masks every later token of its block. Why: a decoding window whose end slot is still undecided
-  often knows nothing past it, but a uniform draw leaves some token after the end observed in
-  most blocks that hold it (the learnable end copies, the template's newline), and a model then
-  learns to end a reply only where it sees that, never where decoding needs it. Applied to every
-  block, the converse goes missing: a window that has filled end copies before the end slot
-  itself (decoding can, for a reply whose length the prompt gives) is a state training never
-  shows, and the model then reads observed end copies as "the end is not here" (docs/results.md
-  has both measurements). The extra masks do not change the block's gamma or its 1/gamma weight.
+* ``mask_after_masked_end`` (0 by default: off; the method masks uniformly): in a block drawn
+  with this probability (1: every block), a masked ``end_token_id`` also masks every later token
+  of its block. Why: a decoding window whose end slot is still undecided often knows nothing
+  past it, but a uniform draw leaves some token after the end observed in most blocks that hold
+  it, so a model learns to end a reply only where it sees one; applied to every block, the
+  converse (end copies filled before the end slot) goes missing (docs/results.md). The extra
+  masks do not change the block's gamma or its 1/gamma weight.
 * ``prune_unmasked_blocks`` (off by default; the method's rows hold both streams whole): the
   prediction-stream blocks with no masked slot are left out of the row. Only slots of the same
   prediction block attend a prediction slot, and an unmasked block carries no loss, so every
@@ -46,11 +42,11 @@ Choices (fixed here so every training path behaves the same):
 * Random draws, in this order from ``generator``: with ``random_block_offset`` one int per
   document first (so default batches are unchanged), then the gammas (one float64 per block or
   per document, in document/block order), then one int key per token, then, with
-  ``masked_end_token_id`` and ``masked_end_probability < 1``, one float64 per block. Same
-  generator state and inputs -> same batch. Use :func:`megatron_wedlm.data.seeding.rank_generator`
-  to give each data-parallel rank and step its own stream.
+  ``0 < mask_after_masked_end < 1``, one float64 per block. Same generator state and inputs ->
+  same batch; :func:`megatron_wedlm.data.seeding.rank_generator` gives each data-parallel rank and
+  step its own stream.
 * Per-slot fields on padding: ``doc_ids = -1``, ``position_ids = block_ids = 0``,
-  ``input_ids = target_ids = pad_token_id`` (default: the mask token), no loss.
+  ``input_ids = target_ids = pad_token_id``, no loss.
 * ``mask_ratio`` holds gamma on prediction-stream slots and 0 on memory and padding slots.
 * ``mlm_weights`` is ``1 / gamma`` on masked slots and 0 elsewhere, *unnormalised*: the loss
   normalises over the global batch (summing weights across micro-batches and ranks).
@@ -62,12 +58,13 @@ The only Python-level iteration is over the document list (reading lengths, vali
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Literal, Sequence
+from typing import Sequence
 
 import torch
 from torch import Tensor
 
 from .attention_rule import AttentionMetadata, build_block_mask, dense_attention_mask
+from .row_format import RowFormat
 
 __all__ = [
     "DualStreamBatch",
@@ -165,22 +162,7 @@ def _as_token_tensor(doc: object, index: int) -> Tensor:
     return doc
 
 
-def _validate_options(
-    block_size: int,
-    eps: float,
-    ratio_mode: str,
-    pad_to: int | None,
-    pad_to_multiple_of: int | None,
-    masked_end_probability: float,
-) -> None:
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
-    if not 0.0 < eps <= 1.0:
-        raise ValueError(f"eps must be in (0, 1], got {eps!r}")
-    if not 0.0 <= masked_end_probability <= 1.0:
-        raise ValueError(f"masked_end_probability must be in [0, 1], got {masked_end_probability!r}")
-    if ratio_mode not in ("block", "document"):
-        raise ValueError(f"ratio_mode must be 'block' or 'document', got {ratio_mode!r}")
+def _validate_padding(pad_to: int | None, pad_to_multiple_of: int | None) -> None:
     if pad_to is not None and pad_to_multiple_of is not None:
         raise ValueError("give either pad_to or pad_to_multiple_of, not both")
     if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
@@ -303,12 +285,6 @@ class _BlockGrid:
     length: Tensor  # [K] tokens per block
     start: Tensor  # [K] index t of each block's first token
     maskable: Tensor  # [K] non-prompt tokens per block (float64)
-
-
-def _as_mask_token_id(mask_token_id: object) -> int:
-    if mask_token_id is None or isinstance(mask_token_id, bool) or int(mask_token_id) != mask_token_id:
-        raise ValueError(f"mask_token_id must be the integer id of the mask token, got {mask_token_id!r}")
-    return int(mask_token_id)
 
 
 def _concatenate(documents: Sequence[Tensor], mask_token_id: int) -> tuple[Tensor, Tensor]:
@@ -446,55 +422,44 @@ def _write_streams(
 
 def build_dual_stream_batch(
     documents: Sequence[Tensor],
-    block_size: int = 32,
-    mask_token_id: int | None = None,
+    row_format: RowFormat,
     generator: torch.Generator | None = None,
     prompt_lengths: Sequence[int] | Tensor | None = None,
     *,
-    ratio_mode: Literal["block", "document"] = "block",
-    random_block_offset: bool = False,
-    eps: float = 1e-8,
     pad_to: int | None = None,
     pad_to_multiple_of: int | None = None,
     max_length: int | None = None,
-    pad_token_id: int | None = None,
-    masked_end_token_id: int | None = None,
-    masked_end_probability: float = 1.0,
-    prune_unmasked_blocks: bool = False,
 ) -> DualStreamBatch:
-    """Pack ``documents`` into one dual-stream row ``[xo_0 ; xt_0 ; xo_1 ; xt_1 ; ...]``.
+    """Pack ``documents`` into one dual-stream row ``[xo_0 ; xt_0 ; xo_1 ; xt_1 ; ...]`` in
+    ``row_format`` (the module docstring gives the rules each of its fields switches).
 
-    ``mask_token_id`` is required (no default: 0 is a real token in most vocabularies).
-    ``masked_end_token_id``: a masked token of this id masks the rest of its block, in a share
-    ``masked_end_probability`` of the blocks (module docstring). ``prune_unmasked_blocks`` leaves
-    the prediction blocks without a masked slot out (module docstring; the draws are the same).
     ``generator`` drives every random choice (``None`` uses torch's global RNG). ``max_length``
     caps the row (ValueError if exceeded; see :func:`.packing.pack_documents_into_rows` for
     splitting). ``pad_to`` / ``pad_to_multiple_of`` append padding slots. All outputs are CPU.
     """
     if len(documents) == 0:
         raise ValueError("documents is empty; need at least one document to build a row")
-    mask_token_id = _as_mask_token_id(mask_token_id)
-    _validate_options(block_size, eps, ratio_mode, pad_to, pad_to_multiple_of, masked_end_probability)
-    tokens, lengths = _concatenate(documents, mask_token_id)
+    fmt = row_format
+    _validate_padding(pad_to, pad_to_multiple_of)
+    tokens, lengths = _concatenate(documents, fmt.mask_token_id)
     prompts = _prompt_tensor(prompt_lengths, lengths)
-    pad_id = mask_token_id if pad_token_id is None else pad_token_id
 
     docs = _document_tokens(tokens, lengths, prompts)
     # The random draws, in the order the module docstring gives: offsets, gammas, selection keys.
-    offset = _draw_offsets(lengths.numel(), block_size, random_block_offset, generator)
-    blocks = _block_grid(docs, block_size, offset)
-    gamma = _draw_gammas(blocks, ratio_mode, eps, generator)
+    offset = _draw_offsets(lengths.numel(), fmt.block_size, fmt.random_block_offset, generator)
+    blocks = _block_grid(docs, fmt.block_size, offset)
+    gamma = _draw_gammas(blocks, fmt.ratio_mode, fmt.mask_eps, generator)
     is_masked, num_masked = _choose_masked(docs, blocks, gamma, generator)
-    if masked_end_token_id is not None:
+    if fmt.masked_end_token_id is not None:
         is_masked, num_masked = _mask_after_masked_end(
-            docs, blocks, is_masked, masked_end_token_id, masked_end_probability, generator
+            docs, blocks, is_masked, fmt.masked_end_token_id, fmt.mask_after_masked_end, generator
         )
 
     place = _reordered_places(blocks, is_masked, num_masked)
+    pad_id = int(fmt.pad_token_id)  # type: ignore[arg-type]
     row = _padding_slots(2 * tokens.numel(), pad_id)
-    prediction_slot = _write_streams(row, docs, blocks, gamma, is_masked, place, mask_token_id)
-    if prune_unmasked_blocks:
+    prediction_slot = _write_streams(row, docs, blocks, gamma, is_masked, place, fmt.mask_token_id)
+    if fmt.prune_unmasked_blocks:
         kept = torch.ones(row["input_ids"].numel(), dtype=torch.bool)  # every memory slot stays
         kept[prediction_slot] = num_masked[blocks.of_token] > 0
         row = {name: tensor[kept] for name, tensor in row.items()}
@@ -503,15 +468,11 @@ def build_dual_stream_batch(
     if total > length:
         row = {name: torch.cat([tensor, pad[: total - length]])
                for (name, tensor), pad in zip(row.items(), _padding_slots(total - length, pad_id).values())}
-    return DualStreamBatch(**row, block_size=block_size, mask_token_id=mask_token_id, pad_token_id=int(pad_id))
+    return DualStreamBatch(**row, block_size=fmt.block_size, mask_token_id=fmt.mask_token_id, pad_token_id=pad_id)
 
 
 def build_memory_only_row(
-    documents: Sequence[Tensor],
-    prompt_lengths: Sequence[int],
-    block_size: int,
-    mask_token_id: int,
-    pad_token_id: int,
+    documents: Sequence[Tensor], prompt_lengths: Sequence[int], row_format: RowFormat
 ) -> DualStreamBatch:
     """An AR training row: the documents' memory streams only (plain next-token prediction).
 
@@ -531,14 +492,14 @@ def build_memory_only_row(
         is_masked=torch.zeros_like(tokens, dtype=torch.bool),
         target_ids=tokens.clone(),
         doc_ids=docs.doc,
-        block_ids=docs.position // block_size,
+        block_ids=docs.position // row_format.block_size,
         mask_ratio=zeros.clone(),
         mlm_weights=zeros.clone(),
         ar_labels=docs.ar_labels,
         is_padding=torch.zeros_like(tokens, dtype=torch.bool),
-        block_size=block_size,
-        mask_token_id=mask_token_id,
-        pad_token_id=pad_token_id,
+        block_size=row_format.block_size,
+        mask_token_id=row_format.mask_token_id,
+        pad_token_id=int(row_format.pad_token_id),  # type: ignore[arg-type]
     )
 
 

@@ -11,8 +11,7 @@ is "how many of this document's remaining tokens go into the current row", and a
 * **fill** (pretraining): the rest of a document goes in whole if it fits; otherwise its next
   ``floor(space_left / block_size) * block_size`` tokens fill the row and the document goes on
   at the start of the next row. Pretraining documents have no structure worth keeping in one
-  row, and closing a row early wastes compute: with documents of 50-400 tokens and rows of 256,
-  next-fit leaves about a quarter of every row as padding, fill leaves less than a block.
+  row, and a row closed early is computed as padding (docs/training.md).
 * **next-fit** (SFT): a document that does not fit in the space left closes the row and starts
   the next one, so a prompt is never separated from its response. Only a document longer than
   a whole row is cut, into row-sized pieces.
@@ -129,7 +128,7 @@ def pack_documents_into_rows(
     next row); ``fill=False`` its SFT packing (next-fit). ``prune_unmasked_blocks``: the rows will
     be built pruned, so a prompt takes fewer places (module docstring). Returns rows that fit
     ``max_length`` slots (``row_length``, or fewer once pruned); build each with
-    ``build_dual_stream_batch(row.documents, prompt_lengths=row.prompt_lengths, ...)``.
+    ``build_dual_stream_batch(row.documents, row_format, generator, row.prompt_lengths)``.
     """
     if len(documents) == 0:
         raise ValueError("documents is empty; need at least one document to pack")

@@ -20,22 +20,13 @@ How samples reach a rank (and why it is done this way):
   ``num_streams``, re-opens each stream at its position and continues with the first token not
   yet trained on (possibly in the middle of a sample). Prefetched but unconsumed rows do not count.
 * **Packing.** :func:`megatron_wedlm.data.packing.next_piece_length` decides, sample after
-  sample, how many of the sample's remaining tokens go into the current row (the same rule as
-  :func:`~megatron_wedlm.data.packing.pack_documents_into_rows`). Pretraining rows are
-  *filled*: a sample that does not fit in the space left puts its next
-  ``floor(space_left / block_size) * block_size`` tokens into the row and continues at the
-  start of the next row (as its own document: own blocks, positions from 0, own attention
-  segment); a row is padded only when less than a block is left. Closing rows early instead
-  (next-fit) wasted about a quarter of every row on padding with documents of 50-400 tokens in
-  rows of 256. SFT rows stay next-fit, so a response is never separated from its prompt: a
-  sample that does not fit closes the row, and only a sample longer than a row is cut. Cuts
-  always lie at multiples of ``block_size`` from the sample's start, so WeDLM blocks are the
-  ones the whole sample would have had. Rows hold ``seq_length // 2`` tokens for WeDLM (two
-  streams) and ``seq_length`` tokens for AR (``wedlm.enabled=false``, memory stream only),
-  rounded down to whole blocks. SFT samples whose prompt fills a whole row cannot be learnt
-  and are skipped (counted in the position's ``skipped``). With ``prune_unmasked_blocks`` a
-  prompt's blocks leave the prediction stream, and a sample takes that much less of a row
-  (:mod:`~megatron_wedlm.data.packing`).
+  sample, how many of the sample's remaining tokens go into the current row: the rule of
+  :mod:`~megatron_wedlm.data.packing` (pretraining rows filled, SFT rows next-fit, cuts at
+  multiples of ``block_size``, pruned prompts taking less room), applied piece by piece so that a
+  row may end inside a sample. Rows hold ``seq_length // 2`` tokens for WeDLM (two streams) and
+  ``seq_length`` tokens for AR (``wedlm.enabled=false``, memory stream only), rounded down to
+  whole blocks. SFT samples whose prompt fills a whole row cannot be learnt and are skipped
+  (counted in the position's ``skipped``).
 * **Learnable end tokens.** WeDLM SFT reads every sample with ``appended_end_tokens``
   (``wedlm.num_learnable_end_tokens - 1``) copies of the reply's end token appended, as the
   reference finetune's ``num_learnable_im_end`` does: they belong to the reply (learnt, masked
@@ -68,7 +59,7 @@ import warnings
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -84,16 +75,18 @@ from .dual_stream import (
 from .indexed import indexed_file_sizes, shard_documents, shard_range
 from .packing import next_piece_length, piece_prompt_length, spared_places
 from .manifest import read_manifest
+from .row_format import RowFormat
 from .seeding import rank_seed
 
 __all__ = [
+    "DataIterator",
     "LoaderSpec",
     "StreamPosition",
     "RowItem",
     "StreamingRowDataset",
     "TrainDataIterator",
     "loader_spec_from_manifest",
-    "merge_data_states",
+    "manifest_row_format",
     "row_capacity",
     "shards_fingerprint",
     "stream_rows",
@@ -125,38 +118,21 @@ class LoaderSpec:
     task: str  # pretrain | sft (sft uses prompt lengths)
     num_streams: int
     seq_length: int
-    wedlm: bool
-    block_size: int
-    mask_token_id: int
-    pad_token_id: int
-    ratio_mode: str = "block"
-    random_block_offset: bool = False
-    mask_eps: float = 1e-8
+    wedlm: bool  # dual-stream rows; False: memory-only (AR) rows
+    row_format: RowFormat
     seed: int = 1234
     shuffle: bool = True
     shards_fingerprint: str = ""  # see shards_fingerprint(); empty: not known (no check)
-    appended_end_tokens: int = 0  # copies of end_token_id appended to every SFT sample (learnt)
-    end_token_id: int = -1  # the token that ends a reply in the prepared data (manifest end_token_id)
-    # the share of blocks in which a masked end_token_id masks the rest of the block (SFT, WeDLM; 0: none)
-    mask_after_masked_end: float = 0.0
-    # WeDLM rows leave out prediction blocks without a mask, and SFT rows count on it (packing.py)
-    prune_unmasked_blocks: bool = False
     # a Megatron indexed dataset read with data.append_eod: this EOS id is appended to every
     # document that does not end with it (-1: nothing appended)
     append_eod_id: int = -1
 
     def __post_init__(self) -> None:
-        if self.appended_end_tokens < 0:
-            raise ValueError(f"appended_end_tokens must be >= 0, got {self.appended_end_tokens}")
-        if self.appended_end_tokens and (self.task != "sft" or self.end_token_id < 0):
+        fmt = self.row_format
+        if fmt.appended_end_tokens and self.task != "sft":
             raise ValueError("appended_end_tokens needs SFT data and the reply's end_token_id")
-        if not 0.0 <= self.mask_after_masked_end <= 1.0:
-            raise ValueError(f"mask_after_masked_end is the share of blocks it applies to, in [0, 1]; "
-                             f"got {self.mask_after_masked_end}")
-        if self.mask_after_masked_end and self.task != "sft":
-            raise ValueError(f"{self.data_dir} holds {self.task} data: wedlm.mask_after_masked_end is for SFT "
-                             "replies, whose end token it masks after; set it to 0")
-        if self.mask_after_masked_end and (self.end_token_id < 0 or not self.wedlm):
+        _refuse_masked_end_outside_sft(self.data_dir, self.task, fmt.mask_after_masked_end)
+        if fmt.mask_after_masked_end and not self.wedlm:
             raise ValueError("mask_after_masked_end needs WeDLM rows of SFT data and the reply's end_token_id")
         if self.num_streams < 1:
             raise ValueError(f"num_streams must be >= 1, got {self.num_streams}")
@@ -176,16 +152,23 @@ class LoaderSpec:
         return order[stream :: self.num_streams]
 
 
+def _refuse_masked_end_outside_sft(data_dir: str | Path, task: str, mask_after_masked_end: float) -> None:
+    if mask_after_masked_end and task != "sft":
+        raise ValueError(f"{data_dir} holds {task} data: wedlm.mask_after_masked_end is for SFT "
+                         "replies, whose end token it masks after; set it to 0")
+
+
 def row_capacity(spec: LoaderSpec) -> int:
     """Tokens per row, whole blocks only (cuts stay block-aligned): half the row for WeDLM (two
     streams), all of it for AR."""
     tokens = spec.seq_length // 2 if spec.wedlm else spec.seq_length
-    capacity = tokens // spec.block_size * spec.block_size
+    block = spec.row_format.block_size
+    capacity = tokens // block * block
     if capacity < 1:
         streams = "in both streams " if spec.wedlm else ""
         raise ValueError(
-            f"seq_length {spec.seq_length} cannot hold one block of {spec.block_size} tokens {streams}"
-            f"(needs >= {(2 if spec.wedlm else 1) * spec.block_size}); raise data.seq_length or lower "
+            f"seq_length {spec.seq_length} cannot hold one block of {block} tokens {streams}"
+            f"(needs >= {(2 if spec.wedlm else 1) * block}); raise data.seq_length or lower "
             "wedlm.block_size"
         )
     return capacity
@@ -206,34 +189,42 @@ def shards_fingerprint(data_dir: str | Path, shards: Sequence[dict[str, Any]]) -
     return hashlib.sha256(json.dumps(entries).encode()).hexdigest()[:16]
 
 
+def manifest_row_format(
+    data_dir: str | Path, manifest: dict[str, Any] | None = None, *, num_learnable_end_tokens: int = 0, **fields: Any
+) -> RowFormat:
+    """The :class:`RowFormat` of ``fields`` (its settings other than the token ids) for the data
+    in ``data_dir`` (or described by ``manifest``): the mask and pad ids its manifest records, and
+    for SFT data the reply's end token, appended ``num_learnable_end_tokens - 1`` times (0 or 1:
+    none; see the module docstring) and masked after with ``mask_after_masked_end``."""
+    if manifest is None:
+        manifest = read_manifest(data_dir)
+    mask = int(manifest["mask_token_id"])
+    pad = manifest.get("pad_token_id")
+    if pad is None:
+        pad = manifest.get("eos_token_id")
+    _refuse_masked_end_outside_sft(data_dir, manifest["task"], fields.get("mask_after_masked_end", 0.0))
+    appended = max(0, num_learnable_end_tokens - 1) if manifest["task"] == "sft" else 0
+    wants_end = appended or fields.get("mask_after_masked_end")
+    end = _end_token_id(data_dir, manifest) if wants_end else None
+    return RowFormat(mask_token_id=mask, pad_token_id=mask if pad is None else int(pad), end_token_id=end,
+                     appended_end_tokens=appended, **fields)
+
+
 def loader_spec_from_manifest(
     data_dir: str | Path,
+    row_format: RowFormat,
     *,
     num_streams: int,
     seq_length: int,
     wedlm: bool,
-    block_size: int,
-    mask_token_id: int | None = None,
-    ratio_mode: str = "block",
-    random_block_offset: bool = False,
-    mask_eps: float = 1e-8,
     seed: int = 1234,
     shuffle: bool = True,
     task: str | None = None,
-    num_learnable_end_tokens: int = 0,
-    mask_after_masked_end: float = 0.0,
-    prune_unmasked_blocks: bool = False,
     manifest: dict[str, Any] | None = None,
 ) -> LoaderSpec:
     """A :class:`LoaderSpec` for a directory written by ``tools/prepare_data.py``, or for any data
-    source whose ``manifest`` is given (a Megatron indexed dataset's: :mod:`.indexed`).
-
-    ``num_learnable_end_tokens`` (SFT only; 0 or 1: none) appends ``n - 1`` copies of the
-    manifest's ``end_token_id`` to every sample (see the module docstring);
-    ``mask_after_masked_end`` lets a masked ``end_token_id`` mask the rest of its block, in that
-    share of the blocks, and ``prune_unmasked_blocks`` leaves the prediction blocks without a mask
-    out of the rows (:func:`.dual_stream.build_dual_stream_batch`).
-    """
+    source whose ``manifest`` is given (a Megatron indexed dataset's: :mod:`.indexed`), its rows in
+    ``row_format``, whose token ids the manifest must share (a blend's sources, the validation data)."""
     if manifest is None:
         manifest = read_manifest(data_dir)
     if task is not None and manifest["task"] != task:
@@ -241,20 +232,14 @@ def loader_spec_from_manifest(
             f"{data_dir} was prepared for task '{manifest['task']}' but this run is '{task}'; "
             f"prepare the data with --task {task}"
         )
-    recorded = int(manifest["mask_token_id"])
-    if mask_token_id is not None and mask_token_id != recorded:
-        raise ValueError(
-            f"wedlm.mask_token_id={mask_token_id} differs from the mask token id {recorded} of the data in "
-            f"{data_dir}; remove the override or re-prepare the data"
-        )
-    pad = manifest.get("pad_token_id")
-    if pad is None:
-        pad = manifest.get("eos_token_id")
-    if pad is None:
-        pad = recorded
-    appended = max(0, num_learnable_end_tokens - 1) if manifest["task"] == "sft" else 0
-    wants_end = appended or (mask_after_masked_end and manifest["task"] == "sft")
-    end_token = _end_token_id(data_dir, manifest) if wants_end else -1
+    if int(manifest["mask_token_id"]) != row_format.mask_token_id:
+        raise ValueError(f"the mask token id {manifest['mask_token_id']} of the data in {data_dir} differs from the "
+                         f"run's {row_format.mask_token_id}")
+    end = manifest.get("end_token_id")
+    if row_format.end_token_id is not None and manifest["task"] == "sft" and end is not None:
+        if int(end) != row_format.end_token_id:
+            raise ValueError(f"the replies of the data in {data_dir} end with token {end}, not the run's "
+                             f"{row_format.end_token_id}: prepare every source with the same chat template")
     append_eod = manifest.get("indexed", {}).get("append_eod", False)
     return LoaderSpec(
         data_dir=str(data_dir),
@@ -263,19 +248,10 @@ def loader_spec_from_manifest(
         num_streams=num_streams,
         seq_length=seq_length,
         wedlm=wedlm,
-        block_size=block_size,
-        mask_token_id=recorded,
-        pad_token_id=int(pad),
-        ratio_mode=ratio_mode,
-        random_block_offset=random_block_offset,
-        mask_eps=mask_eps,
+        row_format=row_format,
         seed=seed,
         shuffle=shuffle,
         shards_fingerprint=shards_fingerprint(data_dir, manifest["shards"]),
-        appended_end_tokens=appended,
-        end_token_id=end_token,
-        mask_after_masked_end=mask_after_masked_end,
-        prune_unmasked_blocks=prune_unmasked_blocks,
         append_eod_id=int(manifest["eos_token_id"]) if append_eod else -1,
     )
 
@@ -306,9 +282,8 @@ def _end_token_id(data_dir: str | Path, manifest: dict[str, Any]) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-#: Decoded shards a process keeps, in bytes of tokens. A stream re-reads each of its shards every
-#: epoch; a small dataset (the quickstart's: a few MB, many epochs) is then decoded once instead of
-#: once per epoch. A shard larger than this is never kept, so large datasets read as before.
+#: Decoded shards a process keeps, in bytes of tokens. A stream re-reads its shards every epoch, so
+#: a small dataset is decoded once instead of once per epoch; a larger shard is never kept.
 SHARD_CACHE_BYTES = 64 << 20
 
 #: (path, inode, size, mtime) -> (samples, their token bytes), least recently used first
@@ -390,8 +365,9 @@ def _samples(spec: LoaderSpec, stream: int, start: StreamPosition) -> Iterator[_
             while pos.sample_cursor < len(order):
                 tokens, prompt = samples[order[pos.sample_cursor]]
                 prompt = prompt if spec.task == "sft" else 0
-                if spec.appended_end_tokens:
-                    tokens = np.concatenate([tokens, np.full(spec.appended_end_tokens, spec.end_token_id, tokens.dtype)])
+                appended = spec.row_format.appended_end_tokens
+                if appended:
+                    tokens = np.concatenate([tokens, np.full(appended, spec.row_format.end_token_id, tokens.dtype)])
                 if prompt >= min(capacity, len(tokens)):
                     pos.skipped += 1
                     pos.sample_cursor += 1
@@ -426,7 +402,8 @@ def stream_rows(spec: LoaderSpec, stream: int, start: StreamPosition) -> Iterato
     """
     capacity = row_capacity(spec)
     fill = spec.task == "pretrain"
-    prune = spec.wedlm and spec.prune_unmasked_blocks
+    block_size = spec.row_format.block_size
+    prune = spec.wedlm and spec.row_format.prune_unmasked_blocks
     docs: list[torch.Tensor] = []
     prompts: list[int] = []
     used = tokens = 0  # token places taken (fewer than tokens where a pruned row spares them), tokens
@@ -439,8 +416,8 @@ def stream_rows(spec: LoaderSpec, stream: int, start: StreamPosition) -> Iterato
         offset = item.position.token_offset
         length = item.tokens.numel()
         while offset < length:
-            spared = spared_places(max(item.prompt_length - offset, 0), spec.block_size, prune)
-            n = next_piece_length(length - offset, capacity - used, capacity, spec.block_size, fill=fill,
+            spared = spared_places(max(item.prompt_length - offset, 0), block_size, prune)
+            n = next_piece_length(length - offset, capacity - used, capacity, block_size, fill=fill,
                                   spared=spared)
             if n == 0:
                 after = StreamPosition(
@@ -460,23 +437,8 @@ def stream_rows(spec: LoaderSpec, stream: int, start: StreamPosition) -> Iterato
 def _build_row(spec: LoaderSpec, stream: int, row: int, docs: list[torch.Tensor], prompts: list[int]) -> DualStreamBatch:
     if spec.wedlm:
         generator = torch.Generator().manual_seed(rank_seed(spec.seed, stream, row))
-        return build_dual_stream_batch(
-            docs,
-            block_size=spec.block_size,
-            mask_token_id=spec.mask_token_id,
-            generator=generator,
-            prompt_lengths=prompts,
-            ratio_mode=spec.ratio_mode,  # type: ignore[arg-type]
-            random_block_offset=spec.random_block_offset,
-            eps=spec.mask_eps,
-            pad_to=spec.seq_length,
-            pad_token_id=spec.pad_token_id,
-            masked_end_token_id=spec.end_token_id if spec.mask_after_masked_end else None,
-            masked_end_probability=spec.mask_after_masked_end,
-            prune_unmasked_blocks=spec.prune_unmasked_blocks,
-        )
-    row = build_memory_only_row(docs, prompts, spec.block_size, spec.mask_token_id, spec.pad_token_id)
-    return pad_dual_stream_batch(row, spec.seq_length)
+        return build_dual_stream_batch(docs, spec.row_format, generator, prompts, pad_to=spec.seq_length)
+    return pad_dual_stream_batch(build_memory_only_row(docs, prompts, spec.row_format), spec.seq_length)
 
 
 # --------------------------------------------------------------------------------------------
@@ -540,8 +502,8 @@ class StreamingRowDataset(IterableDataset):
 
 def _as_arrays(item: RowItem) -> RowItem:
     """A worker's row with numpy arrays for tensors: they cross to the trainer as bytes in one
-    message, where a tensor goes through a shared-memory file of its own (about 1 ms each on
-    Linux, 8 ms for a row's eleven tensors: more than a tiny model's step spends on its rows)."""
+    message, where each tensor would take a shared-memory file of its own (slower than a small
+    model's step)."""
     names = DualStreamBatch.tensor_field_names()
     return replace(item, batch=replace(item.batch, **{n: getattr(item.batch, n).numpy() for n in names}))
 
@@ -554,12 +516,31 @@ def _as_tensors(item: RowItem) -> RowItem:
     return replace(item, batch=replace(item.batch, **{n: torch.from_numpy(getattr(item.batch, n)) for n in names}))
 
 
+class DataIterator(Protocol):
+    """What the training loop reads a rank's data through (one source, or a blend of several)."""
+
+    def next_microbatch(self) -> tuple[DualStreamBatch, int]:
+        """The next stacked micro-batch and the real (non-padding) tokens in it."""
+
+    def take_source_tokens(self) -> dict[str, int]:
+        """Real tokens per named source since the last call; empty for unnamed single-source data."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's data position."""
+
+    def merge_states(self, states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """The global data position from every rank's :meth:`state_dict` (any order)."""
+
+    def close(self) -> None:
+        """Stop the loader workers."""
+
+
 class TrainDataIterator:
     """Micro-batches for one rank, with the bookkeeping a checkpoint needs.
 
     ``next_microbatch()`` returns a stacked ``[micro_batch_size, seq_length]`` batch;
-    ``state_dict()`` the positions of the streams this rank consumed (merge across ranks
-    with :func:`merge_data_states` before saving).
+    ``state_dict()`` the positions of the streams this rank consumed (merged across ranks by
+    :meth:`merge_states` before saving).
     """
 
     def __init__(
@@ -612,68 +593,84 @@ class TrainDataIterator:
         return stack_dual_stream_batches([i.batch for i in items]), sum(i.num_tokens for i in items)
 
     def take_source_tokens(self) -> dict[str, int]:
-        """Tokens per blend source since the last call: none for one source (see :mod:`.blend`)."""
         return {}
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "num_streams": self.spec.num_streams,
-            "seed": self.spec.seed,
-            "seq_length": self.spec.seq_length,
-            "wedlm": self.spec.wedlm,
-            "block_size": self.spec.block_size,
-            "shuffle": self.spec.shuffle,
-            "num_shards": len(self.spec.shard_paths),
+            **_state_identity(self.spec),
             "shards_fingerprint": self.spec.shards_fingerprint,
-            "appended_end_tokens": self.spec.appended_end_tokens,
             "rows_consumed": self.rows_consumed,
             "positions": {str(k): asdict(v) for k, v in sorted(self.positions.items())},
             "dp_rank": self.dp_rank,
             "dp_size": self.dp_size,
         }
 
+    @staticmethod
+    def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """Each stream is owned by exactly one data-parallel rank; ranks sharing a DP rank (TP/PP
+        peers) hold identical copies, so the owner's entry is taken."""
+        if not states:
+            raise ValueError("no data states to merge")
+        first = states[0]
+        dp = int(first["dp_size"])
+        merged = {k: v for k, v in first.items() if k not in ("positions", "dp_rank", "dp_size")}
+        positions: dict[str, Any] = {}
+        for state in states:
+            if state["rows_consumed"] != first["rows_consumed"]:
+                raise ValueError("data-parallel ranks consumed different numbers of rows")
+            for stream, pos in state["positions"].items():
+                if int(stream) % dp == int(state["dp_rank"]):
+                    positions[stream] = pos
+        merged["positions"] = dict(sorted(positions.items(), key=lambda kv: int(kv[0])))
+        return merged
+
+    def close(self) -> None:
+        self._rows = iter(())  # the loader's iterator, once dropped, shuts its workers down
+
 
 def _fork_ok() -> bool:
     return "fork" in mp.get_all_start_methods()
 
 
-_STATE_KEYS = ("num_streams", "seed", "seq_length", "wedlm", "block_size", "shuffle", "num_shards")
-#: Row-format keys a state saved before they existed lacks, with the value such a state had.
+def _state_identity(spec: LoaderSpec) -> dict[str, Any]:
+    """What a saved data position refers to: the stream layout and the row format's cuts."""
+    return {
+        "num_streams": spec.num_streams,
+        "seed": spec.seed,
+        "seq_length": spec.seq_length,
+        "wedlm": spec.wedlm,
+        "shuffle": spec.shuffle,
+        "num_shards": len(spec.shard_paths),
+        **spec.row_format.position_key(),
+    }
+
+
+#: Keys a state saved before they existed lacks, with the value such a state had.
 _STATE_DEFAULTS = {"appended_end_tokens": 0}
 
 
 def _check_state_matches(state: dict[str, Any], spec: LoaderSpec, allow_data_change: bool = False) -> None:
     """A saved data position only means something for the same stream layout, row format and shards."""
+    restart = "or set checkpointing.load_data_state=false to restart the data from the beginning"
     if "blend" in state:
         raise ValueError(
             "the checkpoint's data position was saved by a blend of several sources (data.blend) but this run "
-            "reads one (data.path); resume with the same data.blend, or set checkpointing.load_data_state=false "
-            "to restart the data from the beginning"
+            f"reads one (data.path); resume with the same data.blend, {restart}"
         )
-    current = {
-        "num_streams": spec.num_streams,
-        "seed": spec.seed,
-        "seq_length": spec.seq_length,
-        "wedlm": spec.wedlm,
-        "block_size": spec.block_size,
-        "shuffle": spec.shuffle,
-        "num_shards": len(spec.shard_paths),
-    }
-    for key in _STATE_KEYS:
-        if key in state and state[key] != current[key]:
+    for key, current in _state_identity(spec).items():
+        saved = state.get(key, _STATE_DEFAULTS.get(key, current))
+        if saved == current:
+            continue
+        if key == "appended_end_tokens":
             raise ValueError(
-                f"the checkpoint's data position was saved with {key}={state[key]!r} but this run has "
-                f"{current[key]!r}; resume with the same data settings (data.num_streams, data.seed, "
-                "data.seq_length, data.shuffle, wedlm.block_size/enabled, same shards), or set "
-                "checkpointing.load_data_state=false to restart the data from the beginning"
+                f"the checkpoint's data position was saved with {saved} end token(s) appended to every SFT reply "
+                f"but this run appends {current}: its rows and stream positions would differ. Resume "
+                f"with wedlm.num_learnable_end_tokens={saved + 1}, {restart}"
             )
-    appended = state.get("appended_end_tokens", _STATE_DEFAULTS["appended_end_tokens"])
-    if appended != spec.appended_end_tokens:
         raise ValueError(
-            f"the checkpoint's data position was saved with {appended} end token(s) appended to every SFT reply "
-            f"but this run appends {spec.appended_end_tokens}: its rows and stream positions would differ. Resume "
-            f"with wedlm.num_learnable_end_tokens={appended + 1}, or set checkpointing.load_data_state=false to "
-            "restart the data from the beginning"
+            f"the checkpoint's data position was saved with {key}={saved!r} but this run has "
+            f"{current!r}; resume with the same data settings (data.num_streams, data.seed, "
+            f"data.seq_length, data.shuffle, wedlm.block_size/enabled, same shards), {restart}"
         )
     saved = state.get("shards_fingerprint")
     if saved and spec.shards_fingerprint and saved != spec.shards_fingerprint and not allow_data_change:
@@ -684,31 +681,3 @@ def _check_state_matches(state: dict[str, Any], spec: LoaderSpec, allow_data_cha
             "trained on, set checkpointing.load_data_state=false to start the new data from its beginning, "
             "or checkpointing.allow_data_change=true if every shard still holds the same samples"
         )
-
-
-def merge_data_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Combine per-rank states (from every rank, any order) into the global data state.
-
-    Each stream is owned by exactly one data-parallel rank; ranks sharing a DP rank (TP/PP
-    peers) hold identical copies, so the owner's entry is taken. A blend's state
-    (:mod:`.blend`) is merged source by source.
-    """
-    if not states:
-        raise ValueError("no data states to merge")
-    first = states[0]
-    if "blend" in first:
-        if any(state["rows_consumed"] != first["rows_consumed"] for state in states):
-            raise ValueError("data-parallel ranks consumed different numbers of rows")
-        sources = [merge_data_states([state["sources"][i] for state in states]) for i in range(len(first["sources"]))]
-        return {"blend": first["blend"], "rows_consumed": first["rows_consumed"], "sources": sources}
-    dp = int(first["dp_size"])
-    merged = {k: first[k] for k in (*_STATE_KEYS, *_STATE_DEFAULTS, "rows_consumed", "shards_fingerprint") if k in first}
-    positions: dict[str, Any] = {}
-    for state in states:
-        if state["rows_consumed"] != first["rows_consumed"]:
-            raise ValueError("data-parallel ranks consumed different numbers of rows")
-        for stream, pos in state["positions"].items():
-            if int(stream) % dp == int(state["dp_rank"]):
-                positions[stream] = pos
-    merged["positions"] = dict(sorted(positions.items(), key=lambda kv: int(kv[0])))
-    return merged

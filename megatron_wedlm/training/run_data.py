@@ -16,9 +16,16 @@ from megatron_wedlm.config.schema import ConfigError, TrainConfig, indexed_optio
 from megatron_wedlm.data.blend import BlendedDataIterator, BlendSource, blend_names, check_compatible_sources
 from megatron_wedlm.data.indexed import read_source_manifest, read_source_task_manifest
 from megatron_wedlm.data.validation_rows import VALIDATION_SEED, ValidationRows, validation_rows
-from megatron_wedlm.data.webdataset_loader import LoaderSpec, TrainDataIterator, loader_spec_from_manifest
+from megatron_wedlm.data.row_format import RowFormat
+from megatron_wedlm.data.webdataset_loader import (
+    DataIterator,
+    LoaderSpec,
+    TrainDataIterator,
+    loader_spec_from_manifest,
+    manifest_row_format,
+)
 
-__all__ = ["build_train_data", "build_valid_data", "read_run_manifest", "run_data_dir"]
+__all__ = ["build_train_data", "build_valid_data", "read_run_manifest", "run_data_dir", "run_row_format"]
 
 
 def run_data_dir(cfg: TrainConfig) -> str:
@@ -68,29 +75,42 @@ def read_run_manifest(cfg: TrainConfig) -> dict[str, Any]:
     return manifest
 
 
-def _loader_spec(cfg: TrainConfig, data_dir: str, num_streams: int | None = None, seed: int | None = None,
-                 shuffle: bool | None = None) -> LoaderSpec:
+def run_row_format(cfg: TrainConfig, manifest: dict[str, Any]) -> RowFormat:
+    """The run's row format: the ``wedlm`` section's settings and the token ids of the run's data
+    (``manifest``, :func:`read_run_manifest`), which every source shares; a ``wedlm.mask_token_id``
+    given in the config must be the data's."""
+    wedlm, data_dir = cfg.wedlm, run_data_dir(cfg)
+    recorded = int(manifest["mask_token_id"])
+    if wedlm.mask_token_id is not None and wedlm.mask_token_id != recorded:
+        raise ValueError(
+            f"wedlm.mask_token_id={wedlm.mask_token_id} differs from the mask token id {recorded} of the data in "
+            f"{data_dir}; remove the override or re-prepare the data"
+        )
+    return manifest_row_format(
+        data_dir, manifest, block_size=wedlm.block_size, ratio_mode=wedlm.ratio_mode,
+        random_block_offset=wedlm.random_block_offset, mask_eps=wedlm.mask_eps,
+        # AR SFT decodes left to right and stops at the first end token: no slot past it to train
+        num_learnable_end_tokens=wedlm.num_learnable_end_tokens if wedlm.enabled else 0,
+        mask_after_masked_end=wedlm.mask_after_masked_end if wedlm.enabled else 0.0,
+        prune_unmasked_blocks=wedlm.prune_unmasked_blocks,
+    )
+
+
+def _loader_spec(cfg: TrainConfig, data_dir: str, row_format: RowFormat, num_streams: int | None = None,
+                 seed: int | None = None, shuffle: bool | None = None) -> LoaderSpec:
     """How rows of ``data_dir`` are built for this run (the data section's streams, seed and
     shuffling unless given: validation reads one stream of its own)."""
     try:
         return loader_spec_from_manifest(
             data_dir,
+            row_format,
             manifest=read_source_manifest(data_dir, **indexed_options(cfg.data)),
             num_streams=cfg.data.num_streams if num_streams is None else num_streams,
             seq_length=cfg.data.seq_length,
             wedlm=cfg.wedlm.enabled,
-            block_size=cfg.wedlm.block_size,
-            mask_token_id=cfg.wedlm.mask_token_id,
-            ratio_mode=cfg.wedlm.ratio_mode,
-            random_block_offset=cfg.wedlm.random_block_offset,
-            mask_eps=cfg.wedlm.mask_eps,
             seed=cfg.data.seed if seed is None else seed,
             shuffle=cfg.data.shuffle if shuffle is None else shuffle,
             task=cfg.trainer.task,
-            # AR SFT decodes left to right and stops at the first end token: no slot past it to train
-            num_learnable_end_tokens=cfg.wedlm.num_learnable_end_tokens if cfg.wedlm.enabled else 0,
-            mask_after_masked_end=cfg.wedlm.mask_after_masked_end if cfg.wedlm.enabled else 0.0,
-            prune_unmasked_blocks=cfg.wedlm.prune_unmasked_blocks,
         )
     except ValueError as err:
         if cfg.data.blend is None or data_dir == cfg.data.valid_path:
@@ -99,22 +119,22 @@ def _loader_spec(cfg: TrainConfig, data_dir: str, num_streams: int | None = None
 
 
 def build_train_data(
-    cfg: TrainConfig, state: dict[str, Any], dp_rank: int, dp_size: int
-) -> TrainDataIterator | BlendedDataIterator:
+    cfg: TrainConfig, row_format: RowFormat, state: dict[str, Any], dp_rank: int, dp_size: int
+) -> DataIterator:
     """This data-parallel rank's resumable micro-batch iterator, from the checkpoint's data
     position in ``state`` when ``checkpointing.load_data_state``."""
     data_state = state.get("data") if cfg.checkpointing.load_data_state else None
     options = dict(num_workers=cfg.data.num_workers, prefetch_factor=cfg.data.prefetch_factor, state=data_state,
                    allow_data_change=cfg.checkpointing.allow_data_change)
     if cfg.data.blend is None:
-        return TrainDataIterator(_loader_spec(cfg, cfg.data.path), dp_rank, dp_size,  # type: ignore[arg-type]
+        return TrainDataIterator(_loader_spec(cfg, cfg.data.path, row_format), dp_rank, dp_size,  # type: ignore[arg-type]
                                  cfg.data.micro_batch_size, **options)  # type: ignore[arg-type]
-    sources = [BlendSource(name, _loader_spec(cfg, s.path), s.weight)  # type: ignore[arg-type]
+    sources = [BlendSource(name, _loader_spec(cfg, s.path, row_format), s.weight)  # type: ignore[arg-type]
                for name, s in zip(_blend_names(cfg), cfg.data.blend)]
     return BlendedDataIterator(sources, dp_rank, dp_size, cfg.data.micro_batch_size, **options)  # type: ignore[arg-type]
 
 
-def build_valid_data(cfg: TrainConfig, dp_rank: int, dp_size: int) -> ValidationRows | None:
+def build_valid_data(cfg: TrainConfig, row_format: RowFormat, dp_rank: int, dp_size: int) -> ValidationRows | None:
     """This data-parallel rank's validation micro-batches (:mod:`megatron_wedlm.data.validation_rows`:
     the first ``trainer.eval_iters x data.global_batch_size`` rows of ``data.valid_path``, built as
     training rows are, but read as one stream whose rows and masks follow a seed of their own);
@@ -123,6 +143,6 @@ def build_valid_data(cfg: TrainConfig, dp_rank: int, dp_size: int) -> Validation
     if path is None:
         return None
     _task_manifest(cfg, "data.valid_path", path)
-    spec = _loader_spec(cfg, path, num_streams=1, seed=VALIDATION_SEED, shuffle=True)
+    spec = _loader_spec(cfg, path, row_format, num_streams=1, seed=VALIDATION_SEED, shuffle=True)
     rows = cfg.trainer.eval_iters * cfg.data.global_batch_size
     return validation_rows(spec, rows, dp_rank, dp_size, cfg.data.micro_batch_size)
