@@ -1,12 +1,10 @@
 """The typed training configuration: one dataclass per section, merged with YAML and CLI overrides.
 
-Why dataclasses under omegaconf: the schema *is* the documentation of every key (name, type,
-default), and ``OmegaConf.structured`` turns it into a config that rejects unknown keys and
-values of the wrong type when YAML or ``key=value`` overrides are merged into it, so a typo
-fails before any process group or model exists (see :mod:`.loading`).
-
-Cross-field rules (choices, divisibility, what is derived from what) live in
-:func:`validate_config`, which names the offending key in every error.
+The schema is the documentation of every key (name, type, default), and ``OmegaConf.structured``
+turns it into a config that rejects unknown keys and wrong types as YAML or ``key=value``
+overrides are merged, so a typo fails before any process group exists (:mod:`.loading`).
+Cross-field rules live in :func:`validate_config`, which names the key in every error and reads
+no file; the checks that read the data a config names are :mod:`.data_check`'s.
 """
 
 from __future__ import annotations

@@ -1,51 +1,26 @@
-"""The WeDLM attention rule, written once, and the forms every backend derives from it.
+"""The WeDLM attention rule, written once (:func:`may_attend`), and every form derived from it.
 
-Why one rule: the CPU training path (dense bool mask), the GPU kernel (FlexAttention
-``mask_mod`` + ``BlockMask``) and the tests must agree bit for bit. They all call
-:func:`may_attend`, an elementwise function of per-slot metadata, so there is a single
-place where the method's table (docs/method.md §2.3) lives.
-
-Per-slot metadata (:class:`AttentionMetadata`, tensors of shape ``[S]`` or ``[B, S]``):
-
-* ``doc_ids``   -- document of the slot inside the packed row, ``-1`` for padding;
-* ``is_memory`` -- True for the clean memory stream ``xo``, False for the prediction stream ``xt``;
-* ``block_ids`` -- block of the slot's logical position within its document (position //
-  block size, or shifted by the document's random block offset; see :mod:`.dual_stream`).
-
-The physical slot index is implicit (``arange(S)``); it is the order the causal kernel sees.
-
-The rule, for a query q and key k of the same (non-padding) document:
+The dense mask (CPU path), FlexAttention's ``mask_mod`` and ``BlockMask`` (GPU), the tile
+classes and the pair counts all call or lift the one elementwise rule, so they agree bit for bit
+with docs/method.md §2.3. Per-slot metadata (:class:`AttentionMetadata`, ``[S]`` or ``[B, S]``):
+``doc_ids`` (document in the packed row, -1 for padding), ``is_memory`` (clean memory stream
+``xo`` vs prediction stream ``xt``) and ``block_ids`` (block of the slot's logical position);
+the physical slot index is implicit (``arange(S)``). For a query q and key k of one document:
 
 =============  ============  ==============================================
 query          key           allowed when
 =============  ============  ==============================================
-memory         memory        k at or before q (physically; same as by position)
-prediction b   memory        block(k) < b  (clean memory of earlier blocks)
+memory         memory        k at or before q
+prediction b   memory        block(k) < b
 prediction b   prediction b  k at or before q in the physical (reordered) order
 prediction     other block   never
 memory         prediction    never
 =============  ============  ==============================================
 
-Padding slots attend nothing and nobody attends them. Softmax kernels turn an all-False
-row into NaN, so every form takes ``padding_attends_self``: when True each padding slot
-attends exactly itself (its output is garbage but finite and carries no loss), which is the
-"kernel-safe" form to feed SDPA / eager softmax. Real slots are never affected by it, and
-no real row is ever empty (each real slot attends itself).
-
-Conventions: True = may attend (FlexAttention / SDPA bool convention). Megatron-Core's
-``attention_mask`` uses the opposite (True = masked out): pass ``~mask`` there.
-
-Forms provided:
-
-* :func:`dense_attention_mask` -- bool ``[S, S]`` / ``[B, S, S]``; reference and CPU path.
-* :func:`flex_mask_mod` -- FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` over ``[B, S]`` metadata.
-* :func:`build_block_mask` -- FlexAttention ``BlockMask`` built from per-tile summaries of the
-  metadata; never materialises an ``S x S`` tensor (only a tile grid of ``(S/T)^2``).
-* :func:`classify_tiles` -- the empty/partial/full tile classification behind the BlockMask.
-* :func:`allowed_keys_per_query` -- keys each query may attend, in closed form (no ``S x S`` memory);
-  :func:`count_allowed_pairs` sums them per row.
-* :func:`allowed_pairs_per_query_tile` -- the same count per tile of queries (context-parallel
-  balancing).
+Padding attends nothing and is attended by nothing; ``padding_attends_self=True`` lets each
+padding slot attend itself, since softmax kernels turn an all-False row into NaN (real slots are
+unaffected and never have an empty row). True = may attend; Megatron-Core's ``attention_mask``
+is the opposite, so pass ``~mask`` there.
 """
 
 from __future__ import annotations
@@ -82,12 +57,8 @@ def may_attend(
     k_idx: Tensor,
     padding_attends_self: bool = False,
 ) -> Tensor:
-    """The WeDLM rule: may query slot q attend key slot k?  Elementwise, broadcasting.
-
-    Only elementwise tensor ops are used (no Python branching on values), so the same
-    function runs on broadcast index grids (dense mask), on the scalar tensors that
-    FlexAttention's ``vmap`` passes to a ``mask_mod``, and inside compiled kernels.
-    """
+    """The WeDLM rule: may query slot q attend key slot k? Elementwise and branch-free, so it runs
+    on broadcast grids (dense mask), under FlexAttention's ``vmap`` and inside compiled kernels."""
     causal = k_idx <= q_idx
     memory_to_memory = q_is_memory & k_is_memory & causal
     prediction_to_memory = ~q_is_memory & k_is_memory & (k_block < q_block)
@@ -101,12 +72,8 @@ def may_attend(
 
 @dataclass
 class AttentionMetadata:
-    """What an attention module needs to apply the WeDLM mask for one or more rows.
-
-    Tensors are ``[S]`` or ``[B, S]`` (all the same shape). It is a plain container of
-    tensors so it can be moved with :meth:`to` and passed between pipeline stages as a dict
-    (:meth:`as_dict` / :meth:`from_dict`), which is cheaper than shipping an ``S x S`` mask.
-    """
+    """What an attention module needs to apply the WeDLM mask to one or more rows: tensors of one
+    shape, ``[S]`` or ``[B, S]``, passed between pipeline stages as a dict instead of an ``S x S`` mask."""
 
     doc_ids: Tensor
     is_memory: Tensor
@@ -145,15 +112,11 @@ class AttentionMetadata:
 def dense_attention_mask(
     metadata: AttentionMetadata, padding_attends_self: bool = False, query_slots: Tensor | None = None
 ) -> Tensor:
-    """Bool mask ``[S, S]`` (or ``[B, S, S]``), True = query (row) may attend key (column).
+    """Bool mask ``[S, S]`` (or ``[B, S, S]``), True = query (row) may attend key (column); O(S x S)
+    memory, so for CPU training and tests (long rows use :func:`build_block_mask`).
 
-    ``query_slots`` (``[S_q]`` physical slot indices, default all slots in order) picks the
-    rows: context parallelism asks for its own queries against the whole row and gets the
-    ``[S_q, S]`` mask of the same rule on global indices.
-
-    Memory is O(S_q x S): fine for CPU training and tests, not for 32k-token rows (use
-    :func:`build_block_mask` there).
-    """
+    ``query_slots`` (``[S_q]`` physical slots, default all) picks the rows: a context-parallel
+    rank's queries against the whole row, on global indices."""
     k_slots = torch.arange(metadata.seq_len, device=metadata.doc_ids.device)
     q_slots = k_slots if query_slots is None else query_slots.to(k_slots.device)
 
@@ -173,12 +136,8 @@ def dense_attention_mask(
 def flex_mask_mod(
     metadata: AttentionMetadata, padding_attends_self: bool = False, query_slots: Tensor | None = None
 ) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
-    """A FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` closing over ``[B, S]`` metadata.
-
-    ``query_slots``: the physical slot of each query index (see :func:`dense_attention_mask`);
-    default: the index is the slot. The metadata tensors must live on the device the
-    attention runs on.
-    """
+    """A FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` over ``[B, S]`` metadata on the attention's
+    device; ``query_slots`` as in :func:`dense_attention_mask`."""
     meta = metadata.batched()
     doc, mem, blk = meta.doc_ids, meta.is_memory, meta.block_ids
     q_map = None if query_slots is None else query_slots.to(doc.device)
@@ -196,12 +155,8 @@ def flex_mask_mod(
 
 @dataclass
 class TileClasses:
-    """Tile classification of the mask: ``[B, n, n]`` bool grids over ``T x T`` tiles.
-
-    ``full``: every pair in the tile is allowed (kernel skips the mask_mod).
-    ``partial``: may contain allowed pairs; the kernel evaluates the mask_mod there.
-    Tiles in neither grid contain no allowed pair and are skipped.
-    """
+    """The mask's ``T x T`` tiles as ``[B, n, n]`` bool grids: ``full`` (every pair allowed, no
+    mask_mod), ``partial`` (some pair may be; the mask_mod decides); tiles in neither are skipped."""
 
     full: Tensor
     partial: Tensor
@@ -245,14 +200,10 @@ def _tile_summaries(meta: AttentionMetadata, tile: int) -> dict[str, Tensor]:
 def classify_tiles(
     metadata: AttentionMetadata, tile_size: int = 128, padding_attends_self: bool = False
 ) -> TileClasses:
-    """Classify ``tile_size x tile_size`` tiles of the mask from per-tile summaries.
-
-    Why summaries: at S = 65536 the dense mask is 4 GiB, while the tile grid is 512 x 512.
-    Each condition below is the rule's condition lifted to intervals: ``full`` is claimed only
-    when every pair provably satisfies the rule; ``partial`` whenever some pair might. The
-    result is exact for the common layouts (single-stream tiles inside one document) and
-    conservative (more partial tiles, never a wrong full/empty one) at document/stream edges.
-    """
+    """Classify the mask's tiles from per-tile summaries (no ``S x S`` tensor): each of the rule's
+    conditions lifted to intervals, ``full`` only when every pair provably passes, ``partial``
+    when some pair might. Exact inside one document and stream; conservative (more partial
+    tiles, never a wrong full or empty one) at their edges."""
     meta = metadata.batched()
     s = meta.seq_len
     if tile_size < 1 or s % tile_size != 0:
@@ -310,12 +261,9 @@ def _ordered_indices(flags: Tensor) -> tuple[Tensor, Tensor]:
 def build_block_mask(
     metadata: AttentionMetadata, tile_size: int = 128, padding_attends_self: bool = False
 ):
-    """FlexAttention ``BlockMask`` for ``[B, S]`` metadata (heads broadcast), without S x S memory.
-
-    Full tiles skip the mask_mod, partial tiles evaluate :func:`flex_mask_mod`, the rest are
-    skipped. ``S`` must be a multiple of ``tile_size`` (pad the batch), which also keeps the
-    kernel from indexing metadata out of bounds.
-    """
+    """FlexAttention ``BlockMask`` for ``[B, S]`` metadata (heads broadcast) from
+    :func:`classify_tiles`, without ``S x S`` memory. ``S`` must be a multiple of ``tile_size``
+    (pad the batch), which also keeps the kernel's metadata reads in bounds."""
     meta = metadata.batched()
     tiles = classify_tiles(meta, tile_size, padding_attends_self)
     kv_num, kv_idx = _ordered_indices(tiles.partial)
@@ -330,16 +278,10 @@ def build_block_mask(
 
 
 def allowed_keys_per_query(metadata: AttentionMetadata) -> Tensor:
-    """How many keys each query slot may attend: int64 ``[B, S]`` (0 on padding), in
-    O(S log S) time and O(S) memory.
-
-    The rule's table (module docstring) counted in closed form, per query q of document d:
-    memory q -> memory slots of d at or before q; prediction q in block b -> memory slots of d in
-    blocks before b, plus prediction slots of d in block b at or before q. Each count is a
-    difference of two ``searchsorted`` positions in a sorted list of composite keys (row,
-    document, block, slot), so it needs neither an ``S x S`` mask nor tiles; the tests hold it
-    equal to the dense mask's row sums.
-    """
+    """How many keys each query slot may attend: int64 ``[B, S]`` (0 on padding), in O(S log S)
+    time and O(S) memory. The rule's table counted in closed form: each count is a difference
+    of two ``searchsorted`` positions among sorted composite keys (row, document, block, slot);
+    the tests hold it equal to the dense mask's row sums."""
     meta = metadata.batched()
     doc, memory = meta.doc_ids.long(), meta.is_memory
     block = meta.block_ids.long() - meta.block_ids.min().long()
@@ -378,10 +320,8 @@ def count_allowed_pairs(metadata: AttentionMetadata) -> Tensor:
 
 
 def allowed_pairs_per_query_tile(metadata: AttentionMetadata, tile_size: int = 128) -> Tensor:
-    """Allowed (q, k) pairs whose query lies in each ``tile_size`` tile of slots: int64 ``[B, S / T]``.
-
-    The attention work a tile of queries brings, which context parallelism balances across ranks.
-    """
+    """Allowed (q, k) pairs whose query lies in each ``tile_size`` tile of slots: int64
+    ``[B, S / T]``, the attention work context parallelism balances across ranks."""
     keys = allowed_keys_per_query(metadata)
     b, s = keys.shape
     if s % tile_size:

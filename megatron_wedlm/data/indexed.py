@@ -1,30 +1,18 @@
 """Megatron indexed datasets (``PREFIX.bin`` + ``PREFIX.idx``) read as pretraining data, as they are.
 
-Why: teams that train with Megatron-LM hold corpora tokenized by its ``tools/preprocess_data.py``,
-often too large to tokenize again. A prefix is therefore read where a prepared directory is read,
-and the rest of the system does not know the difference:
+Why: corpora tokenized by Megatron-LM's ``tools/preprocess_data.py`` are often too large to
+tokenize again, so a prefix is read where a prepared directory is, and nothing downstream knows
+the difference. :func:`indexed_manifest` gives it a manifest of the same shape (task
+``pretrain``, the ``data.tokenizer`` directory by absolute path, its special ids and length,
+counts) with *virtual* shards of ``documents_per_shard`` documents (``documents:START:END``):
+with the default, the same documents give the same shards, rows and masks as prepare_data.py.
+Each indexed sequence is one document, read from a per-process Megatron-Core ``IndexedDataset``.
 
-* **A manifest of the same shape** (:func:`indexed_manifest`): task ``pretrain``, the tokenizer
-  named by ``data.tokenizer`` (an absolute path, so :func:`~.manifest.tokenizer_dir_of` and
-  :func:`~.manifest.tokenization_of` find it and checkpoints copy it), its special ids and length,
-  counts, and *virtual* shards: consecutive ranges of ``documents_per_shard`` documents, named
-  ``documents:START:END``. With the default, tools/prepare_data.py's ``--samples-per-shard``, the
-  same documents give the same shards either way, hence the same rows, masks and positions.
-* **Documents.** Each indexed *sequence* is one document. The loader reads a virtual shard's
-  documents from a per-process Megatron-Core ``IndexedDataset`` (mmap; :func:`shard_documents`);
-  nothing here parses the ``.idx`` format.
-* **End of document.** Pretraining documents end with the tokenizer's EOS (tools/prepare_data.py
-  appends it; preprocess_data.py does with ``--append-eod``): in a filled row it is what tells the
-  model a document ended. A prefix with documents that lack it is refused, unless
-  ``data.append_eod`` has the loader append EOS to each document that lacks it (rows then equal
-  those of the same documents prepared with EOS).
-* **Checks before training** (:func:`indexed_manifest`): both files present, the ``.bin`` as long
-  as the ``.idx`` describes, every token id below the tokenizer's length (the model's vocabulary
-  is sized from it), no mask token in the data, and the end-of-document rule. The token checks
-  read the whole ``.bin`` once, in vectorised chunks, and are cached in a JSON under
-  ``$MEGATRON_WEDLM_CACHE/indexed`` (default ``~/.cache/megatron_wedlm/indexed``) keyed by both
-  files' real path, size and modification time: a restart does not read it again, and the other
-  ranks of a node wait on a lock while one of them reads it.
+Checked before training: both files present, the ``.bin`` as long as the ``.idx`` says, every
+id below the tokenizer's length, no mask token, and every document ending with EOS (what tells
+the model a document ended in a filled row) unless ``data.append_eod`` appends it. The token
+checks read the ``.bin`` once, in chunks, and are cached under ``$MEGATRON_WEDLM_CACHE/indexed``
+keyed by both files' path, size and mtime; the other ranks of a node wait on a lock meanwhile.
 """
 
 from __future__ import annotations
@@ -162,9 +150,8 @@ def read_source_task_manifest(path: str | Path, task: str, key: str, **options: 
 
 def prefix_refusal(path: str | Path, key: str | None, task: str | None, tokenizer: str | Path | None) -> str | None:
     """Why the prefix ``path`` (config key ``key``) cannot be read in a ``task`` run (None: any
-    task) with ``data.tokenizer=tokenizer``, or None: a prefix holds pretraining documents only
-    (they carry no prompt/reply split), and records no tokenizer. The config check and the readers
-    ask here, so the rule and its words are written once."""
+    task) with ``data.tokenizer=tokenizer``, or None. A prefix holds pretraining documents only and
+    records no tokenizer; the config check and the readers both ask here."""
     named = f"{key}={path}" if key else str(path)
     if task is not None and task != "pretrain":
         return (f"{named} is a Megatron indexed dataset, whose documents carry no prompt and reply: it serves "

@@ -1,29 +1,19 @@
 """The files corpora ship in, cut into parts that workers prepare independently.
 
-Formats, by name (a directory is searched for all of them):
-
 ==========================  ===========================================================
 ``.jsonl`` / ``.json``      JSON lines
-``.jsonl.gz``               gzip-compressed JSON lines (the Pile)
-``.jsonl.zst``              zstd-compressed JSON lines (SlimPajama), read with ``zstandard``
-``.parquet``                a column per field (FineWeb, DCLM), read with ``pyarrow``
-Arrow ``save_to_disk``      a directory with ``state.json`` and ``data-*.arrow`` files,
-                            read with ``pyarrow`` (HF ``datasets`` is not needed)
+``.jsonl.gz``, ``.zst``     compressed JSON lines (``zstandard`` for zstd)
+``.parquet``                a column per field, read with ``pyarrow``
+Arrow ``save_to_disk``      ``state.json`` and ``data-*.arrow`` files, read with ``pyarrow``
 ``.txt``                    plain text (``text_unit``: one document per file, paragraph or line)
 ==========================  ===========================================================
 
-A record is a JSON object (a line) or a row of the columns the task reads; its place is
-``file:N``, N the 1-based line (JSON lines, text) or row (parquet, Arrow) in that file, so bad
-input is named where it is and the held-out split (a hash of the place) is the same whatever
-the format's reader.
-
-**Parts.** The work is cut into parts that depend on the input files alone (names, sizes and
-``part_bytes``), never on the number of workers: an uncompressed JSON lines file is cut at line
-ends about every ``part_bytes``; a parquet file between row groups about every ``part_bytes``
-of uncompressed data; any other file is one part (a compressed stream cannot be entered in the
-middle, and an Arrow file or a text file is one unit of its dataset). Each part is tokenized into
-shards of its own, and the output lists the parts' shards in part order; so the output is the
-same documents in the same order, and the same shards, for any worker count or partitioning.
+A record's place is ``file:N`` (the 1-based line or row), so bad input is named where it is and
+the held-out split (a hash of the place) is the same whatever the reader. Parts depend on the
+files alone (names, sizes, ``part_bytes``), never on the worker count, so the output is the same
+for any worker count or partitioning: uncompressed JSON lines are cut at line ends and parquet
+between row groups about every ``part_bytes``; any other file is one part (a compressed stream
+cannot be entered in the middle).
 """
 
 from __future__ import annotations

