@@ -21,9 +21,8 @@ row capacity is whole blocks), so a piece's masking blocks are exactly the block
 document would have had.
 
 Every piece becomes a standalone document with positions from 0: a piece cannot see the
-earlier piece's memory (it lives in another row), so giving it the original positions would
-train the model on contexts that never occur at inference. This is the usual
-truncate-and-continue treatment of pretraining documents that cross a row boundary.
+earlier piece's memory (it lives in another row), so its original positions would train the
+model on contexts that never occur at inference.
 
 Rows whose unmasked prediction blocks are pruned (``prune_unmasked_blocks``, see
 :mod:`.dual_stream`) do not hold an SFT prompt's blocks in the prediction stream. Where the block
@@ -35,11 +34,9 @@ Only a piece that ends its document is counted so: a cut piece fills its row, as
 
 SFT prompts are a prefix, so only the first piece(s) can hold prompt tokens: a piece's prompt
 length is the part of the prompt inside it. A prompt that fills a whole row leaves nothing to
-learn and is rejected (ValueError) rather than silently dropped; later pieces of a split SFT
-answer are trained without the prompt in view. Every token of every document appears exactly
-once, in order.
-
-The only loop is over pieces (O(number of pieces)); no per-token work in Python.
+learn and is rejected (ValueError) rather than silently dropped; later pieces of a split answer
+train without the prompt in view. Every token of every document appears exactly once, in order;
+the only Python loop is over pieces.
 """
 
 from __future__ import annotations
