@@ -33,7 +33,7 @@ from .throughput import ModelShape, batch_flops, default_peak_tflops, max_over_r
 from .validation import Validator
 
 __all__ = ["Engine", "EngineType", "NonFiniteLossError", "RankRole", "StepUpdate", "TrainResult", "bf16_enabled",
-           "config_with_layout", "result_dict", "run_training"]
+           "result_dict", "run_config", "run_training"]
 
 
 def bf16_enabled(cfg: TrainConfig, device: torch.device) -> bool:
@@ -72,9 +72,11 @@ def run_training(cfg: TrainConfig, engine_type: EngineType = MegatronEngine) -> 
         claim.release()
 
 
-def config_with_layout(cfg: TrainConfig, role: RankRole) -> TrainConfig:
-    """``cfg`` with the data-parallel size the layout derived, as ``config.yaml`` records it (a copy)."""
-    return replace(cfg, parallelism=replace(cfg.parallelism, dp=role.dp_size))
+def run_config(cfg: TrainConfig, role: RankRole, claim: RunClaim) -> TrainConfig:
+    """The run's config as ``config.yaml`` records it: ``cfg`` with what the run derived (the layout's
+    data-parallel size, the checkpoint root). A copy: ``cfg`` stays as given."""
+    return replace(cfg, parallelism=replace(cfg.parallelism, dp=role.dp_size),
+                   checkpointing=replace(cfg.checkpointing, dir=str(claim.checkpoint_root)))
 
 
 @dataclass
@@ -96,6 +98,7 @@ def _start_run(cfg: TrainConfig, engine_type: EngineType, plan: EnginePlan, clai
                bf16: bool, row_format: RowFormat) -> tuple[_Run, StepRecorder]:
     """Build the engine, schedule, data, log and validation of the run ``claim`` owns; resume their state."""
     role = plan.role
+    cfg = run_config(cfg, role, claim)
     objective = Objective.from_config(cfg)
     engine = engine_type(cfg, plan, resuming=claim.resume_path is not None)
     scheduler = build_scheduler(cfg, engine.optimizer)
@@ -105,7 +108,7 @@ def _start_run(cfg: TrainConfig, engine_type: EngineType, plan: EnginePlan, clai
         scheduler.load_state_dict(state["scheduler"])
     num_microbatches = cfg.data.global_batch_size // (cfg.data.micro_batch_size * role.dp_size)
     data = build_train_data(cfg, row_format, state, role.dp_rank, role.dp_size)
-    recorder = StepRecorder(config_with_layout(cfg, role), state, role.is_logger, claim,
+    recorder = StepRecorder(cfg, state, role.is_logger, claim,
                             peak_tflops=cfg.logging.peak_tflops or default_peak_tflops(device, bf16))
     world = dist.get_world_size() if dist.is_initialized() else 1
     recorder.logger.message(

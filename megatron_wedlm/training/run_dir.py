@@ -164,6 +164,7 @@ class RunClaim:
     run_id: str
     resume_path: Path | None
     lineage: Lineage
+    checkpoint_root: Path  # checkpointing.dir, or its default <output_dir>/checkpoints
     lock: RunLock | None = field(default=None, repr=False)
 
     @property
@@ -219,16 +220,15 @@ def _claim(cfg: TrainConfig, lock: RunLock, ckpt_root: Path, warn: Callable[[str
         before = parent.get("lineage") or [{"run_id": None, "from_step": 0}]
         lineage = [*before, {"run_id": run_id, "from_step": int(parent["step"])}]
     record_lineage(ckpt_root, lineage)
-    return RunClaim(run_id=run_id, resume_path=resume_path, lineage=lineage, lock=lock)
+    return RunClaim(run_id=run_id, resume_path=resume_path, lineage=lineage, checkpoint_root=ckpt_root, lock=lock)
 
 
 def claim_output_dir(cfg: TrainConfig, warn: Callable[[str], None] = _stderr) -> RunClaim:
     """Collective: lock ``trainer.output_dir`` on rank 0, check it against ``checkpointing.resume``
-    and ``trainer.overwrite``, resolve the checkpoint to resume and the lineage (``checkpointing.dir``
-    gets its default when unset). Every rank raises rank 0's refusal; release the claim at the end."""
+    and ``trainer.overwrite``, resolve the checkpoint root, the checkpoint to resume and the lineage.
+    Every rank raises rank 0's refusal; release the claim at the end."""
     output_dir = Path(cfg.trainer.output_dir)
     ckpt_root = Path(cfg.checkpointing.dir or output_dir / "checkpoints")
-    cfg.checkpointing.dir = str(ckpt_root)
     held: list[RunLock] = []
 
     def claim() -> RunClaim:
@@ -242,4 +242,4 @@ def claim_output_dir(cfg: TrainConfig, warn: Callable[[str], None] = _stderr) ->
             raise
 
     decided = agreed(claim)
-    return RunClaim(decided.run_id, decided.resume_path, decided.lineage, held[0] if held else None)
+    return RunClaim(decided.run_id, decided.resume_path, decided.lineage, ckpt_root, held[0] if held else None)
