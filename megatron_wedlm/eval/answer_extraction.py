@@ -1,17 +1,12 @@
 """Pulling a final answer out of generated text, and comparing it with a reference.
 
-Extraction rules (the same for every decoding method, so accuracy differences come from the
-decoder and not from parsing):
+The rules are the same for every decoding method, so accuracy differences come from the decoder:
 
-* Numbers (GSM8K): ``#### N`` if present, else ``the answer is N``, else the last number in the
-  text. Commas, ``$`` and a trailing period are dropped; equal when numerically equal.
-* MATH: the content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), else ``the answer is X``.
-  Both sides go through ``normalize_math_answer`` (a subset of the Hendrycks et al. rules:
-  LaTeX spacing/sizing commands, ``\\dfrac``/``\\tfrac``, degree/percent signs, ``\\text{}``
-  wrappers, ``\\frac12`` shorthand, ``a/b``, a leading ``x =``), then compared as strings, or as
-  numbers when both parse as numbers or simple fractions.
-* Multiple choice: ``answer is (X)`` if present, else the first choice label standing alone in
-  the text (``B``, ``(B)``, ``B.``).
+* GSM8K: ``#### N``, else ``the answer is N``, else the last number; equal when numerically equal.
+* MATH: the last ``\\boxed{...}``, else ``the answer is X``; both sides normalised
+  (``normalize_math_answer``, a subset of Hendrycks et al.'s rules), then compared as strings or
+  as numbers.
+* Multiple choice: ``answer is (X)``, else the first choice label standing alone.
 """
 
 from __future__ import annotations

@@ -1,30 +1,16 @@
 """Built-in low-entropy tasks (counting, copying, arithmetic) generated from a seed, no files.
 
-Low-entropy output is where parallel decoding shines (the paper's "count 1..200" case), and these
-tasks need no download, so they serve both the quick evaluation and the end-to-end quickstart,
-which trains a tiny model on ``training_corpus`` and evaluates it on ``builtin_task``.
+Low-entropy output is where parallel decoding shines, and these need no download, so they serve
+the quick evaluation and the quickstart (which trains on ``training_corpus``). Formats:
+``"Count from 17 to 21:"`` -> ``" 17 18 19 20 21"``, ``"Repeat q w e r:"`` -> ``" q w e r"``,
+``"12 + 35 ="`` -> ``" 47"`` (also ``x`` and ``First 4 multiples of 7:``); a completion ends at a
+newline and must equal the reference, whitespace collapsed.
 
-Formats (prompt -> completion; every completion ends with a newline, the stop string):
-
-* counting:   ``"Count from 17 to 21:"`` -> ``" 17 18 19 20 21"``; start in [0, 200), 4-12 steps.
-* copying:    ``"Repeat q w e r:"`` -> ``" q w e r"``; 3-12 random lowercase letters.
-* arithmetic: ``"12 + 35 ="`` -> ``" 47"`` (a, b in [0, 100)), ``"7 x 8 ="`` -> ``" 56"``
-  (a, b in [1, 13)), ``"First 4 multiples of 7:"`` -> ``" 7 14 21 28"`` (n in [2, 100), 4-12
-  terms).
-
-Scoring: the completion is cut at the first newline, whitespace is collapsed, and the result must
-equal the reference exactly.
-
-Held-out split: every task instance has a canonical key (e.g. ``"counting:17:21"``). An instance
-is *held out* when a SHA-256 of its key falls in a fixed 10% bucket (``is_held_out``). Evaluation
-prompts are drawn only from held-out instances and training text only from the others, so the
-two never overlap for any pair of seeds, while both follow the same distribution.
-
-The held-out instances are split once more by the same hash (``held_out_split``): 4 of the 10
-buckets are the *calibration* split, where a decoding operating point (e.g. the entropy threshold)
-may be chosen, and 6 the *test* split, the default, where it is then measured. Choosing tau on the
-prompts it is reported on would flatter it; with a split fixed by content the two sets are
-disjoint for every seed and size. Counting has 1,800 instances: 113 test, 70 calibration.
+Held out by content: an instance whose key's SHA-256 falls in a fixed 10% bucket
+(``is_held_out``) is only ever a prompt, the others only training text, so the two never overlap
+for any seeds. The held-out ones split again (``held_out_split``): 4 buckets *calibration* (where
+tau is chosen), 6 *test* (where it is measured), so tau is never chosen on the prompts it is
+reported on.
 """
 
 from __future__ import annotations
@@ -204,11 +190,9 @@ def training_pairs(
 ) -> list[tuple[str, str]]:
     """``n`` (prompt, completion) pairs from the training split, families in rotation.
 
-    The completion starts with a space and ends with a newline, exactly as a correct model
-    answer to the evaluation prompt would (useful for SFT with unmaskable prompts). Instances
-    may repeat (the training split of a family is finite); held-out ones never appear. A string
-    ``seed`` names an independent draw (e.g. SFT pairs next to a pretraining corpus).
-    """
+    Completions read as a correct answer to the evaluation prompt would (leading space, closing
+    newline). Instances may repeat, held-out ones never appear; a string ``seed`` names an
+    independent draw (e.g. SFT pairs next to a pretraining corpus)."""
     _check_families(families)
     rng = random.Random(f"train:{seed}")
     pairs = []

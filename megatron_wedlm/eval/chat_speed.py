@@ -1,10 +1,8 @@
 """Streaming against AR decoding of one model on real chat prompts: speed and agreement.
 
-Each prompt is decoded greedily twice by the same model, one prompt at a time, AR and streaming
-alternating which goes first (A B, then B A), so that a noisy shared machine slows both alike.
-Reported: tokens per forward and tokens/s of each, and how far streaming's reply agrees with the
-AR reply (identical replies; the common prefix in tokens), since a chat reply has no answer key.
-Under torchrun each rank decodes every ``world``-th prompt and rank 0 sums.
+Each prompt is decoded greedily by both, one at a time, alternating which goes first so machine
+noise hits both alike; a chat reply has no answer key, so agreement is with the AR reply. Under
+torchrun each rank decodes every ``world``-th prompt and rank 0 sums.
 """
 
 from __future__ import annotations

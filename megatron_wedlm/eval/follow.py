@@ -53,12 +53,9 @@ STEP_METRIC = "eval/step"
 
 @dataclass
 class FollowSettings:
-    """What each checkpoint is evaluated with: as ``inference/evaluate.py`` evaluates one model.
-
-    ``plan`` is the evaluation less what each checkpoint adds: its window settings, resolved from
-    ``decoding`` (the command line's; None: the checkpoint's, else built-in), and its tau when
-    ``plan.taus`` is empty.
-    """
+    """What each checkpoint is evaluated with: ``plan`` less what the checkpoint adds, its window
+    settings (resolved from ``decoding``, the command line's; None: the checkpoint's, else built-in)
+    and, when ``plan.taus`` is empty, its tau."""
 
     plan: EvalPlan
     device: str | None = None

@@ -1,23 +1,12 @@
 """What the OS offers to fence in a sandboxed program, detected once and applied per run.
 
-The sandbox (``eval/sandbox.py``) always runs a program in its own session with per-process
-rlimits. On top of that, where the host allows it without extra packages:
-
-* **cgroup** (v2, or the v1 ``memory`` + ``pids`` hierarchies): the program and everything it
-  forks share one memory cap and one process cap, and every member can be listed and killed,
-  so a grandchild that calls ``setsid`` or double-forks cannot escape. Needs a writable cgroup
-  directory (root, or a delegated subtree).
-* **namespaces** via util-linux ``unshare``: a PID namespace (when its first process dies the
-  kernel kills all the others), a network namespace (only a loopback that is down: nothing,
-  not even the host's 127.0.0.1, is reachable), and a mount namespace in which every mount
-  outside ``/dev`` is made read-only (``/`` must succeed, the rest is best effort) and ``/tmp``
-  and ``/dev/shm`` are fresh private tmpfs. As root the program then runs as ``nobody`` (uid
-  65534); otherwise a user namespace maps the caller to root inside and ``setpriv`` drops every
-  capability, so the program can never undo the fences. It is all or nothing: one probe runs
-  the full command and, if anything fails, none of these is used.
-
-Each run reports the mechanisms that were in force (the names below), so a score says how it
-was obtained.
+On top of the sandbox's session and rlimits, where the host allows it without extra packages:
+a **cgroup** (one memory and process cap for the program and all it forks, every member
+listable and killable, so no double fork escapes) and **namespaces** via ``unshare`` (PID: all
+die with the first; network: nothing reachable; mount: read-only mounts, private ``/tmp`` and
+``/dev/shm``), the program running as ``nobody`` or without capabilities. All or nothing: one
+probe runs the full command, and any failure disables them. Each run reports the mechanisms in
+force, so a score says how it was obtained.
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
 """GSM8K, MATH, ARC and MMLU from local jsonl files, in few-shot generation formats.
 
-Nothing is downloaded: export the public datasets to jsonl (one JSON object per line) with their
-usual field names:
-
-=========  ================================================================  ==============
-task       fields                                                            default shots
-=========  ================================================================  ==============
-gsm8k      ``question``, ``answer`` (worked solution ending ``#### N``)      4 (CoT)
-math       ``problem``, ``solution`` (containing ``\\boxed{...}``)           4 (CoT)
-arc        ``question``, ``choices`` {``text``: [...], ``label``: [...]},    0 (25 optional)
-           ``answerKey``
-mmlu       ``question``, ``choices`` [4 strings], ``answer`` (0-3 or A-D),   5
-           optional ``subject``
-=========  ================================================================  ==============
-
-Few-shot examples come from ``shots_path`` (e.g. the train/dev split) when given; otherwise
-the first ``num_shots`` records of the evaluation file are used as shots and *excluded* from
-scoring. MMLU prefers shots of the same ``subject``. Shot counts follow common practice for
-base models (GSM8K and MATH 4-shot chain-of-thought as in Minerva/Qwen reports, ARC zero-shot
-as the WeDLM paper reports ARC-Easy, MMLU 5-shot as in Hendrycks et al.).
-
-All four are scored from generated text (see ``answer_extraction`` for the rules): the decoders
-under comparison must produce the answer, including the chain of thought.
+Nothing is downloaded: records carry the public datasets' field names (gsm8k ``question``,
+``answer``; math ``problem``, ``solution``; arc ``question``, ``choices``, ``answerKey``; mmlu
+``question``, ``choices``, ``answer``, optional ``subject``). Shots come from ``shots_path``, else
+the first ``num_shots`` records, which are then not scored; MMLU prefers its own subject's. The
+default counts follow common base-model practice (GSM8K and MATH 4-shot CoT, ARC 0, MMLU 5). All
+four are scored from generated text (``answer_extraction``): the decoder must produce the answer.
 """
 
 from __future__ import annotations

@@ -50,10 +50,8 @@ def _as_bool(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class DecodingArgs:
-    """The decoding keys of ``--model_args`` (strings from the command line, values from Python).
-
-    None: the value stored with a ``pretrained`` model, else the built-in one.
-    """
+    """The decoding keys of ``--model_args``, as strings or values; None: the value stored with a
+    ``pretrained`` model, else the built-in one."""
 
     method: str = "streaming"
     mask_token_id: int | None = None
@@ -101,12 +99,9 @@ class DecodingArgs:
 
 @register_model("wedlm")
 class WeDLMLM(LM):
-    """lm_eval LM over an HF causal model with a mask token.
-
-    Give either ``pretrained`` (a checkpoint, training checkpoint or run directory) or ready
-    ``model`` and ``tokenizer`` objects. lm-eval builds the model as ``WeDLMLM(**model_args)``, so
-    the decoding keys arrive as keywords: :class:`DecodingArgs` names them.
-    """
+    """lm_eval LM over an HF causal model with a mask token, from ``pretrained`` (a checkpoint,
+    training checkpoint or run directory) or ready ``model`` and ``tokenizer``. lm-eval builds it as
+    ``WeDLMLM(**model_args)``, so the decoding keys arrive as keywords, named by :class:`DecodingArgs`."""
 
     def __init__(self, pretrained: str | None = None, model: Any = None, tokenizer: Any = None,
                  device: str | None = None, dtype: str = "auto", max_length: int | None = None,
@@ -168,11 +163,8 @@ class WeDLMLM(LM):
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _context_continuation_ids(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
-        """Token ids with the boundary chosen by tokenizing the joined text (lm_eval's convention).
-
-        Trailing spaces of the context move to the continuation, so "Answer: " + "B" scores as
-        "Answer:" + " B", which is how the text would be tokenized in running prose.
-        """
+        """Token ids split where tokenizing the joined text puts the boundary (lm_eval's convention):
+        the context's trailing spaces move to the continuation, so "Answer: " + "B" scores as " B"."""
         spaces = len(context) - len(context.rstrip())
         if spaces:
             context, continuation = context[:-spaces], context[-spaces:] + continuation

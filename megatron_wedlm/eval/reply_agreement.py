@@ -1,16 +1,10 @@
-"""Teacher-forced agreement of a model with recorded replies: how close is it to the model that wrote them?
+"""Teacher-forced agreement of a model with recorded replies: how close is it to their writer?
 
-Exact match of free-running greedy replies (:mod:`.reply_tasks`) is all or nothing: one changed
-token early in a reply changes everything after it, and on open-ended prompts (a poem, a title)
-the writer's own distribution is flat enough that a perturbation that leaves the model's
-knowledge alone -- its weights rounded to bf16, say -- already flips some replies. This measure
-feeds the *recorded* reply to the model and counts the positions where the model's greedy next
-token is the recorded one, so each position is judged on the same prefix and a single early
-change costs one token, not the reply. Applied to the model that recorded the replies (same
-weights, greedy), it is 100% up to near-ties that batched and single-row forwards break apart:
-the check that the measure itself is sound. That needs the replies as the token ids that were
-generated; recorded *text* can tokenize back differently (a word split another way), which changes
-the positions scored.
+Exact match of free-running replies is all or nothing: one early token changes the rest, and on
+open-ended prompts even bf16 rounding flips some. Feeding the recorded reply and counting the
+positions where the greedy next token is the recorded one judges each position on the same
+prefix. For the writer itself it is 100% up to near-ties, when the replies are the generated ids
+(text can tokenize back differently).
 """
 
 from __future__ import annotations
@@ -41,11 +35,9 @@ def reply_agreement(model: Any, tokenizer: Any, pairs: Sequence[tuple[str, str |
                     chat: bool = True) -> ReplyAgreement:
     """Teacher-forced agreement of ``model`` with the recorded ``(prompt, reply)`` pairs.
 
-    A reply is the token ids its writer generated, or its text, tokenized as it would follow the
-    prompt (without special tokens). Its end-of-turn token is not scored (leave it out of the ids),
-    since a reply cut at the token budget has none. So an empty reply (the writer ended its turn at
-    once) has no token to score: it counts in ``empty_replies`` only.
-    """
+    A reply is its writer's token ids, or its text tokenized as it would follow the prompt. Its
+    end-of-turn token is not scored (a reply cut at the budget has none), so an empty reply counts
+    in ``empty_replies`` only."""
     out = ReplyAgreement()
     device = next(model.parameters()).device
     for prompt, reply in pairs:

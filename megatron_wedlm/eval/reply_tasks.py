@@ -1,12 +1,8 @@
 """``replies:PATH``: does a model still give the replies it is expected to give?
 
-A local jsonl of ``{"prompt": ..., "reference": ...}`` records; a completion is correct when it
-equals its reference, leading and trailing whitespace aside. The use this is made for: after
-fine-tuning, decode prompts the fine-tuning never saw and compare with the replies the *base*
-model gave (recorded with the same greedy decoding and token budget), to count how many answers
-the fine-tuning changed. Generation stops at the tokenizer's EOS (for chat prompts, the
-end-of-turn token) or after ``max_new_tokens`` (:data:`REPLY_TOKENS` unless a record's
-``max_new_tokens`` asks for more), so references must be recorded with that same budget.
+A jsonl of ``{"prompt", "reference"}`` records; a completion is correct when it equals its
+reference, outer whitespace aside. Used after fine-tuning, against the base model's replies
+recorded with the same greedy decoding and budget (:data:`REPLY_TOKENS`, or a record's own).
 """
 
 from __future__ import annotations

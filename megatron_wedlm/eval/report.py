@@ -1,9 +1,7 @@
 """Writing an :class:`EvalReport` as JSON, a Markdown table and a speed-accuracy plot (PNG).
 
-The Markdown table prints every metric with the fixed formats in ``COLUMNS`` so a reader (or a
-test) can match each cell to the JSON value. The plot puts tokens/s on x and accuracy on y, one
-panel per task: a line per parallel method through its tau sweep (points labelled with tau) and
-a single point for AR, which is how the paper shows the speed-quality trade-off.
+The table uses the fixed formats of ``COLUMNS``, so each cell can be matched to the JSON; the plot
+is the paper's trade-off view: tokens/s against accuracy, a line per parallel method over tau.
 """
 
 from __future__ import annotations
@@ -69,10 +67,8 @@ def markdown_table(report: EvalReport) -> str:
 
 
 def brief_model_name(name: str) -> str:
-    """``name`` with every local path in it (``/x/hf/wedlm``, ``./ckpt/``) cut to its last component.
-
-    Titles and captions name models briefly; a hub id such as ``tencent/WeDLM-8B`` stays whole.
-    """
+    """``name`` with every local path in it cut to its last component, for titles and captions; a hub
+    id such as ``tencent/WeDLM-8B`` stays whole."""
     return re.sub(r"(?<!\S)(?:~|\.{1,2})?/(?:[^\s/]+/)*([^\s/]+)/?", r"\1", name)
 
 

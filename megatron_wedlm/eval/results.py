@@ -1,17 +1,10 @@
 """The evaluation report: accuracy and speed per (task, decoding method, tau), JSON round-trip.
 
-Speed metrics follow the paper's definitions, with the decoders' counts
-(``megatron_wedlm.decoding.result``): ``tokens_per_forward`` = tokens emitted / forwards (the
-prompt is prefilled in the same forward as the first window or AR step), ``p_cache`` = tokens
-emitted / generated-token slots processed, ``tokens_per_second`` = tokens emitted / wall time
-of the decode calls (prefill included, alike for every method), over the examples timed in speed
-mode only (``timed_examples``, decoded one at a time; ``eval.runner``), while accuracy, tokens per
-forward and p_cache cover every example (batched decoding does not change them). Sums are taken over the task's
-examples *before* dividing, so long answers weigh by their length, as in a throughput
-measurement. ``speedup_vs_ar`` is tokens/s over the AR baseline's tokens/s on the same task.
-
-Accuracy comes with its 95% Wilson score interval (``wilson_interval``): on 20 or 100 prompts the
-sampling error is several points, and a reader comparing two rows needs to see it.
+Speed follows the paper's definitions on the decoders' counts (``decoding.result``):
+``tokens_per_forward`` = tokens / forwards, ``p_cache`` = tokens / generated slots processed,
+``tokens_per_second`` over the examples timed one at a time (``timed_examples``), prefill
+included. Sums are taken before dividing, so long answers weigh by their length. Accuracy carries
+its 95% Wilson interval: on 20 or 100 prompts the sampling error is several points.
 """
 
 from __future__ import annotations
@@ -26,11 +19,8 @@ Z_95 = 1.959963984540054  # two-sided 95% quantile of the standard normal
 
 
 def wilson_interval(successes: int, n: int, z: float = Z_95) -> tuple[float, float]:
-    """Wilson score interval of a binomial proportion (default: 95%).
-
-    Unlike the normal approximation ``p +- z*sqrt(p(1-p)/n)`` it stays inside [0, 1] and does not
-    collapse to a point at 0 or n successes, which is where small evaluations often land.
-    """
+    """Wilson score interval of a binomial proportion (default 95%): unlike ``p +- z*sqrt(p(1-p)/n)``
+    it stays in [0, 1] and does not collapse at 0 or n successes, where small evaluations land."""
     if n < 1 or not 0 <= successes <= n:
         raise ValueError(f"Wilson interval needs 0 <= successes <= n and n >= 1, got {successes} of {n}")
     p = successes / n

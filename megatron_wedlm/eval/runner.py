@@ -362,12 +362,9 @@ def _fill_speedups(task_results: list[MethodResult]) -> None:
 
 
 def combine_reports(reports: Sequence[EvalReport], methods: Sequence[str] = METHODS) -> EvalReport:
-    """One model's reports from processes that each decoded some of the methods, as one report.
-
-    Why: a caller with idle cores (the quickstart) splits the methods across processes. Rows and
-    samples come back in ``methods`` order per task, and speed-ups are taken against the task's AR
-    row again (only rows from AR's own process were interleaved with it).
-    """
+    """One model's reports from processes that each decoded some methods (the quickstart splits them
+    over idle cores), as one report: rows and samples in ``methods`` order per task, speed-ups taken
+    against the task's AR row again."""
     if not reports:
         raise ValueError("combine_reports needs at least one report")
     models = {r.model for r in reports}

@@ -1,33 +1,15 @@
 """Running model-written Python in a time- and memory-limited child process.
 
-Each program runs in a fresh interpreter (``python -I``: no user site, no PYTHON* variables) in
-its own empty temporary directory and its own session, with a minimal environment and:
+Each program runs in a fresh ``python -I`` in its own empty directory and session, with a
+minimal environment, rlimits (address space, CPU time, file size, no core), where the host allows
+a cgroup and PID/network/mount namespaces (``isolation``), and a wall-clock timeout after which
+everything it started is killed (``SandboxError`` if anything survives).
 
-* ``RLIMIT_AS`` (address space) = ``memory_mb`` per process: an allocation beyond it raises
-  MemoryError; ``RLIMIT_CPU`` = the timeout (rounded up) + 1 s, a backstop for the wall clock;
-  ``RLIMIT_FSIZE`` = 16 MiB per written file, ``RLIMIT_CORE`` = 0;
-* where the host allows (see ``eval/isolation.py``): a cgroup capping the *total* memory
-  (``memory_mb``) and process count (``max_processes``) of the program and all it forks, and
-  PID, network and mount namespaces (no network, read-only filesystem, private ``/tmp``); else
-  ``RLIMIT_NPROC`` bounds forks, counted against everything the user runs;
-* a wall-clock timeout after which everything the program started is killed: its session, its
-  cgroup or PID namespace where there is one, and otherwise every descendant found in /proc
-  (only a double-forked daemon whose parent already exited escapes that last fallback). If a
-  process still survives, ``SandboxError`` is raised rather than leaving it running.
-
-A program passes only when it **ran to its end**: after the program the launcher writes a
-random nonce to a pipe only the sandbox reads, and a run without it (``sys.exit(0)`` or
-``os._exit(0)`` before the asserts) is ``exited_early``, whatever the exit code. This defends
-against programs that stop early by mistake, not against one written to find the nonce.
-
-The limits are set by a small launcher *inside* the child before the program is run, instead
-of a ``preexec_fn``, which is unsafe when the parent is multi-threaded (parallel scoring). The
-program's source and the nonce reach it through stdin, which is then replaced by /dev/null.
-
-Without namespaces this is a resource fence, not a security boundary: the program can read and
-write the user's files and use the network. ``ExecutionResult.isolation`` says which fences
-were in force; run untrusted model output where ``network_namespace`` and
-``readonly_filesystem`` are listed, or in a container or VM, as HumanEval's authors advise.
+A program passes only when it ran to its end: the launcher writes a nonce to a pipe after it, so
+an early ``sys.exit(0)`` is ``exited_early`` (a guard against mistakes, not against a program
+that hunts for the nonce). The limits are set by a launcher inside the child, not a
+``preexec_fn``, which is unsafe in a multi-threaded parent. Without namespaces this is a resource
+fence, not a security boundary: ``ExecutionResult.isolation`` says which fences were in force.
 """
 
 from __future__ import annotations
@@ -83,11 +65,8 @@ class SandboxError(RuntimeError):
 
 @dataclass(frozen=True)
 class ExecutionResult:
-    """Outcome of one program.
-
-    ``status`` is one of passed/failed/exited_early/timeout/memory_exceeded; ``isolation``
-    names the fences that were in force (``eval/isolation.py``).
-    """
+    """Outcome of one program: ``status`` passed/failed/exited_early/timeout/memory_exceeded;
+    ``isolation`` names the fences in force (``eval/isolation.py``)."""
 
     status: str
     returncode: int | None
@@ -108,10 +87,8 @@ def run_python(
     isolation_allowed: Collection[str] = isolation.ALL,
 ) -> ExecutionResult:
     """Run ``program`` as ``__main__``; it passes when it runs to its end and exits with 0.
-
-    ``isolation_allowed`` restricts the fences to those named (``session`` and ``rlimits`` are
-    always used); by default every fence the host offers is used.
-    """
+    ``isolation_allowed`` limits the fences to those named (default: all the host offers; ``session``
+    and ``rlimits`` always)."""
     if timeout_s <= 0 or memory_mb <= 0 or max_processes <= 0:
         raise ValueError(
             f"timeout_s, memory_mb and max_processes must be positive, got {timeout_s}, "
@@ -207,11 +184,8 @@ def _feed_and_wait(
 
 
 def _kill_everything(proc: subprocess.Popen, cgroup: ProgramCgroup | None) -> None:
-    """Kill the program and everything it spawned, reap it, and check that nothing survived.
-
-    The cgroup (or the PID namespace, whose first process is killed here) catches every
-    process; the session and /proc descendants catch the rest where neither exists.
-    """
+    """Kill the program and all it spawned, reap it, and check that nothing survived: the cgroup or
+    PID namespace catches every process, the session and /proc descendants where neither exists."""
     tree = isolation.descendants(proc.pid)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -253,10 +227,7 @@ def run_many(
     programs: Sequence[str], timeout_s: float = 10.0, memory_mb: int = 1024, workers: int = 4,
     **limits: Any,
 ) -> list[ExecutionResult]:
-    """``run_python`` over many programs in parallel, results in input order.
-
-    ``limits`` are passed on to ``run_python`` (``max_processes``, ``isolation_allowed``).
-    """
+    """``run_python`` over many programs in parallel, results in input order; ``limits`` go to it."""
     if not programs:
         return []
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(programs)))) as pool:

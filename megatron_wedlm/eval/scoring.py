@@ -1,13 +1,8 @@
-"""Scoring saved completions without generating again.
+"""Scoring saved completions without generating again, as the runner scores them.
 
-A completion is scored as the runner scores it: cut at the task's first stop string
-(``truncate_at_stop``), then judged by the task's own ``judge_all``. Completions come from
-
-* a report's samples (``report.json`` of ``inference/evaluate.py``): matched to the task's
-  examples by ``uid``, one score per decoding configuration (method, tau);
-* a jsonl file whose lines hold a dataset record's fields plus ``"completion"``: the lines are
-  read as the task's data file (so only tasks of the paper's suite, which take records as they
-  are published, read this form), one score for the file.
+Completions come from a report's samples (``report.json``, matched by ``uid``, one score per
+configuration) or from a jsonl of dataset records plus ``"completion"`` (paper-suite tasks only,
+which read records as published); each is cut at the first stop string and judged by the task.
 """
 
 from __future__ import annotations

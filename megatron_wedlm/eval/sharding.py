@@ -1,18 +1,12 @@
-"""An evaluation spread over the processes of torchrun, and the per-rank record of finished decodes.
+"""An evaluation spread over torchrun's processes, and the per-rank record of finished decodes.
 
-Why torchrun and not a pool of our own or Ray: evaluation replicas share nothing but the list of
-examples and the results, which is what torchrun's environment (``RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``) and its c10d store give; a user already runs it for training, on one node or
-many, and it already ends every worker when one fails and reports that worker's error
-(lm-evaluation-harness spreads replicas the same way, through ``accelerate launch``). Ray's scheduling (placement groups,
-autoscaling, actors that outlive a task) is not needed for N identical replicas with a fixed
-share of the work each, and would be one more cluster runtime to install and start.
+Why torchrun, not a pool of our own or Ray: replicas share only the examples and the results,
+which torchrun's environment and c10d store give; users already run it for training, and it ends
+every worker when one fails, with that worker's error (lm-eval spreads replicas the same way).
 
-* :class:`Shard`: this process's rank among ``world`` and the collective operations the runner
-  needs: gather every rank's records on rank 0, and a progress counter in torchrun's store that
-  every rank adds to and rank 0 reads for one aggregated progress bar.
-* :class:`PartsLog`: ``parts/rank{r}.jsonl``, one line per finished decode, appended as it
-  finishes, so a restarted evaluation (same settings, same checkpoint) skips what is done.
+* :class:`Shard`: this rank among ``world``; gathers records on rank 0 and keeps a progress
+  counter in the store for one aggregated bar.
+* :class:`PartsLog`: ``parts/rank{r}.jsonl``, a line per finished decode, so a restart skips it.
 """
 
 from __future__ import annotations
@@ -50,12 +44,9 @@ class Shard:
 
     @classmethod
     def from_environment(cls, timeout_s: float = 3600.0) -> "Shard":
-        """The shard torchrun's environment describes; a plain ``python`` run is one process.
-
-        With ``WORLD_SIZE > 1`` this joins torchrun's rendezvous and starts a gloo process group
-        (results are small Python objects, gathered on the CPU whatever device decodes).
-        ``timeout_s`` bounds how long rank 0 waits for the others' results.
-        """
+        """The shard torchrun's environment describes; a plain ``python`` run is one process. With
+        ``WORLD_SIZE > 1`` it joins the rendezvous and starts a gloo group (records are small Python
+        objects, gathered on the CPU); ``timeout_s`` bounds rank 0's wait for the others."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if world == 1:
@@ -91,13 +82,10 @@ class Shard:
 
 
 class PartsLog:
-    """``<dir>/rank{r}.jsonl``: this rank's finished decodes, one JSON line each, flushed as written.
-
-    ``<dir>/run.json`` holds what the records depend on (model, checkpoint files, settings,
-    examples). A restart with the same identity reads every rank's file and skips the decodes found
-    there (any rank's, so a restart may use another number of processes); with another identity the
-    old records are stale, and the directory is cleared first.
-    """
+    """``<dir>/rank{r}.jsonl``: this rank's finished decodes, a JSON line each, flushed as written.
+    ``<dir>/run.json`` holds what they depend on (model, checkpoint files, settings, examples): a
+    restart with the same identity skips the decodes in any rank's file (so it may use another
+    number of processes); another identity clears the directory first."""
 
     def __init__(self, directory: str | Path, rank: int, identity: dict[str, Any]):
         self.dir, self.rank = Path(directory), rank
@@ -105,11 +93,8 @@ class PartsLog:
         self._file = None
 
     def open(self, shard: "Shard") -> dict[tuple, Record]:
-        """Check the identity, open this rank's file for appending, and return the records already done.
-
-        Stale records are cleared by each node's first process while the others wait at a barrier,
-        so no rank reads them.
-        """
+        """Check the identity, open this rank's file for appending, return the records already done
+        (stale ones are cleared by each node's first process while the others wait at a barrier)."""
         run = self.dir / RUN_FILE
         if shard.local_rank == 0 and run.is_file() and json.loads(run.read_text(encoding="utf-8")) != self.identity:
             print(f"{self.dir} holds results of another evaluation (settings or checkpoint differ): starting afresh",

@@ -1,36 +1,15 @@
 """Where a model's parallel predictions go wrong: first predictions of mask slots, by distance.
 
-Streaming decoding commits a mask slot on confidence alone when ``H + lambda * d < tau`` (its
-entropy plus a penalty on its distance ``d`` from the leftmost mask), and a committed token is
-never revised. So a model decodes well in parallel exactly when its *confident* predictions are
-right, and accuracy over whole answers hides where they are not (one wrong slot spoils an answer,
-and later slots are then predicted from a wrong prefix). This probe measures that directly,
-without running the decoder, on reference answers: for every example and every cut ``c`` of its
-answer the model sees ``prompt + answer[:c]`` followed by ``W`` masks -- the state just after the
-decoder has committed ``c`` correct tokens -- and predicts all masks in one forward. Per distance
-``d`` it counts the states, how often the argmax is the reference token, and per ``tau`` how many
-slots the fill rule would take on confidence and how many of those are wrong.
+Streaming decoding commits a slot on confidence alone (``H + lambda * d < tau``) and never revises
+it, so a model decodes well in parallel exactly when its confident predictions are right. This
+probe measures that without the decoder: for every cut ``c`` of a reference answer the model sees
+``prompt + answer[:c]`` and ``W`` masks, and per distance ``d`` we count states, correct argmaxes,
+and per ``tau`` the slots the fill rule would take and how many are wrong. A wrong argmax equal to
+the answer's token one place before or after is *slipped* (the model lost its place); with
+``end_token_ids``, wrong commits split into *early ends* and *late ends*.
 
-It is the *first* prediction of each slot: in a real decode a slot may also be filled later, with
-some slots before it already filled. The wrong commits per distance still say which ``(tau,
-lambda)`` a model can afford (each one ends an answer as wrong) and whether training, not the
-decoder, is what fails. A typical finding on a small model: nearly all wrong commits are an
-end-of-text predicted a few slots ahead, where the answer goes on (docs/results.md).
-
-A wrong argmax that is the answer's token one place before or after the slot's own is counted as
-*slipped*: the model knows the text and has lost its place in it, one slot behind or ahead. A
-masked slot has to work out its offset in the answer from positions alone, where AR decoding
-reads the token just before it; on a copying task nearly every wrong argmax past the first mask
-is such a slip (docs/results.md).
-
-Given the end tokens (``end_token_ids``: what stops an answer, e.g. EOS and the built-in tasks'
-closing newline), the wrong commits are also split by how they end the answer: an *early end*
-commits an end token where the answer goes on, a *late end* commits something else where the
-answer ends (the answer then runs past its end).
-
-The cuts of one example go through a forward together as right-padded rows: attention is
-causal, so the padding after a row's last slot changes none of that row's logits. The mask token
-is never a prediction (its logit is excluded, as in the decoder).
+The cuts of one example share a forward as right-padded rows (causal attention: the padding
+changes no row's logits); the mask token is never a prediction, as in the decoder.
 """
 
 from __future__ import annotations
@@ -74,12 +53,8 @@ def probe_masked_slots(
     end_token_ids: Collection[int] = (),
 ) -> list[DistanceStats]:
     """Per distance ``0 .. window_size - 1``, the first predictions over every cut of every
-    ``(prompt_ids, answer_ids)`` example (see the module docstring).
-
-    Like the decoder, the output layer runs on the mask slots only, and at most
-    ``rows_per_forward`` cuts share a forward, so memory stays bounded on large-vocabulary models.
-    ``end_token_ids`` splits out the early and late ends among the wrong commits.
-    """
+    ``(prompt_ids, answer_ids)`` example. As in the decoder the output layer runs on the mask slots
+    only, and at most ``rows_per_forward`` cuts share a forward, so memory stays bounded."""
     if window_size < 1 or rows_per_forward < 1:
         raise ValueError(f"window_size and rows_per_forward must be >= 1, got {window_size}, {rows_per_forward}")
     ends = set(end_token_ids)

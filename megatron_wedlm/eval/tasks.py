@@ -1,12 +1,8 @@
 """What an evaluation task is: prompts, references, stop strings and a scorer.
 
-Every task is scored from generated text only (no log-likelihood ranking), because the point of
-the evaluation is to compare *decoders* (streaming, block-wise, AR) on the same model: a task
-that never generates could not tell them apart. Likelihood-based scoring is available through
-the ``lm_eval`` adapter instead.
-
-The runner cuts each completion at the task's first stop string (``truncate_at_stop``) before
-scoring, so scorers never see text the model produced after the answer ended.
+Every task is scored from generated text, because the evaluation compares *decoders* on one
+model (likelihood scoring is the ``lm_eval`` adapter's). The runner cuts each completion at the
+first stop string before scoring.
 """
 
 from __future__ import annotations
@@ -18,11 +14,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class EvalExample:
-    """One prompt and what a correct answer looks like.
-
-    ``reference`` is the canonical answer text shown in reports; scorers that need more (test
-    code, choice labels) read it from ``meta``.
-    """
+    """One prompt and what a correct answer looks like: ``reference`` is the answer text reports
+    show; scorers that need more (test code, choice labels) read ``meta``."""
 
     uid: str
     prompt: str
@@ -64,11 +57,8 @@ def truncate_at_stop(text: str, stop_strings: Sequence[str]) -> str:
 
 
 class Task:
-    """Base class: a named list of examples with a scorer.
-
-    Subclasses implement ``judge`` for one example; tasks whose scoring is expensive (code
-    execution) override ``judge_all`` to work in parallel.
-    """
+    """Base class: a named list of examples with a scorer. Subclasses implement ``judge``; those
+    with costly scoring (code execution) override ``judge_all`` to work in parallel."""
 
     name: str = "task"
     #: Stop strings that end an answer; generation also stops at the tokenizer's EOS.
