@@ -20,7 +20,7 @@ from megatron_wedlm.eval.builtin_tasks import training_corpus
 from megatron_wedlm.runtime.multiprocess import run_distributed
 from megatron_wedlm.testing.tiny_models import build_tiny_model, build_tiny_tokenizer
 from megatron_wedlm.training.metrics import read_metrics
-from megatron_wedlm.training.model_setup import resolve_model_args
+from megatron_wedlm.training.model_setup import recorded_model, resolve_model_args
 from test_training import (  # noqa: F401  (data: the fixture)
     LAUNCH_TIMEOUT,
     ROOT,
@@ -202,5 +202,6 @@ def test_config_keys_that_contradict_the_checkpoint_are_refused(converted, tmp_p
         resolve_model_args(cfg, manifest, "float32")
     cfg = load_config(str(TINY), _init_from_overrides(converted["mcore"], converted["data"], tmp_path))
     args = resolve_model_args(cfg, manifest, "float32")
-    assert cfg.model.qk_layernorm is False and cfg.model.add_qkv_bias is True  # filled from the checkpoint
+    model = recorded_model(cfg.model, args)
+    assert model.qk_layernorm is False and model.add_qkv_bias is True  # filled from the checkpoint
     assert args.padded_vocab_size % 128 == 0 and args.vocab_size >= manifest["tokenizer_length"]

@@ -148,6 +148,10 @@ class DeepSpeedPlan:
     def dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.bf16 else torch.float32
 
+    def resolve(self, cfg: TrainConfig) -> TrainConfig:
+        """``cfg`` as it is: the HF checkpoint describes the model."""
+        return cfg
+
 
 class DeepSpeedEngine:
     """A HF causal LM trained by a DeepSpeed ZeRO engine; DeepSpeed checkpoints and HF exports."""

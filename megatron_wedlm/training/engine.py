@@ -101,6 +101,10 @@ class EnginePlan(Protocol):
 
     role: RankRole
 
+    def resolve(self, cfg: TrainConfig) -> TrainConfig:
+        """``cfg`` with what ``start`` derived that the run's config records (a copy)."""
+        ...
+
 
 class EngineType(Protocol):
     """An engine class: ``start`` checks the run and creates the process groups before the output

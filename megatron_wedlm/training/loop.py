@@ -72,10 +72,11 @@ def run_training(cfg: TrainConfig, engine_type: EngineType = MegatronEngine) -> 
         claim.release()
 
 
-def run_config(cfg: TrainConfig, role: RankRole, claim: RunClaim) -> TrainConfig:
-    """The run's config as ``config.yaml`` records it: ``cfg`` with what the run derived (the layout's
-    data-parallel size, the checkpoint root). A copy: ``cfg`` stays as given."""
-    return replace(cfg, parallelism=replace(cfg.parallelism, dp=role.dp_size),
+def run_config(cfg: TrainConfig, plan: EnginePlan, claim: RunClaim) -> TrainConfig:
+    """The run's config as ``config.yaml`` records it: ``cfg`` with what the run derived (the engine's
+    model keys, the layout's data-parallel size, the checkpoint root). A copy: ``cfg`` stays as given."""
+    cfg = plan.resolve(cfg)
+    return replace(cfg, parallelism=replace(cfg.parallelism, dp=plan.role.dp_size),
                    checkpointing=replace(cfg.checkpointing, dir=str(claim.checkpoint_root)))
 
 
@@ -98,7 +99,7 @@ def _start_run(cfg: TrainConfig, engine_type: EngineType, plan: EnginePlan, clai
                bf16: bool, row_format: RowFormat) -> tuple[_Run, StepRecorder]:
     """Build the engine, schedule, data, log and validation of the run ``claim`` owns; resume their state."""
     role = plan.role
-    cfg = run_config(cfg, role, claim)
+    cfg = run_config(cfg, plan, claim)
     objective = Objective.from_config(cfg)
     engine = engine_type(cfg, plan, resuming=claim.resume_path is not None)
     scheduler = build_scheduler(cfg, engine.optimizer)

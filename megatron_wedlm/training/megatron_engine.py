@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -31,15 +31,15 @@ from megatron_wedlm.runtime.parallel import ParallelConfig, init_distributed, in
 
 from .checkpointing import CheckpointManager
 from .engine import RankRole, StepUpdate
-from .model_setup import build_settings, load_init_weights, resolve_model_args
+from .model_setup import build_settings, load_init_weights, recorded_model, resolve_model_args
 from .objective import Objective
 from .optimization import build_optimizer, wrap_ddp
 from .run_data import run_data_dir
 from .throughput import ModelShape
 
 __all__ = [
-    "MegatronEngine", "MegatronPlan", "forward_backward_step", "forward_only_step", "megatron_forward_step", "run_model_on_shard",
-    "run_schedule", "schedule_loss_scale",
+    "MegatronEngine", "MegatronPlan", "forward_backward_step", "forward_only_step", "megatron_forward_step",
+    "run_model_on_shard", "run_schedule", "schedule_loss_scale",
 ]
 
 
@@ -156,6 +156,10 @@ class MegatronPlan:
     bf16: bool
     model_args: Any  # ModelArgs, from the config and the data
     tokenizer_dir: Path  # the data's tokenizer, saved with every checkpoint
+
+    def resolve(self, cfg: TrainConfig) -> TrainConfig:
+        """``cfg`` with the model keys of the model this run builds."""
+        return replace(cfg, model=recorded_model(cfg.model, self.model_args))
 
 
 class MegatronEngine:

@@ -228,7 +228,7 @@ def _microbatches_in_flight(pp: int, virtual_pp: int | None, microbatches: int, 
 def _planned_model(cfg: TrainConfig, dtype: str) -> tuple[ModelArgs, str]:
     """The model training would build, and where its description came from; needs no data (the
     vocabulary comes from the checkpoint, the config or, when here, the data's manifest)."""
-    cfg = copy.deepcopy(cfg)  # resolve_model_args fills the null model keys in place
+    cfg = copy.deepcopy(cfg)  # model.init_from may be cleared below
     m = cfg.model
     found = find_model_args_file(m.init_from) if m.init_from is not None else None
     stored = load_model_args(found) if found is not None else None

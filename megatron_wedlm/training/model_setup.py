@@ -8,19 +8,20 @@ model on memory-stream rows.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron_wedlm.config.schema import ConfigError, TrainConfig
+from megatron_wedlm.config.schema import ConfigError, ModelConfig, TrainConfig
 from megatron_wedlm.model.attention_backends import resolve_attention_backend
 from megatron_wedlm.model.hf_config import ModelArgs, load_model_args, pad_vocab_size
 
 if TYPE_CHECKING:
     from megatron_wedlm.model.wedlm_model import BuildSettings
 
-__all__ = ["build_settings", "load_init_weights", "resolve_model_args"]
+__all__ = ["build_settings", "load_init_weights", "recorded_model", "resolve_model_args"]
 
 # model config key -> ModelArgs field, for the keys that describe the architecture
 _ARCH_FIELDS = {
@@ -41,9 +42,9 @@ _ARCH_FIELDS = {
 
 
 def resolve_model_args(cfg: TrainConfig, manifest: dict[str, Any], dtype: str) -> ModelArgs:
-    """The model description for this run; fills the config's null model keys in place. Checks
-    that the data's mask token has an embedding row and that the vocabulary covers the tokenizer."""
-    m = cfg.model
+    """The model description for this run (``cfg`` is left as given). Checks that the data's mask
+    token has an embedding row and that the vocabulary covers the tokenizer."""
+    m = replace(cfg.model)  # null keys filled below from the checkpoint or the defaults
     mask_id = int(manifest["mask_token_id"])
     tokenizer_length = int(manifest["tokenizer_length"])
     if m.init_from is not None:
@@ -108,6 +109,13 @@ def resolve_model_args(cfg: TrainConfig, manifest: dict[str, Any], dtype: str) -
             f"{cfg.data.seq_length // 2}, beyond max_position_embeddings={args.max_position_embeddings}"
         )
     return args
+
+
+def recorded_model(model: ModelConfig, args: ModelArgs) -> ModelConfig:
+    """The ``model`` section as the run records it: ``model`` with the architecture keys and the
+    vocabulary of ``args``, the model the run builds."""
+    architecture = {key: getattr(args, name) for key, name in _ARCH_FIELDS.items()}
+    return replace(model, vocab_size=args.vocab_size, **architecture)
 
 
 def build_settings(cfg: TrainConfig, device: torch.device, params_dtype: torch.dtype) -> BuildSettings:
