@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_wedlm.config.data_check import check_data_files
 from megatron_wedlm.config.schema import ConfigError, TrainConfig
 from megatron_wedlm.data.row_format import RowFormat
 from megatron_wedlm.data.webdataset_loader import DataIterator
@@ -59,6 +60,7 @@ def precision_name(bf16: bool, device: torch.device) -> str:
 
 def run_training(cfg: TrainConfig, engine_type: EngineType = MegatronEngine) -> TrainResult:
     """Train as ``cfg`` says in this process (one rank of a torchrun launch) with an engine of ``engine_type``."""
+    check_data_files(cfg)  # the entry points check earlier too; a caller of this function gets the same refusals
     device = resolve_device(cfg.trainer.device)
     bf16 = bf16_enabled(cfg, device)
     manifest = read_run_manifest(cfg)
@@ -72,12 +74,14 @@ def run_training(cfg: TrainConfig, engine_type: EngineType = MegatronEngine) -> 
         claim.release()
 
 
-def run_config(cfg: TrainConfig, plan: EnginePlan, claim: RunClaim) -> TrainConfig:
+def run_config(cfg: TrainConfig, plan: EnginePlan, claim: RunClaim, row_format: RowFormat) -> TrainConfig:
     """The run's config as ``config.yaml`` records it: ``cfg`` with what the run derived (the engine's
-    model keys, the layout's data-parallel size, the checkpoint root). A copy: ``cfg`` stays as given."""
+    model keys, the layout's data-parallel size, the checkpoint root, the data's mask token id).
+    A copy: ``cfg`` stays as given."""
     cfg = plan.resolve(cfg)
     return replace(cfg, parallelism=replace(cfg.parallelism, dp=plan.role.dp_size),
-                   checkpointing=replace(cfg.checkpointing, dir=str(claim.checkpoint_root)))
+                   checkpointing=replace(cfg.checkpointing, dir=str(claim.checkpoint_root)),
+                   wedlm=replace(cfg.wedlm, mask_token_id=row_format.mask_token_id))
 
 
 @dataclass
@@ -99,7 +103,7 @@ def _start_run(cfg: TrainConfig, engine_type: EngineType, plan: EnginePlan, clai
                bf16: bool, row_format: RowFormat) -> tuple[_Run, StepRecorder]:
     """Build the engine, schedule, data, log and validation of the run ``claim`` owns; resume their state."""
     role = plan.role
-    cfg = run_config(cfg, plan, claim)
+    cfg = run_config(cfg, plan, claim, row_format)
     objective = Objective.from_config(cfg)
     engine = engine_type(cfg, plan, resuming=claim.resume_path is not None)
     scheduler = build_scheduler(cfg, engine.optimizer)
