@@ -1,25 +1,13 @@
 """Dual-stream WeDLM training data and the WeDLM attention-mask rule (docs/method.md §2).
 
-* :mod:`.row_format`     -- :class:`RowFormat`: how a row is built (block size, token ids,
-  masking options), one frozen object.
-* :mod:`.dual_stream`    -- ``build_dual_stream_batch`` -> :class:`DualStreamBatch` (one packed
-  row), ``stack_dual_stream_batches`` (collate to ``[B, S]``), ``pad_dual_stream_batch``.
-* :mod:`.attention_rule` -- the rule :func:`may_attend`, written once, and its forms:
-  dense bool mask, FlexAttention ``mask_mod`` / ``BlockMask`` (no ``S x S`` memory),
-  :class:`AttentionMetadata` (what attention modules and pipeline stages carry).
-* :mod:`.packed_metadata` -- ``pack_attention_metadata``: ``AttentionMetadata`` as the int32
-  ``[B, 3, S]`` tensor Megatron carries as ``attention_mask`` (``[B, 4, S]`` under CP).
-* :mod:`.packing`        -- ``pack_documents_into_rows``: cut documents at block-aligned
-  points and pack rows under a length cap (``fill=True``, pretraining: rows are filled and a
-  document continues in the next row; otherwise next-fit). ``next_piece_length`` is the one
-  cutting rule, shared with the webdataset loader.
-* :mod:`.seeding`        -- ``rank_generator(seed, dp_rank, step)``: per-rank mask streams.
+:mod:`.row_format` (how a row is built, one frozen object), :mod:`.dual_stream` (rows and their
+collation), :mod:`.attention_rule` (the rule, written once, and its forms), :mod:`.packed_metadata`
+(the metadata as Megatron's ``attention_mask`` tensor), :mod:`.packing` (the one cutting rule),
+:mod:`.seeding` (per-rank mask streams).
 
-Mask convention everywhere: True = may attend. Megatron-Core's ``attention_mask`` is the
-opposite (True = masked out); invert before handing it over.
-
+Mask convention everywhere: True = may attend; Megatron-Core's ``attention_mask`` is the opposite.
 The names below are imported on first use (PEP 562): ``tools/prepare_data.py`` and its workers
-import :mod:`.prepare`, which needs no torch, and torch's import is most of their start-up.
+need no torch, whose import is most of their start-up.
 """
 
 from __future__ import annotations

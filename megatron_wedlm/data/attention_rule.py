@@ -1,26 +1,11 @@
-"""The WeDLM attention rule, written once (:func:`may_attend`), and every form derived from it.
+"""The WeDLM attention rule of docs/method.md §2.3, written once (:func:`may_attend`), and every
+form derived from it: the dense mask (CPU), FlexAttention's ``mask_mod`` and ``BlockMask`` (GPU),
+the tile classes and the pair counts, so they agree bit for bit.
 
-The dense mask (CPU path), FlexAttention's ``mask_mod`` and ``BlockMask`` (GPU), the tile
-classes and the pair counts all call or lift the one elementwise rule, so they agree bit for bit
-with docs/method.md §2.3. Per-slot metadata (:class:`AttentionMetadata`, ``[S]`` or ``[B, S]``):
-``doc_ids`` (document in the packed row, -1 for padding), ``is_memory`` (clean memory stream
-``xo`` vs prediction stream ``xt``) and ``block_ids`` (block of the slot's logical position);
-the physical slot index is implicit (``arange(S)``). For a query q and key k of one document:
-
-=============  ============  ==============================================
-query          key           allowed when
-=============  ============  ==============================================
-memory         memory        k at or before q
-prediction b   memory        block(k) < b
-prediction b   prediction b  k at or before q in the physical (reordered) order
-prediction     other block   never
-memory         prediction    never
-=============  ============  ==============================================
-
-Padding attends nothing and is attended by nothing; ``padding_attends_self=True`` lets each
-padding slot attend itself, since softmax kernels turn an all-False row into NaN (real slots are
-unaffected and never have an empty row). True = may attend; Megatron-Core's ``attention_mask``
-is the opposite, so pass ``~mask`` there.
+Per-slot metadata (:class:`AttentionMetadata`): ``doc_ids`` (-1: padding), ``is_memory`` and
+``block_ids``; the physical slot index is implicit. Padding attends nothing unless
+``padding_attends_self`` (softmax kernels turn an empty row into NaN). True = may attend;
+Megatron-Core's ``attention_mask`` is the opposite, so pass ``~mask`` there.
 """
 
 from __future__ import annotations
@@ -72,8 +57,8 @@ def may_attend(
 
 @dataclass
 class AttentionMetadata:
-    """What an attention module needs to apply the WeDLM mask to one or more rows: tensors of one
-    shape, ``[S]`` or ``[B, S]``, passed between pipeline stages as a dict instead of an ``S x S`` mask."""
+    """What an attention module needs to apply the mask: tensors of one shape, ``[S]`` or
+    ``[B, S]``, passed between pipeline stages instead of an ``S x S`` mask."""
 
     doc_ids: Tensor
     is_memory: Tensor
@@ -113,10 +98,7 @@ def dense_attention_mask(
     metadata: AttentionMetadata, padding_attends_self: bool = False, query_slots: Tensor | None = None
 ) -> Tensor:
     """Bool mask ``[S, S]`` (or ``[B, S, S]``), True = query (row) may attend key (column); O(S x S)
-    memory, so for CPU training and tests (long rows use :func:`build_block_mask`).
-
-    ``query_slots`` (``[S_q]`` physical slots, default all) picks the rows: a context-parallel
-    rank's queries against the whole row, on global indices."""
+    memory, so for CPU and tests. ``query_slots`` picks the rows (a context-parallel rank's)."""
     k_slots = torch.arange(metadata.seq_len, device=metadata.doc_ids.device)
     q_slots = k_slots if query_slots is None else query_slots.to(k_slots.device)
 
@@ -200,10 +182,8 @@ def _tile_summaries(meta: AttentionMetadata, tile: int) -> dict[str, Tensor]:
 def classify_tiles(
     metadata: AttentionMetadata, tile_size: int = 128, padding_attends_self: bool = False
 ) -> TileClasses:
-    """Classify the mask's tiles from per-tile summaries (no ``S x S`` tensor): each of the rule's
-    conditions lifted to intervals, ``full`` only when every pair provably passes, ``partial``
-    when some pair might. Exact inside one document and stream; conservative (more partial
-    tiles, never a wrong full or empty one) at their edges."""
+    """Classify the mask's tiles from per-tile summaries (no ``S x S`` tensor), the rule lifted to
+    intervals: conservative at document and stream edges (never a wrong full or empty tile)."""
     meta = metadata.batched()
     s = meta.seq_len
     if tile_size < 1 or s % tile_size != 0:
@@ -261,9 +241,8 @@ def _ordered_indices(flags: Tensor) -> tuple[Tensor, Tensor]:
 def build_block_mask(
     metadata: AttentionMetadata, tile_size: int = 128, padding_attends_self: bool = False
 ):
-    """FlexAttention ``BlockMask`` for ``[B, S]`` metadata (heads broadcast) from
-    :func:`classify_tiles`, without ``S x S`` memory. ``S`` must be a multiple of ``tile_size``
-    (pad the batch), which also keeps the kernel's metadata reads in bounds."""
+    """FlexAttention ``BlockMask`` from :func:`classify_tiles`, without ``S x S`` memory. ``S``
+    must be a multiple of ``tile_size`` (pad the batch), which keeps the kernel's reads in bounds."""
     meta = metadata.batched()
     tiles = classify_tiles(meta, tile_size, padding_attends_self)
     kv_num, kv_idx = _ordered_indices(tiles.partial)
@@ -279,9 +258,7 @@ def build_block_mask(
 
 def allowed_keys_per_query(metadata: AttentionMetadata) -> Tensor:
     """How many keys each query slot may attend: int64 ``[B, S]`` (0 on padding), in O(S log S)
-    time and O(S) memory. The rule's table counted in closed form: each count is a difference
-    of two ``searchsorted`` positions among sorted composite keys (row, document, block, slot);
-    the tests hold it equal to the dense mask's row sums."""
+    time and O(S) memory, as differences of ``searchsorted`` positions among composite keys."""
     meta = metadata.batched()
     doc, memory = meta.doc_ids.long(), meta.is_memory
     block = meta.block_ids.long() - meta.block_ids.min().long()
@@ -314,8 +291,7 @@ def allowed_keys_per_query(metadata: AttentionMetadata) -> Tensor:
 
 
 def count_allowed_pairs(metadata: AttentionMetadata) -> Tensor:
-    """Exact number of allowed (q, k) pairs per row (``[B]``): the attention work a block-sparse
-    kernel must do at least (the training throughput's attention FLOPs count these)."""
+    """Exact number of allowed (q, k) pairs per row (``[B]``): the attention FLOPs counted."""
     return allowed_keys_per_query(metadata).sum(-1)
 
 

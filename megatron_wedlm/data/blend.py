@@ -1,32 +1,14 @@
-"""Weighted blends of data sources (``data.blend``: prepared directories, Megatron indexed
-datasets' prefixes, or both): which source each row comes from, resumably.
+"""Weighted blends of data sources (``data.blend``): which source each row comes from, resumably.
+The design and why: docs/training.md §4, "Data blends". What the code relies on:
 
-* **Unit: rows, in rounds of ``num_streams``.** Global rows are grouped into rounds of
-  ``num_streams`` consecutive rows, and a round is taken whole from one source: its next
-  ``num_streams`` rows, i.e. one row of each of that source's streams. Every source is read by
-  the one-source loader (:mod:`.webdataset_loader`) with the run's ``num_streams``, so a
-  source's row ``k`` lives on its stream ``k % num_streams``, and a round's row at offset ``o``
-  is read by data-parallel rank ``o % dp``, the rank that owns the stream (``num_streams`` is a
-  multiple of ``dp``). So each rank reads only its own streams of every source, and a row's
-  source and content depend on the global row index alone, not on ``dp`` or the worker count.
-  Rows rather than documents because rows are what a step consumes (Megatron-Core blends its
-  samples, which are rows, too); document and token shares follow the row shares when the
-  sources' documents have similar lengths, and the per-source token counts are logged.
-* **Sampling rule.** Megatron-Core's error-minimising rule (``build_blending_indices`` in its
-  ``helpers.cpp``), applied to rounds: with normalised weights ``w`` and ``c_s`` rounds given
-  to source ``s`` so far, round ``n = sum(c)`` goes to the source with the largest
-  ``w_s * max(n, 1) - c_s``, the first one on ties. No randomness: the blend is a function of
-  the weights alone (the rows inside each source follow ``data.seed`` as for one source), and at
-  every prefix each source is within about one round of its share.
-* **Exact resume.** The state holds every source's one-source state (its stream positions and
-  the global rows it gave) plus the blend's own counter (global rows consumed). The rounds
-  each source had, ``rows_s // num_streams``, are the rule's whole state, so a resume continues
-  the same sequence: bit-exact under the same layout, and under any other ``dp`` and worker
-  count that divide ``num_streams`` (the same global rows, as for one source).
-* **Same blend.** A position only means something for the blend it was taken in; a resume
-  whose sources (names, order) or weights changed is refused unless the data restarts
-  (``checkpointing.load_data_state=false``). Sources must share the task, the mask id and the
-  tokenizer (:func:`check_compatible_sources`).
+* A round of ``num_streams`` consecutive global rows comes whole from one source, one row of each
+  of its streams, so each rank reads only its own streams of every source and a row depends on
+  its global index alone, not on ``dp`` or the worker count.
+* Round ``n`` goes to the source with the largest ``w_s * max(n, 1) - c_s`` (Megatron-Core's
+  ``build_blending_indices``), the first on ties: no randomness.
+* The rounds each source had, ``rows_s // num_streams``, are the rule's whole state, so a resume
+  under any ``dp x workers`` dividing ``num_streams`` continues the same sequence; a changed blend
+  is refused, and sources must share task, mask id and tokenizer (:func:`check_compatible_sources`).
 """
 
 from __future__ import annotations
@@ -126,12 +108,8 @@ def check_compatible_sources(sources: Sequence[tuple[str, str, dict[str, Any]]])
 
 
 class BlendedDataIterator:
-    """Micro-batches for one rank from a blend, with the bookkeeping a checkpoint needs (a
-    :class:`~.webdataset_loader.DataIterator`; see the module docstring).
-
-    Each source is one :class:`TrainDataIterator` (its own loader workers); the blend asks the
-    source of the current round for this rank's next row.
-    """
+    """Micro-batches for one rank from a blend (a :class:`~.webdataset_loader.DataIterator`): one
+    :class:`TrainDataIterator` per source, asked for this rank's next row of the current round."""
 
     def __init__(
         self,

@@ -1,58 +1,21 @@
-"""Dual-stream WeDLM training rows (docs/method.md §2.1), built without loops over blocks or tokens.
+"""Dual-stream WeDLM training rows (docs/method.md §2.1), built with tensor ops only.
 
-A row packs several documents, each as ``[xo ; xt]``: the clean memory stream ``xo`` in order,
-then the prediction stream ``xt``, cut into blocks of ``block_size`` logical positions (from
-position 0, or from a random offset, see ``random_block_offset``). In each block
-``round(gamma * maskable)`` maskable tokens are replaced by the mask token, and the block
-is reordered: observed tokens first, then masked slots, each group by ascending position.
-Every slot keeps its logical position id (RoPE uses it); :mod:`.attention_rule` says who may
-attend whom.
+A row packs documents as ``[xo_0 ; xt_0 ; xo_1 ; xt_1 ; ...]``: the memory stream in order, then
+the prediction stream cut into blocks, masked and reordered (observed first, then masked). Each
+field of :class:`.row_format.RowFormat` switches one rule, given with its reason in method.md
+(``random_block_offset``: §2.2; ``prune_unmasked_blocks``: §2.3; ``mask_after_masked_end``: §2.1).
+What a caller relies on:
 
-Choices (fixed here so every training path behaves the same; the fields named are those of
-:class:`.row_format.RowFormat`):
-
-* ``gamma ~ U(0, 1]`` drawn as ``1 - U[0, 1)``, clamped to ``>= mask_eps``; one per block
-  (``ratio_mode="block"``, default) or one per document (``"document"``).
-* ``random_block_offset``: the block grid of each document starts ``r ~ U{0..B-1}`` positions
-  early (its first block holds ``B - r`` tokens). Why: a masked slot's clean context ends at its
-  block's start, and streaming decoding commits prefixes of every length, so training must put
-  that boundary at every position of the text; with the grid at position 0 an SFT answer sees it
-  at the same few places only (docs/results.md). Default off: the method cuts blocks from
-  position 0 (docs/method.md §2.2).
-* Masked count per block: ``floor(gamma * maskable + 0.5)`` (round half up), computed in
-  float64. ``gamma <= 1`` so it never exceeds the maskable count; it may be 0 for tiny gamma.
-* Which tokens: uniform among the block's maskable tokens (random 31-bit keys, smallest
-  ``count`` keys masked; ties go to the earlier position, probability ~2^-31).
-* SFT: the first ``prompt_lengths[i]`` tokens of document i are never masked and never a
-  loss target (also not an AR label).
-* ``mask_after_masked_end`` (0 by default: off; the method masks uniformly): in a block drawn
-  with this probability (1: every block), a masked ``end_token_id`` also masks every later token
-  of its block. Why: a decoding window whose end slot is still undecided often knows nothing
-  past it, but a uniform draw leaves some token after the end observed in most blocks that hold
-  it, so a model learns to end a reply only where it sees one; applied to every block, the
-  converse (end copies filled before the end slot) goes missing (docs/results.md). The extra
-  masks do not change the block's gamma or its 1/gamma weight.
-* ``prune_unmasked_blocks`` (off by default; the method's rows hold both streams whole): the
-  prediction-stream blocks with no masked slot are left out of the row. Only slots of the same
-  prediction block attend a prediction slot, and an unmasked block carries no loss, so every
-  other slot's output, the loss and its gradients are unchanged (docs/method.md §2.3); the row is
-  just shorter. Why: an SFT prompt is never masked, so every block inside it is such a block (a
-  chat template's prompt is often most of a pair), and a loader that counts on this packs more
-  pairs into a row (:func:`.packing.pruned_prompt_tokens`).
-* Random draws, in this order from ``generator``: with ``random_block_offset`` one int per
-  document first (so default batches are unchanged), then the gammas (one float64 per block or
-  per document, in document/block order), then one int key per token, then, with
-  ``0 < mask_after_masked_end < 1``, one float64 per block. Same generator state and inputs ->
-  same batch; :func:`megatron_wedlm.data.seeding.rank_generator` gives each data-parallel rank and
-  step its own stream.
-* Per-slot fields on padding: ``doc_ids = -1``, ``position_ids = block_ids = 0``,
-  ``input_ids = target_ids = pad_token_id``, no loss.
-* ``mask_ratio`` holds gamma on prediction-stream slots and 0 on memory and padding slots.
-* ``mlm_weights`` is ``1 / gamma`` on masked slots and 0 elsewhere, *unnormalised*: the loss
-  normalises over the global batch (summing weights across micro-batches and ranks).
-
-The only Python-level iteration is over the document list (reading lengths, validation,
-``torch.cat``); all per-block and per-token work is tensor ops (cumsum/sort/scatter).
+* Draws from ``generator``, in this order: one offset per document (only with
+  ``random_block_offset``, so default rows are unchanged), the gammas (per block or per document),
+  one key per token, then one float per block when ``0 < mask_after_masked_end < 1``. Same state
+  and inputs -> same row; :mod:`.seeding` gives each rank and step its own stream.
+* Masked count per block: ``floor(gamma * maskable + 0.5)`` in float64; never above the
+  maskable count, possibly 0.
+* SFT: the first ``prompt_lengths[i]`` tokens of document i are never masked nor a target.
+* Padding slots: ``doc_ids = -1``, ``position_ids = block_ids = 0``, the pad token, no loss.
+* ``mlm_weights`` (``1/gamma`` on masked slots) are unnormalised: the loss normalises over the
+  global batch.
 """
 
 from __future__ import annotations
@@ -81,15 +44,11 @@ _KEY_BITS = 31  # random selection keys live in [0, 2^31); prompt tokens get key
 
 @dataclass
 class DualStreamBatch:
-    """One packed row (tensors ``[S]``) or a stack of rows (tensors ``[B, S]``).
+    """One packed row (tensors ``[S]``) or a stack of rows (``[B, S]``), all tensors one shape.
 
-    Tensor fields (same shape): ``input_ids`` (masked slots hold the mask token),
-    ``position_ids`` (logical), ``is_memory``, ``is_masked``, ``target_ids`` (original token of
-    every slot), ``doc_ids`` (-1 = padding), ``block_ids`` (block within the document:
-    ``(position + offset) // block_size``, offset 0 unless drawn), ``mask_ratio`` (gamma on
-    prediction slots), ``mlm_weights`` (1/gamma on masked slots), ``ar_labels`` (next token on
-    memory slots, -100 where there is none or it is a prompt token), ``is_padding``. Int
-    fields: ``block_size``, ``mask_token_id``, ``pad_token_id``.
+    ``position_ids`` are logical (RoPE), ``target_ids`` the original token of every slot,
+    ``doc_ids`` -1 on padding, ``mask_ratio`` gamma on prediction slots (0 elsewhere),
+    ``ar_labels`` the next token on memory slots (-100 where none or a prompt token).
     """
 
     input_ids: Tensor
@@ -120,11 +79,8 @@ class DualStreamBatch:
         return AttentionMetadata(doc_ids=self.doc_ids, is_memory=self.is_memory, block_ids=self.block_ids)
 
     def dense_attention_mask(self, padding_attends_self: bool = False) -> Tensor:
-        """Bool ``[S, S]`` (``[B, S, S]`` when stacked), True = may attend.
-
-        ``padding_attends_self=True`` is the kernel-safe form for softmax backends (SDPA,
-        eager): padding rows attend only themselves instead of nothing, avoiding NaN.
-        """
+        """Bool ``[S, S]`` (``[B, S, S]`` stacked), True = may attend; ``padding_attends_self``
+        keeps softmax backends from NaN on padding rows (docs/method.md §2.3)."""
         return dense_attention_mask(self.attention_metadata(), padding_attends_self)
 
     def block_mask(self, tile_size: int = 128, padding_attends_self: bool = False):
@@ -135,12 +91,8 @@ class DualStreamBatch:
         return self._with_tensors(lambda t: t.to(device))
 
     def select_slots(self, slots: Tensor) -> "DualStreamBatch":
-        """The same rows restricted to physical slots ``slots`` (``[n]``, in that order).
-
-        Context parallelism hands each rank its slots this way; the slots keep their fields
-        (logical positions, labels, weights) but no longer their physical index, so the mask
-        of a selection is built from the full row's metadata (see :mod:`.attention_rule`).
-        """
+        """The rows restricted to physical slots ``slots`` (context parallelism). The slots lose
+        their physical index, so build a selection's mask from the full row's metadata."""
         return self._with_tensors(lambda t: t.index_select(-1, slots.to(t.device)))
 
     def _with_tensors(self, change) -> "DualStreamBatch":
@@ -357,9 +309,8 @@ def _mask_after_masked_end(
     probability: float,
     generator: torch.Generator | None,
 ) -> tuple[Tensor, Tensor]:
-    """``(is_masked, masked per block)`` with every non-prompt token after a masked
-    ``end_token_id`` masked too, in each block drawn with ``probability`` (a running count of
-    masked ends per block)."""
+    """``(is_masked, masked per block)``: in each block drawn with ``probability``, every
+    non-prompt token after a masked ``end_token_id`` is masked too."""
     masked_end = (is_masked & (docs.tokens == end_token_id) & ~docs.is_prompt).long()
     seen = torch.cumsum(masked_end, 0) - masked_end  # masked ends strictly before each token
     seen = seen - seen[blocks.start[blocks.of_token]]  # ... within its block
@@ -373,9 +324,8 @@ def _mask_after_masked_end(
 
 
 def _reordered_places(blocks: _BlockGrid, is_masked: Tensor, num_masked: Tensor) -> Tensor:
-    """Index t of the place each token takes once every block is reordered: observed tokens
-    (ascending) then masked ones (ascending). Exclusive cumsums give each token its rank inside
-    its group without sorting."""
+    """Index t of each token's place once every block is reordered (observed, then masked);
+    exclusive cumsums rank each token in its group without sorting."""
     observed = ~is_masked
     obs_before = torch.cumsum(observed.long(), 0) - observed.long()
     msk_before = torch.cumsum(is_masked.long(), 0) - is_masked.long()
@@ -395,9 +345,8 @@ def _write_streams(
     place: Tensor,
     mask_token_id: int,
 ) -> Tensor:
-    """Write every token into its memory slot and its prediction slot: document d occupies
-    physical slots ``[2*start_d, 2*start_d + 2*L_d)``, memory stream first. Returns each
-    token's prediction slot."""
+    """Write every token into its memory and prediction slot (document d occupies slots
+    ``[2*start_d, 2*start_d + 2*L_d)``, memory first); returns each token's prediction slot."""
     tokens = docs.tokens
     memory_slot = docs.start + torch.arange(tokens.numel())
     prediction_slot = docs.start + docs.lengths[docs.doc] + place
@@ -430,12 +379,10 @@ def build_dual_stream_batch(
     pad_to_multiple_of: int | None = None,
     max_length: int | None = None,
 ) -> DualStreamBatch:
-    """Pack ``documents`` into one dual-stream row ``[xo_0 ; xt_0 ; xo_1 ; xt_1 ; ...]`` in
-    ``row_format`` (the module docstring gives the rules each of its fields switches).
+    """Pack ``documents`` into one dual-stream row in ``row_format`` (rules: module docstring).
 
-    ``generator`` drives every random choice (``None`` uses torch's global RNG). ``max_length``
-    caps the row (ValueError if exceeded; see :func:`.packing.pack_documents_into_rows` for
-    splitting). ``pad_to`` / ``pad_to_multiple_of`` append padding slots. All outputs are CPU.
+    ``generator=None`` uses torch's global RNG; a row over ``max_length`` is a ValueError
+    (split with :func:`.packing.pack_documents_into_rows`). Outputs are on the CPU.
     """
     if len(documents) == 0:
         raise ValueError("documents is empty; need at least one document to build a row")
@@ -474,13 +421,8 @@ def build_dual_stream_batch(
 def build_memory_only_row(
     documents: Sequence[Tensor], prompt_lengths: Sequence[int], row_format: RowFormat
 ) -> DualStreamBatch:
-    """An AR training row: the documents' memory streams only (plain next-token prediction).
-
-    Same fields as a dual-stream row, so one model and one loss serve both modes: every slot is
-    memory, nothing is masked (no MLM loss), ``ar_labels`` hold the next token inside each
-    document (none after the last token or on prompt tokens), documents do not attend each
-    other and each starts at position 0.
-    """
+    """An AR training row: the documents' memory streams only, nothing masked. Same fields as a
+    dual-stream row, so one model and one loss serve both modes."""
     tokens = torch.cat([d.to(torch.long) for d in documents])
     lengths = torch.tensor([d.numel() for d in documents])
     docs = _document_tokens(tokens, lengths, torch.as_tensor(list(prompt_lengths), dtype=torch.long))
@@ -522,11 +464,7 @@ def pad_dual_stream_batch(batch: DualStreamBatch, length: int) -> DualStreamBatc
 
 
 def stack_dual_stream_batches(batches: Sequence[DualStreamBatch], pad_to: int | None = None) -> DualStreamBatch:
-    """Collate single rows into one ``[B, S]`` batch, padding each to the longest (or ``pad_to``).
-
-    The result's ``dense_attention_mask()`` is ``[B, S, S]``; ``attention_metadata()`` is the
-    ``[B, S]`` metadata for FlexAttention / pipeline stages.
-    """
+    """Collate single rows into one ``[B, S]`` batch, padding each to the longest (or ``pad_to``)."""
     if len(batches) == 0:
         raise ValueError("no batches to stack")
     for i, b in enumerate(batches):

@@ -1,18 +1,10 @@
-"""Megatron indexed datasets (``PREFIX.bin`` + ``PREFIX.idx``) read as pretraining data, as they are.
-
-Why: corpora tokenized by Megatron-LM's ``tools/preprocess_data.py`` are often too large to
-tokenize again, so a prefix is read where a prepared directory is, and nothing downstream knows
-the difference. :func:`indexed_manifest` gives it a manifest of the same shape (task
-``pretrain``, the ``data.tokenizer`` directory by absolute path, its special ids and length,
-counts) with *virtual* shards of ``documents_per_shard`` documents (``documents:START:END``):
-with the default, the same documents give the same shards, rows and masks as prepare_data.py.
-Each indexed sequence is one document, read from a per-process Megatron-Core ``IndexedDataset``.
-
-Checked before training: both files present, the ``.bin`` as long as the ``.idx`` says, every
-id below the tokenizer's length, no mask token, and every document ending with EOS (what tells
-the model a document ended in a filled row) unless ``data.append_eod`` appends it. The token
-checks read the ``.bin`` once, in chunks, and are cached under ``$MEGATRON_WEDLM_CACHE/indexed``
-keyed by both files' path, size and mtime; the other ranks of a node wait on a lock meanwhile.
+"""Megatron indexed datasets (``PREFIX.bin`` + ``PREFIX.idx``) read as pretraining data, as they
+are, since such corpora are often too large to tokenize again (docs/training.md, "Megatron indexed
+datasets"). :func:`indexed_manifest` gives a prefix a manifest of a prepared directory's shape,
+with *virtual* shards of ``documents_per_shard`` documents (``documents:START:END``), so nothing
+downstream knows the difference. Checked before training: both files whole, every id below the
+tokenizer's length, no mask token, every document ending with EOS unless ``data.append_eod``; the
+token scan is cached per file path, size and mtime, one process per node scanning.
 """
 
 from __future__ import annotations
@@ -131,8 +123,7 @@ def read_source_manifest(
 
 def read_source_task_manifest(path: str | Path, task: str, key: str, **options: Any) -> dict[str, Any]:
     """:func:`~.manifest.read_task_manifest` for any source (``options``: those of
-    :func:`read_source_manifest`); errors name the config key ``key``. A prefix holds pretraining
-    documents only: its documents carry no prompt/reply split."""
+    :func:`read_source_manifest`); errors name the config key ``key``."""
     if not is_indexed_prefix(path):
         try:
             _refuse_neither(path)
@@ -171,8 +162,7 @@ _tokenizers: dict[str, tuple[list, dict[str, Any]]] = {}
 
 
 def tokenizer_manifest(tokenizer_dir: str | Path) -> dict[str, Any]:
-    """What a prefix's manifest says about its tokenization (the whole manifest but its shards and
-    counts; enough for :func:`~.manifest.tokenization_of`). The tokenizer must hold a mask token:
+    """A prefix's manifest but its shards and counts. The tokenizer must hold a mask token:
     checkpoints and exports copy its files, which must name the token the model trains with."""
     path = Path(tokenizer_dir).resolve()
     files = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in tokenizer_files_in(path)] \
@@ -242,7 +232,7 @@ def open_indexed(prefix: str | Path) -> Any:
     if size == 0:
         raise ValueError(f"{bin_path} is empty (0 bytes): re-create {prefix}.bin/.idx with preprocess_data.py, or "
                          "the copy was cut short")
-    from megatron.core.datasets.indexed_dataset import IndexedDataset  # deferred: imports Megatron-Core (seconds)
+    from megatron.core.datasets.indexed_dataset import IndexedDataset  # deferred: Megatron-Core is slow to import
 
     try:
         dataset = IndexedDataset(str(prefix), multimodal=False, mmap=True)
@@ -409,8 +399,7 @@ def indexed_manifest(
 
 
 def indexed_file_sizes(prefix: str | Path) -> list[int]:
-    """The sizes of ``PREFIX.bin`` and ``PREFIX.idx``: what a virtual shard's fingerprint holds for
-    the size of a prepared shard's file (a changed dataset is not resumed as the old one)."""
+    """The sizes of ``PREFIX.bin`` and ``PREFIX.idx``, a virtual shard's size in the fingerprint."""
     return [p.stat().st_size if p.is_file() else -1 for p in indexed_files(prefix)]
 
 
@@ -439,8 +428,7 @@ class _ShardDocuments(Sequence):
 
 
 def shard_documents(prefix: str | Path, shard: str, append_eod_id: int = -1) -> Sequence[tuple[np.ndarray, int]]:
-    """The documents of the virtual shard ``shard`` of ``prefix``, as a prepared shard's samples
-    are read (:func:`~.webdataset_loader._read_shard`), from this process's ``IndexedDataset``."""
+    """The documents of the virtual shard ``shard`` of ``prefix``, shaped as a prepared shard's samples."""
     documents = shard_range(shard)
     if documents is None:
         raise ValueError(f"{shard} is not a virtual shard of {prefix} ({_SHARD_PREFIX}START:END)")

@@ -1,19 +1,12 @@
-"""The files corpora ship in, cut into parts that workers prepare independently.
-
-==========================  ===========================================================
-``.jsonl`` / ``.json``      JSON lines
-``.jsonl.gz``, ``.zst``     compressed JSON lines (``zstandard`` for zstd)
-``.parquet``                a column per field, read with ``pyarrow``
-Arrow ``save_to_disk``      ``state.json`` and ``data-*.arrow`` files, read with ``pyarrow``
-``.txt``                    plain text (``text_unit``: one document per file, paragraph or line)
-==========================  ===========================================================
+"""The files corpora ship in (JSON lines, plain or ``.gz``/``.zst``; parquet; Arrow
+``save_to_disk`` directories; ``.txt`` cut by ``text_unit``), cut into parts that workers prepare
+independently.
 
 A record's place is ``file:N`` (the 1-based line or row), so bad input is named where it is and
 the held-out split (a hash of the place) is the same whatever the reader. Parts depend on the
-files alone (names, sizes, ``part_bytes``), never on the worker count, so the output is the same
-for any worker count or partitioning: uncompressed JSON lines are cut at line ends and parquet
-between row groups about every ``part_bytes``; any other file is one part (a compressed stream
-cannot be entered in the middle).
+files alone, never on the worker count, so the output does not either: uncompressed JSON lines
+are cut at line ends and parquet between row groups about every ``part_bytes``; any other file
+is one part (a compressed stream cannot be entered in the middle).
 """
 
 from __future__ import annotations
@@ -411,10 +404,9 @@ def _text_documents(part: Part, unit: str, decoder: Utf8Decoder) -> Iterator[tup
 def part_records(
     part: Part, decoder: Utf8Decoder, *, columns: Sequence[str], text_unit: str, required: bool = True
 ) -> Iterator[tuple[int, Any] | BadLine]:
-    """The records of ``part``, each with its line or row number: a JSON value (JSON lines), a
-    dict of ``columns`` (parquet, Arrow; all required when ``required``) or a document's text
-    (plain text, cut by ``text_unit``). Unparsable JSON lines are :class:`BadLine`; a file its
-    reader cannot read raises :class:`InputFormatError`."""
+    """The records of ``part`` with their line or row numbers: JSON values, dicts of ``columns``
+    or documents' text. An unparsable JSON line is a :class:`BadLine`; an unreadable file raises
+    :class:`InputFormatError`."""
     if part.format == "txt":
         yield from _text_documents(part, text_unit, decoder)
     elif part.format in ("parquet", "arrow"):

@@ -1,42 +1,19 @@
 """Cut documents at block-aligned points and pack the pieces into rows of bounded length.
 
-A dual-stream row spends 2 slots per token (memory + prediction), so a row capped at
-``max_length`` slots holds at most ``max_length // 2`` tokens.
+One rule, :func:`next_piece_length`, serves this packer and the streaming loader: pretraining
+rows are filled, SFT rows next-fit so a prompt stays with its response (docs/training.md §4).
+Invariants a caller relies on:
 
-The cutting rule lives in :func:`next_piece_length`, written once and used both here and by
-the streaming loader (:mod:`.webdataset_loader`). Documents are taken in order; each decision
-is "how many of this document's remaining tokens go into the current row", and a row closes
-(padded) only when that answer is 0. Two modes:
-
-* **fill** (pretraining): the rest of a document goes in whole if it fits; otherwise its next
-  ``floor(space_left / block_size) * block_size`` tokens fill the row and the document goes on
-  at the start of the next row. Pretraining documents have no structure worth keeping in one
-  row, and a row closed early is computed as padding (docs/training.md).
-* **next-fit** (SFT): a document that does not fit in the space left closes the row and starts
-  the next one, so a prompt is never separated from its response. Only a document longer than
-  a whole row is cut, into row-sized pieces.
-
-In both modes every cut lies at a multiple of ``block_size`` from the document's start (the
-row capacity is whole blocks), so a piece's masking blocks are exactly the blocks the whole
-document would have had.
-
-Every piece becomes a standalone document with positions from 0: a piece cannot see the
-earlier piece's memory (it lives in another row), so its original positions would train the
-model on contexts that never occur at inference.
-
-Rows whose unmasked prediction blocks are pruned (``prune_unmasked_blocks``, see
-:mod:`.dual_stream`) do not hold an SFT prompt's blocks in the prediction stream. Where the block
-grid falls is drawn later, with the masks, so the packer counts what every grid leaves out: all
-but the last ``block_size - 1`` prompt tokens (:func:`pruned_prompt_tokens`). A piece of ``n``
-tokens of which ``s`` are spared so takes ``2n - s`` slots, and the row its place counts as
-``n - s // 2`` tokens; a row never outgrows its slots, and the grid's real draw only adds padding.
-Only a piece that ends its document is counted so: a cut piece fills its row, as without pruning.
-
-SFT prompts are a prefix, so only the first piece(s) can hold prompt tokens: a piece's prompt
-length is the part of the prompt inside it. A prompt that fills a whole row leaves nothing to
-learn and is rejected (ValueError) rather than silently dropped; later pieces of a split answer
-train without the prompt in view. Every token of every document appears exactly once, in order;
-the only Python loop is over pieces.
+* A row of ``max_length`` slots holds at most ``max_length // 2`` tokens (two streams), in whole
+  blocks, and every cut lies at a multiple of ``block_size`` from the document's start, so a
+  piece's blocks are those the whole document would have had.
+* Every piece is a standalone document with positions from 0: it cannot see the earlier piece's
+  memory, which lives in another row.
+* With ``prune_unmasked_blocks`` (docs/method.md §2.3) a piece of ``n`` tokens with ``s``
+  :func:`pruned_prompt_tokens` takes ``2n - s`` slots whatever grid is drawn later, so a row never
+  outgrows its slots; only a piece that ends its document is counted so.
+* A piece's prompt length is the part of the prompt inside it; a prompt filling a whole row is a
+  ValueError. Every token appears exactly once, in order.
 """
 
 from __future__ import annotations
@@ -53,15 +30,10 @@ __all__ = ["PackedRow", "next_piece_length", "pack_documents_into_rows", "piece_
 def next_piece_length(
     remaining: int, space: int, capacity: int, block_size: int, *, fill: bool, spared: int = 0
 ) -> int:
-    """Tokens of a document's ``remaining`` tokens that go into a row with ``space`` of its
-    ``capacity`` tokens still free; 0 means "close this row and ask again with an empty one".
-
-    ``fill=True`` packs pretraining rows full (block-aligned cut where the row ends);
-    ``fill=False`` is next-fit (SFT: a document is only cut when it is longer than a row).
-    ``spared``: token places the remainder does not take if it goes in whole (a pruned row's
-    ``pruned_prompt_tokens(prompt) // 2``, module docstring); a piece still holds at most
-    ``capacity`` tokens, the positions a row is sized for.
-    An empty row (``space == capacity``) always takes something, so the caller cannot loop.
+    """Tokens of a document's ``remaining`` that go into a row with ``space`` of ``capacity`` free;
+    0 means "close this row and ask again". ``fill``: pretraining (cut where the row ends), else
+    next-fit. ``spared``: places the remainder saves if it goes in whole (:func:`spared_places`).
+    An empty row always takes something, so the caller cannot loop.
     """
     if remaining - spared <= space and remaining <= capacity:
         return remaining
@@ -90,10 +62,8 @@ def spared_places(prompt_length: int, block_size: int, prune: bool) -> int:
 
 @dataclass
 class PackedRow:
-    """Documents (pieces) for one row, ready for ``build_dual_stream_batch``.
-
-    ``sources[i] = (document index, start token)`` says where piece i came from.
-    """
+    """Pieces for one row, ready for ``build_dual_stream_batch``; ``sources[i]`` is piece i's
+    (document index, start token)."""
 
     documents: list[Tensor] = field(default_factory=list)
     prompt_lengths: list[int] = field(default_factory=list)
@@ -118,15 +88,8 @@ def pack_documents_into_rows(
     fill: bool = False,
     prune_unmasked_blocks: bool = False,
 ) -> list[PackedRow]:
-    """Cut documents at block-aligned points and pack the pieces, in order, into rows of at most
-    ``(max_length // 2) // block_size * block_size`` tokens.
-
-    ``fill=True`` is the loader's pretraining packing (rows filled, documents continued in the
-    next row); ``fill=False`` its SFT packing (next-fit). ``prune_unmasked_blocks``: the rows will
-    be built pruned, so a prompt takes fewer places (module docstring). Returns rows that fit
-    ``max_length`` slots (``row_length``, or fewer once pruned); build each with
-    ``build_dual_stream_batch(row.documents, row_format, generator, row.prompt_lengths)``.
-    """
+    """Pack ``documents``, in order, into rows that fit ``max_length`` slots, as the loader does
+    (``fill=True``: pretraining; ``prune_unmasked_blocks``: the rows will be built pruned)."""
     if len(documents) == 0:
         raise ValueError("documents is empty; need at least one document to pack")
     if not isinstance(block_size, int) or block_size < 1:

@@ -1,23 +1,12 @@
 """Raw text or chat records -> a prepared directory of tokenized webdataset shards (the layout
-and manifest are :mod:`.manifest`'s contract).
+and manifest are :mod:`.manifest`'s contract; usage and options: docs/tools.md, prepare_data.py).
 
-Inputs (:mod:`.input_formats`): JSON lines (plain, ``.gz``, ``.zst``), parquet, Arrow
-``save_to_disk`` directories and plain text; SFT takes records only (``messages``, or ``prompt``
-and ``response``), rendered with the chat template, only the final reply learnt
-(:mod:`.tokenize_part`). What is made of them is a :class:`PrepareOptions`.
-
-Bad input lines are skipped and reported as ``file:line: reason``. Invalid UTF-8 stops the run
-naming ``file:line`` (as HF ``datasets`` and Megatron-LM's ``preprocess_data.py`` do: a replaced
-byte trains the model on U+FFFD), unless ``encoding_errors="replace"``, which counts it per file.
-
-Parallel, partitioned, resumable: the input is cut into parts that depend on the files alone
-(:func:`.input_formats.plan_parts`); each is tokenized into its own directory under
-``<output>.parts/``, by ``workers`` processes or, with ``partition=(i, n)``, one job of a SLURM
-array. A finished part survives a killed run, and the same command goes on with the others
-(``plan.json`` holds the inputs and options; other ones are refused unless ``overwrite``). The
-merge links the parts' shards in part order, so the output is the same for any worker count or
-partitioning. The output is written beside its place and renamed into it when complete
-(:func:`~megatron_wedlm.runtime.atomic_output.atomic_output_dir`), so a failed run leaves an
+Inputs are read by :mod:`.input_formats` and tokenized by :mod:`.tokenize_part`. Invalid UTF-8
+stops the run at ``file:line`` unless ``encoding_errors="replace"``: a replaced byte would train
+the model on U+FFFD. The input is cut into parts that depend on the files alone, each tokenized
+into ``<output>.parts/`` (by ``workers`` processes, or one job per ``partition=(i, n)``), so a
+finished part survives a killed run and the merged output is the same for any worker count or
+partitioning. The output is renamed into place only when complete, so a failed run leaves an
 earlier prepared directory as it was.
 """
 
@@ -189,8 +178,8 @@ def _input_files(inputs: Sequence[str | Path], task: str) -> list[Path]:
 
 
 def default_part_bytes(files: Sequence[Path]) -> int:
-    """About how many input bytes a part holds unless told: 1/64 of the input, within
-    [:data:`MIN_PART_BYTES`, :data:`MAX_PART_BYTES`] (a function of the input alone, as parts must be)."""
+    """Input bytes per part unless told: 1/64 of the input, within [:data:`MIN_PART_BYTES`,
+    :data:`MAX_PART_BYTES`]; a function of the input alone, as parts must be."""
     total = sum(f.stat().st_size for f in files)
     return min(MAX_PART_BYTES, max(MIN_PART_BYTES, total // 64))
 
@@ -334,10 +323,8 @@ def _run_parts(plan: dict[str, Any], indices: Sequence[int], workers: int, show_
 
 
 def _part_failed(index: int, part: Part, work: Path, out: Path, err: BaseException) -> BaseException:
-    """The error a failed part stops the run with: a full disk named as such; otherwise the
-    part's error (of the same class where it can be rebuilt) with the part named and what became
-    of the finished ones: kept for the next run, or, none being finished, the work directory
-    removed."""
+    """The error a failed part stops the run with: a full disk named as such, else the part's
+    error naming the part and the finished parts kept (none finished: the work directory goes)."""
     done = sum(1 for _ in work.glob(f"part-*/{PART_FILE}"))
     if not done:
         shutil.rmtree(work, ignore_errors=True)
@@ -354,9 +341,8 @@ def _part_failed(index: int, part: Part, work: Path, out: Path, err: BaseExcepti
 
 def _run_in_pool(options: PartOptions, parts: list[Part], todo: list[int], work: Path, workers: int,
                  progress: _Progress) -> tuple[int, BaseException] | None:
-    """The parts in ``workers`` processes (forked: the parent's imports are not redone). A failed
-    part stops new ones from starting; the running ones finish and are kept. Returns the first
-    failure (its part and error), if any."""
+    """The parts in ``workers`` forked processes; a failure starts no new part, lets the running
+    ones finish, and is returned (part, error)."""
     context = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     queue = context.Queue()
     pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker, initargs=(queue,))
@@ -419,13 +405,9 @@ def prepare_dataset(
     options: PrepareOptions = PrepareOptions(), *, workers: int = 1, part_bytes: int | None = None,
     overwrite: bool = False, show_progress: bool = False, report: Callable[[str], None] | None = None,
 ) -> PrepareSummary:
-    """Tokenize ``inputs`` into a prepared directory ``output_dir`` as ``options`` say.
-
-    ``workers``: processes tokenizing parts at once (one core each); ``part_bytes``: about how
-    much input a part holds (None: :func:`default_part_bytes`). ``report`` receives one line per
-    bad input line (the first ``options.max_reported``) and per file with replaced invalid
-    UTF-8 (default: stderr). Every input is checked and the tokenizer loaded before anything is
-    written. Returns the run summary (also stored in ``manifest.json``).
+    """Tokenize ``inputs`` into a prepared directory ``output_dir`` as ``options`` say; returns
+    the summary ``manifest.json`` stores. Every input is checked and the tokenizer loaded before
+    anything is written; ``report`` (default stderr) gets each bad line, as ``file:line: reason``.
     """
     out = Path(output_dir)
     plan = _plan(inputs, out, PartOptions.of(options, tokenizer_dir), part_bytes, overwrite)

@@ -1,10 +1,8 @@
 """One part of the input -> tokenized webdataset shards: the work a preparation worker does.
 
-A part's records become samples (pretraining text tokenized with special-token parsing off and
-EOS appended; SFT conversations rendered with the chat template, only the final reply learnt),
-bad records are counted and listed, and the samples go into ``shard-NNNN.tar`` files in the
-part's own directory. ``part.json`` (:class:`PartResult`) is written last, so a part directory
-that has it is complete and a restarted run skips it.
+Pretraining text is tokenized with special-token parsing off and EOS appended; SFT conversations
+are rendered with the chat template, only the final reply learnt. ``part.json``
+(:class:`PartResult`) is written last, so a part directory that has it is complete.
 """
 
 from __future__ import annotations
@@ -60,14 +58,10 @@ class Sample:
 
 @dataclass(frozen=True, kw_only=True)
 class PrepareOptions:
-    """What a preparation makes of its input: how records are read, tokenized, split and sharded.
-    These options decide the output (a plan with other ones is refused); how the run goes
-    (workers, part size, progress) is given to :func:`.prepare.prepare_dataset` apart.
-
-    ``valid_fraction``: the share of documents held out into ``valid/`` (0: none). ``reply_end``
-    (SFT): the text, one token, that ends every reply before its closing special tokens, recorded
-    as ``end_token_id`` (None: the reply's last special token). ``max_reported``: bad lines listed
-    one by one (the others are counted)."""
+    """What a preparation makes of its input; these options decide the output (a plan with other
+    ones is refused), how the run goes is :func:`.prepare.prepare_dataset`'s. ``reply_end`` (SFT):
+    the one-token text that ends every reply, recorded as ``end_token_id`` (None: the reply's
+    last special token)."""
 
     task: str = "pretrain"
     samples_per_shard: int = 10_000
@@ -372,11 +366,8 @@ def load_run_tokenizer(
 
 
 class _ShardWriter:
-    """Writes ``shard-%04d.tar`` files of ``samples_per_shard`` samples in webdataset's layout
-    (a ``<key>.tokens.npy`` and a ``<key>.json`` member per sample); records counts.
-
-    Plain ustar members with a zero mtime, headers from ``tarfile.TarInfo.tobuf``: cheaper than
-    ``TarFile.addfile``'s pax headers and copies, and the same input gives the same bytes."""
+    """Writes ``shard-%04d.tar`` files of ``samples_per_shard`` samples in webdataset's layout,
+    as plain ustar members with a zero mtime, so the same input gives the same bytes."""
 
     def __init__(self, output_dir: Path, samples_per_shard: int) -> None:
         output_dir.mkdir(exist_ok=True)

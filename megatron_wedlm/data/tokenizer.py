@@ -1,11 +1,9 @@
 """A byte-level BPE tokenizer trained on a local corpus, saved as a HF tokenizer (quickstart, tiny test models).
 
-Why Qwen2's pipeline: the model is exported as an ordinary ``qwen2``/``qwen3`` checkpoint, whose
-tokenizer transformers 5 reloads as ``Qwen2Tokenizer`` (Qwen2's normalizer, pre-tokenizer and
-decoder around the saved vocabulary); a BPE trained otherwise would encode differently after
-the export. :func:`check_reload` proves the ids survive. Byte-level, so any text round-trips
-exactly. Special tokens ``<|endoftext|>`` (EOS), ``<|pad|>`` and ``<|mask|>`` have the fixed
-ids 0, 1, 2.
+Qwen2's pipeline, because the exported ``qwen2``/``qwen3`` checkpoint's tokenizer is reloaded as
+``Qwen2Tokenizer``, and a BPE trained otherwise would encode differently after the export
+(:func:`check_reload` proves the ids survive). Special tokens ``<|endoftext|>`` (EOS), ``<|pad|>``
+and ``<|mask|>`` have the fixed ids 0, 1, 2.
 """
 
 from __future__ import annotations
@@ -36,11 +34,7 @@ MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte plus the special tokens
 def train_byte_level_bpe(
     texts: Iterable[str], vocab_size: int, special_tokens: Iterable[str] = SPECIAL_TOKENS
 ) -> Tokenizer:
-    """The raw ``tokenizers`` BPE (Qwen2 normalizer, pre-tokenizer and decoder) learnt from ``texts``.
-
-    Shared by the quickstart and the tiny test tokenizers, so both survive a save and reload next to
-    a qwen2/qwen3 config unchanged.
-    """
+    """The raw ``tokenizers`` BPE (Qwen2 normalizer, pre-tokenizer and decoder) learnt from ``texts``."""
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(

@@ -1,20 +1,11 @@
 """The validation rows of a run: the first rows of a held-out prepared directory, fixed for the run.
 
-A validation curve compares the model with itself over time, and runs with each other, so every
-evaluation scores exactly the same rows with exactly the same masks and ratios:
-
-* the rows are those of **one stream** reading the directory (shard and sample order shuffled
-  by :data:`VALIDATION_SEED`), packed by the training loader's rules
-  (:func:`~.webdataset_loader.stream_rows`), masks drawn from ``rank_seed(VALIDATION_SEED, 0,
-  row)``. Nothing depends on ``data.seed``, ``data.num_streams`` or the parallel layout, so two
-  runs with different training seeds are scored on the same rows.
-* an evaluation takes the first ``rows`` of them (``trainer.eval_iters x data.global_batch_size``),
-  dealt to data-parallel ranks as training rows are: global row ``g = j * dp + d`` is rank
-  ``d``'s ``j``-th row, its micro-batches consecutive rows.
-* a directory with fewer rows wraps around (the stream's next epoch, as training data does);
-  :attr:`ValidationRows.passes` says how often its documents were read.
-
-The rows are built once, when the run starts, and kept (this rank's share only).
+Every evaluation, of this run or another, scores the same rows with the same masks: they are the
+rows of one stream seeded by :data:`VALIDATION_SEED` (:func:`~.webdataset_loader.stream_rows`,
+masks from ``rank_seed(VALIDATION_SEED, 0, row)``), independent of ``data.seed``,
+``data.num_streams`` and the parallel layout. An evaluation takes the first ``rows``, dealt to
+ranks as training rows are; a smaller directory wraps around (:attr:`ValidationRows.passes`).
+The rows are built once, at the start, and kept (this rank's share only).
 """
 
 from __future__ import annotations

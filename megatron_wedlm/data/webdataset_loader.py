@@ -1,51 +1,19 @@
 """Stream prepared webdataset shards into packed training rows, resumable at the exact sample.
 
-How samples reach a rank (and why it is done this way):
+The design and its reasons: docs/training.md §4 (streams, global row order, exact resume, shard
+fingerprint) and §7 (learnable end tokens). What the code relies on:
 
-* **Streams.** The shards are dealt once, by a seeded permutation, to ``num_streams`` virtual
-  streams (shard ``perm[i]`` -> stream ``i % num_streams``). A stream reads its shards one after
-  another (order reshuffled every epoch, samples inside a shard shuffled too), packs documents
-  into rows and numbers its rows. Every row is therefore a pure function of (seed, stream, row
-  number): nothing depends on how many ranks or workers happen to read it.
-* **Global row order.** Global row ``g`` is row ``g // num_streams`` of stream
-  ``g % num_streams``. Data-parallel rank ``d`` of ``dp`` trains on global rows
-  ``g = j * dp + d`` (its ``j``-th row), so it owns streams ``v = d, d + dp, ...`` and reads
-  them round-robin; its dataloader workers split those streams again (worker ``w`` owns the
-  ones it will be asked for, since PyTorch's loader takes items from workers in turn). No shard
-  is read by two ranks, and no sample is seen twice in a stream's epoch.
-* **Exact resume.** Each row carries its stream's position *after* it (epoch, shard cursor,
-  sample cursor, token offset inside the sample, rows emitted). The trainer records the
-  position of the last row it consumed per stream; a checkpoint stores all of them plus the
-  number of global rows consumed. A resumed run, under any ``dp`` and worker count that divide
-  ``num_streams``, re-opens each stream at its position and continues with the first token not
-  yet trained on (possibly in the middle of a sample). Prefetched but unconsumed rows do not count.
-* **Packing.** :func:`megatron_wedlm.data.packing.next_piece_length` decides, sample after
-  sample, how many of the sample's remaining tokens go into the current row: the rule of
-  :mod:`~megatron_wedlm.data.packing` (pretraining rows filled, SFT rows next-fit, cuts at
-  multiples of ``block_size``, pruned prompts taking less room), applied piece by piece so that a
-  row may end inside a sample. Rows hold ``seq_length // 2`` tokens for WeDLM (two streams) and
-  ``seq_length`` tokens for AR (``wedlm.enabled=false``, memory stream only), rounded down to
-  whole blocks. SFT samples whose prompt fills a whole row cannot be learnt and are skipped
-  (counted in the position's ``skipped``).
-* **Learnable end tokens.** WeDLM SFT reads every sample with ``appended_end_tokens``
-  (``wedlm.num_learnable_end_tokens - 1``) copies of the reply's end token appended, as the
-  reference finetune's ``num_learnable_im_end`` does: they belong to the reply (learnt, masked
-  like it), so the decoding window's slots past a reply's end learn to predict the end. They are
-  appended before packing, so the rules above apply to the longer sample unchanged; nothing is
-  truncated, hence no room is reserved (the reference truncates to ``max_len - (n - 1)`` first).
-* **Megatron indexed datasets.** A ``PREFIX.bin``/``PREFIX.idx`` pair is read through a manifest
-  of the same shape (:mod:`.indexed`): its shards are *virtual*, ranges of documents
-  (``documents:START:END``) read from Megatron-Core's ``IndexedDataset``; everything above applies
-  to them unchanged (with ``data.append_eod`` a document lacking EOS gets it appended on reading).
-* **Same data.** A position only means something for the shards it was taken in. The state
-  records a fingerprint of the shard set (every shard's name, size, sample and token count, in
-  manifest order; a virtual shard's size is that of the ``.bin`` and ``.idx``); a resume on a
-  different shard set is refused, unless the run sets
-  ``checkpointing.allow_data_change=true`` (the same samples in rewritten shards) or restarts
-  the data with ``checkpointing.load_data_state=false``.
-* **Masks.** Dual-stream rows are built in the workers with a generator seeded by
-  ``rank_seed(seed, stream, row number)``: different ranks draw different masks, and a resumed
-  run redraws the same masks for the same rows.
+* Shards are dealt once, seeded, to ``num_streams`` streams; a row is a pure function of (seed,
+  stream, row number), never of the number of ranks or workers.
+* Global row ``g`` is row ``g // num_streams`` of stream ``g % num_streams``; rank ``d`` of ``dp``
+  trains on rows ``j * dp + d``, and its loader workers split its streams again.
+* Each row carries its stream's position *after* it; a resume under any ``dp x workers`` dividing
+  ``num_streams`` continues at the first token not trained on (prefetched rows do not count).
+* Packing is :func:`.packing.next_piece_length`, applied piece by piece so a row may end inside a
+  sample; SFT samples whose prompt fills a row are skipped and counted.
+* WeDLM SFT samples get ``appended_end_tokens`` end tokens before packing (nothing truncated).
+* A Megatron ``.bin``/``.idx`` pair is read as virtual shards of documents (:mod:`.indexed`).
+* Masks use a generator seeded by ``rank_seed(seed, stream, row number)``.
 """
 
 from __future__ import annotations
@@ -175,9 +143,8 @@ def row_capacity(spec: LoaderSpec) -> int:
 
 
 def shards_fingerprint(data_dir: str | Path, shards: Sequence[dict[str, Any]]) -> str:
-    """A hash of the shard set a stream position refers to: each manifest shard's name, sample and
-    token count and its file size (a virtual shard of a Megatron indexed dataset: the sizes of its
-    ``.bin`` and ``.idx``), in manifest order (cheap: no shard is read)."""
+    """A hash of the shard set a stream position refers to: each shard's name, sample and token
+    count and file size (a virtual shard: its ``.bin`` and ``.idx``), in manifest order; reads no shard."""
     entries = []
     for shard in shards:
         file = Path(data_dir) / shard["path"]
@@ -192,10 +159,9 @@ def shards_fingerprint(data_dir: str | Path, shards: Sequence[dict[str, Any]]) -
 def manifest_row_format(
     data_dir: str | Path, manifest: dict[str, Any] | None = None, *, num_learnable_end_tokens: int = 0, **fields: Any
 ) -> RowFormat:
-    """The :class:`RowFormat` of ``fields`` (its settings other than the token ids) for the data
-    in ``data_dir`` (or described by ``manifest``): the mask and pad ids its manifest records, and
-    for SFT data the reply's end token, appended ``num_learnable_end_tokens - 1`` times (0 or 1:
-    none; see the module docstring) and masked after with ``mask_after_masked_end``."""
+    """The :class:`RowFormat` of ``fields`` for the data in ``data_dir`` (or ``manifest``): the
+    manifest's mask and pad ids, and for SFT the reply's end token, appended
+    ``num_learnable_end_tokens - 1`` times."""
     if manifest is None:
         manifest = read_manifest(data_dir)
     mask = int(manifest["mask_token_id"])
@@ -222,9 +188,8 @@ def loader_spec_from_manifest(
     task: str | None = None,
     manifest: dict[str, Any] | None = None,
 ) -> LoaderSpec:
-    """A :class:`LoaderSpec` for a directory written by ``tools/prepare_data.py``, or for any data
-    source whose ``manifest`` is given (a Megatron indexed dataset's: :mod:`.indexed`), its rows in
-    ``row_format``, whose token ids the manifest must share (a blend's sources, the validation data)."""
+    """A :class:`LoaderSpec` for a prepared directory, or any source whose ``manifest`` is given
+    (:mod:`.indexed`); ValueError unless the manifest shares ``row_format``'s token ids."""
     if manifest is None:
         manifest = read_manifest(data_dir)
     if task is not None and manifest["task"] != task:
@@ -257,9 +222,8 @@ def loader_spec_from_manifest(
 
 
 def _end_token_id(data_dir: str | Path, manifest: dict[str, Any]) -> int:
-    """The token that ends a reply: the manifest's ``end_token_id``; data prepared before it was
-    recorded falls back to ``eos_token_id`` (right for ``--raw-sft`` data, which ends replies with
-    EOS; a chat template may end them with another token, e.g. ``<|im_end|>``), said once."""
+    """The token that ends a reply: the manifest's ``end_token_id``, else ``eos_token_id`` with a
+    warning (right for ``--raw-sft`` data only)."""
     if manifest.get("end_token_id") is not None:
         return int(manifest["end_token_id"])
     eos = manifest.get("eos_token_id")
@@ -303,9 +267,8 @@ def _decode_shard(path: Path) -> list[tuple[np.ndarray, int]]:
 
 
 def _read_shard(path: Path) -> list[tuple[np.ndarray, int]]:
-    """All samples of a shard, in file order: (read-only int32 tokens, prompt length). Served from
-    a least-recently-used cache of decoded shards (:data:`SHARD_CACHE_BYTES`) while the file's
-    inode, size and modification time are unchanged."""
+    """All samples of a shard, in file order: (read-only int32 tokens, prompt length), cached
+    (:data:`SHARD_CACHE_BYTES`) while the file's inode, size and mtime are unchanged."""
     stat = path.stat()
     key = (str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
     if key in _shard_cache:
@@ -321,8 +284,7 @@ def _read_shard(path: Path) -> list[tuple[np.ndarray, int]]:
 
 
 def _shard_samples(spec: LoaderSpec, shard: int) -> Sequence[tuple[np.ndarray, int]]:
-    """The samples of shard ``shard`` of ``spec``: a prepared shard's file (:func:`_read_shard`), or
-    a virtual shard's documents of a Megatron indexed dataset (:func:`.indexed.shard_documents`)."""
+    """The samples of shard ``shard``: a prepared file's, or a virtual shard's documents."""
     path = spec.shard_paths[shard]
     if shard_range(path) is not None:
         return shard_documents(spec.data_dir, path, spec.append_eod_id)
@@ -351,9 +313,8 @@ class _Sample:
 
 
 def _samples(spec: LoaderSpec, stream: int, start: StreamPosition) -> Iterator[_Sample | StreamPosition]:
-    """The stream's samples from ``start`` on, forever (epochs wrap); the first one may be
-    partly consumed (``start.token_offset``). Yields a bare position after a skipped sample so
-    the caller can account for it."""
+    """The stream's samples from ``start`` on, forever (epochs wrap), the first possibly partly
+    consumed; a skipped sample yields a bare position so the caller can count it."""
     capacity = row_capacity(spec)
     pos = StreamPosition(**asdict(start))
     while True:
@@ -395,11 +356,8 @@ class RowItem:
 
 
 def stream_rows(spec: LoaderSpec, stream: int, start: StreamPosition) -> Iterator[RowItem]:
-    """Rows of one stream from ``start`` on (deterministic; see the module docstring).
-
-    The cutting happens here, piece by piece, so that a row's end can fall inside a sample:
-    the row's "after" position then names that sample and the token where the next row goes on.
-    """
+    """Rows of one stream from ``start`` on, deterministic; a row ending inside a sample has an
+    "after" position naming that sample and the token where the next row goes on."""
     capacity = row_capacity(spec)
     fill = spec.task == "pretrain"
     block_size = spec.row_format.block_size
@@ -447,11 +405,8 @@ def _build_row(spec: LoaderSpec, stream: int, row: int, docs: list[torch.Tensor]
 
 
 class StreamingRowDataset(IterableDataset):
-    """The rows of one data-parallel rank, in its global order, split over loader workers.
-
-    ``start_row`` is the rank's next row index ``j`` (rows already trained on), ``positions``
-    the saved stream positions (missing streams start at the beginning).
-    """
+    """The rows of one data-parallel rank, in its global order, split over loader workers, from
+    its row ``start_row`` and the saved ``positions`` (a missing stream starts at its beginning)."""
 
     def __init__(
         self,
@@ -501,9 +456,8 @@ class StreamingRowDataset(IterableDataset):
 
 
 def _as_arrays(item: RowItem) -> RowItem:
-    """A worker's row with numpy arrays for tensors: they cross to the trainer as bytes in one
-    message, where each tensor would take a shared-memory file of its own (slower than a small
-    model's step)."""
+    """A worker's row with numpy arrays for tensors: they cross to the trainer in one message,
+    where each tensor would take a shared-memory file of its own."""
     names = DualStreamBatch.tensor_field_names()
     return replace(item, batch=replace(item.batch, **{n: getattr(item.batch, n).numpy() for n in names}))
 
@@ -536,12 +490,8 @@ class DataIterator(Protocol):
 
 
 class TrainDataIterator:
-    """Micro-batches for one rank, with the bookkeeping a checkpoint needs.
-
-    ``next_microbatch()`` returns a stacked ``[micro_batch_size, seq_length]`` batch;
-    ``state_dict()`` the positions of the streams this rank consumed (merged across ranks by
-    :meth:`merge_states` before saving).
-    """
+    """Micro-batches for one rank (:class:`DataIterator`), with the stream positions a checkpoint
+    needs (merged across ranks by :meth:`merge_states` before saving)."""
 
     def __init__(
         self,
@@ -607,8 +557,7 @@ class TrainDataIterator:
 
     @staticmethod
     def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        """Each stream is owned by exactly one data-parallel rank; ranks sharing a DP rank (TP/PP
-        peers) hold identical copies, so the owner's entry is taken."""
+        """Each stream's position from its owning data-parallel rank (TP/PP peers hold copies)."""
         if not states:
             raise ValueError("no data states to merge")
         first = states[0]
