@@ -1,20 +1,11 @@
-"""CPU runtime for Megatron-Core: the one place where we bend Megatron to run without CUDA.
+"""CPU runtime for Megatron-Core: the one place that redirects Megatron's CUDA assumptions (current
+device, RNG tracker, ``device="cuda"`` factories, synchronize, CUDA tensor-type checks) so its real
+models, schedules and optimizers run on CPU with gloo.
 
-Megatron-Core assumes a CUDA device in a handful of places (``torch.cuda.current_device()`` as a
-tensor device, the CUDA RNG tracker, literal ``device="cuda"`` factories, ``torch.cuda.synchronize``,
-and ``param.type() == 'torch.cuda.FloatTensor'`` checks). Our tests and the CPU quickstart run
-Megatron's real models, schedules and optimizers on CPU with the gloo backend, so those spots
-are redirected here, and nowhere else in the code base.
-
-Rules this module keeps:
-
-* It is activated explicitly (:func:`activate_cpu_runtime`, or ``MEGATRON_WEDLM_CPU=1`` through
-  :func:`activate_from_env`); importing it changes nothing.
-* It refuses to activate when CUDA is available, so it can never alter Megatron on a GPU.
-* It refuses Megatron-Core versions it was not checked against: each patch below names the
-  Megatron-Core lines it covers, and those lines move between releases.
-* Every patch replaces something that cannot work on a CPU-only torch build (it would raise or
-  silently do nothing), so no behaviour that works on CPU is changed.
+It activates only explicitly (:func:`activate_cpu_runtime`, or ``MEGATRON_WEDLM_CPU=1`` through
+:func:`activate_from_env`; importing changes nothing), never where CUDA is available, and only on
+the Megatron-Core releases whose lines each patch names; every patch replaces something that
+cannot work on a CPU-only torch, so nothing that works on CPU changes.
 """
 
 from __future__ import annotations
