@@ -94,7 +94,6 @@ class LeanBody:
     """The HF body's call in :meth:`.ModelRunner.forward`; returns ``last_hidden_state``."""
 
     def __init__(self, body):
-        self.body = body
         self.embed, self.rotary, self.final_norm = body.embed_tokens, body.rotary_emb, _norm(body.norm)
         first = body.layers[0].self_attn
         self.heads, self.kv_heads = body.config.num_attention_heads, body.config.num_key_value_heads
