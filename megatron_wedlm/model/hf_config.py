@@ -31,6 +31,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "llama": "LlamaForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -63,6 +64,12 @@ class ModelArgs:
     dtype: str = "bfloat16"  # dtype of the weights as stored
     make_vocab_size_divisible_by: int = DEFAULT_MAKE_VOCAB_SIZE_DIVISIBLE_BY
     hf_config: dict[str, Any] = field(default_factory=dict)  # original config.json, for export
+    # Mixture of experts (qwen3_moe): every layer's MLP is num_experts SwiGLU experts of
+    # moe_ffn_hidden_size, top-moe_topk routed; the top-k weights renormalised if moe_norm_topk_prob.
+    num_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    moe_topk: int | None = None
+    moe_norm_topk_prob: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -82,10 +89,22 @@ class ModelArgs:
             )
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        given = sum(f is not None for f in (self.num_experts, self.moe_ffn_hidden_size, self.moe_topk))
+        if given not in (0, 3) or (given == 3) != (self.architecture == "qwen3_moe"):
+            raise ValueError(
+                f"architecture {self.architecture!r} with num_experts={self.num_experts}, moe_ffn_hidden_size="
+                f"{self.moe_ffn_hidden_size}, moe_topk={self.moe_topk}: qwen3_moe needs all three, dense models none"
+            )
+        if self.is_moe and not 0 < self.moe_topk <= self.num_experts:
+            raise ValueError(f"moe_topk={self.moe_topk} must be in 1..num_experts={self.num_experts}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
 
     @property
     def qkv_rows(self) -> int:
@@ -176,6 +195,12 @@ def _check_supported_features(config: Any) -> None:
         )
     if arch == "llama" and getattr(config, "mlp_bias", False):
         raise UnsupportedModelError("llama with mlp_bias=true is not supported")
+    if arch == "qwen3_moe" and (config.mlp_only_layers or config.decoder_sparse_step != 1):
+        raise UnsupportedModelError(
+            f"qwen3_moe with dense layers (mlp_only_layers={config.mlp_only_layers}, decoder_sparse_step="
+            f"{config.decoder_sparse_step}) is not supported; every layer must be a MoE layer "
+            "(mlp_only_layers=[], decoder_sparse_step=1, as in Qwen3-30B-A3B and Qwen3-235B-A22B)"
+        )
 
 
 def _check_heads(raw: dict[str, Any], config: Any) -> None:
@@ -196,7 +221,10 @@ def _check_heads(raw: dict[str, Any], config: Any) -> None:
 
 def _has_qkv_bias(config: Any) -> bool:
     """Qwen2 always; Qwen3 with ``attention_bias`` (its o_proj bias must then be zero or absent)."""
-    return config.model_type == "qwen2" or (config.model_type == "qwen3" and bool(config.attention_bias))
+    return config.model_type == "qwen2" or (config.model_type in _QWEN3 and bool(config.attention_bias))
+
+
+_QWEN3 = ("qwen3", "qwen3_moe")  # q/k RMSNorm, optional attention_bias
 
 
 def model_args_from_hf_config(
@@ -235,14 +263,22 @@ def model_args_from_hf_config(
         max_position_embeddings=int(hf.max_position_embeddings),
         rope_theta=_rope_theta(hf),
         rms_norm_eps=float(hf.rms_norm_eps),
-        qk_layernorm=hf.model_type == "qwen3",
+        qk_layernorm=hf.model_type in _QWEN3,
         add_qkv_bias=_has_qkv_bias(hf),
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         mask_token_id=mask_token_id,
         dtype=dtype,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         hf_config={k: v for k, v in raw.items() if k != "transformers_version"},
+        **_moe_fields(hf),
     )
+
+
+def _moe_fields(config: Any) -> dict[str, Any]:
+    if config.model_type != "qwen3_moe":
+        return {}
+    return dict(num_experts=int(config.num_experts), moe_ffn_hidden_size=int(config.moe_intermediate_size),
+                moe_topk=int(config.num_experts_per_tok), moe_norm_topk_prob=bool(config.norm_topk_prob))
 
 
 # --------------------------------------------------------------------------------------------
@@ -283,6 +319,11 @@ def hf_config_from_model_args(args: ModelArgs):
         base["attention_bias"] = args.add_qkv_bias  # qwen3 only (see _has_qkv_bias)
     if args.architecture == "llama":
         base["mlp_bias"] = False
+    if args.is_moe:
+        base.pop("num_local_experts", None)
+        base.update(num_experts=args.num_experts, moe_intermediate_size=args.moe_ffn_hidden_size,
+                    num_experts_per_tok=args.moe_topk, norm_topk_prob=args.moe_norm_topk_prob,
+                    mlp_only_layers=[], decoder_sparse_step=1)
     if "layer_types" in base and len(base["layer_types"]) != args.num_layers:
         base.pop("layer_types")
     config = AutoConfig.for_model(args.architecture, **base)

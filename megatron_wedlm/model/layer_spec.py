@@ -20,16 +20,19 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from .attention_backends import get_attention_backend
+from .moe import moe_mlp_spec
 from .norms import WeDLMNorm
 
 __all__ = ["get_wedlm_block_spec", "get_wedlm_layer_spec"]
 
 
 def get_wedlm_layer_spec(
-    attention_backend: str = "dense", qk_layernorm: bool = False, **backend_options: Any
+    attention_backend: str = "dense", qk_layernorm: bool = False, mlp: ModuleSpec | None = None,
+    **backend_options: Any
 ) -> ModuleSpec:
     """A ``TransformerLayer`` spec whose attention applies the WeDLM mask; ``attention_backend``: a
-    resolved name, ``backend_options``: its params by name, ``qk_layernorm``: Qwen3's q/k norms.
+    resolved name, ``backend_options``: its params by name, ``qk_layernorm``: Qwen3's q/k norms;
+    ``mlp``: the MLP's spec (default: a dense SwiGLU MLP; :func:`.moe.moe_mlp_spec` for experts).
     """
     core_attention = get_attention_backend(attention_backend).core_attention_spec(**backend_options)
     qk_norm = WeDLMNorm if qk_layernorm else IdentityOp
@@ -50,7 +53,7 @@ def get_wedlm_layer_spec(
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=WeDLMNorm,
-            mlp=ModuleSpec(
+            mlp=mlp or ModuleSpec(
                 module=MLP,
                 submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
             ),
@@ -71,6 +74,7 @@ def get_wedlm_block_spec(
     """This pipeline stage's decoder block: WeDLM layers and a WeDLM final norm (Megatron's default
     ``WrappedTorchNorm`` refuses sequence parallelism).
     """
-    layer = get_wedlm_layer_spec(attention_backend, bool(config.qk_layernorm), **backend_options)
+    mlp = moe_mlp_spec(config.num_moe_experts, bool(config.moe_grouped_gemm)) if config.num_moe_experts else None
+    layer = get_wedlm_layer_spec(attention_backend, bool(config.qk_layernorm), mlp, **backend_options)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=WeDLMNorm)

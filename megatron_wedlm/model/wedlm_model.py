@@ -18,7 +18,10 @@ from torch import Tensor
 
 from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
-from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from megatron.core.transformer import TransformerConfig
 
 from megatron_wedlm.data.attention_rule import AttentionMetadata
@@ -28,6 +31,7 @@ from megatron_wedlm.runtime.parallel import batched_p2p_supported
 from .attention_backends import get_attention_backend
 from .hf_config import ModelArgs
 from .layer_spec import get_wedlm_block_spec
+from .moe import MoESettings, moe_config_fields
 from .recompute import RECOMPUTE_MODES
 from .rope import LogicalRotaryEmbedding
 
@@ -52,6 +56,7 @@ class BuildSettings:
     initialize: bool = True  # False: allocate only (conversion overwrites every tensor)
     attention_backend: str = "dense"  # a concrete backend name ('auto' is resolved before)
     backend_options: dict[str, Any] = field(default_factory=dict)  # the backend's spec params by name
+    moe: MoESettings = field(default_factory=MoESettings)  # router losses and expert kernels (MoE models)
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE_MODES:
@@ -65,7 +70,8 @@ class WeDLMGPTModel(GPTModel):
 
     ``forward(input_ids, position_ids, attention_mask=None, labels=None, *, attention_metadata=None)``:
     ``[B, S]`` rows with logical ``position_ids`` (needed on every stage); ``attention_mask`` as
-    :mod:`.attention` takes it, or an ``AttentionMetadata``. With ``labels`` (-100: none) the last
+    :mod:`.attention` takes it, or an ``AttentionMetadata``; ``padding_mask`` (True: padding) keeps
+    padding out of MoE routing statistics. With ``labels`` (-100: none) the last
     stage returns per-slot cross entropy ``[B, S]``, without them logits ``[B, S, V / TP]``; other
     stages return hidden states. ``all_slot_logits`` takes stock ``GPTModel``'s loss path.
     """
@@ -144,6 +150,11 @@ class WeDLMGPTModel(GPTModel):
             attention_mask = causal_packed_metadata(position_ids.shape[0], position_ids.shape[1], position_ids.device)
         if input_ids is not None and self.pre_process and input_ids.shape != position_ids.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and position_ids {tuple(position_ids.shape)} differ")
+        padding_mask = kwargs.get("padding_mask")
+        if padding_mask is not None and not self.pre_process and self.config.sequence_parallel:
+            # GPTModel splits the MoE padding mask over SP ranks on the first stage only.
+            kwargs["padding_mask"] = scatter_to_sequence_parallel_region(padding_mask.transpose(0, 1).contiguous()) \
+                .transpose(0, 1).contiguous()
         return super().forward(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -202,8 +213,6 @@ def _check_config(config) -> None:
         raise ValueError("multi_latent_attention is not supported by the WeDLM model")
     if getattr(config, "mtp_num_layers", None):
         raise ValueError("multi-token prediction layers are not supported by the WeDLM model")
-    if config.num_moe_experts:
-        raise ValueError("MoE layers are not wired into the WeDLM layer spec yet (num_moe_experts must be None)")
 
 
 def wedlm_transformer_config(args: ModelArgs, settings: BuildSettings):
@@ -249,6 +258,7 @@ def wedlm_transformer_config(args: ModelArgs, settings: BuildSettings):
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         **_recompute_fields(settings),
+        **moe_config_fields(args, settings.moe),
     )
 
 

@@ -133,10 +133,24 @@ def _noop(*_args: Any, **_kwargs: Any) -> None:
     return None
 
 
+class _CpuEvent:
+    """An event on the CPU's stream: already reached (CPU ops are synchronous)."""
+
+    wait = record = synchronize = staticmethod(_noop)
+
+    @staticmethod
+    def query() -> bool:
+        return True
+
+
 class _CpuStream:
     """The one stream of a CPU: every wait is already satisfied (CPU ops are synchronous)."""
 
-    wait_event = wait_stream = record_event = synchronize = staticmethod(_noop)
+    wait_event = wait_stream = synchronize = staticmethod(_noop)
+
+    @staticmethod
+    def record_event(*_args: Any, **_kwargs: Any) -> _CpuEvent:
+        return _CpuEvent()
 
 
 _CPU_STREAM = _CpuStream()
@@ -144,6 +158,10 @@ _CPU_STREAM = _CpuStream()
 
 def _cpu_current_stream(*_args: Any, **_kwargs: Any) -> _CpuStream:
     return _CPU_STREAM
+
+
+def _cpu_stream_context(*_args: Any, **_kwargs: Any) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
 
 
 def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
@@ -272,7 +290,7 @@ def _without_cuda_moves(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _patches() -> list[Patch]:
     """Every patch, in the order it is applied: device calls, RNG, ``device="cuda"`` factories, CUDA type checks."""
-    return [*_device_patches(), *_rng_patches(), *_cuda_factory_patches(), *_cuda_type_patches()]
+    return [*_device_patches(), *_rng_patches(), *_cuda_factory_patches(), *_cuda_type_patches(), *_moe_patches()]
 
 
 def _device_patches() -> list[Patch]:
@@ -297,11 +315,25 @@ def _device_patches() -> list[Patch]:
                   "0.19.2": "parallel_state.py:216,1035; distributed/distributed_data_parallel.py:649,672",
               }),
         Patch(torch.cuda, "current_stream", _cpu_current_stream,
-              "the grad all-reduce first waits on the current stream for CUDA-graph replays "
-              "(0.19; torch.cuda.current_stream raises without CUDA)",
+              "the grad all-reduce first waits on the current stream for CUDA-graph replays (0.19), and "
+              "the MoE alltoall dispatcher copies its splits to the host on a side stream "
+              "(torch.cuda.current_stream raises without CUDA)",
               r"torch\.cuda\.current_stream\(\)", {
-                  "0.16.1": "",
-                  "0.19.2": "distributed/param_and_grad_buffer.py:632",
+                  "0.16.1": "transformer/moe/token_dispatcher.py:871,873",
+                  "0.19.2": "distributed/param_and_grad_buffer.py:632; transformer/moe/token_dispatcher.py:922,924",
+              }),
+        Patch(torch.cuda, "Stream", _cpu_current_stream,
+              "the MoE alltoall dispatcher creates its device-to-host stream when built "
+              "(torch.cuda.Stream raises without CUDA)",
+              r"torch\.cuda\.Stream\(\)", {
+                  "0.16.1": "transformer/moe/token_dispatcher.py:445",
+                  "0.19.2": "transformer/moe/token_dispatcher.py:469",
+              }),
+        Patch(torch.cuda, "stream", _cpu_stream_context,
+              "the MoE alltoall dispatcher enters its side stream to copy the splits to the host",
+              r"torch\.cuda\.stream\(", {
+                  "0.16.1": "transformer/moe/token_dispatcher.py:874",
+                  "0.19.2": "transformer/moe/token_dispatcher.py:925",
               }),
     ]
 
@@ -431,6 +463,80 @@ def _cuda_type_patches() -> list[Patch]:
     ]
 
 
+def _cpu_splits_as_numpy(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """``maybe_move_tensor_to_cpu`` for tensors already on the CPU: numpy when asked."""
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+
+def _gather_uneven_over_gloo(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``_gather_along_first_dim`` whose uneven case (``output_split_sizes``) pads every part to
+    the longest, as gloo's all_gather needs equal sizes; the even case is the original."""
+
+    @functools.wraps(original)
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(parts, padded, group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
+    return gather
+
+
+def _reduce_scatter_uneven_over_gloo(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``_reduce_scatter_along_first_dim`` whose uneven case (``input_split_sizes``) all-reduces
+    and keeps this rank's rows, as gloo has no list reduce_scatter; the even case is the original."""
+
+    @functools.wraps(original)
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return original(input_, group, input_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in input_split_sizes]
+        total = input_.contiguous().clone()
+        torch.distributed.all_reduce(total, group=group)
+        start = sum(sizes[: group.rank()])
+        return total[start: start + sizes[group.rank()]].contiguous()
+
+    return reduce_scatter
+
+
+def _moe_patches() -> list[Patch]:
+    """What the MoE layers need on CPU: no Transformer Engine, and gloo for uneven collectives."""
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    return [
+        Patch(mappings, "_gather_along_first_dim", _gather_uneven_over_gloo(mappings._gather_along_first_dim),
+              "expert tensor parallelism gathers each rank's routed tokens, a different count per rank, "
+              "and gloo's all_gather needs equal sizes", r"torch\.distributed\.all_gather\(output_tensor_list", {
+                  "0.16.1": "tensor_parallel/mappings.py:150",
+                  "0.19.2": "tensor_parallel/mappings.py:154",
+              }),
+        Patch(mappings, "_reduce_scatter_along_first_dim",
+              _reduce_scatter_uneven_over_gloo(mappings._reduce_scatter_along_first_dim),
+              "its gradient reduce-scatters those uneven parts, and gloo has no list reduce_scatter",
+              r"torch\.distributed\.reduce_scatter\(output, input_tensor_list", {
+                  "0.16.1": "tensor_parallel/mappings.py:193",
+                  "0.19.2": "tensor_parallel/mappings.py:197",
+              }),
+        Patch(token_dispatcher, "maybe_move_tensor_to_cpu", _cpu_splits_as_numpy,
+              "it turns the all-to-all split sizes into numpy only when they are on a GPU; as CPU "
+              "tensors, all_to_all_single refuses them", r"as_numpy=True", {
+                  "0.16.1": "transformer/moe/token_dispatcher.py:880,883,886",
+                  "0.19.2": "transformer/moe/token_dispatcher.py:931,934,937",
+              }),
+        Patch(moe_utils, "te_general_gemm", None,
+              "0.16 defines it only when Transformer Engine imports, yet the router's gating GEMM reads it",
+              r"te_general_gemm is not None", {
+                  "0.16.1": "transformer/moe/moe_utils.py:1192,1225",
+                  "0.19.2": "",
+              }),
+    ]
+
+
 def _patch_importers_of_clip_fn() -> list[Patch]:
     """Modules that imported ``clip_grad_by_total_norm_fp32`` by name need the wrapped one too."""
     import megatron.core.optimizer.clip_grads as clip_grads
@@ -472,8 +578,11 @@ def activate_cpu_runtime(allow_untested_version: bool | None = None) -> None:
     mcore_random.initialize_rng_tracker(force_reset=True)
 
 
+_MISSING = object()  # the attribute did not exist before its patch
+
+
 def _apply(patch: Patch) -> None:
-    original = getattr(patch.owner, patch.attribute)
+    original = getattr(patch.owner, patch.attribute, _MISSING)
     if isinstance(patch.owner, type):
         original = patch.owner.__dict__[patch.attribute]
     setattr(patch.owner, patch.attribute, patch.replacement)
@@ -484,7 +593,10 @@ def deactivate_cpu_runtime() -> None:
     """Undo every patch (in reverse order). Used by tests that activate in-process."""
     while _applied:
         patch, original = _applied.pop()
-        setattr(patch.owner, patch.attribute, original)
+        if original is _MISSING:
+            delattr(patch.owner, patch.attribute)
+        else:
+            setattr(patch.owner, patch.attribute, original)
 
 
 def applied_patches() -> list[Patch]:

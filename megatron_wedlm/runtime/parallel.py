@@ -25,6 +25,8 @@ class ParallelConfig:
     virtual_pipeline_model_parallel_size: int | None = None
     sequence_parallel: bool = False
     context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1  # MoE: experts split over this many ranks (of DP x CP)
+    expert_tensor_parallel_size: int | None = None  # MoE: TP inside each expert; None: the TP size
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,14 @@ def initialize_parallel_state(
             f"{config.tensor_model_parallel_size} x {config.pipeline_model_parallel_size} x "
             f"{config.context_parallel_size}; launch a multiple of {model_parallel} processes"
         )
+    ep, etp = config.expert_model_parallel_size, config.expert_tensor_parallel_size or config.tensor_model_parallel_size
+    expert_world = world // config.pipeline_model_parallel_size
+    if expert_world % (ep * etp):
+        raise ValueError(
+            f"expert parallelism EP x ETP = {ep} x {etp} does not divide the {expert_world} ranks of each "
+            f"pipeline stage (world {world} / PP {config.pipeline_model_parallel_size}); launch a multiple of "
+            f"{ep * etp * config.pipeline_model_parallel_size} processes or lower EP"
+        )
     if config.sequence_parallel and config.tensor_model_parallel_size == 1:
         raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
     if parallel_state.model_parallel_is_initialized():
@@ -126,6 +136,8 @@ def initialize_parallel_state(
         pipeline_model_parallel_size=config.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
         context_parallel_size=config.context_parallel_size,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
     )
     model_parallel_cuda_manual_seed(seed)
     return current_layout(torch_device)

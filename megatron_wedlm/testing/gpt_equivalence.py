@@ -148,9 +148,10 @@ def load_sharded(model, directory: str) -> None:
     model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), directory))
 
 
-def init_layout(tp: int, pp: int, seed: int, sequence_parallel: bool = False, cp: int = 1, vpp: int | None = None):
+def init_layout(tp: int, pp: int, seed: int, sequence_parallel: bool = False, cp: int = 1, vpp: int | None = None,
+                ep: int = 1, etp: int | None = None):
     """(Re-)create Megatron's groups for TP x PP x CP on CPU (``vpp`` model chunks per pipeline
-    stage); DP is what the world size leaves."""
+    stage, experts over ``ep`` ranks with ``etp``-way TP each); DP is what the world size leaves."""
     return initialize_parallel_state(
         ParallelConfig(
             tensor_model_parallel_size=tp,
@@ -158,6 +159,8 @@ def init_layout(tp: int, pp: int, seed: int, sequence_parallel: bool = False, cp
             sequence_parallel=sequence_parallel,
             context_parallel_size=cp,
             virtual_pipeline_model_parallel_size=vpp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
         ),
         device="cpu",
         seed=seed,

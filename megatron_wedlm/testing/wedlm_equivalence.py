@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megatron_wedlm.data import RowFormat, build_dual_stream_batch, stack_dual_stream_batches
 from megatron_wedlm.model import global_loss_normalizer, reduce_loss_reports
 from megatron_wedlm.model.hf_config import ModelArgs
+from megatron_wedlm.model.moe import take_router_losses
 from megatron_wedlm.training.megatron_engine import forward_backward_step, forward_only_step
 from megatron_wedlm.training.objective import Objective
 from megatron_wedlm.training.optimization import wrap_ddp
@@ -51,6 +52,11 @@ class TinyWeDLMSpec(TinyShape):
     seed: int = 1234
     doc_lengths: list = field(default_factory=lambda: [[13, 11], [20, 12], [9, 7, 14], [32]])
     prompt_lengths: list = field(default_factory=lambda: [[3, 0], [0, 0], [0, 4, 0], [5]])
+    num_experts: int | None = None  # set: a Qwen3-MoE (top-moe_topk of num_experts experts per layer)
+    moe_topk: int = 2
+    moe_ffn_hidden_size: int = 32
+    moe_aux_loss_coeff: float = 1e-2  # larger than training's 1e-3 so its gradient shows in every check
+    moe_z_loss_coeff: float | None = None  # Megatron averages it per SP/CP shard: exact at EP x PP only
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -58,21 +64,27 @@ class TinyWeDLMSpec(TinyShape):
     def model_args(self) -> ModelArgs:
         """The model description of this spec (rows of ``row_length`` slots hold positions below it)."""
         architecture = "qwen3" if self.qk_layernorm else "qwen2" if self.add_qkv_bias else "llama"
+        moe = {}
+        if self.num_experts is not None:
+            architecture = "qwen3_moe"
+            moe = dict(num_experts=self.num_experts, moe_topk=self.moe_topk, moe_ffn_hidden_size=self.moe_ffn_hidden_size)
         return ModelArgs(
             **self.shape_fields(), architecture=architecture, max_position_embeddings=self.row_length,
             rope_theta=self.rotary_base, qk_layernorm=self.qk_layernorm, add_qkv_bias=self.add_qkv_bias,
-            tie_word_embeddings=self.tied_embeddings, mask_token_id=self.mask_token_id,
+            tie_word_embeddings=self.tied_embeddings, mask_token_id=self.mask_token_id, **moe,
         )
 
     def build_settings(self, sequence_parallel: bool = False, recompute: str | None = None) -> BuildSettings:
         """How a layout builds this spec's model: fp32 on CPU, init std 0.05 (larger than training's
         0.02, so that gradient differences between layouts stand out of rounding)."""
+        from megatron_wedlm.model.moe import MoESettings
         from megatron_wedlm.model.wedlm_model import BuildSettings  # imports Megatron-Core
 
         options = {"tile_size": self.dense_tile_size} if self.attention_backend == "dense" else {}
         return BuildSettings(
             sequence_parallel=sequence_parallel, recompute=recompute or "none", init_method_std=0.05,
             attention_backend=self.attention_backend, backend_options=options,
+            moe=MoESettings(aux_loss_coeff=self.moe_aux_loss_coeff, z_loss_coeff=self.moe_z_loss_coeff),
         )
 
 
@@ -107,9 +119,10 @@ def _engine_step(step_function, ddp_model: list, spec: TinyWeDLMSpec, batches: l
     normalizer = global_loss_normalizer(batches, spec.mlm_weighting)
     objective = Objective(ar_weight=spec.ar_weight, mlm_weighting=spec.mlm_weighting)
     reports = step_function(ddp_model, batches, normalizer, objective, spec.row_length, spec.micro_batch_size)
+    router = take_router_losses(len(batches))  # collective: before any rank returns
     if reports is None:
         return None
-    return asdict(reduce_loss_reports(reports, spec.ar_weight))
+    return {**asdict(reduce_loss_reports(reports, spec.ar_weight)), **router}
 
 
 def train_step(ddp_model: list, spec: TinyWeDLMSpec, batches: list):
@@ -157,13 +170,14 @@ def reference_worker(specs: dict[str, dict], root: str) -> dict[str, dict]:
 
 
 def layouts_worker(specs: dict[str, dict], root: str, layouts: list[dict]) -> dict[str, dict]:
-    """Run each layout ``{name, spec, tp, pp, vpp, cp, sp, recompute}`` on this launch's ranks; per
+    """Run each layout ``{name, spec, tp, pp, vpp, cp, ep, etp, sp, recompute}`` on this launch's ranks; per
     layout, this rank's loss summary (None off the last stage) and, on rank 0, the full gradients."""
     out = {}
     for layout in layouts:
         spec = TinyWeDLMSpec(**specs[layout["spec"]])
         tp, pp, sp = layout.get("tp", 1), layout.get("pp", 1), layout.get("sp", False)
-        init_layout(tp, pp, spec.seed, sp, cp=layout.get("cp", 1), vpp=layout.get("vpp"))
+        init_layout(tp, pp, spec.seed, sp, cp=layout.get("cp", 1), vpp=layout.get("vpp"), ep=layout.get("ep", 1),
+                    etp=layout.get("etp"))
         model = build_model(spec, sequence_parallel=sp, recompute=layout.get("recompute"))
         load_sharded(model, os.path.join(root, layout["spec"], "weights"))
         ddp = wrap_ddp(model, False)

@@ -56,11 +56,13 @@ def run_model_on_shard(model, batch: DualStreamBatch, objective: Objective) -> t
     objective's label row; returns the part (the loss reads its labels) and the model's output."""
     shard = shard_batch(batch)
     local = shard.batch
+    moe = getattr(getattr(model, "config", None), "num_moe_experts", None)
     output = model(
         input_ids=local.input_ids,
         position_ids=local.position_ids,
         attention_mask=shard.attention_mask,
         labels=objective.labels(local),
+        **({"padding_mask": local.is_padding} if moe else {}),
     )
     return local, output
 
