@@ -120,6 +120,36 @@ def test_layout_checks_name_the_keys():
         validate_layout(load_config(TINY, ["parallelism.dp=1"]), 2)
 
 
+TINY_MOE = TINY.with_name("tiny_moe_cpu.yaml")
+
+
+@pytest.mark.parametrize(
+    "config, overrides, named",
+    [
+        ("dense", ["parallelism.ep=2"], "parallelism.ep"),  # a dense model has no experts to split
+        ("moe", ["parallelism.tp=2"], "parallelism.sequence_parallel"),  # Megatron routes per SP shard
+        ("moe", ["parallelism.ep=3"], "model.num_experts"),
+        ("moe", ["model.moe_load_balancing=sinkhorn"], "model.moe_load_balancing"),
+        ("moe", ["model.moe_capacity_factor=0"], "model.moe_capacity_factor"),
+        ("moe", ["trainer.backend=deepspeed"], "trainer.backend"),
+    ],
+)
+def test_moe_keys_are_checked_naming_the_key(config, overrides, named):
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        load_config(TINY_MOE if config == "moe" else TINY, overrides)
+
+
+def test_moe_layout_needs_ep_x_etp_to_divide_a_stage():
+    cfg = load_config(TINY_MOE, ["parallelism.ep=4"])
+    assert validate_layout(cfg, 4) == 4  # experts over 4 of the 4 data-parallel ranks
+    with pytest.raises(ConfigError, match="parallelism.ep"):
+        validate_layout(cfg, 2)
+    cfg = load_config(TINY_MOE, ["parallelism.tp=2", "parallelism.sequence_parallel=true", "parallelism.ep=2"])
+    assert validate_layout(cfg, 4) == 2  # ep 2 x etp 2 (= tp) fill the stage's 4 ranks
+    with pytest.raises(ConfigError, match="etp"):
+        validate_layout(cfg, 2)
+
+
 def test_resolved_config_round_trips():
     cfg = load_config(TINY, ["optimizer.lr=2e-3", "logging.wandb.tags=[x]"])
     again = config_from_yaml_text(config_to_yaml(cfg))

@@ -149,3 +149,38 @@ def pp2_worker(pretrain: str, out: str) -> dict:
 def test_pp2_trains(data, tmp_path):
     result = run_distributed(pp2_worker, 2, data["pretrain"], str(tmp_path), timeout_s=LAUNCH_TIMEOUT)
     assert_loss_decreases({int(k): v for k, v in result[0]["losses"].items()})
+
+
+TINY_MOE = TINY.parent / "tiny_moe_cpu.yaml"  # a Qwen3-MoE, experts split over the 2 ranks (EP=2)
+
+
+def moe_ep2_worker(pretrain: str, root: str) -> dict:
+    """EP=2: 20 steps straight (checkpoint at 10); 20 steps stopped at 10 and resumed; the straight
+    run's step-10 checkpoint resumed at EP=1 (DP=2) to step 15."""
+    runs = {}
+    for name, extra in (("straight", []), ("stopped", ["trainer.exit_at_step=10"]),
+                        ("resumed", ["checkpointing.resume=auto"]),
+                        ("ep1", ["parallelism.ep=1", "trainer.exit_at_step=15", "checkpointing.resume="
+                                 + str(Path(root) / "straight" / "checkpoints" / "iter_0000010")])):
+        out = Path(root) / ("stopped" if name == "resumed" else name)
+        runs[name] = _train(str(TINY_MOE), [*_base(pretrain, out), "trainer.train_steps=20", *extra])
+    return runs
+
+
+def test_moe_ep2_trains_logs_its_router_loss_resumes_exactly_and_at_ep1(data, tmp_path):
+    runs = run_distributed(moe_ep2_worker, 2, data["pretrain"], str(tmp_path), timeout_s=LAUNCH_TIMEOUT)[0]
+    straight = {r["step"]: r for r in read_metrics(tmp_path / "straight")}
+    assert_loss_decreases({s: r["loss"] for s, r in straight.items()})
+    # the balancing loss (before its weight) is logged every step: 1 when the routing is even, at most E / k
+    aux = [straight[s]["moe_aux_loss"] for s in range(1, 21)]
+    assert all(0.99 < a < 8 / 2 for a in aux) and len(set(aux)) > 1
+    # stopped at 10 and resumed: steps 11-20 bit-identical, router loss included
+    resumed = {r["step"]: r for r in read_metrics(tmp_path / "stopped")}
+    assert runs["resumed"]["start_step"] == 10 and runs["resumed"]["final_step"] == 20
+    for step in range(11, 21):
+        assert (resumed[step]["loss"], resumed[step]["moe_aux_loss"]) == (straight[step]["loss"], straight[step]["moe_aux_loss"])
+    # the EP=2 checkpoint loads at EP=1 and goes on the same way (fp32 reduction order only)
+    ep1 = runs["ep1"]
+    assert ep1["start_step"] == 10 and ep1["final_step"] == 15
+    for step in range(11, 16):
+        assert ep1["losses"][step] == pytest.approx(straight[step]["loss"], abs=1e-5)

@@ -1,5 +1,6 @@
 """The WeDLM model trains (and evaluates, forward only) identically under TP, PP, interleaved PP, CP, their
-products, SP, recompute and DP + distributed optimizer.
+products, SP, recompute and DP + distributed optimizer; a MoE model under EP alone and with TP (SP,
+expert TP 1 and 2), PP and CP, its router losses included.
 
 Real gloo processes on CPU, Megatron's pipeline schedule, DDP and finalize_model_grads, the
 same weights and the same dual-stream global batch (packed documents, SFT prompt, padding).
@@ -41,6 +42,10 @@ SPECS = {
     "tied": we.TinyWeDLMSpec(tied_embeddings=True, qk_layernorm=False, add_qkv_bias=False).to_dict(),
     # 4 micro-batches: the interleaved schedule's steady state (1F1B across chunks) is reached
     "microbatches4": we.TinyWeDLMSpec(global_microbatches=4).to_dict(),
+    # a Qwen3-MoE (8 experts, top-2): the balancing loss in every layout, the z-loss where Megatron
+    # computes it exactly (EP, PP; under SP/CP it averages per shard, uneven with padding)
+    "moe": we.TinyWeDLMSpec(num_experts=8).to_dict(),
+    "moe-z": we.TinyWeDLMSpec(num_experts=8, moe_z_loss_coeff=1e-3).to_dict(),
 }
 LAYOUTS = [
     {"name": "tp2", "spec": "main", "tp": 2},
@@ -53,12 +58,17 @@ LAYOUTS = [
     {"name": "cp2-recompute-selective", "spec": "main", "cp": 2, "recompute": "selective"},
     {"name": "pp2-vpp2", "spec": "microbatches4", "pp": 2, "vpp": 2},
     {"name": "pp2-vpp2-tied", "spec": "tied", "pp": 2, "vpp": 2},
+    {"name": "moe-ep2", "spec": "moe-z", "ep": 2},
+    {"name": "moe-ep2-tp2-sp", "spec": "moe", "ep": 2, "tp": 2, "sp": True, "etp": 1},
+    {"name": "moe-ep2-cp2", "spec": "moe", "ep": 2, "cp": 2},
 ]
 
 # the 4-rank layouts checked in one launch (TP x PP runs through tools/verify_parallel.py below)
 FOUR_RANK_LAYOUTS = [
     {"name": "tp2-cp2", "spec": "main", "tp": 2, "cp": 2},
     {"name": "pp2-cp2", "spec": "main", "pp": 2, "cp": 2},
+    {"name": "moe-ep2-pp2", "spec": "moe-z", "ep": 2, "pp": 2},
+    {"name": "moe-ep2-tp2-sp-etp2", "spec": "moe", "ep": 2, "tp": 2, "sp": True},  # experts split over TP too
 ]
 
 
@@ -102,7 +112,8 @@ def _assert_layout_matches(reference: dict, ranks: list[dict], layout: dict) -> 
         # every TP and CP rank of the last stage reports
         assert len(summaries) == len(ranks) // layout.get("pp", 1)
         for summary in summaries:
-            for key in ("total", "mlm", "ar"):
+            router = sorted(k for k in ref[part] if k.startswith("moe_"))  # moe_aux_loss, moe_z_loss
+            for key in ("total", "mlm", "ar", *router):
                 assert summary[key] == pytest.approx(ref[part][key], abs=ATOL), (part, key)
             for key in ("mlm_tokens", "ar_tokens"):
                 assert summary[key] == ref[part][key]

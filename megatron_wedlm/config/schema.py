@@ -16,6 +16,7 @@ from typing import Any, List, Optional, Sequence
 
 # The tables of attention backends and recompute modes (light modules: no torch or Megatron at import).
 from megatron_wedlm.model.attention_backends import ATTENTION_BACKEND_NAMES, ATTENTION_BACKENDS, backend_names
+from megatron_wedlm.model.moe import LOAD_BALANCING_TYPES
 from megatron_wedlm.model.recompute import RECOMPUTE_MODES
 
 __all__ = [
@@ -51,7 +52,7 @@ class ModelConfig:
     ``num_attention_heads`` are required."""
 
     init_from: Optional[str] = None
-    architecture: Optional[str] = None  # qwen2 | qwen3 | llama
+    architecture: Optional[str] = None  # qwen2 | qwen3 | llama | qwen3_moe
     num_layers: Optional[int] = None
     hidden_size: Optional[int] = None
     ffn_hidden_size: Optional[int] = None
@@ -68,6 +69,17 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128
     attention_backend: str = "auto"  # auto (flex on GPU, dense on CPU) or a name of model/attention_backends.py
     init_method_std: float = 0.02
+    # Mixture of experts (architecture qwen3_moe; docs/training.md "MoE"). Architecture:
+    num_experts: Optional[int] = None  # experts per layer
+    moe_ffn_hidden_size: Optional[int] = None  # each expert's FFN width
+    moe_topk: Optional[int] = None  # experts per token
+    moe_norm_topk_prob: Optional[bool] = None  # renormalise the top-k weights (default: False)
+    # How the routers train:
+    moe_aux_loss_coeff: float = 1e-3  # load-balancing loss weight (Qwen3-MoE's router_aux_loss_coef)
+    moe_z_loss_coeff: Optional[float] = None  # router z-loss weight; null: none
+    moe_load_balancing: str = "aux_loss"  # aux_loss (per micro-batch) | seq_aux_loss (per row) | none
+    moe_capacity_factor: Optional[float] = None  # null: dropless; else tokens per expert over the even share
+    moe_grouped_gemm: Optional[bool] = None  # one GEMM for a rank's experts; null: on GPU with Transformer Engine
 
 
 @dataclass
@@ -111,6 +123,8 @@ class ParallelismConfig:
     sequence_parallel: bool = False
     recompute: str = "none"  # none | selective | full
     recompute_num_layers: int = 1  # layers per recompute chunk when recompute=full
+    ep: int = 1  # expert parallel (MoE): each layer's experts split over ep ranks of the dp x cp ranks
+    etp: Optional[int] = None  # tensor parallel inside each expert (MoE); default: tp
 
 
 @dataclass
@@ -278,7 +292,8 @@ class TrainConfig:
 
 #: Allowed values of string-valued keys with a fixed set of choices.
 CHOICES: dict[str, tuple[str, ...]] = {
-    "model.architecture": ("qwen2", "qwen3", "llama"),
+    "model.architecture": ("qwen2", "qwen3", "llama", "qwen3_moe"),
+    "model.moe_load_balancing": LOAD_BALANCING_TYPES,
     "model.attention_backend": ATTENTION_BACKEND_NAMES,
     "wedlm.ratio_mode": ("block", "document"),
     "wedlm.loss_weighting": ("inverse_ratio", "uniform"),
@@ -313,13 +328,14 @@ _POSITIVE = (
     "model.make_vocab_size_divisible_by", "optimizer.lr", "trainer.exit_at_step",
     "model.num_layers", "model.hidden_size", "model.ffn_hidden_size",
     "model.num_attention_heads", "model.num_query_groups", "model.head_dim",
-    "model.vocab_size", "model.max_position_embeddings",
+    "model.vocab_size", "model.max_position_embeddings", "parallelism.ep", "parallelism.etp",
+    "model.num_experts", "model.moe_ffn_hidden_size", "model.moe_topk", "model.moe_capacity_factor",
 )
 _NON_NEGATIVE = (
     "data.num_workers", "checkpointing.save_interval", "checkpointing.keep_last",
     "optimizer.min_lr", "optimizer.warmup_steps", "optimizer.weight_decay",
     "optimizer.clip_grad", "wedlm.ar_weight", "data.seed", "trainer.seed",
-    "wedlm.num_learnable_end_tokens",
+    "wedlm.num_learnable_end_tokens", "model.moe_aux_loss_coeff", "model.moe_z_loss_coeff",
 )
 
 
@@ -334,6 +350,7 @@ def validate_config(cfg: TrainConfig) -> None:
         raise ConfigError(f"wedlm.mask_after_masked_end={cfg.wedlm.mask_after_masked_end} is a share of blocks, in [0, 1]")
     _check_schedule(cfg)
     _check_sequence_parallel(cfg)
+    _check_moe(cfg)
     _validate_context_and_virtual_pipeline(cfg)
     _check_attention_device(cfg)
     _check_data(cfg)
@@ -379,6 +396,26 @@ def _check_schedule(cfg: TrainConfig) -> None:
             f"optimizer.warmup_steps={cfg.optimizer.warmup_steps} must be smaller than the decay "
             f"horizon ({decay_steps} = optimizer.decay_steps or trainer.train_steps)"
         )
+
+
+def _check_moe(cfg: TrainConfig) -> None:
+    """MoE keys only on a MoE model; Megatron trains MoE under TP with sequence parallelism only."""
+    m, par = cfg.model, cfg.parallelism
+    moe_model = m.architecture == "qwen3_moe" or m.num_experts is not None
+    if (par.ep > 1 or par.etp is not None) and m.architecture is not None and not moe_model:
+        raise ConfigError(
+            f"parallelism.ep={par.ep} / etp={par.etp} split experts, and model.architecture={m.architecture} has none; "
+            "remove them or use a MoE model (qwen3_moe)"
+        )
+    if moe_model and par.tp > 1 and not par.sequence_parallel and cfg.trainer.backend == "megatron":
+        raise ConfigError(
+            f"a MoE model with parallelism.tp={par.tp} needs parallelism.sequence_parallel=true (Megatron-Core "
+            "routes each TP rank's share of the tokens; without SP every rank would route them all)"
+        )
+    if m.num_experts is not None and m.num_experts % par.ep:
+        raise ConfigError(f"parallelism.ep={par.ep} must divide model.num_experts={m.num_experts}")
+    if moe_model and cfg.trainer.backend != "megatron":
+        raise ConfigError(f"MoE models train with trainer.backend=megatron, not {cfg.trainer.backend}")
 
 
 def _check_sequence_parallel(cfg: TrainConfig) -> None:
@@ -557,7 +594,8 @@ def _validate_context_and_virtual_pipeline(cfg: TrainConfig) -> None:
 
 def validate_layout(cfg: TrainConfig, world_size: int) -> int:
     """The data-parallel size for ``world_size`` processes; ConfigError if the layout cannot work."""
-    model_parallel = cfg.parallelism.tp * cfg.parallelism.pp * cfg.parallelism.cp
+    par = cfg.parallelism
+    model_parallel = par.tp * par.pp * par.cp
     if world_size % model_parallel:
         raise ConfigError(
             f"world size {world_size} is not divisible by parallelism.tp x parallelism.pp x parallelism.cp = "
@@ -569,6 +607,13 @@ def validate_layout(cfg: TrainConfig, world_size: int) -> int:
         raise ConfigError(
             f"parallelism.dp={cfg.parallelism.dp} but {world_size} processes with tp={cfg.parallelism.tp}, "
             f"pp={cfg.parallelism.pp}, cp={cfg.parallelism.cp} give dp={dp}; remove parallelism.dp or change the launch"
+        )
+    expert_ranks = par.ep * (par.etp or par.tp)
+    if (world_size // par.pp) % expert_ranks:
+        raise ConfigError(
+            f"parallelism.ep x etp = {par.ep} x {par.etp or par.tp} does not divide the {world_size // par.pp} ranks "
+            f"of each pipeline stage ({world_size} processes / pp {par.pp}); lower parallelism.ep or launch a "
+            f"multiple of {expert_ranks * par.pp} processes"
         )
     rows_per_step = cfg.data.micro_batch_size * dp
     if cfg.data.global_batch_size % rows_per_step:

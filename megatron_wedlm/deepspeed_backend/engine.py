@@ -156,6 +156,8 @@ class DeepSpeedPlan:
 class DeepSpeedEngine:
     """A HF causal LM trained by a DeepSpeed ZeRO engine; DeepSpeed checkpoints and HF exports."""
 
+    router_losses: dict[str, float] = {}  # replaced after each MoE step (read-only here)
+
     def __init__(self, cfg: TrainConfig, plan: DeepSpeedPlan, resuming: bool) -> None:
         """Load the HF model (a resumed checkpoint replaces its weights), build the optimizer and the
         DeepSpeed engine."""

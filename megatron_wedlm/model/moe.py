@@ -9,11 +9,15 @@ fields. Routing follows Qwen3-MoE: softmax over all experts then top-k, or, with
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .hf_config import ModelArgs
+if TYPE_CHECKING:  # a light module (no torch at import): the config schema reads its table
+    from .hf_config import ModelArgs
 
-__all__ = ["LOAD_BALANCING_TYPES", "MoESettings", "ROUTER_LOSS_NAMES", "moe_config_fields", "moe_mlp_spec", "take_router_losses"]
+__all__ = [
+    "LOAD_BALANCING_TYPES", "MoESettings", "ROUTER_LOSS_NAMES", "keep_experts_apart", "moe_config_fields", "moe_mlp_spec",
+    "take_router_losses",
+]
 
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
 
@@ -73,6 +77,19 @@ def moe_mlp_spec(num_experts: int, grouped_gemm: bool):
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
     return get_moe_module_spec(use_te=grouped_gemm, num_experts=num_experts, moe_grouped_gemm=grouped_gemm)
+
+
+def keep_experts_apart(model) -> None:
+    """Mark every expert weight expert-parallel (``allreduce=False``) even at EP=1.
+
+    Megatron marks them only when EP > 1, and the mark decides whether experts get their own
+    gradient buffers and optimizer (a ChainedOptimizer of two) or join the dense ones. Marked at
+    every EP, the optimizer state has one structure, so a checkpoint resumes at another EP; at
+    EP=1 the expert data-parallel group is the data-parallel group, so the gradients are the same.
+    """
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in name:
+            param.allreduce = False
 
 
 #: Megatron's tracker names -> the names a run logs them under (next to mlm_loss and ar_loss).

@@ -31,7 +31,7 @@ from megatron_wedlm.runtime.parallel import batched_p2p_supported
 from .attention_backends import get_attention_backend
 from .hf_config import ModelArgs
 from .layer_spec import get_wedlm_block_spec
-from .moe import MoESettings, moe_config_fields
+from .moe import MoESettings, keep_experts_apart, moe_config_fields
 from .recompute import RECOMPUTE_MODES
 from .rope import LogicalRotaryEmbedding
 
@@ -291,7 +291,10 @@ def build_wedlm_model(
     spec = get_wedlm_block_spec(config, attention_backend, vp_stage=vp_stage, **(backend_options or {}))
     pre_process = ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     post_process = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
-    return WeDLMGPTModel(config, spec, args, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+    model = WeDLMGPTModel(config, spec, args, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+    if args.is_moe:
+        keep_experts_apart(model)
+    return model
 
 
 class ModelChunks(list):

@@ -80,9 +80,11 @@ class CheckpointManager(CheckpointDirectory):
         final, partial = self.begin_save(step)
         model_sd = model.sharded_state_dict()
         optimizer_sd = optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=OPTIMIZER_METADATA)
-        if optimizer_sd.get("param_state", ...) is None:
-            # the memory-efficient format gathers parameter state on DP rank 0; the others hold None
-            del optimizer_sd["param_state"]
+        # the memory-efficient format gathers parameter state on DP rank 0; the others hold None
+        # (per optimizer: a MoE model chains a dense and an expert one, keyed 0 and 1)
+        for part in (optimizer_sd.values() if 0 in optimizer_sd else [optimizer_sd]):
+            if part.get("param_state", ...) is None:
+                del part["param_state"]
         sharded = {"model": model_sd, "optimizer": optimizer_sd, "rng_state": _rng_sharded_object(_rng_state())}
         with disk_full_is_named(partial):
             save_torch_dist(sharded, str(partial))

@@ -53,6 +53,7 @@ class Engine(Protocol):
     ``grads_finite``, ``optimizer_step``, ``evaluate`` and ``save`` when due; ``finish`` at the end."""
 
     optimizer: Any  # the optimizer whose param groups the lr schedule drives
+    router_losses: dict[str, float]  # the last forward_backward's MoE router losses, the same on every rank; {} if dense
 
     def describe(self) -> str:
         """One line for the run's first message (layout, backend)."""

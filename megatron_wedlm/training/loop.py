@@ -184,6 +184,7 @@ def _train_step(run: _Run, micro: list, shape: ModelShape, stop: StopSignal) -> 
         local.flops = batch_flops(shape, batches)
     local.source_tokens = {name: float(n) if role.counts_tokens else 0.0  # every rank sends every name
                            for name, n in run.data.take_source_tokens().items()}
+    local.router = engine.router_losses
     local.ranks_with_bad_grads = 0.0 if engine.grads_finite() else 1.0
     local.stop_requests = stop.requested
     totals = local.summed_over_ranks(run.device)

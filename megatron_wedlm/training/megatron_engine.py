@@ -26,6 +26,7 @@ from megatron_wedlm.data.manifest import tokenizer_dir_of
 from megatron_wedlm.model.context_parallel import shard_batch
 from megatron_wedlm.model.hf_config import MODEL_ARGS_FILE
 from megatron_wedlm.model.losses import LossNormalizer
+from megatron_wedlm.model.moe import take_router_losses
 from megatron_wedlm.runtime.hf_local import tokenizer_files_in
 from megatron_wedlm.runtime.parallel import ParallelConfig, init_distributed, initialize_parallel_state
 
@@ -167,6 +168,8 @@ class MegatronPlan:
 class MegatronEngine:
     """Megatron-Core model chunks, DDP, optimizer, schedule and torch_dist checkpoints."""
 
+    router_losses: dict[str, float] = {}  # replaced after each MoE step (read-only here)
+
     def __init__(self, cfg: TrainConfig, plan: MegatronPlan, resuming: bool) -> None:
         """Build this rank's model chunks (initial weights unless ``resuming``), DDP and optimizer."""
         from megatron_wedlm.model.wedlm_model import build_model_chunks  # imports Megatron-Core
@@ -193,6 +196,8 @@ class MegatronEngine:
                 context_parallel_size=cfg.parallelism.cp,
                 virtual_pipeline_model_parallel_size=cfg.parallelism.virtual_pp,
                 sequence_parallel=cfg.parallelism.sequence_parallel,
+                expert_model_parallel_size=cfg.parallelism.ep,
+                expert_tensor_parallel_size=cfg.parallelism.etp,
             ),
             device=device.type,
             seed=cfg.trainer.seed,
@@ -238,8 +243,11 @@ class MegatronEngine:
                          objective: Objective) -> list[dict[str, Tensor]] | None:
         """Gradients of the step loss; the loss reports (last pipeline stage; None elsewhere)."""
         self.optimizer.zero_grad()
-        return forward_backward_step(self.ddp, batches, normalizer, objective, self.cfg.data.seq_length,
-                                     self.cfg.data.micro_batch_size, self.device)
+        reports = forward_backward_step(self.ddp, batches, normalizer, objective, self.cfg.data.seq_length,
+                                        self.cfg.data.micro_batch_size, self.device)
+        if self.plan.model_args.is_moe:
+            self.router_losses = take_router_losses(len(batches))
+        return reports
 
     def grads_finite(self) -> bool:
         return not _grads_nonfinite(self.ddp)

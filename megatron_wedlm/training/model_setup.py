@@ -8,6 +8,7 @@ model on memory-stream rows.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,11 +18,12 @@ import torch
 from megatron_wedlm.config.schema import ConfigError, ModelConfig, TrainConfig
 from megatron_wedlm.model.attention_backends import resolve_attention_backend
 from megatron_wedlm.model.hf_config import ModelArgs, load_model_args, pad_vocab_size
+from megatron_wedlm.model.moe import MoESettings
 
 if TYPE_CHECKING:
     from megatron_wedlm.model.wedlm_model import BuildSettings
 
-__all__ = ["build_settings", "load_init_weights", "recorded_model", "resolve_model_args"]
+__all__ = ["build_settings", "load_init_weights", "moe_settings", "recorded_model", "resolve_model_args"]
 
 # model config key -> ModelArgs field, for the keys that describe the architecture
 _ARCH_FIELDS = {
@@ -38,6 +40,10 @@ _ARCH_FIELDS = {
     "qk_layernorm": "qk_layernorm",
     "add_qkv_bias": "add_qkv_bias",
     "tie_word_embeddings": "tie_word_embeddings",
+    "num_experts": "num_experts",
+    "moe_ffn_hidden_size": "moe_ffn_hidden_size",
+    "moe_topk": "moe_topk",
+    "moe_norm_topk_prob": "moe_norm_topk_prob",
 }
 
 
@@ -78,9 +84,10 @@ def resolve_model_args(cfg: TrainConfig, manifest: dict[str, Any], dtype: str) -
             "max_position_embeddings": cfg.data.seq_length,
             "rope_theta": 10000.0,
             "rms_norm_eps": 1e-6,
-            "qk_layernorm": m.architecture == "qwen3",
+            "qk_layernorm": m.architecture in ("qwen3", "qwen3_moe"),
             "add_qkv_bias": m.architecture == "qwen2",
             "tie_word_embeddings": False,
+            "moe_norm_topk_prob": False,
         }
         for key, value in defaults.items():
             if getattr(m, key) is None:
@@ -95,6 +102,14 @@ def resolve_model_args(cfg: TrainConfig, manifest: dict[str, Any], dtype: str) -
             dtype=dtype,
             make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         )
+    ep = cfg.parallelism.ep
+    if (ep > 1 or cfg.parallelism.etp is not None) and not args.is_moe:
+        raise ConfigError(
+            f"parallelism.ep={ep} / etp={cfg.parallelism.etp} split experts, and the model ({args.architecture}) has "
+            "none; remove them or train a MoE model (qwen3_moe)"
+        )
+    if args.is_moe and args.num_experts % ep:
+        raise ConfigError(f"parallelism.ep={ep} must divide the model's {args.num_experts} experts")
     if args.vocab_size < tokenizer_length:
         raise ConfigError(
             f"the model's vocabulary ({args.vocab_size}) is smaller than the data's tokenizer "
@@ -132,7 +147,19 @@ def build_settings(cfg: TrainConfig, device: torch.device, params_dtype: torch.d
         recompute_num_layers=p.recompute_num_layers,
         init_method_std=cfg.model.init_method_std,
         attention_backend=resolve_attention_backend(cfg.model.attention_backend, device),
+        moe=moe_settings(cfg.model, device),
     )
+
+
+def moe_settings(model: ModelConfig, device: torch.device) -> MoESettings:
+    """How this run trains a MoE model's routers and experts (``model.moe_*``); grouped GEMM by
+    default where it runs: a GPU with Transformer Engine."""
+    grouped = model.moe_grouped_gemm
+    if grouped is None:
+        grouped = device.type == "cuda" and importlib.util.find_spec("transformer_engine") is not None
+    return MoESettings(aux_loss_coeff=model.moe_aux_loss_coeff, z_loss_coeff=model.moe_z_loss_coeff,
+                       load_balancing=model.moe_load_balancing, capacity_factor=model.moe_capacity_factor,
+                       grouped_gemm=grouped)
 
 
 def load_init_weights(model, directory: str | Path) -> None:

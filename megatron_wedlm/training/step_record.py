@@ -69,16 +69,19 @@ class StepTotals:
     stop_requests: float = 0.0  # ranks that got trainer.exit_signal (.stop_signal)
     # tokens per data.blend source name (empty for one source); every rank lists the same names
     source_tokens: dict[str, float] = field(default_factory=dict)
+    # MoE router losses (moe_aux_loss, moe_z_loss): already reduced, the same on every rank, not summed
+    router: dict[str, float] = field(default_factory=dict)
 
     def summed_over_ranks(self, device: torch.device) -> StepTotals:
-        names = [f.name for f in fields(self) if f.name != "source_tokens"]
+        names = [f.name for f in fields(self) if f.name not in ("source_tokens", "router")]
         sources = sorted(self.source_tokens)
         values = [getattr(self, name) for name in names] + [self.source_tokens[k] for k in sources]
         tensor = torch.tensor(values, dtype=torch.float64, device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(tensor)
         summed = tensor.cpu().tolist()
-        return StepTotals(**dict(zip(names, summed)), source_tokens=dict(zip(sources, summed[len(names):])))
+        return StepTotals(**dict(zip(names, summed)), source_tokens=dict(zip(sources, summed[len(names):])),
+                          router=dict(self.router))
 
     @property
     def finite(self) -> bool:
@@ -153,6 +156,7 @@ class StepRecorder:
             "loss": loss,
             "mlm_loss": totals.mlm,
             "ar_loss": totals.ar,
+            **totals.router,
             "masked_tokens": int(totals.masked_tokens),
             "ar_tokens": int(totals.ar_tokens),
             "lr": lr,
