@@ -77,7 +77,10 @@ def test_attention_flex_matches_dense_sdpa(tiny_run):
 def test_training_losses_and_rates(tiny_run):
     training = steps_by_name(tiny_run[1])["training"]["result"]
     assert training["smollm2_shape_te"]["skipped"]  # Transformer Engine needs CUDA
-    for name in ("smollm2_shape_dense", "qwen3_8b_slice_dense"):
+    assert training["qwen3_moe_slice_grouped_gemm"]["skipped"] and training["moe_grouped_gemm_vs_loop"]["skipped"]
+    moe = training["qwen3_moe_slice_dense"]
+    assert moe["experts"] == 8 and all(0.99 < aux < moe["experts"] / moe["topk"] for aux in moe["moe_aux_loss"])
+    for name in ("smollm2_shape_dense", "qwen3_8b_slice_dense", "qwen3_moe_slice_dense"):
         run = training[name]
         assert len(run["losses"]) == run["steps"] == 3
         assert all(math.isfinite(loss) for loss in run["losses"])

