@@ -2,7 +2,8 @@
 
 FLOPs are counted from what the model processes, the same way for WeDLM and AR rows
 (``docs/training.md``, "Throughput", has the formula): every real slot through every projection,
-the MLP and the output layer, plus ``12 * L * q`` per (query, key) pair the attention rule allows
+the MLP (a MoE token: its router and its ``moe_topk`` experts, not all of them) and the output
+layer, plus ``12 * L * q`` per (query, key) pair the attention rule allows
 (:func:`~megatron_wedlm.data.attention_rule.allowed_keys_per_query`). A WeDLM row of S slots holds
 S/2 data tokens, so tokens/s and FLOPs are both logged. Recomputation is not counted (model FLOPs).
 """
@@ -44,26 +45,28 @@ class ModelShape:
 
     num_layers: int
     hidden_size: int
-    ffn_hidden_size: int
+    ffn_hidden_size: int  # the SwiGLU width a token goes through (MoE: moe_topk experts x their width)
     query_width: int  # attention heads x head dim
     key_value_width: int  # query groups x head dim
     output_rows: int  # rows of the output layer the model computes (Megatron: the padded vocabulary)
+    router_width: int = 0  # MoE: the experts each token's router scores
 
     @classmethod
     def from_model_args(cls, args: ModelArgs, output_rows: int | None = None) -> "ModelShape":
         return cls(
             num_layers=args.num_layers,
             hidden_size=args.hidden_size,
-            ffn_hidden_size=args.ffn_hidden_size,
+            ffn_hidden_size=args.moe_topk * args.moe_ffn_hidden_size if args.is_moe else args.ffn_hidden_size,
             query_width=args.num_attention_heads * args.head_dim,
             key_value_width=args.num_query_groups * args.head_dim,
             output_rows=args.padded_vocab_size if output_rows is None else output_rows,
+            router_width=args.num_experts if args.is_moe else 0,
         )
 
     def flops_per_slot(self) -> int:
-        """Forward + backward FLOPs of the token-wise parts (projections, SwiGLU MLP, output layer)."""
+        """Forward + backward FLOPs of the token-wise parts (projections, router, SwiGLU MLP, output layer)."""
         h, q, kv = self.hidden_size, self.query_width, self.key_value_width
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * self.ffn_hidden_size
+        per_layer = h * (q + 2 * kv) + q * h + h * self.router_width + 3 * h * self.ffn_hidden_size
         return 6 * (self.num_layers * per_layer + h * self.output_rows)
 
     def flops_per_pair(self) -> int:
