@@ -155,6 +155,7 @@ CASES = [
     ("qwen3", 200.0, 5, 0.6, 0.1, 23),
     ("qwen3", 60.0, 4, None, 0.1, 11),  # entropy_threshold=None: one slot per step
     ("llama", 200.0, 7, 0.3, 0.05, 30),
+    ("qwen3_moe", 200.0, 6, 0.5, 0.05, 25),  # routed per token: packed rows must not change a row's experts
 ]
 
 
@@ -306,7 +307,7 @@ def test_stop_vocabulary_is_the_stop_ids_and_every_token_holding_a_stop_string(t
     assert stop_token_vocabulary(tokenizer, [5, 3], []) == [3, 5]
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama", "qwen3_moe"])
 def test_committed_kv_equals_one_causal_forward(tokenizer, arch):
     # The cache goes to the model under the keyword its forward declares: under one it no longer
     # declares, the model would take it into **kwargs and attend to a fresh cache of its own (these
@@ -357,18 +358,22 @@ def test_batched_equals_one_at_a_time(tokenizer, schedule):
     assert len({r.num_forwards for r in single}) > 1  # rows really advanced at different rates
 
 
-@pytest.mark.parametrize("method, attention", [("streaming", "sdpa"), ("blockwise", "sdpa"), ("ar", "sdpa"),
-                                               ("streaming", "eager")])
-def test_greedy_output_is_the_same_for_any_batch_size_and_row_order(tokenizer, method, attention):
+@pytest.mark.parametrize("method, attention, arch", [
+    ("streaming", "sdpa", "qwen2"), ("blockwise", "sdpa", "qwen2"), ("ar", "sdpa", "qwen2"),
+    ("streaming", "eager", "qwen2"), ("streaming", "sdpa", "qwen3_moe"), ("ar", "sdpa", "qwen3_moe"),
+    ("streaming", "eager", "qwen3_moe"),
+])
+def test_greedy_output_is_the_same_for_any_batch_size_and_row_order(tokenizer, method, attention, arch):
     """Continuous batching (a finished row's place goes to the next prompt) and AR's batches: each
     prompt's output and counts equal one-at-a-time decoding, whatever rows it shares forwards with.
-    SDPA models decode packed rows, eager ones padded rows with a per-row mask."""
-    model = tiny_model(tokenizer, "qwen2", 80.0, seed=2)
+    SDPA models decode packed rows, eager ones padded rows with a per-row mask. Qwen3-MoE routes
+    each token alone (no expert capacity), so its rows too are independent of their neighbours."""
+    model = tiny_model(tokenizer, arch, 80.0, seed=2)
     model.config._attn_implementation = attention
     texts = ["1 2 3", "def add(a, b):\n    return", "The quick brown fox jumps over the lazy dog.", "7",
              "Count from 3 to 9:", "x = [1, 2", "hello world, hello", "aaa bbb ccc ddd"]
     prompts = [tokenizer.encode(t) for t in texts]
-    stop = tokenizer.encode(" 9")[-1]
+    stop = tokenizer.encode({"qwen2": " 9", "qwen3_moe": "+"}[arch])[-1]  # one that some of its replies hold
     kw = dict(method=method, window_size=5, entropy_threshold=0.5, distance_penalty=0.02, max_new_tokens=21,
               stop_token_ids=[stop])
     single = [generate(model, p, **kw) for p in prompts]
@@ -381,7 +386,7 @@ def test_greedy_output_is_the_same_for_any_batch_size_and_row_order(tokenizer, m
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama", "qwen3_moe"])
 def test_lean_body_gives_the_hf_bodys_logits_bit_for_bit(tokenizer, monkeypatch, arch, dtype):
     """The decoding step's lean body (lean_body.py) against the HF body it replaces: every step's
     logits are equal, bit for bit, on packed rows of different widths and caches, with rows
@@ -432,6 +437,12 @@ def test_lean_body_refuses_what_it_does_not_write_out(tokenizer):
     model.config._attn_implementation = "sdpa"
     model.config.layer_types = ["sliding_attention"] + model.config.layer_types[1:]
     assert lean_body(model) == (None, "sliding-window layers")
+    moe = tiny_model(tokenizer, "qwen3_moe", 1.0)  # its attention written out, its expert blocks HF's modules
+    assert isinstance(ModelRunner(moe, 5, 1, 32).body, LeanBody)
+    moe.config.sliding_window = 8  # Qwen3-MoE has no layer_types: a window, if set, is every layer's
+    assert lean_body(moe) == (None, "sliding-window layers")
+    with pytest.raises(ValueError, match="full causal attention only"):
+        generate(moe, [5, 6, 7], max_new_tokens=2)
 
 
 def test_ar_batches_do_not_share_a_budget_cut_by_a_long_prompt(tokenizer):
@@ -526,7 +537,7 @@ def test_ar_greedy_equals_a_plain_argmax_loop(tokenizer):
     assert stopped.stop_reason == "stop_token"
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3_moe"])
 def test_ar_rows_of_the_batch_equal_hf_generate(tokenizer, arch):
     """``decode(method="ar")``, the next-token rows the server's batch decodes too, against HF
     ``generate`` one prompt at a time: the same tokens, forwards, slots and stop reasons, with rows

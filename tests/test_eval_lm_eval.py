@@ -145,6 +145,27 @@ def test_loads_a_checkpoint_directory(model, tokenizer, tmp_path):
     assert lm.loglikelihood(request)[0][0] == pytest.approx(brute_force_loglikelihood(model, tokenizer, *PAIRS[0])[0], abs=1e-4)
 
 
+def test_a_moe_checkpoint_loads_and_scores_as_its_hf_forward(tokenizer, tmp_path):
+    """A Qwen3-MoE export (transformers saves its experts one by one and fuses them on load) through
+    the loader evaluate.py uses: log-likelihoods in padded batches equal the saved model's own
+    unpadded forward, and generation equals the streaming decode of the model that was saved."""
+    moe = build_tiny_model(tokenizer, arch="qwen3_moe", seed=2)
+    moe.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    lm = WeDLMLM.create_from_arg_string(f"pretrained={tmp_path},window_size=4,entropy_threshold=0.5,batch_size=3",
+                                        {"device": "cpu"})
+    assert type(lm.model).__name__ == "Qwen3MoeForCausalLM" and lm.mask_token_id == tokenizer.mask_token_id
+    expected = [brute_force_loglikelihood(moe, tokenizer, *pair) for pair in PAIRS]
+    got = lm.loglikelihood([_request("loglikelihood", pair, i) for i, pair in enumerate(PAIRS)])
+    assert [g for _, g in got] == [g for _, g in expected]
+    assert [lp for lp, _ in got] == pytest.approx([lp for lp, _ in expected], abs=1e-4)
+    (out,) = lm.generate_until([_request("generate_until", (PAIRS[0][0], {"until": ["\n\n"], "max_gen_toks": 12}))])
+    direct = generate(moe, tokenizer(PAIRS[0][0], add_special_tokens=False)["input_ids"], method="streaming",
+                      window_size=4, entropy_threshold=0.5, max_new_tokens=12, stop_token_ids=[tokenizer.eos_token_id],
+                      stop_strings=["\n\n"], tokenizer=tokenizer)
+    assert out == tokenizer.decode(direct.token_ids, skip_special_tokens=True).split("\n\n")[0] and out
+
+
 def test_constructor_errors(model, tokenizer):
     with pytest.raises(ValueError, match="exactly one"):
         WeDLMLM()

@@ -149,6 +149,43 @@ def test_sixteen_concurrent_streams_each_equal_their_one_at_a_time_decode(client
     wait_for(lambda: metric(server, "wedlm_running_rows") == 0)
 
 
+def test_a_moe_checkpoint_is_served_as_it_decodes_alone(tmp_path):
+    """The exported tiny Qwen3-MoE behind inference/serve.py: concurrent greedy requests of every
+    method, streamed or not, share the server's forwards, and each reply equals the one-at-a-time
+    decode of the same checkpoint (its experts route each token alone)."""
+    moe_dir = write_tiny_chat_model(tmp_path / "tiny-moe", arch="qwen3_moe")
+    local_moe = (load_wedlm_model(moe_dir, device="cpu"), load_tokenizer(moe_dir))
+    assert type(local_moe[0]).__name__ == "Qwen3MoeForCausalLM"
+    jobs = [(PROMPTS[i], ["streaming", "blockwise", "ar"][i % 3], 3 + i % 3, 12 + 2 * i, i % 2 == 0) for i in range(6)]
+    replies: dict[int, tuple[str, int]] = {}
+    with ServerProcess(moe_dir, "--max-rows", "3", "--max-queue", "8", "--max-model-len", "1024",
+                       log=tmp_path / "server.log") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def run(i: int) -> None:
+            prompt, method, window, tokens, stream = jobs[i]
+            kw = dict(model="tiny-moe", prompt=prompt, max_tokens=tokens,
+                      extra_body={"method": method, "window_size": window})
+            if stream:
+                commits = [c for c in client.completions.create(stream=True, **kw) if c.choices]
+                replies[i] = ("".join(c.choices[0].text for c in commits),
+                              sum(c.model_extra["wedlm"]["tokens"] for c in commits))
+            else:
+                reply = client.completions.create(**kw)
+                replies[i] = (reply.choices[0].text, reply.usage.completion_tokens)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert metric(server, "wedlm_row_forwards_total") > metric(server, "wedlm_forwards_total")  # rows shared them
+    assert sorted(replies) == list(range(len(jobs)))
+    for i, (prompt, method, window, tokens, _) in enumerate(jobs):
+        expected = reference(local_moe, prompt, method=method, window_size=window, max_new_tokens=tokens)
+        assert replies[i] == (expected.text, expected.num_generated), (i, method)
+
+
 def test_a_seed_makes_sampling_reproducible_whatever_the_batch(client):
     def sample(seed: int) -> str:
         return client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=24, temperature=1.0,

@@ -98,11 +98,20 @@ def generation_budget(model, prompt_length: int, max_new_tokens: int) -> int:
     return max_new_tokens if limit is None else min(max_new_tokens, limit - prompt_length)
 
 
+def sliding_window_layers(config) -> bool:
+    """Whether any layer attends to a window only: a ``layer_types`` entry, or, for a config
+    without ``layer_types`` (Qwen3-MoE), a ``sliding_window`` set (HF then windows every layer)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return getattr(config, "sliding_window", None) is not None
+    return any(t != "full_attention" for t in layer_types)
+
+
 def check_full_attention(model) -> None:
     """Refuse sliding-window layers (the decoders assume full-prefix attention)."""
-    layer_types = getattr(model.config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
+    if sliding_window_layers(model.config):
+        kinds = sorted(set(getattr(model.config, "layer_types", None) or ["sliding_attention"]))
         raise ValueError(
-            f"model has non-full-attention layers {sorted(set(layer_types))}; WeDLM decoding supports "
+            f"model has non-full-attention layers {kinds}; WeDLM decoding supports "
             "full causal attention only (disable use_sliding_window in the config)"
         )

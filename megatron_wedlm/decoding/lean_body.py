@@ -1,7 +1,9 @@
-"""The decoding step's body for Llama, Qwen2 and Qwen3 without HF's per-module Python.
+"""The decoding step's body for Llama, Qwen2, Qwen3 and Qwen3-MoE without HF's per-module Python.
 
 :class:`LeanBody` runs HF's weights and operations in HF's order (hidden states equal bit for bit,
-tested per family); one-token steps use ``torch.mv``. Packed (SDPA) decoding only.
+tested per family); one-token steps use ``torch.mv``. A Qwen3-MoE layer's expert block is HF's own
+module, called as HF's layer calls it: its routing and expert kernel (``_experts_implementation``)
+stay HF's. Packed (SDPA) decoding only.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .checks import sliding_window_layers
 from .packed_attention import Packing, packed_sdpa
 from .row_cache import RowKVCache
 
-FAMILIES = ("LlamaModel", "Qwen2Model", "Qwen3Model")  # the HF body classes whose layers are written out here
+# the HF body classes whose layers are written out here
+FAMILIES = ("LlamaModel", "Qwen2Model", "Qwen3Model", "Qwen3MoeModel")
 
 
 class _Linear(NamedTuple):
@@ -38,10 +42,11 @@ class _Layer:
     k_norm: _Norm | None
     o: _Linear
     post_norm: _Norm
-    gate: _Linear
-    up: _Linear
-    down: _Linear
+    gate: _Linear | None  # a dense MLP's; None where ``experts`` runs
+    up: _Linear | None
+    down: _Linear | None
     act: object
+    experts: torch.nn.Module | None  # an MoE layer's block (router and experts), HF's module
 
 
 class BodyOutput(NamedTuple):
@@ -83,7 +88,7 @@ def lean_body(model) -> tuple["LeanBody | None", str]:
     name = type(body).__name__
     if name not in FAMILIES:
         return None, f"{name} is not one of {', '.join(FAMILIES)}"
-    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+    if sliding_window_layers(config):
         return None, "sliding-window layers"
     if getattr(config, "pretraining_tp", 1) != 1:
         return None, "pretraining_tp > 1"
@@ -104,11 +109,14 @@ class LeanBody:
     def _layer(layer) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        if hasattr(mlp, "gate_proj"):  # a dense MLP (Qwen3-MoE's mlp_only_layers too)
+            ffn = (_linear(mlp.gate_proj), _linear(mlp.up_proj), _linear(mlp.down_proj), mlp.act_fn, None)
+        else:  # a sparse MoE block: router and experts stay HF's module
+            ffn = (None, None, None, None, mlp)
         return _Layer(
             _norm(layer.input_layernorm), _linear(attn.q_proj), _linear(attn.k_proj), _linear(attn.v_proj),
             None if q_norm is None else _norm(q_norm), None if k_norm is None else _norm(k_norm),
-            _linear(attn.o_proj), _norm(layer.post_attention_layernorm),
-            _linear(mlp.gate_proj), _linear(mlp.up_proj), _linear(mlp.down_proj), mlp.act_fn,
+            _linear(attn.o_proj), _norm(layer.post_attention_layernorm), *ffn,
         )
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: RowKVCache,
@@ -134,7 +142,10 @@ class LeanBody:
             out, _ = packed_sdpa(None, q, keys, values, None, wedlm_packing=wedlm_packing, scaling=self.scaling)
             x = x + linear(out.reshape(tokens, -1), layer.o)
             h = rms_norm(x, layer.post_norm)
-            x = x + linear(layer.act(linear(h, layer.gate)) * linear(h, layer.up), layer.down)
+            if layer.experts is not None:  # routed per token; [1, T, hidden] as HF's layer passes it
+                x = x + layer.experts(h[None])[0]
+            else:
+                x = x + linear(layer.act(linear(h, layer.gate)) * linear(h, layer.up), layer.down)
         return BodyOutput(rms_norm(x, self.final_norm)[None])
 
     __call__ = forward

@@ -24,14 +24,15 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
-def write_tiny_chat_model(directory: str | Path, seed: int = 3) -> Path:
-    """A tiny random qwen2 WeDLM checkpoint (mask token in its config) with a chat template."""
+def write_tiny_chat_model(directory: str | Path, seed: int = 3, arch: str = "qwen2") -> Path:
+    """A tiny random WeDLM checkpoint (mask token in its config) with a chat template; ``arch``:
+    a family of :func:`~megatron_wedlm.testing.tiny_models.build_tiny_model` (qwen2, qwen3, qwen3_moe)."""
     from megatron_wedlm.testing.tiny_models import build_tiny_model, build_tiny_tokenizer
 
     directory = Path(directory)
     tokenizer = build_tiny_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
-    build_tiny_model(tokenizer, seed=seed).save_pretrained(directory)
+    build_tiny_model(tokenizer, arch=arch, seed=seed).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
 

@@ -4,8 +4,8 @@ This is the project's one way to build small test models. The tokenizer is a byt
 that *any* text (code, maths, few-shot prompts) encodes and decodes back exactly, which the
 decoding and evaluation tests rely on; its vocabulary is learnt from a few fixed strings so the
 build is deterministic and takes milliseconds. Models are real transformers classes (Qwen2,
-Qwen3) with random weights from a fixed seed and ``config.mask_token_id`` set, i.e. shaped like
-an exported WeDLM checkpoint.
+Qwen3, Qwen3-MoE) with random weights from a fixed seed and ``config.mask_token_id`` set, i.e.
+shaped like an exported WeDLM checkpoint.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 # One tokenizer recipe for the tests and the quickstart.
@@ -67,11 +69,20 @@ def build_tiny_model(
     max_position_embeddings: int = 1024,
     seed: int = 0,
 ) -> PreTrainedModel:
-    """A random causal LM of the given family sized for CPU tests, in eval mode, float32."""
-    families = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+    """A random causal LM of the given family sized for CPU tests, in eval mode, float32.
+
+    ``qwen3_moe``: every layer is 8 experts of width ``hidden_size // 2``, top 2 with normalised
+    weights; the router and experts are drawn larger than HF's init (std 0.02), so that routing is
+    decisive (no near ties that rounding could flip) and the experts' output outweighs the residual:
+    a token routed or combined wrongly then changes the logits.
+    """
+    families = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+                "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}
     if arch not in families:
         raise ValueError(f"unknown tiny-model arch {arch!r}; choose one of {sorted(families)}")
     config_cls, model_cls = families[arch]
+    moe = dict(moe_intermediate_size=hidden_size // 2, num_experts=8, num_experts_per_tok=2,
+               norm_topk_prob=True) if arch == "qwen3_moe" else {}
     config = config_cls(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -85,10 +96,16 @@ def build_tiny_model(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
+        **moe,
     )
     config.mask_token_id = tokenizer.mask_token_id
     torch.manual_seed(seed)
     model = model_cls(config)
+    if moe:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if ".mlp.gate." in name or ".mlp.experts." in name:
+                    param.normal_(0.0, 0.1)
     return model.eval()
 
 
