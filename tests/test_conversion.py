@@ -4,6 +4,7 @@ Models are tiny random Qwen2 / Qwen3 / Llama built from configs (weights scaled 
 mapping moves logits by O(1)); every family runs with tied and untied embeddings, GQA, a
 non-default rope theta and RMS eps, and Qwen3 with head_dim != hidden / heads. The vocabulary
 (400) is not a multiple of 128, so Megatron pads it (512) and export must trim it back.
+Qwen3-MoE (8 experts, top 2) runs with both routings: top-k renormalised and softmax over all.
 
 Tolerance: fp32. Megatron and transformers compute the same functions with different kernels
 (baddbmm softmax vs SDPA, fused vs split QKV matmuls), observed max |diff| ~3e-6 on logits of
@@ -32,7 +33,14 @@ from megatron_wedlm.conversion import (
     load_megatron_weights,
     megatron_process_group,
 )
-from megatron_wedlm.conversion.mapping import global_rules, layer_rules, megatron_shape
+from megatron_wedlm.conversion.mapping import (
+    EXPERT,
+    experts_of,
+    global_rules,
+    layer_rules,
+    megatron_shape,
+    stacked_dims,
+)
 from megatron_wedlm.model.hf_config import (
     ModelArgs,
     UnsupportedModelError,
@@ -137,18 +145,25 @@ def converted(tmp_path_factory):
 
 @pytest.mark.parametrize("arch,tied", CASES, ids=CASE_IDS)
 def test_rules_name_every_megatron_parameter_and_checkpoint_key(converted, arch, tied):
+    assert_rules_match_megatron(converted[f"{arch}-{'tied' if tied else 'untied'}"]["args"])
+
+
+def assert_rules_match_megatron(args: ModelArgs) -> None:
+    """The mapping's parameter names, keys and shapes are exactly those of the model conversion
+    builds (one process: local expert i is global expert i)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
     from megatron.core.dist_checkpointing.dict_utils import nested_values
 
-    args = converted[f"{arch}-{'tied' if tied else 'untied'}"]["args"]
     expected_params, expected_keys = {}, {}
     for rule in global_rules(args):
         expected_params[rule.param] = megatron_shape(rule, args)
         expected_keys[rule.key] = megatron_shape(rule, args)
     for layer in range(args.num_layers):
         for rule in layer_rules(args):
-            expected_params[f"decoder.layers.{layer}.{rule.param}"] = megatron_shape(rule, args)
-            expected_keys[rule.key] = (args.num_layers, *megatron_shape(rule, args))
+            for expert in experts_of(rule, args):
+                param = rule.param.replace(EXPERT, str(expert))
+                expected_params[f"decoder.layers.{layer}.{param}"] = megatron_shape(rule, args)
+            expected_keys[rule.key] = (*stacked_dims(rule, args), *megatron_shape(rule, args))
     with megatron_process_group():
         model = build_conversion_model(args)
         params = {name: tuple(p.shape) for name, p in model.named_parameters()}
@@ -582,3 +597,165 @@ def test_tensor_parallel_shards_of_the_fused_mlp_hold_gate_and_up_slices():
     fc1 = fuse_gate_up(gate, up)
     assert torch.equal(tp_local_shard(fc1, 0, 1, 2, gated=True), torch.cat([gate[4:], up[4:]]))
     assert torch.equal(tp_local_shard(fc1, 0, 1, 2), fc1[8:])  # a plain column split would mix them
+
+
+# --------------------------------------------------------------------------------------------
+# Mixture of experts (Qwen3-MoE)
+# --------------------------------------------------------------------------------------------
+
+#: Qwen3-30B-A3B's layout in miniature: every layer 8 SwiGLU experts of width 16, top 2, no shared
+#: expert; the dense intermediate_size is unused by the model but kept by the config.
+MOE_CONFIG = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+                  max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                  router_aux_loss_coef=0.01)
+MOE_ROUTINGS = {"topk-renormalised": True, "softmax-all": False}  # id -> norm_topk_prob
+
+
+def make_moe_hf_dir(directory: Path, norm_topk_prob: bool = True, seed: int = 0, **changes):
+    """A random ``Qwen3MoeForCausalLM`` saved as HF does (per-expert tensors on disk), with the tiny
+    tokenizer. Weights are scaled up as in ``build_tiny_causal_lm``, so routing is decisive and a
+    swapped expert or router row moves the logits by O(1)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tokenizer = build_tiny_tokenizer()
+    config = Qwen3MoeConfig(**{**MOE_CONFIG, **changes}, vocab_size=len(tokenizer), norm_topk_prob=norm_topk_prob,
+                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                            bos_token_id=None)
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, 0.2 if param.dim() > 1 else 0.1)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def moe_converted(tmp_path_factory):
+    """Each routing's model converted HF -> Megatron -> HF once."""
+    out = {}
+    for routing, norm_topk_prob in MOE_ROUTINGS.items():
+        root = tmp_path_factory.mktemp(f"moe-{routing}")
+        model, tokenizer = make_moe_hf_dir(root / "hf", norm_topk_prob)
+        args = convert_hf_to_megatron(root / "hf", root / "megatron")
+        convert_megatron_to_hf(root / "megatron", root / "export")
+        out[routing] = dict(root=root, model=model, tokenizer=tokenizer, args=args)
+    return out
+
+
+def test_moe_rules_name_every_megatron_parameter_and_checkpoint_key(moe_converted):
+    args = moe_converted["topk-renormalised"]["args"]
+    assert (args.architecture, args.num_experts, args.moe_ffn_hidden_size, args.moe_topk) == ("qwen3_moe", 8, 16, 2)
+    assert_rules_match_megatron(args)
+
+
+@pytest.mark.parametrize("routing", MOE_ROUTINGS)
+def test_moe_round_trip_reproduces_every_tensor_and_the_config(moe_converted, routing):
+    """The HF files hold one gate/up/down per expert (transformers fuses them only in memory)."""
+    root = moe_converted[routing]["root"]
+    original, exported = safetensors_of(root / "hf"), safetensors_of(root / "export")
+    assert "model.layers.1.mlp.experts.7.gate_proj.weight" in original and "model.layers.0.mlp.gate.weight" in original
+    assert sorted(exported) == sorted(original)
+    for name, tensor in original.items():
+        assert exported[name].dtype == tensor.dtype, name
+        assert torch.equal(exported[name], tensor), name
+    before = json.loads((root / "hf" / "config.json").read_text())
+    after = json.loads((root / "export" / "config.json").read_text())
+    assert after.pop("mask_token_id") == moe_converted[routing]["tokenizer"].mask_token_id
+    before.pop("transformers_version"), after.pop("transformers_version")
+    assert after == before  # num_experts, widths, top-k, norm_topk_prob, router_aux_loss_coef=0.01 included
+
+
+@pytest.mark.parametrize("routing", MOE_ROUTINGS)
+def test_moe_megatron_logits_equal_hf_logits(moe_converted, routing):
+    """A plain causal row (the memory stream) through Megatron's own GPT and the WeDLM model, both
+    with Megatron's MoE layer, against HF; then the export, loaded by transformers, bit for bit."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM
+
+    case = moe_converted[routing]
+    args = case["args"]
+    ids = causal_input(args.vocab_size)
+    with torch.no_grad():
+        reference = case["model"](ids).logits
+    assert reference.abs().max() > 1.0
+    with megatron_process_group():
+        for kind in ("gpt", "wedlm"):
+            model = build_megatron_model(kind, args).eval()
+            load_megatron_weights(model, case["root"] / "megatron")
+            with torch.no_grad():
+                got = model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)[..., : args.vocab_size]
+            assert (got - reference).abs().max().item() < ATOL, kind
+    exported = AutoModelForCausalLM.from_pretrained(case["root"] / "export").eval()
+    assert isinstance(exported, Qwen3MoeForCausalLM)
+    assert exported.config.norm_topk_prob is MOE_ROUTINGS[routing]
+    with torch.no_grad():
+        assert torch.equal(exported(ids).logits, reference)
+
+
+def test_expert_parallel_size_must_divide_the_experts(moe_converted, converted, tmp_path, capsys):
+    cli = _cli()
+    moe_hf = str(moe_converted["topk-renormalised"]["root"] / "hf")
+    assert cli.main(["hf-to-megatron", "--input", moe_hf, "--output", str(tmp_path / "a"), "--ep", "3"]) == 2
+    assert "--ep 3 does not divide num_experts=8" in capsys.readouterr().err
+    with pytest.raises(ConversionError, match=r"--ep 2 splits experts, and this qwen2 model has none"):
+        convert_hf_to_megatron(converted["qwen2-untied"]["root"] / "hf", tmp_path / "b", expert_model_parallel_size=2)
+    make_moe_hf_dir(tmp_path / "odd", moe_intermediate_size=9)
+    with pytest.raises(ConversionError, match=r"--tp 2 does not divide moe_intermediate_size=9"):
+        convert_hf_to_megatron(tmp_path / "odd", tmp_path / "c", tensor_model_parallel_size=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["odd"]  # refused before anything is written
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(mlp_only_layers=[1]), "mlp_only_layers=[1]"),
+        (dict(decoder_sparse_step=2), "decoder_sparse_step=2"),
+        (dict(num_experts_per_tok=9), "moe_topk=9 must be in 1..num_experts=8"),
+    ],
+    ids=["dense-layers", "sparse-step", "top-k-over-experts"],
+)
+def test_unsupported_moe_configs_are_refused_naming_the_config_file(moe_converted, tmp_path, capsys, change, message):
+    """Qwen3-MoE variants that mix dense MLP layers in have no Megatron layout here; the converter
+    says which file holds the field (not a traceback from deep in the model build)."""
+    hf = tmp_path / "hf"
+    shutil.copytree(moe_converted["topk-renormalised"]["root"] / "hf", hf)
+    config = json.loads((hf / "config.json").read_text())
+    config.update(change)
+    (hf / "config.json").write_text(json.dumps(config))
+    assert _cli().main(["hf-to-megatron", "--input", str(hf), "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {hf / 'config.json'}: ") and message in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_moe_with_a_nonzero_output_projection_bias_is_refused(tmp_path):
+    """Qwen3-MoE's attention is Qwen3's: with attention_bias its o_proj bias must be zero."""
+    make_moe_hf_dir(tmp_path / "hf", attention_bias=True)
+    with pytest.raises(ConversionError, match=r"o_proj\.bias.* is not zero.*add_bias_linear"):
+        convert_hf_to_megatron(tmp_path / "hf", tmp_path / "megatron")
+
+
+def test_a_transformers_4_moe_config_exports_as_a_loadable_qwen3_moe_config(tmp_path):
+    """Qwen3-30B-A3B's config.json as published (transformers 4: num_experts, top-level rope_theta)."""
+    from transformers import AutoConfig
+
+    raw = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048,
+               intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+               num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+               router_aux_loss_coef=0.001, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1e6,
+               rope_scaling=None, rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=False,
+               torch_dtype="bfloat16")
+    args = model_args_from_hf_config(raw)
+    assert (args.num_experts, args.moe_ffn_hidden_size, args.moe_topk, args.moe_norm_topk_prob) == (128, 768, 8, True)
+    hf_config_from_model_args(args).save_pretrained(tmp_path)
+    config = AutoConfig.from_pretrained(tmp_path)
+    assert type(config).__name__ == "Qwen3MoeConfig"
+    assert (config.num_experts, config.moe_intermediate_size, config.num_experts_per_tok, config.norm_topk_prob,
+            config.router_aux_loss_coef, config.rope_parameters["rope_theta"]) == (128, 768, 8, True, 0.001, 1e6)
+    again = model_args_from_hf_config(json.loads((tmp_path / "config.json").read_text()))
+    assert replace(again, hf_config={}) == replace(args, hf_config={})  # hf_config: the fields as written

@@ -104,8 +104,8 @@ def _naive_hf_to_megatron(hf_dir: Path, out: Path) -> None:
     for file in sorted(hf_dir.glob("*.safetensors")):
         state.update(load_file(file))  # the whole HF checkpoint in memory
 
-    def source(rule, layer):  # the same conversion math as the streaming path
-        return to_megatron(rule, [state[name] for name in rule.hf_names(layer)], args)
+    def source(rule, layer, expert=None):  # the same conversion math as the streaming path
+        return to_megatron(rule, [state[name] for name in rule.hf_names(layer, expert)], args)
 
     with megatron_process_group():
         model = build_conversion_model(args)

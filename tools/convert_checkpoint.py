@@ -1,15 +1,16 @@
 #!/usr/bin/env python
-"""Convert checkpoints between HF (Qwen2 / Qwen3 / Llama) and Megatron-Core torch_dist.
+"""Convert checkpoints between HF (Qwen2 / Qwen3 / Llama / Qwen3-MoE) and Megatron-Core torch_dist.
 
-    python tools/convert_checkpoint.py hf-to-megatron --input HF_DIR --output DIR [--tp T --pp P]
+    python tools/convert_checkpoint.py hf-to-megatron --input HF_DIR --output DIR [--tp T --pp P --ep E]
     python tools/convert_checkpoint.py megatron-to-hf --input DIR --output HF_DIR
     python tools/convert_checkpoint.py gguf-to-hf --input MODEL.gguf --output HF_DIR
 
-hf-to-megatron writes a torch_dist checkpoint that loads under any TP/PP (--tp/--pp only choose
-the layout it is written with, using T x P local processes), plus wedlm_model.json (what the
-training entry points build: point ``model.init_from`` at DIR) and the tokenizer, with a mask
-token added if it had none. megatron-to-hf also accepts one iteration directory of a training
-run (any TP/PP/CP it was saved with), or the run directory for its newest complete checkpoint; wedlm_model.json is looked up there and in its two parents
+hf-to-megatron writes a torch_dist checkpoint that loads under any TP/PP/EP (--tp/--pp/--ep only
+choose the layout it is written with, using T x P x E local processes; --ep splits a MoE model's
+experts), plus wedlm_model.json (what the training entry points build: point ``model.init_from``
+at DIR) and the tokenizer, with a mask token added if it had none. megatron-to-hf also accepts one
+iteration directory of a training run (any TP/PP/CP it was saved with), or the run directory
+for its newest complete checkpoint; wedlm_model.json is looked up there and in its two parents
 (or give --model-args), and the tokenizer next to it: a training checkpoint holds both, so
 --tokenizer is needed only for a checkpoint saved without one.
 
@@ -36,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     to_mcore.add_argument("--output", required=True, help="directory for the torch_dist checkpoint")
     to_mcore.add_argument("--tp", type=int, default=1, help="tensor-parallel size to write with (default 1)")
     to_mcore.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to write with (default 1)")
+    to_mcore.add_argument("--ep", type=int, default=1,
+                          help="expert-parallel size to write with (MoE models; must divide num_experts; default 1)")
     to_mcore.add_argument("--mask-token", default="<|mask|>", help="mask token to use or add (default <|mask|>)")
     to_mcore.add_argument("--no-add-mask-token", action="store_true",
                           help="fail instead of adding a mask token when the tokenizer has none")
@@ -87,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             model = convert_hf_to_megatron(
                 args.input, args.output,
                 tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                expert_model_parallel_size=args.ep,
                 mask_token=args.mask_token, add_mask_token=not args.no_add_mask_token,
                 make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                 dtype=args.dtype, overwrite=args.overwrite,

@@ -1,8 +1,8 @@
-"""Checkpoint conversion between HF (Qwen2/Qwen3/Llama, safetensors) and Megatron-Core torch_dist.
+"""Checkpoint conversion between HF (Qwen2/Qwen3/Llama/Qwen3-MoE, safetensors) and Megatron-Core torch_dist.
 
 :func:`convert_hf_to_megatron` / :func:`convert_megatron_to_hf` are the two directions
 (``tools/convert_checkpoint.py``); :func:`load_megatron_weights` loads a converted checkpoint into a
-built model of any TP/PP (the weights half of ``model.init_from``).
+built model of any TP/PP/EP (the weights half of ``model.init_from``).
 """
 
 from .gguf import cached_hf_from_gguf, convert_gguf_to_hf, packaged_file

@@ -1,4 +1,4 @@
-"""HF directory (Qwen2 / Qwen3 / Llama, safetensors) -> Megatron ``torch_dist`` checkpoint.
+"""HF directory (Qwen2 / Qwen3 / Llama / Qwen3-MoE, safetensors) -> Megatron ``torch_dist`` checkpoint.
 
 Writes the checkpoint, ``wedlm_model.json`` (what to build to load it), the tokenizer files and
 ``generation_config.json``. Every HF tensor is checked before anything is written, and the
@@ -17,6 +17,7 @@ import torch
 from megatron_wedlm.model.hf_config import (
     DEFAULT_MAKE_VOCAB_SIZE_DIVISIBLE_BY,
     ModelArgs,
+    UnsupportedModelError,
     model_args_from_hf_config,
     pad_vocab_size,
     save_model_args,
@@ -32,6 +33,7 @@ from .mapping import (
     Combine,
     TensorRule,
     all_hf_names,
+    experts_of,
     global_rules,
     hf_shapes,
     layer_rules,
@@ -58,7 +60,8 @@ def check_hf_checkpoint(reader: HFSafetensorsReader, args: ModelArgs) -> None:
         _check_rule(reader, rule, None, args)
     for layer in range(args.num_layers):
         for rule in layer_rules(args):
-            _check_rule(reader, rule, layer, args)
+            for expert in experts_of(rule, args):
+                _check_rule(reader, rule, layer, args, expert)
     expected = set(all_hf_names(args))
     if args.tie_word_embeddings:
         expected |= set(OUTPUT_LAYER.hf)  # some tied checkpoints store the (identical) head anyway
@@ -80,16 +83,21 @@ def check_hf_checkpoint(reader: HFSafetensorsReader, args: ModelArgs) -> None:
         )
 
 
-def _check_rule(reader: HFSafetensorsReader, rule: TensorRule, layer: int | None, args: ModelArgs) -> None:
-    for name, shape in zip(rule.hf_names(layer), hf_shapes(rule, args)):
+def _check_rule(
+    reader: HFSafetensorsReader, rule: TensorRule, layer: int | None, args: ModelArgs, expert: int | None = None
+) -> None:
+    for name, shape in zip(rule.hf_names(layer, expert), hf_shapes(rule, args)):
         if name not in reader:
             raise ConversionError(f"tensor {name!r} is missing from the HF checkpoint {reader.directory}")
         actual = reader.shape(name)
         if actual != shape:
+            moe = (f", num_experts={args.num_experts}, moe_intermediate_size={args.moe_ffn_hidden_size}"
+                   if args.is_moe else "")
             raise ConversionError(
                 f"shape mismatch for tensor {name!r}: the checkpoint has {actual}, config.json implies {shape} "
                 f"(hidden_size={args.hidden_size}, heads={args.num_attention_heads}, kv_heads={args.num_query_groups}, "
-                f"head_dim={args.head_dim}, intermediate_size={args.ffn_hidden_size}, vocab_size={args.vocab_size})"
+                f"head_dim={args.head_dim}, intermediate_size={args.ffn_hidden_size}, vocab_size={args.vocab_size}"
+                f"{moe})"
             )
 
 
@@ -101,8 +109,8 @@ class HFTensorSource:
         self.args = args
         self.mask_init = mask_init
 
-    def __call__(self, rule: TensorRule, layer: int | None) -> torch.Tensor:
-        tensors = [self.reader.read(name) for name in rule.hf_names(layer)]
+    def __call__(self, rule: TensorRule, layer: int | None, expert: int | None = None) -> torch.Tensor:
+        tensors = [self.reader.read(name) for name in rule.hf_names(layer, expert)]
         if rule.combine is Combine.VOCAB:
             tensors = [self._grown_vocab(tensors[0])]
         return to_megatron(rule, tensors, self.args).to(self.args.torch_dtype)
@@ -115,12 +123,16 @@ class HFTensorSource:
         return grown
 
 
-def _write_rank(
-    args_dict: dict, input_dir: str, output_dir: str, tp: int, pp: int, mask_init: MaskRowInit | None
+def write_rank(
+    args_dict: dict, input_dir: str, output_dir: str, tp: int, pp: int, ep: int = 1,
+    mask_init: MaskRowInit | None = None,
 ) -> None:
-    """One rank of the writer: build its part of the model, fill it, save (collectively)."""
+    """One rank of the writer: build its part of the model at TP x PP x EP, fill it from the HF
+    directory, save (collectively). Joins the caller's world, whose ranks beyond TP x PP x EP are
+    data-parallel replicas (tests write several layouts in one launch this way).
+    """
     args = ModelArgs.from_dict(args_dict)
-    with megatron_process_group(tp, pp):
+    with megatron_process_group(tp, pp, ep):
         model = build_conversion_model(args)
         fill_model(model, args, HFTensorSource(input_dir, args, mask_init))
         save_megatron_checkpoint(model, output_dir, release_model=True)
@@ -132,6 +144,7 @@ def convert_hf_to_megatron(
     *,
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
     mask_token: str = DEFAULT_MASK_TOKEN,
     add_mask_token: bool = True,
     make_vocab_size_divisible_by: int = DEFAULT_MAKE_VOCAB_SIZE_DIVISIBLE_BY,
@@ -141,20 +154,25 @@ def convert_hf_to_megatron(
 ) -> ModelArgs:
     """Convert and return the :class:`ModelArgs` written to ``wedlm_model.json``.
 
-    ``tensor/pipeline_model_parallel_size``: the layout written (that many local processes); it
-    loads under any layout. ``dtype`` defaults to the HF weights'.
+    ``tensor/pipeline/expert_model_parallel_size``: the layout written (TP x PP x EP local
+    processes; experts use TP as their expert TP); it loads under any layout. ``dtype`` defaults to
+    the HF weights'.
     """
     input_dir, output_dir = Path(input_dir), Path(output_dir)
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
     config_file = input_dir / "config.json"
     if not config_file.is_file():
         raise ConversionError(f"{input_dir} is not a HF model directory: {config_file} does not exist")
     check_output_dir(output_dir, [input_dir], overwrite)
     raw = read_json(config_file)
-    source_args = model_args_from_hf_config(
-        raw, make_vocab_size_divisible_by=make_vocab_size_divisible_by, tensor_model_parallel_size=tp
-    )
-    _check_layout(source_args, tp, pp)
+    try:
+        source_args = model_args_from_hf_config(
+            raw, make_vocab_size_divisible_by=make_vocab_size_divisible_by, tensor_model_parallel_size=tp
+        )
+    except ValueError as err:  # an unsupported model, or fields ModelArgs refuses (top-k > experts)
+        kind = UnsupportedModelError if isinstance(err, UnsupportedModelError) else ConversionError
+        raise kind(f"{config_file}: {err}") from err
+    _check_layout(source_args, tp, pp, ep)
     reader = HFSafetensorsReader(input_dir)
     check_hf_checkpoint(reader, source_args)
 
@@ -170,13 +188,11 @@ def convert_hf_to_megatron(
             mask_init = MaskRowInit(mask.mask_token_id, min(mask.tokenizer_len, source_args.vocab_size))
 
         with atomic_output_dir(output_dir, inputs=[input_dir], overwrite=overwrite) as staging:
-            if tp * pp == 1:
-                _write_rank(args.to_dict(), str(input_dir), str(staging), 1, 1, mask_init)
+            rank_args = (args.to_dict(), str(input_dir), str(staging), tp, pp, ep, mask_init)
+            if tp * pp * ep == 1:
+                write_rank(*rank_args)
             else:
-                run_distributed(
-                    _write_rank, tp * pp, args.to_dict(), str(input_dir), str(staging), tp, pp, mask_init,
-                    timeout_s=timeout_s,
-                )
+                run_distributed(write_rank, tp * pp * ep, *rank_args, timeout_s=timeout_s)
             copy_tokenizer_files(staged_tokenizer, staging)
             save_model_args(args, staging)
             if (input_dir / GENERATION_CONFIG).is_file():
@@ -184,15 +200,25 @@ def convert_hf_to_megatron(
     return args
 
 
-def _check_layout(args: ModelArgs, tp: int, pp: int) -> None:
+def _check_layout(args: ModelArgs, tp: int, pp: int, ep: int) -> None:
     """The layout the checkpoint is written with must be one Megatron can build."""
-    if tp < 1 or pp < 1:
-        raise ConversionError(f"--tp and --pp must be >= 1, got {tp} and {pp}")
+    if tp < 1 or pp < 1 or ep < 1:
+        raise ConversionError(f"--tp, --pp and --ep must be >= 1, got {tp}, {pp} and {ep}")
+    if ep > 1 and not args.is_moe:
+        raise ConversionError(f"--ep {ep} splits experts, and this {args.architecture} model has none; use --ep 1")
+    if args.is_moe and args.num_experts % ep:
+        raise ConversionError(
+            f"--ep {ep} does not divide num_experts={args.num_experts}; choose an --ep that does (each rank "
+            "holds the same number of experts)"
+        )
     splits = {
         "num_attention_heads": args.num_attention_heads,
         "num_key_value_heads (query groups)": args.num_query_groups,
-        "intermediate_size": args.ffn_hidden_size,
     }
+    if args.is_moe:  # experts are split over TP too (expert TP = TP); the dense size is unused
+        splits["moe_intermediate_size"] = args.moe_ffn_hidden_size
+    else:
+        splits["intermediate_size"] = args.ffn_hidden_size
     for name, value in splits.items():
         if value % tp:
             raise ConversionError(f"--tp {tp} does not divide {name}={value}; choose a --tp that does")

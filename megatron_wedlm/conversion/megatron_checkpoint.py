@@ -3,7 +3,7 @@
 Writing builds this rank's part of the model as training does (no random init), fills it one
 tensor at a time and saves its ``sharded_state_dict``, so keys, shapes and shard metadata are
 training's and reshard to any TP/PP. Reading builds no model: :class:`MegatronCheckpointReader`
-reads one layer of one tensor at a time, from converted and training checkpoints alike.
+reads one layer (and expert) of one tensor at a time, from converted and training checkpoints alike.
 """
 
 from __future__ import annotations
@@ -33,22 +33,29 @@ from .mapping import (
     global_rules,
     layer_rules,
     megatron_shape,
+    split_expert_index,
+    stacked_dims,
 )
 
-#: A full (TP=1 layout) Megatron tensor for a rule and a global layer index (None: not per layer).
-TensorSource = Callable[[TensorRule, "int | None"], torch.Tensor]
+#: A full (TP=1 layout) Megatron tensor for a rule, a global layer index (None: not per layer)
+#: and a global expert index (None: not per expert).
+TensorSource = Callable[[TensorRule, "int | None", "int | None"], torch.Tensor]
 
 
 @contextlib.contextmanager
 def megatron_process_group(
-    tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1, expert_model_parallel_size: int = 1
 ) -> Iterator[None]:
     """torch.distributed (gloo) and Megatron's groups for a conversion, torn down afterwards.
 
     Joins a launcher's world, else makes one of its own and restores the environment; keeps what
-    existed; without CUDA switches on the CPU runtime for the duration.
+    existed; without CUDA switches on the CPU runtime for the duration. Experts are split over
+    ``expert_model_parallel_size`` ranks, each expert over TP ranks (Megatron's default expert
+    TP). A world larger than TP x PP x EP holds data-parallel replicas, which write nothing twice.
     """
     from megatron.core import parallel_state as ps
+
+    tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
 
     with contextlib.ExitStack() as stack:
         if not torch.cuda.is_available() and not cpu_runtime.cpu_runtime_active():
@@ -60,24 +67,24 @@ def megatron_process_group(
             init_distributed(torch.device("cpu"))
             stack.callback(dist.destroy_process_group)
         if ps.model_parallel_is_initialized():
-            have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
-            if have != (tensor_model_parallel_size, pipeline_model_parallel_size):
+            have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                    ps.get_expert_model_parallel_world_size())
+            if have != (tp, pp, ep):
                 raise RuntimeError(
-                    f"Megatron is already initialised with TP x PP = {have[0]} x {have[1]}, not "
-                    f"{tensor_model_parallel_size} x {pipeline_model_parallel_size}"
+                    f"Megatron is already initialised with TP x PP x EP = {have[0]} x {have[1]} x {have[2]}, not "
+                    f"{tp} x {pp} x {ep}"
                 )
         else:
             world = dist.get_world_size()
-            if world != tensor_model_parallel_size * pipeline_model_parallel_size:
+            if world % (tp * pp * ep):
                 raise RuntimeError(
-                    f"conversion with TP={tensor_model_parallel_size} x PP={pipeline_model_parallel_size} needs "
-                    f"exactly {tensor_model_parallel_size * pipeline_model_parallel_size} processes, got {world}"
+                    f"conversion with TP={tp} x PP={pp} x EP={ep} needs {tp * pp * ep} processes (or a multiple: "
+                    f"data-parallel replicas), got {world}"
                 )
             from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
             ps.initialize_model_parallel(
-                tensor_model_parallel_size=tensor_model_parallel_size,
-                pipeline_model_parallel_size=pipeline_model_parallel_size,
+                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
             )
             stack.callback(ps.destroy_model_parallel)
             model_parallel_cuda_manual_seed(0)
@@ -112,18 +119,27 @@ def build_conversion_model(args: ModelArgs, *, initialize: bool = False):
 
 
 def fill_model(model, args: ModelArgs, source: TensorSource) -> None:
-    """Copy every parameter of this rank's model part from ``source``, one tensor at a time."""
+    """Copy every parameter of this rank's model part from ``source``, one tensor at a time.
+
+    Experts: this rank holds experts ``ep_rank * E / EP + local index``, each split over the
+    expert-TP group (not the attention's TP group: the two may differ).
+    """
     from megatron.core import parallel_state as ps
 
-    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    tp = (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
+    expert_tp = (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
+    experts_per_rank = (args.num_experts or 0) // ps.get_expert_model_parallel_world_size()
+    first_expert = ps.get_expert_model_parallel_rank() * experts_per_rank
     filled: set[int] = set()
 
-    def copy(param: torch.Tensor, rule: TensorRule, layer: int | None) -> None:
-        full = source(rule, layer)
-        local = tp_local_shard(full, rule.tp_partition_dim, tp_rank, tp_size, gated=rule.gated)
+    def copy(param: torch.Tensor, rule: TensorRule, layer: int | None, expert: int | None = None) -> None:
+        full = source(rule, layer, expert)
+        rank, size = expert_tp if rule.per_expert else tp
+        local = tp_local_shard(full, rule.tp_partition_dim, rank, size, gated=rule.gated)
         if local.shape != param.shape:
+            where = f"layer {layer}" + ("" if expert is None else f", expert {expert}")
             raise ConversionError(
-                f"{rule.param} (layer {layer}): converted shape {tuple(local.shape)} does not match the "
+                f"{rule.param} ({where}): converted shape {tuple(local.shape)} does not match the "
                 f"Megatron parameter {tuple(param.shape)}"
             )
         with torch.no_grad():
@@ -141,9 +157,11 @@ def fill_model(model, args: ModelArgs, source: TensorSource) -> None:
     for layer in model.decoder.layers:
         global_index = layer.layer_number - 1
         for name, param in layer.named_parameters():
-            if name not in by_param:
+            template, local_expert = split_expert_index(name)
+            if template not in by_param:
                 raise ConversionError(f"no conversion rule for Megatron parameter decoder.layers.*.{name}")
-            copy(param, by_param[name], global_index)
+            expert = None if local_expert is None else first_expert + local_expert
+            copy(param, by_param[template], global_index, expert)
     missing = [name for name, p in model.named_parameters() if id(p) not in filled]
     if missing:
         raise ConversionError(f"Megatron parameters left without a source tensor: {missing}")
@@ -239,7 +257,7 @@ def torch_dist_problem(directory: str | Path) -> str | None:
 
 
 class MegatronCheckpointReader:
-    """One Megatron tensor (one layer of it) at a time from a ``torch_dist`` checkpoint."""
+    """One Megatron tensor (one layer and expert of it) at a time from a ``torch_dist`` checkpoint."""
 
     def __init__(self, directory: str | Path, args: ModelArgs) -> None:
         from megatron.core import dist_checkpointing
@@ -276,7 +294,8 @@ class MegatronCheckpointReader:
                     return key, is_stacked
         return stacked, True
 
-    def read(self, rule: TensorRule, layer: int | None) -> torch.Tensor:
+    def read(self, rule: TensorRule, layer: int | None, expert: int | None = None) -> torch.Tensor:
+        """The full (TP=1 layout) tensor of ``rule`` for one layer and (global) expert."""
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
@@ -289,21 +308,15 @@ class MegatronCheckpointReader:
         padded_otherwise = global_shape[1:] == expected[1:] and global_shape[0] >= self.args.vocab_size
         if rule.combine is Combine.VOCAB and padded_otherwise:
             expected = global_shape  # padded for another layout: the rows past vocab_size are dropped later
-        if stacked:
-            if global_shape[1:] != expected or global_shape[0] != self.args.num_layers:
-                raise ConversionError(
-                    f"tensor {key!r} has shape {global_shape}, expected {(self.args.num_layers, *expected)} "
-                    f"from the model description (wedlm_model.json)"
-                )
-            target = ShardedTensor.from_rank_offsets(
-                key, torch.empty(1, *expected, dtype=info.dtype), (0, layer, self.args.num_layers)
+        lead = stacked_dims(rule, self.args)[0 if stacked else 1:]  # (layers,) if stacked, (experts,) if per expert
+        index = ((layer,) if stacked else ()) + ((expert,) if rule.per_expert else ())
+        if global_shape != (*lead, *expected):
+            raise ConversionError(
+                f"tensor {key!r} has shape {global_shape}, expected {(*lead, *expected)} from the model "
+                "description (wedlm_model.json)"
             )
-        else:
-            if global_shape != expected:
-                raise ConversionError(
-                    f"tensor {key!r} has shape {global_shape}, expected {expected} from the model "
-                    "description (wedlm_model.json)"
-                )
-            target = ShardedTensor.from_rank_offsets(key, torch.empty(*expected, dtype=info.dtype))
+        offsets = [(axis, at, count) for axis, (at, count) in enumerate(zip(index, lead))]
+        target = ShardedTensor.from_rank_offsets(key, torch.empty(*(1,) * len(lead), *expected, dtype=info.dtype),
+                                                 *offsets)
         loaded = dist_checkpointing.load({"t": target}, self.directory, validate_access_integrity=False)["t"]
-        return loaded[0] if stacked else loaded
+        return loaded.reshape(expected)

@@ -17,7 +17,7 @@ from megatron_wedlm.runtime.atomic_output import atomic_output_dir, check_output
 from megatron_wedlm.runtime.hf_local import has_token_id, load_tokenizer
 
 from .hf_checkpoint import ConversionError, ShardedSafetensorsWriter, parse_size
-from .mapping import EMBEDDING, FINAL_NORM, OUTPUT_LAYER, layer_rules, to_hf, zero_hf_tensors
+from .mapping import EMBEDDING, FINAL_NORM, OUTPUT_LAYER, experts_of, layer_rules, to_hf, zero_hf_tensors
 from .megatron_checkpoint import MegatronCheckpointReader, check_torch_dist_dir, megatron_process_group
 from .tokenizer_files import copy_tokenizer_files, tokenizer_files_in
 
@@ -64,15 +64,16 @@ def convert_megatron_to_hf(
         with atomic_output_dir(output_dir, inputs=inputs, overwrite=overwrite) as staging:
             writer = ShardedSafetensorsWriter(staging, parse_size(max_shard_size))
 
-            def put(rule, layer):
-                tensors = to_hf(rule, reader.read(rule, layer), args)
-                for name, tensor in zip(rule.hf_names(layer), tensors):
+            def put(rule, layer, expert=None):
+                tensors = to_hf(rule, reader.read(rule, layer, expert), args)
+                for name, tensor in zip(rule.hf_names(layer, expert), tensors):
                     writer.add(name, tensor.to(args.torch_dtype))
 
             put(EMBEDDING, None)
             for layer in range(args.num_layers):
                 for rule in layer_rules(args):
-                    put(rule, layer)
+                    for expert in experts_of(rule, args):
+                        put(rule, layer, expert)
                 for name, shape in zero_hf_tensors(args, layer).items():
                     writer.add(name, torch.zeros(shape, dtype=args.torch_dtype))
             put(FINAL_NORM, None)

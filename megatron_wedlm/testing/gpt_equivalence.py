@@ -65,9 +65,9 @@ class TinyGPTSpec(TinyShape):
 
 
 def build_gpt(args: ModelArgs, settings: BuildSettings | None = None):
-    """Megatron-Core's own ``GPTModel`` (local spec, causal mask) of ``args`` for this rank's stage, on
-    the WeDLM model's config: the reference that, with the same weights (and names), the WeDLM model
-    must match on causal rows."""
+    """Megatron-Core's own ``GPTModel`` (local spec, causal mask, its MoE layer for a MoE model) of
+    ``args`` for this rank's stage, on the WeDLM model's config: the reference that, with the same
+    weights (and names), the WeDLM model must match on causal rows."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -77,7 +77,9 @@ def build_gpt(args: ModelArgs, settings: BuildSettings | None = None):
     settings = settings or BuildSettings()
     return GPTModel(
         config=wedlm_transformer_config(args, settings),
-        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization="RMSNorm"),
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            num_experts=args.num_experts, qk_layernorm=args.qk_layernorm, normalization="RMSNorm"
+        ),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
