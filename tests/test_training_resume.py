@@ -11,12 +11,14 @@ from pathlib import Path
 import pytest
 
 from megatron_wedlm.config import config_from_yaml_text
+from megatron_wedlm.conversion import convert_megatron_to_hf
 from megatron_wedlm.runtime.multiprocess import DistributedLaunchError, run_distributed
 from megatron_wedlm.training.checkpoint_index import complete_checkpoints
 from megatron_wedlm.training.metrics import read_metrics
 from test_training import (  # noqa: F401  (data: the fixture)
     LAUNCH_TIMEOUT, TINY, _base, _train, _validation, assert_loss_decreases, data, losses, valid_losses,
 )
+from test_training_export import _generate
 
 
 def stop_and_resume_worker(data: dict[str, str], root: str) -> dict:
@@ -167,7 +169,7 @@ def moe_ep2_worker(pretrain: str, root: str) -> dict:
     return runs
 
 
-def test_moe_ep2_trains_logs_its_router_loss_resumes_exactly_and_at_ep1(data, tmp_path):
+def test_moe_ep2_trains_logs_its_router_loss_resumes_exactly_and_at_ep1_and_exports(data, tmp_path):
     runs = run_distributed(moe_ep2_worker, 2, data["pretrain"], str(tmp_path), timeout_s=LAUNCH_TIMEOUT)[0]
     straight = {r["step"]: r for r in read_metrics(tmp_path / "straight")}
     assert_loss_decreases({s: r["loss"] for s, r in straight.items()})
@@ -184,3 +186,10 @@ def test_moe_ep2_trains_logs_its_router_loss_resumes_exactly_and_at_ep1(data, tm
     assert ep1["start_step"] == 10 and ep1["final_step"] == 15
     for step in range(11, 16):
         assert ep1["losses"][step] == pytest.approx(straight[step]["loss"], abs=1e-5)
+    # its last checkpoint exports to a HF Qwen3-MoE that decodes as the checkpoint itself does
+    newest = tmp_path / "straight" / "checkpoints" / "iter_0000020"
+    convert_megatron_to_hf(newest, tmp_path / "export")
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
+    from_checkpoint, from_export = _generate(newest), _generate(tmp_path / "export")
+    assert len(from_export["token_ids"]) == 10
+    assert (from_checkpoint["token_ids"], from_checkpoint["forwards"]) == (from_export["token_ids"], from_export["forwards"])
