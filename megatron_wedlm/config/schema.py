@@ -407,15 +407,15 @@ def _check_moe(cfg: TrainConfig) -> None:
             f"parallelism.ep={par.ep} / etp={par.etp} split experts, and model.architecture={m.architecture} has none; "
             "remove them or use a MoE model (qwen3_moe)"
         )
-    if moe_model and par.tp > 1 and not par.sequence_parallel and cfg.trainer.backend == "megatron":
+    if moe_model and cfg.trainer.backend != "megatron":
+        raise ConfigError(f"MoE models train with trainer.backend=megatron, not {cfg.trainer.backend}")
+    if moe_model and par.tp > 1 and not par.sequence_parallel:
         raise ConfigError(
             f"a MoE model with parallelism.tp={par.tp} needs parallelism.sequence_parallel=true (Megatron-Core "
             "routes each TP rank's share of the tokens; without SP every rank would route them all)"
         )
     if m.num_experts is not None and m.num_experts % par.ep:
         raise ConfigError(f"parallelism.ep={par.ep} must divide model.num_experts={m.num_experts}")
-    if moe_model and cfg.trainer.backend != "megatron":
-        raise ConfigError(f"MoE models train with trainer.backend=megatron, not {cfg.trainer.backend}")
 
 
 def _check_sequence_parallel(cfg: TrainConfig) -> None:
