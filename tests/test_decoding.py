@@ -390,8 +390,10 @@ def test_greedy_output_is_the_same_for_any_batch_size_and_row_order(tokenizer, m
 def test_lean_body_gives_the_hf_bodys_logits_bit_for_bit(tokenizer, monkeypatch, arch, dtype):
     """The decoding step's lean body (lean_body.py) against the HF body it replaces: every step's
     logits are equal, bit for bit, on packed rows of different widths and caches, with rows
-    joining, and on one-token steps (one AR row: the ``mv`` path)."""
+    joining, and on one-token steps (one AR row: the ``mv`` path). In bf16 on CPU the steps'
+    matmuls run on oneDNN-packed weights (cpu_gemm.py), fused q/k/v and gate/up included."""
     import megatron_wedlm.decoding.model_runner as model_runner
+    from megatron_wedlm.decoding.cpu_gemm import Packed, can_pack
 
     model = tiny_model(tokenizer, arch, 20.0, seed=4).to(dtype)
     if arch == "qwen2":  # q/k/v biases, which Qwen2 has, at values that matter
@@ -409,6 +411,9 @@ def test_lean_body_gives_the_hf_bodys_logits_bit_for_bit(tokenizer, monkeypatch,
         return out
 
     monkeypatch.setattr(model_runner, "project", recorded)
+    packed_rows = []
+    packed_call = Packed.__call__
+    monkeypatch.setattr(Packed, "__call__", lambda self, x: packed_rows.append(x.shape[0]) or packed_call(self, x))
     runs = {}
     for lean in (True, False):
         if not lean:
@@ -422,6 +427,10 @@ def test_lean_body_gives_the_hf_bodys_logits_bit_for_bit(tokenizer, monkeypatch,
     assert tokens == hf_tokens and len(lean_logits) == len(hf_logits)
     assert all(a.dtype == dtype and torch.equal(a, b) for a, b in zip(lean_logits, hf_logits))
     assert any(t.shape[0] == 1 for t in lean_logits) and any(t.shape[0] > 3 for t in lean_logits)
+    if can_pack(model.lm_head.weight):  # the packed matmuls ran, at one row and at several
+        assert 1 in packed_rows and max(packed_rows) > 3
+    else:
+        assert dtype == torch.float32 and not packed_rows
 
 
 def test_lean_body_refuses_what_it_does_not_write_out(tokenizer):

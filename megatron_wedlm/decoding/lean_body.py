@@ -1,7 +1,8 @@
 """The decoding step's body for Llama, Qwen2, Qwen3 and Qwen3-MoE without HF's per-module Python.
 
 :class:`LeanBody` runs HF's weights and operations in HF's order (hidden states equal bit for bit,
-tested per family); one-token steps use ``torch.mv``. A Qwen3-MoE layer's expert block is HF's own
+tested per family); one-token steps use ``torch.mv``, and decoding-sized steps of a bf16 model on
+CPU oneDNN-packed weights (cpu_gemm.py, the same bits). A Qwen3-MoE layer's expert block is HF's own
 module, called as HF's layer calls it: its routing and expert kernel (``_experts_implementation``)
 stay HF's. Packed (SDPA) decoding only.
 """
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .checks import sliding_window_layers
+from .cpu_gemm import Packed, pack, plain_linear
 from .packed_attention import Packing, packed_sdpa
 from .row_cache import RowKVCache
 
@@ -25,6 +27,7 @@ FAMILIES = ("LlamaModel", "Qwen2Model", "Qwen3Model", "Qwen3MoeModel")
 class _Linear(NamedTuple):
     weight: torch.Tensor
     bias: torch.Tensor | None
+    packed: Packed | None  # for steps of up to cpu_gemm.PACKED_ROWS tokens, where it applies
 
 
 class _Norm(NamedTuple):
@@ -47,6 +50,8 @@ class _Layer:
     down: _Linear | None
     act: object
     experts: torch.nn.Module | None  # an MoE layer's block (router and experts), HF's module
+    qkv: Packed | None  # q, k, v (gate, up) as one packed matmul, where it applies
+    gate_up: Packed | None
 
 
 class BodyOutput(NamedTuple):
@@ -54,7 +59,7 @@ class BodyOutput(NamedTuple):
 
 
 def _linear(module) -> _Linear:
-    return _Linear(module.weight, module.bias)
+    return _Linear(module.weight, module.bias, pack((module.weight, module.bias)))
 
 
 def _norm(module) -> _Norm:
@@ -62,11 +67,10 @@ def _norm(module) -> _Norm:
 
 
 def linear(x: torch.Tensor, layer: _Linear) -> torch.Tensor:
-    """``F.linear`` of ``x`` ``[T, in]``; one row through ``mv``/``addmv`` (same bits)."""
-    if x.shape[0] == 1:
-        row = torch.mv(layer.weight, x[0]) if layer.bias is None else torch.addmv(layer.bias, layer.weight, x[0])
-        return row[None]
-    return F.linear(x, layer.weight, layer.bias)
+    """``F.linear`` of ``x`` ``[T, in]``, bit for bit (packed or ``mv`` where they apply)."""
+    if layer.packed is not None and layer.packed.serves(x.shape[0]):
+        return layer.packed(x)
+    return plain_linear(x, layer.weight, layer.bias)
 
 
 def rms_norm(x: torch.Tensor, norm: _Norm) -> torch.Tensor:
@@ -110,13 +114,16 @@ class LeanBody:
         attn, mlp = layer.self_attn, layer.mlp
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         if hasattr(mlp, "gate_proj"):  # a dense MLP (Qwen3-MoE's mlp_only_layers too)
-            ffn = (_linear(mlp.gate_proj), _linear(mlp.up_proj), _linear(mlp.down_proj), mlp.act_fn, None)
+            gate, up = _linear(mlp.gate_proj), _linear(mlp.up_proj)
+            ffn = (gate, up, _linear(mlp.down_proj), mlp.act_fn, None, pack(gate[:2], up[:2]))
         else:  # a sparse MoE block: router and experts stay HF's module
-            ffn = (None, None, None, None, mlp)
+            ffn = (None, None, None, None, mlp, None)
+        q, k, v = _linear(attn.q_proj), _linear(attn.k_proj), _linear(attn.v_proj)
         return _Layer(
-            _norm(layer.input_layernorm), _linear(attn.q_proj), _linear(attn.k_proj), _linear(attn.v_proj),
+            _norm(layer.input_layernorm), q, k, v,
             None if q_norm is None else _norm(q_norm), None if k_norm is None else _norm(k_norm),
-            _linear(attn.o_proj), _norm(layer.post_attention_layernorm), *ffn,
+            _linear(attn.o_proj), _norm(layer.post_attention_layernorm), *ffn[:5],
+            qkv=pack(q[:2], k[:2], v[:2]), gate_up=ffn[5],
         )
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: RowKVCache,
@@ -131,9 +138,13 @@ class LeanBody:
         tokens = x.shape[0]
         for index, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm)
-            q = linear(h, layer.q).view(tokens, self.heads, self.head_dim)
-            k = linear(h, layer.k).view(tokens, self.kv_heads, self.head_dim)
-            v = linear(h, layer.v).view(tokens, self.kv_heads, self.head_dim)
+            if layer.qkv is not None and layer.qkv.serves(tokens):
+                q, k, v = layer.qkv.split(h)
+            else:
+                q, k, v = linear(h, layer.q), linear(h, layer.k), linear(h, layer.v)
+            q = q.view(tokens, self.heads, self.head_dim)
+            k = k.view(tokens, self.kv_heads, self.head_dim)
+            v = v.view(tokens, self.kv_heads, self.head_dim)
             if layer.q_norm is not None:
                 q, k = rms_norm(q, layer.q_norm), rms_norm(k, layer.k_norm)
             q = _rotate(q.transpose(0, 1)[None], cos, sin)
@@ -144,6 +155,9 @@ class LeanBody:
             h = rms_norm(x, layer.post_norm)
             if layer.experts is not None:  # routed per token; [1, T, hidden] as HF's layer passes it
                 x = x + layer.experts(h[None])[0]
+            elif layer.gate_up is not None and layer.gate_up.serves(tokens):
+                gate, up = layer.gate_up.split(h)
+                x = x + linear(layer.act(gate) * up, layer.down)
             else:
                 x = x + linear(layer.act(linear(h, layer.gate)) * linear(h, layer.up), layer.down)
         return BodyOutput(rms_norm(x, self.final_norm)[None])
@@ -151,6 +165,11 @@ class LeanBody:
     __call__ = forward
 
 
-def project(head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+def output_layer(head: torch.nn.Linear) -> _Linear:
+    """The output layer's weights, packed where they may be (:func:`project` runs it)."""
+    return _linear(head)
+
+
+def project(head: _Linear, hidden: torch.Tensor) -> torch.Tensor:
     """The output layer over ``hidden`` ``[n, hidden]``."""
-    return linear(hidden, _Linear(head.weight, head.bias))
+    return linear(hidden, head)

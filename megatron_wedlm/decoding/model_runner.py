@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from .lean_body import lean_body, project
+from .lean_body import lean_body, output_layer, project
 from .packed_attention import NAME as PACKED, Packing, packed_attention
 from .prefix_cache import PrefixCache
 from .row_cache import RowKVCache
@@ -68,7 +68,7 @@ class ModelRunner:
         self.body = lean or model.base_model
         self.cache_keyword = cache_keyword(self.body)
         head = model.get_output_embeddings()
-        self.head = partial(project, head)
+        self.head = partial(project, output_layer(head))
         self.cache = RowKVCache(model.config.num_hidden_layers, batch_rows, capacity=capacity, device=self.device)
         self.dtype = head.weight.dtype
         self._scope = ExitStack()
