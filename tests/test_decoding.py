@@ -433,6 +433,28 @@ def test_lean_body_gives_the_hf_bodys_logits_bit_for_bit(tokenizer, monkeypatch,
         assert dtype == torch.float32 and not packed_rows
 
 
+def test_a_packed_matmul_serves_only_where_it_equals_the_plain_one(monkeypatch):
+    """cpu_gemm: bf16 matrices on a oneDNN-bf16 CPU pack (parts as one matrix, split back); the
+    packed weight serves 1..PACKED_ROWS rows where its shape's check at this thread count passed,
+    the plain matmul elsewhere."""
+    from megatron_wedlm.decoding import cpu_gemm
+
+    weight, bias = torch.randn(48, 40).bfloat16(), torch.randn(48).bfloat16()
+    assert cpu_gemm.pack((weight.float(), None)) is None
+    with pytest.raises(ValueError, match="biases for all parts or none"):
+        cpu_gemm.Packed([(weight[:16], bias[:16]), (weight[16:], None)])
+    packed = cpu_gemm.pack((weight[:16], bias[:16]), (weight[16:], bias[16:]))
+    if packed is None:
+        pytest.skip("this CPU's oneDNN has no bf16 kernels")
+    x = torch.randn(5, 40).bfloat16()
+    assert [part.shape[1] for part in packed.split(x)] == [16, 32]
+    assert torch.equal(torch.cat(packed.split(x), dim=-1), torch.nn.functional.linear(x, weight, bias))
+    assert packed.serves(1) and packed.serves(cpu_gemm.PACKED_ROWS) and not packed.serves(cpu_gemm.PACKED_ROWS + 1)
+    monkeypatch.setattr(cpu_gemm, "_EQUAL", {})
+    monkeypatch.setattr(cpu_gemm.Packed, "_equal_to_plain", lambda self: False)
+    assert not packed.serves(5)
+
+
 def test_lean_body_refuses_what_it_does_not_write_out(tokenizer):
     """Only Llama-family SDPA models take the lean body; the runner says why another does not."""
     from megatron_wedlm.decoding.lean_body import LeanBody, lean_body
