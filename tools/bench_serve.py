@@ -566,7 +566,8 @@ def inprocess_phase(model_dir: Path, w: Workload, device: str) -> dict[str, Any]
 
     from megatron_wedlm.decoding.inputs import load_checkpoint
     from megatron_wedlm.decoding.options import window_settings
-    from megatron_wedlm.eval.runner import evaluate
+    from megatron_wedlm.decoding.settings import DecodeSettings
+    from megatron_wedlm.eval.runner import EvalPlan, evaluate
 
     if w.decoding["entropy_threshold"] is None:
         raise SystemExit(f"{model_dir} stores entropy_threshold null (one slot per forward), which evaluate.py's "
@@ -574,10 +575,10 @@ def inprocess_phase(model_dir: Path, w: Workload, device: str) -> dict[str, Any]
     model, tokenizer = load_checkpoint(model_dir, device=device, dtype="auto")
     watch = CpuWatch([os.getpid()])
     with watch.watch():
-        report = evaluate(model, tokenizer, [_BenchPrompts.build(w.prompts, w.max_tokens)], ["streaming", "ar"],
-                          taus=[w.decoding["entropy_threshold"]], **window_settings(w.decoding), temperature=0.0,
-                          max_new_tokens=w.max_tokens, chat=w.chat, speed_examples=None, keep_samples=True,
-                          model_name=str(model_dir))
+        report = evaluate(model, tokenizer, EvalPlan(
+            [_BenchPrompts.build(w.prompts, w.max_tokens)], ["streaming", "ar"], taus=[w.decoding["entropy_threshold"]],
+            settings=DecodeSettings(**window_settings(w.decoding), temperature=0.0), max_new_tokens=w.max_tokens,
+            chat=w.chat, speed_examples=None, keep_samples=True, model_name=str(model_dir)))
     rows = {r.method: r for r in report.results}
     samples = {m: [s for s in report.samples if s.method == m] for m in rows}
     del model
