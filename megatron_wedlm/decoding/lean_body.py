@@ -58,8 +58,9 @@ class BodyOutput(NamedTuple):
     last_hidden_state: torch.Tensor
 
 
-def _linear(module) -> _Linear:
-    return _Linear(module.weight, module.bias, pack((module.weight, module.bias)))
+def _linear(module, packed: bool = True) -> _Linear:
+    """``packed=False`` for a part of a fused matrix (q, k, v; gate, up): it packs with the others."""
+    return _Linear(module.weight, module.bias, pack((module.weight, module.bias)) if packed else None)
 
 
 def _norm(module) -> _Norm:
@@ -114,16 +115,17 @@ class LeanBody:
         attn, mlp = layer.self_attn, layer.mlp
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         if hasattr(mlp, "gate_proj"):  # a dense MLP (Qwen3-MoE's mlp_only_layers too)
-            gate, up = _linear(mlp.gate_proj), _linear(mlp.up_proj)
-            ffn = (gate, up, _linear(mlp.down_proj), mlp.act_fn, None, pack(gate[:2], up[:2]))
+            gate, up = _linear(mlp.gate_proj, packed=False), _linear(mlp.up_proj, packed=False)
+            ffn = dict(gate=gate, up=up, down=_linear(mlp.down_proj), act=mlp.act_fn, experts=None,
+                       gate_up=pack(gate[:2], up[:2]))
         else:  # a sparse MoE block: router and experts stay HF's module
-            ffn = (None, None, None, None, mlp, None)
-        q, k, v = _linear(attn.q_proj), _linear(attn.k_proj), _linear(attn.v_proj)
+            ffn = dict(gate=None, up=None, down=None, act=None, experts=mlp, gate_up=None)
+        q, k, v = (_linear(proj, packed=False) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
         return _Layer(
-            _norm(layer.input_layernorm), q, k, v,
-            None if q_norm is None else _norm(q_norm), None if k_norm is None else _norm(k_norm),
-            _linear(attn.o_proj), _norm(layer.post_attention_layernorm), *ffn[:5],
-            qkv=pack(q[:2], k[:2], v[:2]), gate_up=ffn[5],
+            input_norm=_norm(layer.input_layernorm), q=q, k=k, v=v,
+            q_norm=None if q_norm is None else _norm(q_norm), k_norm=None if k_norm is None else _norm(k_norm),
+            o=_linear(attn.o_proj), post_norm=_norm(layer.post_attention_layernorm),
+            qkv=pack(q[:2], k[:2], v[:2]), **ffn,
         )
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: RowKVCache,
